@@ -1,0 +1,356 @@
+"""What ppo.py, grpo.py and dapo.py share: loading and saving models, the tiny test model,
+seeding, the run directory, the metrics log and checkpoints.
+
+Nothing here is algorithm: sampling, log-probs, advantages and losses live in the training
+scripts themselves, so that each script reads top to bottom on its own.
+"""
+
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers.utils import logging as hf_logging
+
+hf_logging.disable_progress_bar()  # per-shard load/save bars would drown the training bar
+
+# Short names a user may type for --model, resolved to their Hugging Face Hub ids.
+# Anything else is a local directory, a Hub id ("org/name"), or "tiny".
+MODEL_ALIASES = {
+    "Qwen2.5-0.5B-Instruct": "Qwen/Qwen2.5-0.5B-Instruct",
+    "Qwen2.5-1.5B-Instruct": "Qwen/Qwen2.5-1.5B-Instruct",
+    "Qwen2.5-3B-Instruct": "Qwen/Qwen2.5-3B-Instruct",
+    "Qwen2.5-7B-Instruct": "Qwen/Qwen2.5-7B-Instruct",
+    "Qwen2.5-0.5B": "Qwen/Qwen2.5-0.5B",
+    "Qwen2.5-1.5B": "Qwen/Qwen2.5-1.5B",
+    "Qwen2.5-3B": "Qwen/Qwen2.5-3B",
+    "Qwen2.5-Math-1.5B": "Qwen/Qwen2.5-Math-1.5B",
+    "Qwen3-0.6B": "Qwen/Qwen3-0.6B",
+    "Qwen3-1.7B": "Qwen/Qwen3-1.7B",
+}
+
+TRAINER_STATE = "trainer_state.pt"  # optimizer, scheduler, step and RNG states, for resuming
+
+
+# ----------------------------------------------------------------------------------------
+# Device, precision, seeding
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto' picks CUDA when there is a GPU, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {device} was asked for, but torch sees no CUDA GPU. Use --device cpu.")
+    return torch.device(device)
+
+
+def resolve_precision(dtype: str, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
+    """Returns (weight dtype, autocast dtype or None).
+
+    'auto' on CUDA keeps fp32 weights and optimizer state and computes in bf16 (autocast):
+    with lr 1e-6 an Adam update is ~1e-6 of a weight, far below bf16's resolution (8 bits of
+    significand, ~4e-3 relative), so bf16 weights would round most updates away.
+    'bfloat16' stores the weights in bf16 too (half the memory; for models that don't fit
+    otherwise). On the CPU everything is fp32.
+    """
+    if dtype == "auto":
+        return (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32, None)
+    if dtype == "bfloat16":
+        return torch.bfloat16, torch.bfloat16 if device.type == "cuda" else None
+    if dtype == "float32":
+        return torch.float32, None
+    raise SystemExit(f"--dtype {dtype!r} is not one of: auto, bfloat16, float32.")
+
+
+def autocast(device: torch.device, compute_dtype: torch.dtype | None):
+    """bf16 autocast on CUDA when asked for; a no-op context otherwise."""
+    if compute_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=compute_dtype)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+# ----------------------------------------------------------------------------------------
+# Models and tokenizers
+
+
+def resolve_model_name(name: str) -> str:
+    """--model as typed -> what from_pretrained takes (a local directory or a Hub id)."""
+    if name == "tiny":
+        return str(build_tiny_model())
+    if Path(name).expanduser().is_dir():
+        return str(Path(name).expanduser())
+    if name in MODEL_ALIASES:
+        return MODEL_ALIASES[name]
+    if re.fullmatch(r"[\w.\-]+/[\w.\-]+", name):
+        return name  # a Hub id such as Qwen/Qwen2.5-1.5B-Instruct
+    raise SystemExit(
+        f"--model {name!r} is not a local directory, a Hub id of the form 'org/name', 'tiny', "
+        f"or one of the short names: {', '.join(MODEL_ALIASES)}."
+    )
+
+
+def eos_token_ids(model_path: str, tokenizer) -> list[int]:
+    """Every id that ends a completion: the generation config's (Qwen2.5-Instruct lists both
+    <|im_end|> and <|endoftext|>) plus the tokenizer's own EOS."""
+    ids = []
+    try:
+        generation_eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:  # the model ships no generation_config.json
+        generation_eos = None
+    if generation_eos is not None:
+        ids += generation_eos if isinstance(generation_eos, list) else [generation_eos]
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    if not ids:
+        raise SystemExit(f"{model_path}: neither its generation config nor its tokenizer names an EOS token.")
+    return sorted(set(ids))
+
+
+# Tokens that exist in common vocabularies and never end a completion: good pad tokens.
+PAD_CANDIDATES = ["<|endoftext|>", "<|fim_pad|>", "<pad>", "[PAD]", "<|pad|>", "<|finetune_right_pad_id|>"]
+
+
+def set_pad_token(tokenizer, eos_ids: list[int]) -> None:
+    """Left padding, and a pad token that is not an EOS token.
+
+    With pad == EOS, code that masks padding by token id also masks the real EOS, the model is
+    never trained to stop (failure mode 2). nanoPO builds its masks from positions, not ids,
+    but a distinct pad keeps every tool downstream honest too. If no existing token fits, the
+    pad token stays equal to EOS and we rely on the positional masks alone.
+    """
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in eos_ids:
+        return
+    vocab = tokenizer.get_vocab()
+    for candidate in PAD_CANDIDATES:
+        if candidate in vocab and vocab[candidate] not in eos_ids:
+            tokenizer.pad_token = candidate
+            return
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+
+
+def load_model(
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    gradient_checkpointing: bool = False,
+):
+    """Returns (model, tokenizer, eos_ids) for a name as --model takes it."""
+    path = resolve_model_name(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as error:
+        raise SystemExit(
+            f"Could not load model {name!r} (resolved to {path!r}): {error}\n"
+            "A Hub id needs internet access to huggingface.co, or the model in the local HF cache; "
+            "a local path must hold config.json, the weights and the tokenizer files."
+        ) from error
+    if tokenizer.chat_template is None:
+        raise SystemExit(
+            f"The tokenizer of {name!r} has no chat template; nanoPO builds prompts with it. "
+            "Use an instruct/chat model or add a chat_template to tokenizer_config.json."
+        )
+    eos_ids = eos_token_ids(path, tokenizer)
+    set_pad_token(tokenizer, eos_ids)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.to(device)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model, tokenizer, eos_ids
+
+
+def load_reference(name: str, device: torch.device, dtype: torch.dtype):
+    """The frozen reference policy π_ref for the KL term: the starting model, never trained.
+    Loaded from --model (not copied from the policy), so a resumed run keeps the true start."""
+    reference, _, _ = load_model(name, device, dtype)
+    reference.eval().requires_grad_(False)
+    return reference
+
+
+# ----------------------------------------------------------------------------------------
+# The tiny model: a randomly initialised Qwen2 of a few hundred thousand parameters with a
+# small byte-level BPE tokenizer trained here, so that tests and CPU runs download nothing.
+
+TINY_VERSION = 1  # bump when anything below changes; the cache directory is keyed by it
+TINY_VOCAB = 384  # tokenizer size; the embedding is padded to 448 rows, like Qwen's
+TINY_EMBED_ROWS = 448
+TINY_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _tiny_corpus(seed: int = 0, lines: int = 3000) -> list[str]:
+    """Text the tiny tokenizer learns its merges from: arithmetic, tags and English filler."""
+    rng = random.Random(seed)
+    words = (
+        "the a to of and is in that it for you with as on be at this we have answer think "
+        "numbers equation target using each number once create make solve step first then "
+        "reply digit one two three four five six seven eight nine zero question result"
+    ).split()
+    corpus = []
+    for _ in range(lines):
+        nums = [str(rng.randint(1, 99)) for _ in range(rng.randint(3, 4))]
+        ops = [rng.choice("+-*/") for _ in nums[1:]]
+        expression = nums[0] + "".join(f" {op} {n}" for op, n in zip(ops, nums[1:]))
+        sentence = " ".join(rng.choice(words) for _ in range(rng.randint(4, 12)))
+        corpus.append(f"<think> {sentence} </think> <answer> {expression} </answer> {sentence.capitalize()}.")
+    return corpus
+
+
+def build_tiny_model(cache_dir: str | None = None) -> Path:
+    """Builds the tiny model once into a cache directory and returns its path."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    root = Path(cache_dir or os.environ.get("NANOPO_CACHE", Path.home() / ".cache" / "nanopo"))
+    path = root / f"tiny-v{TINY_VERSION}"
+    if (path / "config.json").exists():
+        return path
+
+    bpe = Tokenizer(models.BPE())
+    # Digits one per token (as in Qwen's tokenizer), then GPT-2 style byte-level pieces.
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB,
+        special_tokens=TINY_SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(_tiny_corpus(), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML_TEMPLATE,
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    config = Qwen2Config(
+        vocab_size=TINY_EMBED_ROWS,
+        hidden_size=96,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    generation = GenerationConfig(
+        eos_token_id=[tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")],
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+    # Write into a temporary directory and rename it into place, so that a crash or a second
+    # process never leaves a half-written model behind.
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=".tiny-"))
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    generation.save_pretrained(staging)
+    try:
+        staging.rename(path)
+    except OSError:  # another process finished first; its copy is identical
+        shutil.rmtree(staging)
+    return path
+
+
+# ----------------------------------------------------------------------------------------
+# Runs on disk: runs/<algo>-<task>-<model>-<time>/ with args.json, metrics.jsonl,
+# samples.jsonl and checkpoints.
+
+
+def make_run_dir(args, algo: str) -> Path:
+    """Creates the run directory and writes args.json. Returns its path."""
+    model_tag = Path(args.model.rstrip("/")).name
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = Path(args.output_dir) / f"{algo}-{args.task}-{model_tag}-{stamp}"
+    suffix = 1
+    while path.exists():  # two runs started in the same second
+        suffix += 1
+        path = Path(args.output_dir) / f"{algo}-{args.task}-{model_tag}-{stamp}-{suffix}"
+    path.mkdir(parents=True)
+    (path / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2) + "\n")
+    return path
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    """One JSON object a line; opened per write so the file is always complete on disk."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def save_checkpoint(path: Path, model, tokenizer, trainer_state: dict) -> None:
+    """save_pretrained (safetensors; loadable by transformers, vLLM, lm-eval) plus the trainer
+    state needed to resume. Written to a sibling temporary directory and renamed into place,
+    so an interrupted save never destroys the previous checkpoint of the same name."""
+    path = Path(path)
+    staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
+    model.save_pretrained(staging, safe_serialization=True)
+    tokenizer.save_pretrained(staging)
+    torch.save(trainer_state, staging / TRAINER_STATE)
+    if path.exists():
+        old = path.with_name(f".{path.name}-old")
+        path.rename(old)
+        staging.rename(path)
+        shutil.rmtree(old)
+    else:
+        staging.rename(path)
+
+
+def rng_states() -> dict:
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def load_trainer_state(checkpoint: str) -> dict:
+    """The trainer state saved beside a checkpoint's weights, with a clear error if absent."""
+    path = Path(checkpoint) / TRAINER_STATE
+    if not path.exists():
+        raise SystemExit(
+            f"--resume_from {checkpoint}: no {TRAINER_STATE} there. Point it at a checkpoint "
+            "directory written by a nanoPO run (runs/<run>/step-000100 or runs/<run>/final)."
+        )
+    return torch.load(path, map_location="cpu", weights_only=False)

@@ -1,0 +1,587 @@
+"""GRPO: Group Relative Policy Optimization, one self-contained training loop.
+
+For every prompt, sample a group of G completions, score each with a rule-based reward, and
+use the reward's deviation from its group's mean as the advantage of every token of that
+completion: no critic. The policy maximises a PPO-style clipped objective with a k3 KL
+penalty to a frozen reference, averaged per completion and then over completions.
+
+Papers (equation numbers as cited in the code):
+  GRPO      Shao et al. 2024, DeepSeekMath, arXiv 2402.03300, Eq. 3 and 4; the objective as
+            restated in the DAPO paper (Yu et al. 2025, arXiv 2503.14476), Eq. 4-6.
+  Dr. GRPO  Liu et al. 2025, arXiv 2503.20783, Sec. 3.1 (no std, constant normaliser).
+  GSPO      Zheng et al. 2025, arXiv 2507.18071, Eq. 5-7 (sequence-level ratio).
+  Dual-clip Ye et al. 2020, arXiv 1912.09729, Eq. 4.
+
+Run:
+  python grpo.py --model Qwen2.5-1.5B-Instruct                 # one GPU, Countdown
+  python grpo.py --model tiny --max_steps 20                   # CPU smoke run, no download
+  python grpo.py --model tiny --task digit --lr 3e-3 --max_new_tokens 8 --max_steps 40
+                                                               # CPU, watch the reward rise
+Shape letters in comments:
+  B prompts per step · G completions per prompt · N = B·G sequences · n sequences of a
+  micro-batch · P prompt tokens (left padded) · T completion tokens (right padded) ·
+  V vocabulary (the tokenizer's, not the embedding's padded size)
+"""
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import HfArgumentParser
+
+from common import (
+    append_jsonl,
+    autocast,
+    load_model,
+    load_reference,
+    load_trainer_state,
+    make_run_dir,
+    resolve_device,
+    resolve_precision,
+    rng_states,
+    save_checkpoint,
+    seed_everything,
+    set_rng_states,
+)
+from rewards import load_task
+
+
+@dataclass
+class Args:
+    # model and task
+    model: str = "Qwen2.5-1.5B-Instruct"  # local dir, Hub id, short name (common.MODEL_ALIASES) or 'tiny'
+    task: str = "countdown"  # a task of rewards.py: countdown, digit
+    dataset: str = ""  # Hub dataset for the task (Jiayi-Pan/Countdown-Tasks-3to4); '' = offline generator
+    num_problems: int = 20000  # problems drawn from the offline Countdown generator
+    # sampling
+    batch_size: int = 32  # B, prompts per step
+    group_size: int = 8  # G, completions per prompt (seed study: 8 beats 2 and 4)
+    max_new_tokens: int = 1024  # completion cap; every completion longer is truncated
+    temperature: float = 1.0  # sampling temperature; log-probs use the same one
+    top_p: float = 1.0  # nucleus sampling; 1.0 samples the whole distribution
+    # optimisation
+    lr: float = 1e-6  # learning rate (seed study: 1e-6 to 3e-6)
+    warmup_steps: int = 0  # linear learning-rate warm-up, in steps
+    weight_decay: float = 0.0  # AdamW weight decay
+    adam_beta2: float = 0.999  # AdamW β2
+    max_grad_norm: float = 1.0  # gradient clipping by global norm
+    num_iterations: int = 1  # μ, GRPO iterations over each batch (DeepSeekMath Alg. 1)
+    num_mini_batches: int = 1  # optimizer steps per iteration; N must split evenly
+    micro_batch_size: int = 4  # sequences per forward/backward (gradient accumulation)
+    logprob_chunk_size: int = 8  # sequences per no-grad scoring pass
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% slower
+    # the GRPO objective
+    loss_type: str = "grpo"  # grpo (sample-level mean), dr_grpo (Dr. GRPO) or gspo (GSPO)
+    eps: float = 0.2  # ε, clip range of the token ratio, DAPO Eq. 5 (grpo, dr_grpo)
+    gspo_eps_low: float = 3e-4  # ε_low of GSPO's sequence ratio, GSPO Eq. 5
+    gspo_eps_high: float = 4e-4  # ε_high of GSPO's sequence ratio, GSPO Eq. 5
+    beta: float = 0.01  # β, KL coefficient, DAPO Eq. 5 (seed study optimum ~0.0075-0.01); 0 = no reference
+    adv_eps: float = 1e-6  # added to the group std in Â, DAPO Eq. 6 (verl's value; TRL uses 1e-4)
+    dual_clip: float = 0.0  # c of dual-clip PPO (Ye et al. Eq. 4), > 1 to enable (verl: 3); 0 = off
+    # run
+    max_steps: int = 500  # training steps (one batch of B·G completions each)
+    seed: int = 0  # seeds prompts order, sampling and initialisation
+    device: str = "auto"  # auto, cpu, cuda, cuda:1, ...
+    dtype: str = "auto"  # auto (bf16 compute, fp32 weights on GPU; fp32 on CPU), bfloat16, float32
+    output_dir: str = "runs"  # runs/<algo>-<task>-<model>-<time>/
+    save_every: int = 100  # checkpoint every this many steps (and always at the end); 0 = end only
+    sample_every: int = 10  # write a few completions to samples.jsonl every this many steps
+    num_samples: int = 4  # completions written each time
+    resume_from: str = ""  # a checkpoint directory of an earlier run to continue from
+
+
+def check_args(args: Args) -> None:
+    """Stops with a message on settings that cannot work, before anything is loaded."""
+    problems = []
+    if args.group_size < 2:
+        problems.append("--group_size must be at least 2: a group of one has no relative advantage.")
+    if args.loss_type not in ("grpo", "dr_grpo", "gspo"):
+        problems.append(f"--loss_type {args.loss_type!r} is not one of: grpo, dr_grpo, gspo.")
+    if (args.batch_size * args.group_size) % args.num_mini_batches:
+        problems.append("--num_mini_batches must divide batch_size * group_size.")
+    if args.temperature <= 0 or not 0 < args.top_p <= 1:
+        problems.append("Training needs --temperature > 0 and 0 < --top_p <= 1.")
+    if args.dual_clip and args.dual_clip <= 1:
+        problems.append("--dual_clip must be > 1 (e.g. 3), or 0 to disable it.")
+    for name in ("batch_size", "max_new_tokens", "micro_batch_size", "logprob_chunk_size", "num_iterations"):
+        if getattr(args, name) < 1:
+            problems.append(f"--{name} must be at least 1.")
+    if problems:
+        raise SystemExit("Invalid arguments:\n  " + "\n  ".join(problems))
+
+
+# ----------------------------------------------------------------------------------------
+# Sampling
+
+
+def prompt_indices(step: int, batch_size: int, num_problems: int, seed: int) -> list[int]:
+    """The B problem indices of a step: consecutive slices of a fresh shuffle per epoch.
+    A pure function of (step, seed), so a resumed run draws exactly what it would have."""
+    indices, permutations = [], {}
+    for k in range(step * batch_size, (step + 1) * batch_size):
+        epoch, position = divmod(k, num_problems)
+        if epoch not in permutations:
+            permutations[epoch] = random.Random(seed * 1_000_003 + epoch).sample(range(num_problems), num_problems)
+        indices.append(permutations[epoch][position])
+    return indices
+
+
+def encode_prompts(tokenizer, conversations: list[list[dict]], group_size: int, device: torch.device):
+    """Chat-templated prompts, left padded, each repeated G times in a row, so that
+    rows i·G … i·G+G-1 are the group of prompt i. Returns prompt_ids, prompt_mask (N, P)."""
+    texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in conversations]
+    encoded = tokenizer(texts, padding=True, add_special_tokens=False, return_tensors="pt")
+    prompt_ids = encoded["input_ids"].repeat_interleave(group_size, dim=0).to(device)  # (N, P)
+    prompt_mask = encoded["attention_mask"].repeat_interleave(group_size, dim=0).to(device)  # (N, P)
+    return prompt_ids, prompt_mask
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zeroes the tail of each row outside the smallest set of tokens whose mass reaches
+    top_p (Holtzman et al. 2020). probs (N, V) -> (N, V), unnormalised."""
+    if top_p >= 1.0:
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the tokens ranked higher
+    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)  # the top token always stays
+    return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompt_ids: torch.Tensor,  # (N, P) left padded
+    prompt_mask: torch.Tensor,  # (N, P) 1 for prompt tokens, 0 for padding
+    max_new_tokens: int,
+    eos_ids: list[int],
+    pad_id: int,
+    vocab_size: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+):
+    """Autoregressive sampling with a KV cache: one forward pass over the prompts, then one
+    single-token pass per new token that reuses every earlier key and value.
+
+    temperature 0 means greedy. Only ids below vocab_size are ever sampled (Qwen's embedding
+    has ~270 more rows than its tokenizer has tokens). A completion ends with the first EOS
+    id it samples; that EOS is part of the completion (it is what teaches the model to stop),
+    and later positions hold pad_id with mask 0. Returns
+      completion_ids  (N, T) T ≤ max_new_tokens: the longest completion, right padded
+      completion_mask (N, T) 1 up to and including the EOS
+      truncated       (N,)   True where no EOS came within max_new_tokens
+      sample_logp     (N, T) log π(token) under the sampling distribution, before top-p
+                             (the one sequence_logprobs scores), 0 where masked
+    """
+    was_training = model.training
+    model.eval()  # no dropout, and gradient checkpointing (train-mode only) keeps the cache
+    num_rows = prompt_ids.shape[0]
+    eos = torch.tensor(eos_ids, device=prompt_ids.device)
+    attention_mask = prompt_mask.clone()
+    # Left padding shifts every prompt; positions count real tokens only, so a prompt
+    # scores the same whatever batch it is in.
+    position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # (N, P)
+    out = model(
+        input_ids=prompt_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, logits_to_keep=1
+    )
+    next_position = position_ids[:, -1:] + 1  # (N, 1)
+    finished = torch.zeros(num_rows, dtype=torch.bool, device=prompt_ids.device)
+    tokens, masks, logps = [], [], []
+    for _ in range(max_new_tokens):
+        logits = out.logits[:, -1, :vocab_size].float()  # (N, V) ids ≥ vocab_size are cut off
+        logp = F.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)  # (N, V)
+        if temperature > 0:
+            token = torch.multinomial(top_p_filter(logp.exp(), top_p), 1).squeeze(-1)  # (N,)
+        else:
+            token = logits.argmax(dim=-1)  # (N,)
+        token_logp = logp.gather(-1, token[:, None]).squeeze(-1)  # (N,)
+        alive = ~finished
+        token = torch.where(alive, token, pad_id)
+        tokens.append(token)
+        masks.append(alive)
+        logps.append(torch.where(alive, token_logp, 0.0))
+        finished = finished | (alive & torch.isin(token, eos))
+        if finished.all():
+            break
+        attention_mask = torch.cat([attention_mask, alive[:, None].to(attention_mask.dtype)], dim=-1)
+        out = model(
+            input_ids=token[:, None],
+            attention_mask=attention_mask,
+            position_ids=next_position,
+            past_key_values=out.past_key_values,
+            use_cache=True,
+        )
+        next_position = next_position + 1
+    model.train(was_training)
+    completion_ids = torch.stack(tokens, dim=1)  # (N, T)
+    completion_mask = torch.stack(masks, dim=1).long()  # (N, T)
+    sample_logp = torch.stack(logps, dim=1)  # (N, T)
+    return completion_ids, completion_mask, ~finished, sample_logp
+
+
+def sequence_logprobs(
+    model,
+    prompt_ids: torch.Tensor,  # (N, P)
+    prompt_mask: torch.Tensor,  # (N, P)
+    completion_ids: torch.Tensor,  # (N, T)
+    completion_mask: torch.Tensor,  # (N, T)
+    temperature: float,
+    vocab_size: int,
+    chunk_size: int,
+    with_entropy: bool = False,
+):
+    """log π(o_t | q, o_<t) of every completion token, from logits / temperature restricted to
+    the tokenizer's vocabulary, exactly as `generate` sampled them. Rows go through the model
+    chunk_size at a time, so at most a (chunk_size, T, V) fp32 tensor exists, never (N, T, V).
+    Returns logp (N, T) and, with with_entropy, the entropy of π at each position (N, T);
+    both 0 where completion_mask is 0. Differentiable when called with grad enabled.
+    """
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (N, P+T)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (N, P+T)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same positions as in generate
+    num_tokens = completion_ids.shape[1]
+    scale = temperature if temperature > 0 else 1.0
+    logps, entropies = [], []
+    for start in range(0, input_ids.shape[0], chunk_size):
+        rows = slice(start, start + chunk_size)
+        # logits_to_keep=T+1: only the positions that predict completion tokens (and one
+        # extra) reach the LM head; position P-1+t predicts completion token t.
+        logits = model(
+            input_ids=input_ids[rows],
+            attention_mask=attention_mask[rows],
+            position_ids=position_ids[rows],
+            use_cache=False,
+            logits_to_keep=num_tokens + 1,
+        ).logits[:, :-1, :vocab_size]
+        logits = logits.float() / scale  # (n, T, V) upcast before the softmax
+        log_normaliser = torch.logsumexp(logits, dim=-1)  # (n, T)
+        token_logits = logits.gather(-1, completion_ids[rows, :, None]).squeeze(-1)  # (n, T)
+        logps.append(token_logits - log_normaliser)
+        if with_entropy:  # H = log Z - Σ_v p_v · logit_v
+            entropies.append(log_normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1))
+    mask = completion_mask.to(logits.dtype)
+    logp = torch.cat(logps) * mask  # (N, T)
+    return (logp, torch.cat(entropies) * mask) if with_entropy else (logp, None)
+
+
+# ----------------------------------------------------------------------------------------
+# ALGO LOGIC: advantages and the GRPO loss
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-6):
+    """GRPO's outcome advantage, DeepSeekMath Sec. 4.1.2 / DAPO Eq. 6:
+        Â_i = (R_i − mean(R_1..R_G)) / (std(R_1..R_G) + eps), the same for every token of o_i.
+    std is the unbiased (Bessel-corrected) one, as in verl and TRL. A group whose rewards are
+    all equal gets Â = 0 (0 / eps), never NaN. Dr. GRPO (scale_by_std=False) drops the
+    division, which otherwise up-weights groups that are nearly all right or all wrong.
+    rewards (N,) with groups in consecutive rows -> advantages (N,)."""
+    grouped = rewards.view(-1, group_size)  # (B, G)
+    centered = grouped - grouped.mean(dim=-1, keepdim=True)
+    if scale_by_std:
+        centered = centered / (grouped.std(dim=-1, keepdim=True) + eps)
+    return centered.flatten()
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k3 estimator of KL(π_θ ‖ π_ref) per token (Schulman 2020; DeepSeekMath Eq. 4):
+        π_ref/π_θ − log(π_ref/π_θ) − 1, unbiased under samples of π_θ and never negative.
+    logp, ref_logp (…, T) -> (…, T)."""
+    log_ratio = ref_logp - logp
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def grpo_loss(
+    logp: torch.Tensor,  # (n, T) log π_θ, with grad
+    old_logp: torch.Tensor,  # (n, T) log π_θold, recorded before the first update
+    ref_logp: torch.Tensor | None,  # (n, T) log π_ref; None when beta = 0
+    advantages: torch.Tensor,  # (n,)
+    completion_mask: torch.Tensor,  # (n, T)
+    loss_type: str,
+    eps_low: float,
+    eps_high: float,
+    beta: float,
+    dual_clip: float,
+    num_sequences: int,
+    max_new_tokens: int,
+):
+    """The negative GRPO objective of one micro-batch, DAPO Eq. 5:
+        J = 1/G Σ_i 1/|o_i| Σ_t [ min(r_it Â_i, clip(r_it, 1−ε, 1+ε) Â_i) − β D_KL,it ]
+    Normalised by num_sequences, the sequence count of the whole mini-batch, not of this
+    micro-batch: the losses of the micro-batches add up to the mini-batch loss, so gradient
+    accumulation gives exactly the big-batch gradient (failure mode 3).
+
+    loss_type
+      grpo     1/|o_i| per completion, then the mean over completions (sample-level).
+      dr_grpo  Σ over all tokens / (num_sequences · max_new_tokens): a constant normaliser,
+               so long wrong answers are not penalised less per token (Dr. GRPO Sec. 3.1).
+      gspo     one ratio per completion, s_i = exp(mean_t log r_it) (GSPO Eq. 7), clipped
+               with its own tiny ε (GSPO Eq. 5) and applied to every token of o_i.
+    dual_clip c > 1 bounds the objective of a negative-advantage token below by c·Â
+    (Ye et al. Eq. 4), so a token whose ratio exploded cannot dominate the batch.
+    Returns (loss, stats): stats are sums over valid tokens, for batch-level metrics.
+    """
+    mask = completion_mask.to(logp.dtype)
+    lengths = mask.sum(-1).clamp(min=1)  # (n,) |o_i|
+    log_ratio = (logp - old_logp) * mask  # (n, T)
+    adv = advantages[:, None]  # (n, 1) broadcast over tokens
+    if loss_type == "gspo":
+        ratio = torch.exp(log_ratio.sum(-1, keepdim=True) / lengths[:, None]).expand_as(logp)  # (n, T)
+    else:
+        ratio = torch.exp(log_ratio)  # (n, T)
+    objective = torch.min(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)  # (n, T)
+    if dual_clip > 0:
+        dual_bound = dual_clip * adv.expand_as(objective)
+        dual_active = (adv < 0) & (objective < dual_bound)
+        objective = torch.where(dual_active, dual_bound, objective)
+    per_token = -objective
+    kl = kl_k3(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
+    if beta > 0:
+        per_token = per_token + beta * kl
+    if loss_type == "dr_grpo":
+        loss = (per_token * mask).sum() / (num_sequences * max_new_tokens)
+    else:
+        loss = ((per_token * mask).sum(-1) / lengths).sum() / num_sequences
+    with torch.no_grad():
+        valid = completion_mask.bool()
+        stats = {
+            "tokens": valid.sum().item(),
+            "clip_low": (valid & (adv < 0) & (ratio < 1 - eps_low)).sum().item(),
+            "clip_high": (valid & (adv > 0) & (ratio > 1 + eps_high)).sum().item(),
+            "clip_dual": (valid & dual_active).sum().item() if dual_clip > 0 else 0,
+            "kl": (kl * mask).sum().item(),
+            "ratio_max": ratio[valid].max().item() if valid.any() else 1.0,
+        }
+    return loss, stats
+
+
+def policy_backward(policy, batch: dict, args: Args, vocab_size: int) -> dict:
+    """Forward and backward over one mini-batch, micro_batch_size sequences at a time;
+    gradients accumulate in .grad. batch holds (n, …) tensors: prompt_ids, prompt_mask,
+    completion_ids, completion_mask, old_logp, ref_logp (or None), advantages.
+    Returns the summed loss and token statistics of the whole mini-batch."""
+    num_sequences = batch["completion_ids"].shape[0]
+    eps_low, eps_high = (
+        (args.gspo_eps_low, args.gspo_eps_high) if args.loss_type == "gspo" else (args.eps, args.eps)
+    )
+    totals = {"loss": 0.0}
+    for start in range(0, num_sequences, args.micro_batch_size):
+        micro = {k: (v[start : start + args.micro_batch_size] if v is not None else None) for k, v in batch.items()}
+        logp, _ = sequence_logprobs(
+            policy,
+            micro["prompt_ids"],
+            micro["prompt_mask"],
+            micro["completion_ids"],
+            micro["completion_mask"],
+            args.temperature,
+            vocab_size,
+            chunk_size=args.micro_batch_size,
+        )
+        loss, stats = grpo_loss(
+            logp,
+            micro["old_logp"],
+            micro["ref_logp"],
+            micro["advantages"],
+            micro["completion_mask"],
+            args.loss_type,
+            eps_low,
+            eps_high,
+            args.beta,
+            args.dual_clip,
+            num_sequences,
+            args.max_new_tokens,
+        )
+        loss.backward()
+        totals["loss"] += loss.item()
+        for key, value in stats.items():
+            totals[key] = max(totals.get(key, value), value) if key == "ratio_max" else totals.get(key, 0) + value
+    return totals
+
+
+# ----------------------------------------------------------------------------------------
+# Training
+
+
+def train(args: Args) -> Path:
+    """Runs GRPO and returns the run directory."""
+    check_args(args)
+    device = resolve_device(args.device)
+    weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
+    seed_everything(args.seed)
+    policy, tokenizer, eos_ids = load_model(
+        args.resume_from or args.model, device, weight_dtype, args.gradient_checkpointing
+    )
+    policy.train()
+    reference = load_reference(args.model, device, weight_dtype) if args.beta > 0 else None
+    vocab_size = len(tokenizer)  # ids the tokenizer has; the embedding may have more rows
+    task = load_task(args.task, seed=args.seed, num_problems=args.num_problems, dataset=args.dataset)
+    optimizer = torch.optim.AdamW(
+        policy.parameters(), lr=args.lr, betas=(0.9, args.adam_beta2), weight_decay=args.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
+    start_step = 0
+    if args.resume_from:
+        state = load_trainer_state(args.resume_from)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        set_rng_states(state["rng"])
+        start_step, run_dir = state["step"], Path(args.resume_from).parent
+    else:
+        run_dir = make_run_dir(args, "grpo")
+    num_sequences = args.batch_size * args.group_size  # N
+    mini_batch = num_sequences // args.num_mini_batches
+
+    def checkpoint(name: str, step: int) -> None:
+        state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+        save_checkpoint(run_dir / name, policy, tokenizer, {**state, "rng": rng_states(), "args": vars(args)})
+
+    progress = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps, desc="grpo")
+    for step in progress:
+        timer = time.perf_counter()
+        # 1. Sample B prompts; each is repeated G times.
+        problems = [task.problems[i] for i in prompt_indices(step, args.batch_size, len(task.problems), args.seed)]
+        prompt_ids, prompt_mask = encode_prompts(
+            tokenizer, [task.messages(p) for p in problems], args.group_size, device
+        )  # (N, P)
+
+        # 2. Generate G completions per prompt with the current policy (π_θold).
+        with autocast(device, compute_dtype):
+            completion_ids, completion_mask, truncated, sample_logp = generate(
+                policy,
+                prompt_ids,
+                prompt_mask,
+                args.max_new_tokens,
+                eos_ids,
+                tokenizer.pad_token_id,
+                vocab_size,
+                args.temperature,
+                args.top_p,
+            )  # (N, T), (N, T), (N,), (N, T)
+        time_generate = time.perf_counter() - timer
+
+        # 3. Score every completion with the task's rule-based reward.
+        timer = time.perf_counter()
+        lengths = completion_mask.sum(-1)  # (N,)
+        texts = tokenizer.batch_decode(
+            [ids[:length] for ids, length in zip(completion_ids.tolist(), lengths.tolist())], skip_special_tokens=True
+        )
+        scores = [task.score(text, problems[i // args.group_size]) for i, text in enumerate(texts)]
+        rewards = torch.tensor([s.reward for s in scores], dtype=torch.float32, device=device)  # (N,)
+        time_reward = time.perf_counter() - timer
+
+        # 4. Log-probs of the sampled tokens under π_θold and π_ref, no grad.
+        timer = time.perf_counter()
+        with torch.no_grad(), autocast(device, compute_dtype):
+            old_logp, entropy = sequence_logprobs(
+                policy, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                args.temperature, vocab_size, args.logprob_chunk_size, with_entropy=True,
+            )  # fmt: skip
+            ref_logp = None
+            if reference is not None:
+                ref_logp, _ = sequence_logprobs(
+                    reference, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                    args.temperature, vocab_size, args.logprob_chunk_size,
+                )  # fmt: skip
+        time_logprobs = time.perf_counter() - timer
+
+        # 5. Group-relative advantages: one number per completion, shared by its tokens.
+        advantages = group_advantages(
+            rewards, args.group_size, scale_by_std=args.loss_type != "dr_grpo", eps=args.adv_eps
+        )  # (N,)
+
+        # 6. μ iterations over shuffled mini-batches; one optimizer step per mini-batch.
+        timer = time.perf_counter()
+        batch = {
+            "prompt_ids": prompt_ids,
+            "prompt_mask": prompt_mask,
+            "completion_ids": completion_ids,
+            "completion_mask": completion_mask,
+            "old_logp": old_logp,
+            "ref_logp": ref_logp,
+            "advantages": advantages,
+        }
+        update, grad_norms = {}, []
+        for _ in range(args.num_iterations):
+            order = torch.randperm(num_sequences, device=device)
+            for start in range(0, num_sequences, mini_batch):
+                rows = order[start : start + mini_batch]
+                optimizer.zero_grad(set_to_none=True)
+                with autocast(device, compute_dtype):
+                    totals = policy_backward(
+                        policy, {k: v[rows] if v is not None else None for k, v in batch.items()}, args, vocab_size
+                    )
+                grad_norms.append(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm).item())
+                optimizer.step()
+                for key, value in totals.items():
+                    update[key] = max(update.get(key, value), value) if key == "ratio_max" else update.get(key, 0) + value
+        scheduler.step()
+        time_update = time.perf_counter() - timer
+
+        # 7. Log: every metric from the tensors the loss used, masked, over the whole batch.
+        num_updates = len(grad_norms)
+        metrics = step_metrics(
+            rewards, scores, completion_mask, truncated, entropy, old_logp, sample_logp, args.group_size
+        )
+        metrics.update(
+            {
+                "step": step + 1,
+                "loss/policy": update["loss"] / num_updates,
+                "kl/mean": update["kl"] / update["tokens"],
+                "clip/low": update["clip_low"] / update["tokens"],
+                "clip/high": update["clip_high"] / update["tokens"],
+                "clip/fraction": (update["clip_low"] + update["clip_high"]) / update["tokens"],
+                "clip/dual": update["clip_dual"] / update["tokens"],
+                "clip/ratio_max": update["ratio_max"],
+                "optim/grad_norm": sum(grad_norms) / num_updates,
+                "optim/lr": scheduler.get_last_lr()[0],
+                "throughput/tokens_per_s": lengths.sum().item() / time_generate,
+                "time/generate": time_generate,
+                "time/reward": time_reward,
+                "time/logprobs": time_logprobs,
+                "time/update": time_update,
+            }
+        )
+        append_jsonl(run_dir / "metrics.jsonl", metrics)
+        progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", len=f"{metrics['completion/length_mean']:.0f}")
+        if args.sample_every and step % args.sample_every == 0:
+            for i in range(0, min(args.num_samples * args.group_size, num_sequences), args.group_size):
+                prompt = tokenizer.decode(prompt_ids[i][prompt_mask[i].bool()])
+                append_jsonl(
+                    run_dir / "samples.jsonl",
+                    {"step": step + 1, "prompt": prompt, "completion": texts[i], "reward": scores[i].reward},
+                )
+
+        # 8. Checkpoint.
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:
+            checkpoint(f"step-{step + 1:06d}", step + 1)
+    checkpoint("final", args.max_steps)
+    return run_dir
+
+
+def step_metrics(rewards, scores, completion_mask, truncated, entropy, old_logp, sample_logp, group_size) -> dict:
+    """Rollout statistics of one step: reward (N,), scores, completion_mask (N, T),
+    truncated (N,), entropy, old_logp and sample_logp (N, T)."""
+    mask = completion_mask.bool()
+    lengths = completion_mask.sum(-1).float()  # (N,)
+    grouped = rewards.view(-1, group_size)  # (B, G)
+    return {
+        "reward/mean": rewards.mean().item(),
+        "reward/std": rewards.std().item() if rewards.numel() > 1 else 0.0,
+        "reward/accuracy": sum(s.correct for s in scores) / len(scores),
+        "reward/format": sum(s.formatted for s in scores) / len(scores),
+        "reward/zero_std_groups": (grouped.max(-1).values == grouped.min(-1).values).float().mean().item(),
+        "completion/length_mean": lengths.mean().item(),
+        "completion/length_max": lengths.max().item(),
+        "completion/truncated": truncated.float().mean().item(),
+        "policy/entropy": entropy[mask].mean().item(),
+        # Sampler and scorer must agree (failure mode 1): ~1e-6 in fp32, ~1e-2 in bf16.
+        "policy/sample_logp_diff": (sample_logp - old_logp)[mask].abs().max().item(),
+    }
+
+
+if __name__ == "__main__":
+    (cli_args,) = HfArgumentParser(Args).parse_args_into_dataclasses()
+    train(cli_args)
