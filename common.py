@@ -154,10 +154,15 @@ def load_model(
 ):
     """Returns (model, tokenizer, eos_ids) for a name as --model takes it."""
     path = resolve_model_name(name)
+    if Path(path).is_dir() and not (Path(path) / "config.json").exists():
+        raise SystemExit(
+            f"--model {name!r} is a directory without config.json. Point it at a model directory "
+            "(one written by save_pretrained, e.g. runs/<run>/final) or use a Hub id."
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except OSError as error:
+    except (OSError, ValueError) as error:
         raise SystemExit(
             f"Could not load model {name!r} (resolved to {path!r}): {error}\n"
             "A Hub id needs internet access to huggingface.co, or the model in the local HF cache; "

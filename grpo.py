@@ -23,7 +23,6 @@ Shape letters in comments:
   V vocabulary (the tokenizer's, not the embedding's padded size)
 """
 
-import math
 import random
 import time
 from dataclasses import dataclass
@@ -364,10 +363,8 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int) -> dict:
     completion_ids, completion_mask, old_logp, ref_logp (or None), advantages.
     Returns the summed loss and token statistics of the whole mini-batch."""
     num_sequences = batch["completion_ids"].shape[0]
-    eps_low, eps_high = (
-        (args.gspo_eps_low, args.gspo_eps_high) if args.loss_type == "gspo" else (args.eps, args.eps)
-    )
-    totals = {"loss": 0.0}
+    eps_low, eps_high = (args.gspo_eps_low, args.gspo_eps_high) if args.loss_type == "gspo" else (args.eps, args.eps)
+    totals = {}
     for start in range(0, num_sequences, args.micro_batch_size):
         micro = {k: (v[start : start + args.micro_batch_size] if v is not None else None) for k, v in batch.items()}
         logp, _ = sequence_logprobs(
@@ -395,10 +392,14 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int) -> dict:
             args.max_new_tokens,
         )
         loss.backward()
-        totals["loss"] += loss.item()
-        for key, value in stats.items():
-            totals[key] = max(totals.get(key, value), value) if key == "ratio_max" else totals.get(key, 0) + value
+        accumulate(totals, {"loss": loss.item(), **stats})
     return totals
+
+
+def accumulate(totals: dict, stats: dict) -> None:
+    """Adds one micro-batch's statistics into running totals: sums, except the max ratio."""
+    for key, value in stats.items():
+        totals[key] = max(totals.get(key, value), value) if key == "ratio_max" else totals.get(key, 0) + value
 
 
 # ----------------------------------------------------------------------------------------
@@ -515,8 +516,7 @@ def train(args: Args) -> Path:
                     )
                 grad_norms.append(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm).item())
                 optimizer.step()
-                for key, value in totals.items():
-                    update[key] = max(update.get(key, value), value) if key == "ratio_max" else update.get(key, 0) + value
+                accumulate(update, totals)
         scheduler.step()
         time_update = time.perf_counter() - timer
 

@@ -19,9 +19,9 @@ with exact fractions; nothing is ever passed to `eval`.
 
 import ast
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Callable
 
 # Reward levels, in one place (TinyZero's scheme; the DAPO paper uses ±1 instead).
 REWARD_CORRECT = 1.0  # the answer is right
@@ -128,9 +128,7 @@ def load_countdown_hub(name: str, split: str = "train") -> list[dict]:
 # ----------------------------------------------------------------------------------------
 # Countdown: prompt and verifier
 
-COUNTDOWN_SYSTEM = (
-    "You are a careful assistant. First reason about the problem step by step, then give the answer."
-)
+COUNTDOWN_SYSTEM = "You are a careful assistant. First reason about the problem step by step, then give the answer."
 COUNTDOWN_USER = (
     "Reach the target {target} with the numbers {nums}. Combine them with +, -, * and / "
     "and parentheses; every number must be used exactly once. Reason inside <think> </think>, "

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grpo import grpo_loss, group_advantages, kl_k3
+from grpo import group_advantages, grpo_loss, kl_k3
 
 
 def test_group_advantages_by_hand():

@@ -1,0 +1,123 @@
+"""Model loading, the tiny model, run directories and checkpoints."""
+
+import json
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common import (
+    MODEL_ALIASES,
+    TINY_EMBED_ROWS,
+    TINY_VOCAB,
+    append_jsonl,
+    load_model,
+    load_trainer_state,
+    make_run_dir,
+    read_jsonl,
+    resolve_model_name,
+    resolve_precision,
+    save_checkpoint,
+    set_pad_token,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny", torch.device("cpu"))
+
+
+def test_tiny_model_is_small_qwen2_with_padded_embedding(tiny):
+    model, tokenizer, eos_ids = tiny
+    assert model.config.model_type == "qwen2"
+    assert 100_000 < sum(p.numel() for p in model.parameters()) < 1_000_000
+    # Like Qwen, the embedding has more rows than the tokenizer has tokens.
+    assert len(tokenizer) == TINY_VOCAB < TINY_EMBED_ROWS == model.get_input_embeddings().weight.shape[0]
+    im_end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    assert eos_ids == sorted([im_end, endoftext])  # all EOS ids of the generation config
+    assert tokenizer.padding_side == "left"
+    assert tokenizer.pad_token_id is not None
+
+
+def test_tiny_tokenizer_chat_template_and_digits(tiny):
+    _, tokenizer, _ = tiny
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Use 12 and 7"}], add_generation_prompt=True, tokenize=False
+    )
+    assert text == "<|im_start|>user\nUse 12 and 7<|im_end|>\n<|im_start|>assistant\n"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == text  # byte-level BPE round-trips
+    assert [tokenizer.decode([i]) for i in tokenizer("127", add_special_tokens=False)["input_ids"]] == ["1", "2", "7"]
+
+
+def test_pad_token_is_distinct_from_eos_when_possible(tiny):
+    _, tokenizer, _ = tiny
+    im_end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_name("tiny"))
+    tokenizer.pad_token = "<|im_end|>"  # pad == EOS, as in several base models
+    set_pad_token(tokenizer, [im_end])
+    assert tokenizer.pad_token_id == endoftext and tokenizer.padding_side == "left"
+    tokenizer.pad_token = "<|im_end|>"
+    set_pad_token(tokenizer, [im_end, endoftext])  # every candidate is an EOS: keep pad == EOS
+    assert tokenizer.pad_token_id == im_end
+
+
+def test_model_name_resolution(tmp_path):
+    assert resolve_model_name("Qwen2.5-1.5B-Instruct") == "Qwen/Qwen2.5-1.5B-Instruct"
+    assert MODEL_ALIASES["Qwen2.5-1.5B-Instruct"] == "Qwen/Qwen2.5-1.5B-Instruct"
+    assert resolve_model_name("Qwen/Qwen2.5-7B") == "Qwen/Qwen2.5-7B"  # any Hub id passes through
+    assert resolve_model_name(str(tmp_path)) == str(tmp_path)  # a local directory
+    with pytest.raises(SystemExit, match="short names"):
+        resolve_model_name("qwen-1.5b")
+
+
+def test_missing_model_gives_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="without config.json"):
+        load_model(str(tmp_path), torch.device("cpu"))  # a directory without a model
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SystemExit, match="Could not load model"):
+        load_model(str(tmp_path), torch.device("cpu"))  # a broken model directory
+
+
+def test_precision_choices():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_precision("auto", cpu) == (torch.float32, None)
+    assert resolve_precision("auto", cuda) == (torch.float32, torch.bfloat16)  # fp32 master weights
+    assert resolve_precision("bfloat16", cuda) == (torch.bfloat16, torch.bfloat16)
+    with pytest.raises(SystemExit, match="not one of"):
+        resolve_precision("fp16", cpu)
+
+
+@dataclass
+class FakeArgs:
+    model: str = "Qwen/Qwen2.5-1.5B-Instruct"
+    task: str = "countdown"
+    output_dir: str = ""
+    lr: float = 1e-6
+
+
+def test_run_dir_args_and_metrics(tmp_path):
+    args = FakeArgs(output_dir=str(tmp_path))
+    first, second = make_run_dir(args, "grpo"), make_run_dir(args, "grpo")
+    assert first != second  # two runs in the same second do not share a directory
+    assert first.name.startswith("grpo-countdown-Qwen2.5-1.5B-Instruct-")
+    assert json.loads((first / "args.json").read_text())["lr"] == 1e-6
+    append_jsonl(first / "metrics.jsonl", {"step": 1, "reward/mean": 0.5})
+    append_jsonl(first / "metrics.jsonl", {"step": 2, "reward/mean": 0.75})
+    assert [r["reward/mean"] for r in read_jsonl(first / "metrics.jsonl")] == [0.5, 0.75]
+
+
+def test_checkpoint_round_trip_and_overwrite(tiny, tmp_path):
+    model, tokenizer, _ = tiny
+    path = tmp_path / "final"
+    save_checkpoint(path, model, tokenizer, {"step": 3})
+    save_checkpoint(path, model, tokenizer, {"step": 5})  # overwriting replaces it whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]  # no staging leftovers
+    assert load_trainer_state(str(path))["step"] == 5
+    loaded = AutoModelForCausalLM.from_pretrained(path)
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert (path / "model.safetensors").exists()
+    with pytest.raises(SystemExit, match="no trainer_state.pt"):
+        load_trainer_state(str(tmp_path))

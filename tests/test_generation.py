@@ -1,0 +1,144 @@
+"""KV-cache generation and log-prob scoring: the sampler and the scorer must agree."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from common import load_model
+from grpo import encode_prompts, generate, sequence_logprobs, top_p_filter
+
+PROMPTS = [  # very different lengths, so the batch is heavily left padded
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "user", "content": "Using the numbers [3, 5, 7, 11], create an equation that equals 42."}],
+    [{"role": "system", "content": "Think first."}, {"role": "user", "content": "Reply with a digit."}],
+]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model, tokenizer, eos_ids = load_model("tiny", torch.device("cpu"))
+    return model.eval(), tokenizer, eos_ids
+
+
+def encode(tokenizer, group_size=1):
+    return encode_prompts(tokenizer, PROMPTS, group_size, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampling_logprobs_equal_scoring_logprobs(tiny, temperature):
+    # ratio = 1 at the first update: log-probs recorded while sampling (KV cache, one token at
+    # a time) equal those of one fresh forward pass over prompt + completion, fp32, ≤ 1e-5.
+    model, tokenizer, eos_ids = tiny
+    prompt_ids, prompt_mask = encode(tokenizer, group_size=2)
+    assert (prompt_mask == 0).any(), "the batch must contain left padding"
+    torch.manual_seed(1)
+    ids, mask, _, sample_logp = generate(
+        model, prompt_ids, prompt_mask, 24, eos_ids, tokenizer.pad_token_id, len(tokenizer), temperature
+    )
+    with torch.no_grad():
+        score_logp, _ = sequence_logprobs(
+            model, prompt_ids, prompt_mask, ids, mask, temperature, len(tokenizer), chunk_size=4
+        )
+    assert mask.sum() > 20
+    assert (sample_logp - score_logp).abs().max().item() <= 1e-5
+
+
+def test_scoring_does_not_depend_on_padding(tiny):
+    # The same prompt + completion scored alone (no padding) and inside a padded batch gives the
+    # same log-probs: position ids count real tokens only.
+    model, tokenizer, eos_ids = tiny
+    prompt_ids, prompt_mask = encode(tokenizer)
+    torch.manual_seed(2)
+    ids, mask, _, _ = generate(model, prompt_ids, prompt_mask, 16, eos_ids, tokenizer.pad_token_id, len(tokenizer))
+    with torch.no_grad():
+        batched, _ = sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, 1.0, len(tokenizer), 8)
+        row = 0  # the shortest prompt: the most padding in the batch
+        keep = prompt_mask[row].bool()
+        alone, _ = sequence_logprobs(
+            model, prompt_ids[row : row + 1, keep], prompt_mask[row : row + 1, keep], ids[row : row + 1],
+            mask[row : row + 1], 1.0, len(tokenizer), 8,
+        )  # fmt: skip
+    assert (batched[row] - alone[0]).abs().max().item() <= 1e-5
+
+
+def test_kv_cache_greedy_equals_full_recomputation(tiny):
+    # Greedy decoding with the cache must pick the same tokens as recomputing the whole sequence
+    # (prompt + tokens so far) at every step without any cache.
+    model, tokenizer, eos_ids = tiny
+    prompt_ids, prompt_mask = encode(tokenizer)
+    steps, vocab = 20, len(tokenizer)
+    cached, mask, _, _ = generate(
+        model, prompt_ids, prompt_mask, steps, eos_ids, tokenizer.pad_token_id, vocab, temperature=0.0
+    )
+    ids, attention = prompt_ids, prompt_mask
+    expected = []
+    with torch.no_grad():
+        for _ in range(cached.shape[1]):
+            positions = (attention.cumsum(-1) - 1).clamp(min=0)
+            logits = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits
+            token = logits[:, -1, :vocab].argmax(-1)
+            expected.append(token)
+            ids = torch.cat([ids, token[:, None]], dim=1)
+            attention = torch.cat([attention, torch.ones_like(token)[:, None]], dim=1)
+    expected = torch.stack(expected, dim=1)
+    assert torch.equal(cached[mask.bool()], expected[mask.bool()])
+
+
+class ScriptedModel(torch.nn.Module):
+    """Stands in for a causal LM: at generation step k, row r puts all its mass on
+    script[r][k], except that an id beyond the tokenizer (embedding row `rows - 1`) always
+    has a far larger logit, which generate must never sample."""
+
+    def __init__(self, script, rows):
+        super().__init__()
+        self.script, self.rows = torch.tensor(script), rows
+
+    def forward(self, input_ids, past_key_values=None, **kwargs):
+        step = 0 if past_key_values is None else past_key_values
+        logits = torch.full((input_ids.shape[0], 1, self.rows), -30.0)
+        logits[torch.arange(input_ids.shape[0]), 0, self.script[:, step]] = 10.0
+        logits[:, 0, self.rows - 1] = 50.0  # out of the tokenizer's vocabulary
+        return SimpleNamespace(logits=logits, past_key_values=step + 1)
+
+
+EOS_A, EOS_B, PAD, VOCAB, ROWS = 2, 3, 0, 10, 12
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_eos_handling_and_truncation_on_crafted_cases(temperature):
+    script = [
+        [5, 6, EOS_A, 7, 7, 7],  # ends with the first EOS id at step 2
+        [5, EOS_B, 8, 8, 8, 8],  # ends with the second EOS id at step 1
+        [4, 4, 4, 4, 4, 4],  # never ends: truncated
+    ]
+    prompt = torch.ones(3, 2, dtype=torch.long)
+    ids, mask, truncated, logp = generate(
+        ScriptedModel(script, ROWS), prompt, torch.ones_like(prompt), 5, [EOS_A, EOS_B], PAD, VOCAB, temperature
+    )
+    assert ids.tolist() == [[5, 6, EOS_A, PAD, PAD], [5, EOS_B, PAD, PAD, PAD], [4, 4, 4, 4, 4]]
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
+    assert truncated.tolist() == [False, False, True]
+    assert (logp[mask == 0] == 0).all()
+    assert (ids < VOCAB).all()  # the id with logit 50 lies beyond the tokenizer: never sampled
+
+
+def test_generation_stops_when_every_row_has_ended():
+    script = [[5, EOS_A, 9, 9, 9, 9], [EOS_B, 9, 9, 9, 9, 9]]
+    prompt = torch.ones(2, 1, dtype=torch.long)
+    ids, mask, truncated, _ = generate(
+        ScriptedModel(script, ROWS), prompt, torch.ones_like(prompt), 6, [EOS_A, EOS_B], PAD, VOCAB, 0.0
+    )
+    assert ids.shape == (2, 2)  # T is the longest completion, not max_new_tokens
+    assert mask.tolist() == [[1, 1], [1, 0]]
+    assert not truncated.any()
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    # probs 0.5, 0.3, 0.15, 0.05; top_p = 0.7: mass before each (sorted) = 0, 0.5, 0.8, 0.95,
+    # so tokens with mass-before < 0.7 stay: the 0.5 and the 0.3 ones.
+    probs = torch.tensor([[0.15, 0.5, 0.05, 0.3]])
+    assert torch.equal(top_p_filter(probs, 0.7), torch.tensor([[0.0, 0.5, 0.0, 0.3]]))
+    assert torch.equal(top_p_filter(probs, 0.1), torch.tensor([[0.0, 0.5, 0.0, 0.0]]))  # the top token always stays
+    assert torch.equal(top_p_filter(probs, 1.0), probs)

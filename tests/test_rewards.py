@@ -1,0 +1,200 @@
+"""The Countdown verifier on correct, wrong, malformed and hostile answers; the generator;
+the digit toy task."""
+
+import signal
+from contextlib import contextmanager
+
+import pytest
+
+from rewards import (
+    MAX_EXPRESSION_CHARS,
+    REWARD_CORRECT,
+    REWARD_FORMAT,
+    REWARD_NONE,
+    countdown_score,
+    digit_score,
+    extract_answer,
+    generate_countdown,
+    load_task,
+)
+
+PROBLEM = {"nums": [3, 5, 7, 11], "target": 51}  # 5 · 11 − 7 + 3 = 55 − 7 + 3 = 51
+
+
+def wrap(answer: str) -> str:
+    return f"<think> some reasoning </think> <answer> {answer} </answer>"
+
+
+@contextmanager
+def must_finish_within(seconds: int):
+    """Fails the test instead of hanging it (the point of the hostile cases)."""
+
+    def fail(*_):
+        raise TimeoutError(f"the verifier took more than {seconds}s")
+
+    previous = signal.signal(signal.SIGALRM, fail)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize(
+    "answer, problem",
+    [
+        ("5 * 11 - 7 + 3", PROBLEM),
+        ("(5 * 11) - (7 - 3)", PROBLEM),  # 55 − 4 = 51
+        ("3+5*11-7", PROBLEM),  # no spaces, any order of the numbers
+        ("9 * 6 / 2", {"nums": [2, 6, 9], "target": 27}),
+        # 6 / (1 − 3/4) = 6 / (1/4) = 24 exactly; in floats 1 − 0.75 is exact too, but the
+        # classic needs fractions in general, and Fraction makes it exact by construction.
+        ("6 / (1 - 3 / 4)", {"nums": [1, 3, 4, 6], "target": 24}),
+        ("7 * 7 - 1", {"nums": [7, 7, 1], "target": 48}),  # repeated numbers, each used once
+    ],
+)
+def test_correct_answers(answer, problem):
+    score = countdown_score(wrap(answer), problem)
+    assert (score.reward, score.correct, score.formatted) == (REWARD_CORRECT, True, True)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        "5 * 11 - 7 - 3",  # uses the right numbers, equals 45
+        "5 * 11 - 7",  # 48, and 3 is unused
+        "5 * 11 - 7 + 3 + 3",  # 3 used twice
+        "5 * 11 - 8 + 4",  # = 51 but with numbers not given
+        "(3 + 5) / (11 - 11) + 7",  # division by zero is simply wrong (and 11 twice)
+        "3 / (11 - 11) * 5 * 7",  # division by zero
+        "51",  # the target itself
+    ],
+)
+def test_well_formed_but_wrong_answers(answer):
+    score = countdown_score(wrap(answer), PROBLEM)
+    assert (score.reward, score.correct, score.formatted) == (REWARD_FORMAT, False, True)
+
+
+def test_division_by_zero_with_the_right_numbers_is_wrong():
+    score = countdown_score(wrap("3 / (5 - 5) + 7"), {"nums": [3, 5, 5, 7], "target": 10})
+    assert (score.reward, score.correct) == (REWARD_FORMAT, False)
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "5 * 11 - 7 + 3",  # no tags at all
+        "<answer> 5 * 11 - 7 + 3 </answer>",  # no <think> block
+        "<think> hmm </think>",  # no answer
+        "<think> a </think> <answer> 1 </answer> <answer> 5 * 11 - 7 + 3 </answer>",  # two answers
+        "<think> a </think> <answer> 5 * 11 - 7 + 3 </answer> and some chatter",  # text after
+        "Sure! <think> a </think> <answer> 5 * 11 - 7 + 3 </answer>",  # text before
+        "<think> a </think> so <answer> 5 * 11 - 7 + 3 </answer>",  # text between
+        "<answer> 5 * 11 - 7 + 3 </answer> <think> a </think>",  # wrong order
+        "<think> <answer> 5 * 11 - 7 + 3 </answer> </think>",  # nested
+        "<think> a </think> <answer> 5 * 11 - 7 + 3 = 51 </answer>",  # '=' is not allowed
+        "<think> a </think> <answer> </answer>",  # empty answer
+        "<think> a </think> <answer> five times eleven </answer>",
+    ],
+)
+def test_malformed_completions_get_nothing(completion):
+    score = countdown_score(completion, PROBLEM)
+    assert (score.reward, score.correct, score.formatted) == (REWARD_NONE, False, False)
+
+
+HOSTILE = [
+    "99**98**97**96",  # would hang a verifier that evaluates powers
+    "3 ** 5",
+    "3.5*2",  # '.' would glue 3 and 5 into 3.5
+    "1e3",
+    "0x33",
+    "07 + 1",  # leading zero
+    "1_0 + 41",
+    "-3 + 54",  # unary minus is not in the game
+    "+51",
+    "abs(-51)",
+    "__import__('os').system('echo pwned')",
+    "[51][0]",
+    "lambda: 51",
+    "True + 50",
+    "5 // 1 + 46",
+    "55 % 4 + 48",
+    "9" * 90,  # a huge literal (within the length bound)
+    "٣ + ٤٨",  # Arabic-Indic digits: Python's int() would accept them
+    "５１",  # fullwidth digits
+    "(" * 1000 + "51" + ")" * 1000,  # deep nesting, far beyond the length bound
+    "(" * 45 + "5 * 11 - 7 + 3" + ")" * 45,  # deep but within the length bound
+    "1+" * 5000 + "1",  # 10k characters
+    "3 5 7 11",
+    "5 * 11\n- 7 + 3",  # a newline inside the expression
+]
+
+
+@pytest.mark.parametrize("answer", HOSTILE)
+def test_hostile_answers_are_rejected_quickly(answer):
+    with must_finish_within(2):
+        score = countdown_score(wrap(answer), PROBLEM)
+    assert not score.correct
+    assert score.reward in (REWARD_NONE, REWARD_FORMAT)
+
+
+def test_hostile_whole_completions():
+    cases = [
+        "<think>" + "x" * 10_000 + "</think> <answer> 5 * 11 - 7 + 3 </answer>",  # long but valid
+        "<think>" * 5000 + "</think>" * 5000,  # 75k characters of tags
+        "<answer>" * 10_000,
+        "\x00" * 10_000,
+    ]
+    with must_finish_within(2):
+        scores = [countdown_score(c, PROBLEM) for c in cases]
+    assert [s.reward for s in scores] == [REWARD_CORRECT, REWARD_NONE, REWARD_NONE, REWARD_NONE]
+
+
+def test_answer_length_bound_is_what_the_docstring_says():
+    within = "(" * 20 + "5 * 11 - 7 + 3" + ")" * 20
+    assert len(within) <= MAX_EXPRESSION_CHARS
+    assert countdown_score(wrap(within), PROBLEM).correct
+    beyond = "5 * 11 - 7 + 3" + " " * MAX_EXPRESSION_CHARS
+    assert extract_answer(wrap(beyond)) is not None  # the tags are fine, the answer is too long
+    assert countdown_score("<think> a </think><answer>" + beyond + "1</answer>", PROBLEM).reward == REWARD_NONE
+
+
+def test_generator_problems_all_verify_with_their_witness():
+    problems = generate_countdown(2000, seed=123)
+    assert len(problems) == 2000
+    for problem in problems:
+        assert 3 <= len(problem["nums"]) <= 4
+        assert all(1 <= n <= 99 for n in problem["nums"])
+        assert 1 <= problem["target"] <= 100
+        assert countdown_score(wrap(problem["solution"]), problem).correct, problem
+    assert {len(p["nums"]) for p in problems} == {3, 4}
+
+
+def test_generator_is_reproducible_and_seed_dependent():
+    assert generate_countdown(50, seed=7) == generate_countdown(50, seed=7)
+    assert generate_countdown(50, seed=7) != generate_countdown(50, seed=8)
+
+
+def test_load_task_countdown_offline_and_unknown_task():
+    task = load_task("countdown", seed=1, num_problems=10)
+    assert len(task.problems) == 10
+    messages = task.messages(task.problems[0])
+    assert messages[-1]["role"] == "user"
+    assert str(task.problems[0]["target"]) in messages[-1]["content"]
+    assert "<answer>" in messages[-1]["content"] and "<think>" in messages[-1]["content"]
+    with pytest.raises(SystemExit, match="not one of"):
+        load_task("chess")
+
+
+def test_hub_dataset_unreachable_gives_a_clear_error():
+    # Tests run with HF_DATASETS_OFFLINE=1 (conftest), as a machine without internet would.
+    with pytest.raises(SystemExit, match="Could not load the Countdown dataset"):
+        load_task("countdown", dataset="Jiayi-Pan/Countdown-Tasks-3to4")
+
+
+def test_digit_task():
+    assert digit_score("7 is my answer", {}).reward == REWARD_CORRECT
+    assert digit_score(" 7", {}).reward == REWARD_NONE  # the first character must be the digit
+    assert digit_score("", {}).reward == REWARD_NONE
+    assert digit_score("٣", {}).reward == REWARD_NONE  # ASCII digits only
