@@ -350,12 +350,37 @@ def set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
-def load_trainer_state(checkpoint: str) -> dict:
-    """The trainer state saved beside a checkpoint's weights, with a clear error if absent."""
+def load_trainer_state(checkpoint: str, args: dict | None = None, must_match: tuple[str, ...] = ()) -> dict:
+    """The trainer state saved beside a checkpoint's weights. Stops with a message if it is
+    absent, or if `args` differ from the saved run's in any of the `must_match` fields."""
     path = Path(checkpoint) / TRAINER_STATE
     if not path.exists():
         raise SystemExit(
-            f"--resume_from {checkpoint}: no {TRAINER_STATE} there. Point it at a checkpoint "
-            "directory written by a nanoPO run (runs/<run>/step-000100 or runs/<run>/final)."
+            f"--resume_from {checkpoint}: no {TRAINER_STATE} there. Only the newest checkpoint of a "
+            "run keeps it: point --resume_from at that one (runs/<run>/final or the last step-…)."
         )
-    return torch.load(path, map_location="cpu", weights_only=False)
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    saved = state.get("args", {})
+    different = [f"--{k} {saved[k]!r} (now {args[k]!r})" for k in must_match if k in saved and saved[k] != args[k]]
+    if different:
+        raise SystemExit(
+            f"--resume_from {checkpoint}: the run was started with " + ", ".join(different) + ". "
+            "Resume with the same values, or start a new run from these weights with --model."
+        )
+    return state
+
+
+def drop_trainer_state(checkpoint: Path) -> None:
+    """Deletes a checkpoint's trainer state, keeping its weights (a newer checkpoint exists)."""
+    (Path(checkpoint) / TRAINER_STATE).unlink(missing_ok=True)
+
+
+def truncate_jsonl(path: Path, last_step: int) -> None:
+    """Keeps the records with step <= last_step: on resume, the steps after the checkpoint
+    will run again. Rewritten through a temporary file, so a crash leaves the old file whole."""
+    if not Path(path).exists():
+        return
+    kept = [r for r in read_jsonl(path) if r["step"] <= last_step]
+    staging = Path(path).with_name(f".{Path(path).name}.tmp")
+    staging.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    staging.replace(path)

@@ -23,6 +23,7 @@ Shape letters in comments:
   V vocabulary (the tokenizer's, not the embedding's padded size)
 """
 
+import contextlib
 import random
 import time
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from transformers import HfArgumentParser
 from common import (
     append_jsonl,
     autocast,
+    drop_trainer_state,
     load_model,
     load_reference,
     load_trainer_state,
@@ -46,6 +48,7 @@ from common import (
     save_checkpoint,
     seed_everything,
     set_rng_states,
+    truncate_jsonl,
 )
 from rewards import load_task
 
@@ -94,6 +97,11 @@ class Args:
     resume_from: str = ""  # a checkpoint directory of an earlier run to continue from
 
 
+# Settings a resumed run must share with the run it continues (the reference model, the
+# prompt order and the meaning of a step depend on them).
+SAME_ON_RESUME = ("model", "task", "dataset", "num_problems", "seed", "batch_size", "group_size")
+
+
 def check_args(args: Args) -> None:
     """Stops with a message on settings that cannot work, before anything is loaded."""
     problems = []
@@ -101,8 +109,8 @@ def check_args(args: Args) -> None:
         problems.append("--group_size must be at least 2: a group of one has no relative advantage.")
     if args.loss_type not in ("grpo", "dr_grpo", "gspo"):
         problems.append(f"--loss_type {args.loss_type!r} is not one of: grpo, dr_grpo, gspo.")
-    if (args.batch_size * args.group_size) % args.num_mini_batches:
-        problems.append("--num_mini_batches must divide batch_size * group_size.")
+    if args.num_mini_batches < 1 or (args.batch_size * args.group_size) % args.num_mini_batches:
+        problems.append("--num_mini_batches must be at least 1 and divide batch_size * group_size.")
     if args.temperature <= 0 or not 0 < args.top_p <= 1:
         problems.append("Training needs --temperature > 0 and 0 < --top_p <= 1.")
     if args.dual_clip and args.dual_clip <= 1:
@@ -190,7 +198,7 @@ def generate(
     next_position = position_ids[:, -1:] + 1  # (N, 1)
     finished = torch.zeros(num_rows, dtype=torch.bool, device=prompt_ids.device)
     tokens, masks, logps = [], [], []
-    for _ in range(max_new_tokens):
+    for t in range(max_new_tokens):
         logits = out.logits[:, -1, :vocab_size].float()  # (N, V) ids ≥ vocab_size are cut off
         logp = F.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)  # (N, V)
         if temperature > 0:
@@ -204,7 +212,7 @@ def generate(
         masks.append(alive)
         logps.append(torch.where(alive, token_logp, 0.0))
         finished = finished | (alive & torch.isin(token, eos))
-        if finished.all():
+        if finished.all() or t == max_new_tokens - 1:
             break
         attention_mask = torch.cat([attention_mask, alive[:, None].to(attention_mask.dtype)], dim=-1)
         out = model(
@@ -289,7 +297,7 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k3 estimator of KL(π_θ ‖ π_ref) per token (Schulman 2020; DeepSeekMath Eq. 4):
         π_ref/π_θ − log(π_ref/π_θ) − 1, unbiased under samples of π_θ and never negative.
     logp, ref_logp (…, T) -> (…, T)."""
-    log_ratio = ref_logp - logp
+    log_ratio = (ref_logp - logp).clamp(-20.0, 20.0)  # e^20 ≈ 5e8: finite, as in verl
     return torch.exp(log_ratio) - log_ratio - 1
 
 
@@ -357,40 +365,48 @@ def grpo_loss(
     return loss, stats
 
 
-def policy_backward(policy, batch: dict, args: Args, vocab_size: int) -> dict:
+def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contextlib.nullcontext) -> dict:
     """Forward and backward over one mini-batch, micro_batch_size sequences at a time;
     gradients accumulate in .grad. batch holds (n, …) tensors: prompt_ids, prompt_mask,
-    completion_ids, completion_mask, old_logp, ref_logp (or None), advantages.
-    Returns the summed loss and token statistics of the whole mini-batch."""
+    completion_ids, completion_mask, old_logp, ref_logp (or None), advantages. amp() is the
+    autocast context of the forward pass (backward runs outside it, as PyTorch advises).
+    Returns the summed loss and token statistics of the whole mini-batch.
+
+    On-policy (μ = 1 and one mini-batch) π_θold is π_θ itself, so the ratio is set to exactly
+    1 with old = logp.detach(): the recorded old_logp come from other kernel shapes and in bf16
+    differ by noise, which GSPO's ε ≈ 3e-4 would clip. The gradient is the same either way.
+    """
     num_sequences = batch["completion_ids"].shape[0]
+    on_policy = args.num_iterations == 1 and args.num_mini_batches == 1
     eps_low, eps_high = (args.gspo_eps_low, args.gspo_eps_high) if args.loss_type == "gspo" else (args.eps, args.eps)
     totals = {}
     for start in range(0, num_sequences, args.micro_batch_size):
         micro = {k: (v[start : start + args.micro_batch_size] if v is not None else None) for k, v in batch.items()}
-        logp, _ = sequence_logprobs(
-            policy,
-            micro["prompt_ids"],
-            micro["prompt_mask"],
-            micro["completion_ids"],
-            micro["completion_mask"],
-            args.temperature,
-            vocab_size,
-            chunk_size=args.micro_batch_size,
-        )
-        loss, stats = grpo_loss(
-            logp,
-            micro["old_logp"],
-            micro["ref_logp"],
-            micro["advantages"],
-            micro["completion_mask"],
-            args.loss_type,
-            eps_low,
-            eps_high,
-            args.beta,
-            args.dual_clip,
-            num_sequences,
-            args.max_new_tokens,
-        )
+        with amp():
+            logp, _ = sequence_logprobs(
+                policy,
+                micro["prompt_ids"],
+                micro["prompt_mask"],
+                micro["completion_ids"],
+                micro["completion_mask"],
+                args.temperature,
+                vocab_size,
+                chunk_size=args.micro_batch_size,
+            )
+            loss, stats = grpo_loss(
+                logp,
+                logp.detach() if on_policy else micro["old_logp"],
+                micro["ref_logp"],
+                micro["advantages"],
+                micro["completion_mask"],
+                args.loss_type,
+                eps_low,
+                eps_high,
+                args.beta,
+                args.dual_clip,
+                num_sequences,
+                args.max_new_tokens,
+            )
         loss.backward()
         accumulate(totals, {"loss": loss.item(), **stats})
     return totals
@@ -423,21 +439,29 @@ def train(args: Args) -> Path:
         policy.parameters(), lr=args.lr, betas=(0.9, args.adam_beta2), weight_decay=args.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
-    start_step = 0
+    start_step, previous_checkpoint = 0, None
     if args.resume_from:
-        state = load_trainer_state(args.resume_from)
+        state = load_trainer_state(args.resume_from, vars(args), SAME_ON_RESUME)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         set_rng_states(state["rng"])
         start_step, run_dir = state["step"], Path(args.resume_from).parent
+        previous_checkpoint = Path(args.resume_from)
+        for log in ("metrics.jsonl", "samples.jsonl"):  # drop what ran after the checkpoint
+            truncate_jsonl(run_dir / log, last_step=start_step)
     else:
         run_dir = make_run_dir(args, "grpo")
     num_sequences = args.batch_size * args.group_size  # N
     mini_batch = num_sequences // args.num_mini_batches
 
     def checkpoint(name: str, step: int) -> None:
+        nonlocal previous_checkpoint
         state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
         save_checkpoint(run_dir / name, policy, tokenizer, {**state, "rng": rng_states(), "args": vars(args)})
+        # AdamW's state is twice the weights: only the newest checkpoint keeps it for resuming.
+        if previous_checkpoint is not None and previous_checkpoint != run_dir / name:
+            drop_trainer_state(previous_checkpoint)
+        previous_checkpoint = run_dir / name
 
     progress = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps, desc="grpo")
     for step in progress:
@@ -475,6 +499,7 @@ def train(args: Args) -> Path:
 
         # 4. Log-probs of the sampled tokens under π_θold and π_ref, no grad.
         timer = time.perf_counter()
+        policy.eval()  # same mode as sampling (matters for models with dropout)
         with torch.no_grad(), autocast(device, compute_dtype):
             old_logp, entropy = sequence_logprobs(
                 policy, prompt_ids, prompt_mask, completion_ids, completion_mask,
@@ -486,6 +511,7 @@ def train(args: Args) -> Path:
                     reference, prompt_ids, prompt_mask, completion_ids, completion_mask,
                     args.temperature, vocab_size, args.logprob_chunk_size,
                 )  # fmt: skip
+        policy.train()
         time_logprobs = time.perf_counter() - timer
 
         # 5. Group-relative advantages: one number per completion, shared by its tokens.
@@ -509,14 +535,13 @@ def train(args: Args) -> Path:
             order = torch.randperm(num_sequences, device=device)
             for start in range(0, num_sequences, mini_batch):
                 rows = order[start : start + mini_batch]
-                optimizer.zero_grad(set_to_none=True)
-                with autocast(device, compute_dtype):
-                    totals = policy_backward(
-                        policy, {k: v[rows] if v is not None else None for k, v in batch.items()}, args, vocab_size
-                    )
+                mini = {k: v[rows] if v is not None else None for k, v in batch.items()}
+                totals = policy_backward(policy, mini, args, vocab_size, amp=lambda: autocast(device, compute_dtype))
                 grad_norms.append(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm).item())
                 optimizer.step()
+                optimizer.zero_grad(set_to_none=True)  # free the gradients before the next generation
                 accumulate(update, totals)
+        learning_rate = scheduler.get_last_lr()[0]  # the rate this step trained with
         scheduler.step()
         time_update = time.perf_counter() - timer
 
@@ -536,7 +561,7 @@ def train(args: Args) -> Path:
                 "clip/dual": update["clip_dual"] / update["tokens"],
                 "clip/ratio_max": update["ratio_max"],
                 "optim/grad_norm": sum(grad_norms) / num_updates,
-                "optim/lr": scheduler.get_last_lr()[0],
+                "optim/lr": learning_rate,
                 "throughput/tokens_per_s": lengths.sum().item() / time_generate,
                 "time/generate": time_generate,
                 "time/reward": time_reward,
@@ -577,8 +602,9 @@ def step_metrics(rewards, scores, completion_mask, truncated, entropy, old_logp,
         "completion/length_max": lengths.max().item(),
         "completion/truncated": truncated.float().mean().item(),
         "policy/entropy": entropy[mask].mean().item(),
-        # Sampler and scorer must agree (failure mode 1): ~1e-6 in fp32, ~1e-2 in bf16.
-        "policy/sample_logp_diff": (sample_logp - old_logp)[mask].abs().max().item(),
+        # Sampler and scorer must agree (failure mode 1): ~1e-6 in fp32, more in bf16.
+        "policy/sample_logp_diff": (sample_logp - old_logp)[mask].abs().mean().item(),
+        "policy/sample_logp_diff_max": (sample_logp - old_logp)[mask].abs().max().item(),
     }
 
 

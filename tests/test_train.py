@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import grpo
 from common import load_model, read_jsonl
 from conftest import ROOT
 from grpo import Args, encode_prompts, generate, policy_backward, sequence_logprobs, train
@@ -49,7 +50,10 @@ def test_gradient_accumulation_equals_one_big_batch(rollout, loss_type):
     assert batch["completion_mask"].sum(-1).unique().numel() > 1, "want completions of unequal length"
     gradients, losses = [], []
     for micro_batch_size in (12, 3, 5):
-        args = Args(loss_type=loss_type, beta=0.04, micro_batch_size=micro_batch_size, max_new_tokens=12)
+        # num_iterations=2: the off-policy path, which uses the recorded old_logp
+        args = Args(
+            loss_type=loss_type, beta=0.04, micro_batch_size=micro_batch_size, max_new_tokens=12, num_iterations=2
+        )
         model.zero_grad(set_to_none=True)
         totals = policy_backward(model, batch, args, len(tokenizer))
         gradients.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
@@ -58,6 +62,16 @@ def test_gradient_accumulation_equals_one_big_batch(rollout, loss_type):
     for gradient, loss in zip(gradients[1:], losses[1:]):
         assert torch.allclose(gradient, gradients[0], rtol=1e-4, atol=1e-7)
         assert loss == pytest.approx(losses[0], rel=1e-5)
+
+
+def test_on_policy_ratio_is_exactly_one(rollout):
+    # μ = 1 and one mini-batch: π_θold is π_θ, so no token may be clipped whatever the recorded
+    # old_logp say (in bf16 they differ from the training pass by kernel noise).
+    model, tokenizer, batch = rollout
+    totals = policy_backward(model, batch, Args(loss_type="gspo", beta=0.0), len(tokenizer))
+    model.zero_grad(set_to_none=True)
+    assert totals["ratio_max"] == 1.0
+    assert totals["clip_low"] == totals["clip_high"] == 0
 
 
 def expected_digit_reward(model, tokenizer) -> float:
@@ -93,18 +107,44 @@ def test_grpo_learns_the_digit_task(tmp_path):
     assert len(rewards) == 30 and sum(rewards[-5:]) / 5 > 0.6  # the sampled rewards agree
 
 
-def test_resume_continues_exactly(tmp_path):
-    # 3 steps in one go == 2 steps, then resume from the checkpoint for the third: same weights,
-    # bit for bit (optimizer, scheduler, RNG and the prompt order all come back).
-    common = dict(model="tiny", task="digit", lr=3e-3, max_new_tokens=6, batch_size=4, group_size=4, save_every=0)
-    straight = train(Args(max_steps=3, output_dir=str(tmp_path / "a"), **common))
-    interrupted = train(Args(max_steps=2, output_dir=str(tmp_path / "b"), **common))
-    resumed = train(Args(max_steps=3, output_dir=str(tmp_path / "b"), resume_from=str(interrupted / "final"), **common))
-    assert resumed == interrupted
-    assert [r["step"] for r in read_jsonl(resumed / "metrics.jsonl")] == [1, 2, 3]
+def test_resume_after_a_crash_continues_exactly(tmp_path, monkeypatch):
+    # Run A: 3 steps in one go. Run B: the same, checkpointing at step 2, then crashing while
+    # writing the final checkpoint (after step 3 was logged). Resuming B from step-000002 must
+    # drop step 3's log rows, run step 3 again, and end with A's weights bit for bit (optimizer,
+    # scheduler, RNG and the prompt order all come back).
+    common = dict(model="tiny", task="digit", lr=3e-3, max_new_tokens=6, batch_size=4, group_size=4, max_steps=3)
+    straight = train(Args(output_dir=str(tmp_path / "a"), save_every=0, **common))
+
+    real_save = grpo.save_checkpoint
+
+    def crash_on_final(path, *rest):
+        if path.name == "final":
+            raise KeyboardInterrupt("simulated crash")
+        real_save(path, *rest)
+
+    monkeypatch.setattr(grpo, "save_checkpoint", crash_on_final)
+    with pytest.raises(KeyboardInterrupt):
+        train(Args(output_dir=str(tmp_path / "b"), save_every=2, **common))
+    monkeypatch.setattr(grpo, "save_checkpoint", real_save)
+    (crashed,) = (tmp_path / "b").iterdir()
+    assert [r["step"] for r in read_jsonl(crashed / "metrics.jsonl")] == [1, 2, 3]
+
+    resumed = train(Args(output_dir=str(tmp_path / "b"), resume_from=str(crashed / "step-000002"), **common))
+    assert resumed == crashed
+    assert [r["step"] for r in read_jsonl(resumed / "metrics.jsonl")] == [1, 2, 3]  # no duplicate step 3
     a = AutoModelForCausalLM.from_pretrained(straight / "final").state_dict()
     b = AutoModelForCausalLM.from_pretrained(resumed / "final").state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # Only the newest checkpoint keeps the (large) optimizer state.
+    assert (resumed / "final" / "trainer_state.pt").exists()
+    assert not (resumed / "step-000002" / "trainer_state.pt").exists()
+    # Resuming with settings that change the meaning of the run stops with a message.
+    with pytest.raises(SystemExit, match="started with --seed 0"):
+        train(
+            Args(
+                output_dir=str(tmp_path / "b"), resume_from=str(resumed / "final"), **{**common, "max_steps": 4}, seed=1
+            )
+        )
 
 
 def run_cli(*arguments, cwd):
