@@ -7,6 +7,7 @@ scripts themselves, so that each script reads top to bottom on its own.
 
 import contextlib
 import dataclasses
+import inspect
 import json
 import os
 import random
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, HfArgumentParser
 from transformers.utils import logging as hf_logging
 
 hf_logging.disable_progress_bar()  # per-shard load/save bars would drown the training bar
@@ -39,6 +40,23 @@ MODEL_ALIASES = {
 }
 
 TRAINER_STATE = "trainer_state.pt"  # optimizer, scheduler, step and RNG states, for resuming
+
+
+# ----------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(args_class, argv: list[str] | None = None):
+    """Parses the command line into the training script's Args dataclass with
+    HfArgumentParser. Each field's help is the comment on its line in Args, so the dataclass
+    stays one line per hyperparameter and `--help` still explains every one."""
+    parser = HfArgumentParser(args_class)
+    comments = dict(re.findall(r"^\s+(\w+): [^#\n]*#\s*(.+)$", inspect.getsource(args_class), flags=re.M))
+    for action in parser._actions:
+        if action.dest in comments:
+            action.help = comments[action.dest].replace("%", "%%") + " (default: %(default)s)"
+    (args,) = parser.parse_args_into_dataclasses(args=argv)
+    return args
 
 
 # ----------------------------------------------------------------------------------------
@@ -178,8 +196,16 @@ def load_model(
     model.config.pad_token_id = tokenizer.pad_token_id
     model.to(device)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     return model, tokenizer, eos_ids
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Recompute activations in backward (less memory, one more forward). transformers 5.2x
+    renamed gradient_checkpointing_enable to activation_checkpointing_enable; 5.17 and older
+    have only the first name."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable({"use_reentrant": False})  # first parameter under both names
 
 
 def load_reference(name: str, device: torch.device, dtype: torch.dtype):

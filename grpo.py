@@ -32,7 +32,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
-from transformers import HfArgumentParser
 
 from common import (
     append_jsonl,
@@ -42,6 +41,7 @@ from common import (
     load_reference,
     load_trainer_state,
     make_run_dir,
+    parse_args,
     resolve_device,
     resolve_precision,
     rng_states,
@@ -546,44 +546,47 @@ def train(args: Args) -> Path:
         time_update = time.perf_counter() - timer
 
         # 7. Log: every metric from the tensors the loss used, masked, over the whole batch.
-        num_updates = len(grad_norms)
-        metrics = step_metrics(
+        times = {"generate": time_generate, "reward": time_reward, "logprobs": time_logprobs, "update": time_update}
+        rollout = step_metrics(
             rewards, scores, completion_mask, truncated, entropy, old_logp, sample_logp, args.group_size
         )
-        metrics.update(
-            {
-                "step": step + 1,
-                "loss/policy": update["loss"] / num_updates,
-                "kl/mean": update["kl"] / update["tokens"],
-                "clip/low": update["clip_low"] / update["tokens"],
-                "clip/high": update["clip_high"] / update["tokens"],
-                "clip/fraction": (update["clip_low"] + update["clip_high"]) / update["tokens"],
-                "clip/dual": update["clip_dual"] / update["tokens"],
-                "clip/ratio_max": update["ratio_max"],
-                "optim/grad_norm": sum(grad_norms) / num_updates,
-                "optim/lr": learning_rate,
-                "throughput/tokens_per_s": lengths.sum().item() / time_generate,
-                "time/generate": time_generate,
-                "time/reward": time_reward,
-                "time/logprobs": time_logprobs,
-                "time/update": time_update,
-            }
-        )
+        metrics = {
+            "step": step + 1,
+            **rollout,
+            **update_metrics(update, grad_norms, learning_rate),
+            "throughput/tokens_per_s": lengths.sum().item() / time_generate,
+            **{f"time/{phase}": seconds for phase, seconds in times.items()},
+        }
         append_jsonl(run_dir / "metrics.jsonl", metrics)
         progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", len=f"{metrics['completion/length_mean']:.0f}")
         if args.sample_every and step % args.sample_every == 0:
             for i in range(0, min(args.num_samples * args.group_size, num_sequences), args.group_size):
                 prompt = tokenizer.decode(prompt_ids[i][prompt_mask[i].bool()])
-                append_jsonl(
-                    run_dir / "samples.jsonl",
-                    {"step": step + 1, "prompt": prompt, "completion": texts[i], "reward": scores[i].reward},
-                )
+                record = {"step": step + 1, "prompt": prompt, "completion": texts[i], "reward": scores[i].reward}
+                append_jsonl(run_dir / "samples.jsonl", record)
 
         # 8. Checkpoint.
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:
             checkpoint(f"step-{step + 1:06d}", step + 1)
     checkpoint("final", args.max_steps)
     return run_dir
+
+
+def update_metrics(update: dict, grad_norms: list[float], learning_rate: float) -> dict:
+    """Statistics of step 6, from the sums policy_backward collected over every micro-batch
+    (never the last micro-batch alone)."""
+    tokens = update["tokens"]
+    return {
+        "loss/policy": update["loss"] / len(grad_norms),  # mean over the optimizer steps
+        "kl/mean": update["kl"] / tokens,
+        "clip/low": update["clip_low"] / tokens,
+        "clip/high": update["clip_high"] / tokens,
+        "clip/fraction": (update["clip_low"] + update["clip_high"]) / tokens,
+        "clip/dual": update["clip_dual"] / tokens,
+        "clip/ratio_max": update["ratio_max"],
+        "optim/grad_norm": sum(grad_norms) / len(grad_norms),
+        "optim/lr": learning_rate,
+    }
 
 
 def step_metrics(rewards, scores, completion_mask, truncated, entropy, old_logp, sample_logp, group_size) -> dict:
@@ -609,5 +612,4 @@ def step_metrics(rewards, scores, completion_mask, truncated, entropy, old_logp,
 
 
 if __name__ == "__main__":
-    (cli_args,) = HfArgumentParser(Args).parse_args_into_dataclasses()
-    train(cli_args)
+    train(parse_args(Args))

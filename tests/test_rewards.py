@@ -198,3 +198,19 @@ def test_digit_task():
     assert digit_score(" 7", {}).reward == REWARD_NONE  # the first character must be the digit
     assert digit_score("", {}).reward == REWARD_NONE
     assert digit_score("٣", {}).reward == REWARD_NONE  # ASCII digits only
+
+
+def test_dataset_loader_reads_the_public_layout(tmp_path):
+    # Jiayi-Pan/Countdown-Tasks-3to4 has columns `target` and `nums`; datasets.load_dataset
+    # reads a local directory of JSON lines through the same call as a Hub id.
+    rows = ['{"target": 51, "nums": [3, 5, 7, 11]}', '{"target": 24, "nums": [1, 3, 4, 6]}']
+    (tmp_path / "train.jsonl").write_text("\n".join(rows) + "\n")
+    task = load_task("countdown", dataset=str(tmp_path))
+    assert task.problems == [{"nums": [3, 5, 7, 11], "target": 51}, {"nums": [1, 3, 4, 6], "target": 24}]
+    assert countdown_score(wrap("5 * 11 - 7 + 3"), task.problems[0]).correct
+
+
+def test_dataset_loader_names_missing_columns(tmp_path):
+    (tmp_path / "train.jsonl").write_text('{"goal": 51, "nums": [3, 5, 7, 11]}\n')
+    with pytest.raises(SystemExit, match=r"lacks the column\(s\) \['target'\]"):
+        load_task("countdown", dataset=str(tmp_path))

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import grpo
-from common import load_model, read_jsonl
+from common import enable_activation_checkpointing, load_model, read_jsonl
 from conftest import ROOT
 from grpo import Args, encode_prompts, generate, policy_backward, sequence_logprobs, train
 from rewards import load_task
@@ -62,6 +62,22 @@ def test_gradient_accumulation_equals_one_big_batch(rollout, loss_type):
     for gradient, loss in zip(gradients[1:], losses[1:]):
         assert torch.allclose(gradient, gradients[0], rtol=1e-4, atol=1e-7)
         assert loss == pytest.approx(losses[0], rel=1e-5)
+
+
+def test_gradient_checkpointing_gives_the_same_gradient(rollout):
+    # Recomputing activations in backward must not change the gradient.
+    model, tokenizer, batch = rollout
+    gradients = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            enable_activation_checkpointing(model)
+        model.train().zero_grad(set_to_none=True)
+        policy_backward(model, batch, Args(beta=0.04, micro_batch_size=4), len(tokenizer))
+        gradients.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+    disable()
+    model.eval().zero_grad(set_to_none=True)
+    assert torch.allclose(gradients[0], gradients[1], rtol=1e-5, atol=1e-8)
 
 
 def test_on_policy_ratio_is_exactly_one(rollout):
@@ -187,6 +203,16 @@ def test_every_logged_metric_is_explained_in_the_readme(tmp_path):
     logged = set(read_jsonl(run_dir / "metrics.jsonl")[0])
     documented = set(re.findall(r"^\| `([\w/]+)` \|", (ROOT / "README.md").read_text(), flags=re.M))
     assert logged - documented == set(), "metrics missing from README's table"
+
+
+def test_help_lists_every_hyperparameter_with_its_meaning(tmp_path):
+    result = run_cli("--help", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())  # argparse wraps lines
+    for field in dataclasses.fields(Args):
+        assert f"--{field.name}" in text
+    assert "ε, clip range of the token ratio, DAPO Eq. 5 (grpo, dr_grpo) (default: 0.2)" in text
+    assert "μ, GRPO iterations over each batch" in text
 
 
 def test_args_have_a_help_comment_each():
