@@ -293,8 +293,9 @@ def build_tiny_model(cache_dir: str | None = None) -> Path:
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.pad_token_id,
     )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
+    with torch.random.fork_rng(devices=[]):  # a fixed init that leaves the caller's RNG untouched
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config)
     generation = GenerationConfig(
         eos_token_id=[tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")],
         pad_token_id=tokenizer.pad_token_id,

@@ -121,3 +121,18 @@ def test_checkpoint_round_trip_and_overwrite(tiny, tmp_path):
     assert (path / "model.safetensors").exists()
     with pytest.raises(SystemExit, match="no trainer_state.pt"):
         load_trainer_state(str(tmp_path))
+
+
+def test_tiny_build_is_deterministic_and_leaves_the_rng_alone(tmp_path):
+    # Two fresh builds give the same tokenizer and weights, and building (the first run on a
+    # machine) must not shift the caller's RNG, or that run would sample differently.
+    from common import build_tiny_model
+
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    first, second = build_tiny_model(str(tmp_path / "a")), build_tiny_model(str(tmp_path / "b"))
+    assert torch.equal(torch.get_rng_state(), state)
+    assert (first / "tokenizer.json").read_text() == (second / "tokenizer.json").read_text()
+    a = AutoModelForCausalLM.from_pretrained(first).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(second).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
