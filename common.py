@@ -76,8 +76,9 @@ def resolve_precision(dtype: str, device: torch.device) -> tuple[torch.dtype, to
     """Returns (weight dtype, autocast dtype or None).
 
     'auto' on CUDA keeps fp32 weights and optimizer state and computes in bf16 (autocast):
-    with lr 1e-6 an Adam update is ~1e-6 of a weight, far below bf16's resolution (8 bits of
-    significand, ~4e-3 relative), so bf16 weights would round most updates away.
+    an Adam step moves a weight by about lr = 1e-6, far below bf16's resolution (8 bits of
+    significand: ~4e-3 relative, ~1e-4 for a weight of 0.02), so bf16 weights would round most
+    updates away.
     'bfloat16' stores the weights in bf16 too (half the memory; for models that don't fit
     otherwise). On the CPU everything is fp32.
     """
