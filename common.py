@@ -7,15 +7,19 @@ scripts themselves, so that each script reads top to bottom on its own.
 
 import contextlib
 import dataclasses
+import difflib
 import inspect
 import json
 import os
 import random
 import re
+import shlex
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -39,6 +43,8 @@ MODEL_ALIASES = {
     "Qwen3-1.7B": "Qwen/Qwen3-1.7B",
 }
 
+# Files that hold a tokenizer's vocabulary; a model directory needs at least one of them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 TRAINER_STATE = "trainer_state.pt"  # optimizer, scheduler, step and RNG states, for resuming
 
 
@@ -49,14 +55,104 @@ TRAINER_STATE = "trainer_state.pt"  # optimizer, scheduler, step and RNG states,
 def parse_args(args_class, argv: list[str] | None = None):
     """Parses the command line into the training script's Args dataclass with
     HfArgumentParser. Each field's help is the comment on its line in Args, so the dataclass
-    stays one line per hyperparameter and `--help` still explains every one."""
+    stays one line per hyperparameter and `--help` still explains every one.
+
+    Two things argparse gets wrong for us: a negative number in scientific notation
+    (`--lr -1e-6`) reads as a flag, so a value that parses as a number is attached to the flag
+    before it (`--lr=-1e-6`), and check_args can then say what is wrong with it; and an unknown
+    flag such as `--maxsteps` stops with argparse's usual message plus the closest valid name."""
     parser = HfArgumentParser(args_class)
     comments = dict(re.findall(r"^\s+(\w+): [^#\n]*#\s*(.+)$", inspect.getsource(args_class), flags=re.M))
     for action in parser._actions:
         if action.dest in comments:
             action.help = comments[action.dest].replace("%", "%%") + " (default: %(default)s)"
-    (args,) = parser.parse_args_into_dataclasses(args=argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    attached = []
+    for token in argv:
+        if attached and _is_number(token) and token.startswith("-") and _takes_value(attached[-1]):
+            attached[-1] = f"{attached[-1]}={token}"
+        else:
+            attached.append(token)
+    args, unknown = parser.parse_args_into_dataclasses(args=attached, return_remaining_strings=True)
+    if unknown:
+        flags = [option for action in parser._actions for option in action.option_strings]
+        hints = []
+        for token in unknown:
+            close = difflib.get_close_matches(token.split("=", 1)[0], flags, n=1) if token.startswith("-") else []
+            hints.append(f"{token} (did you mean {close[0]}?)" if close else token)
+        parser.error(f"unrecognized arguments: {' '.join(hints)}. See --help for every option.")
     return args
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
+def _takes_value(token: str) -> bool:
+    """A flag without an attached value ('--lr', not '--lr=1e-6' and not a value itself)."""
+    return token.startswith("--") and "=" not in token
+
+
+def check_run_args(args) -> list[str]:
+    """The checks every training script shares (its check_args adds its own): each value in
+    range, before anything is loaded, so a typo costs a second and not a model load.
+    Returns the problems found, one line each."""
+    problems = []
+    if not args.lr > 0:
+        problems.append(f"--lr must be > 0 (got {args.lr}); the seed study used 1e-6 to 3e-6.")
+    if not 0 <= args.adam_beta2 < 1:
+        problems.append(f"--adam_beta2 must be in [0, 1) (got {args.adam_beta2}).")
+    if not args.max_grad_norm > 0:
+        problems.append(f"--max_grad_norm must be > 0 (got {args.max_grad_norm}).")
+    for name in ("warmup_steps", "weight_decay", "save_every", "sample_every", "num_samples", "seed"):
+        if getattr(args, name) < 0:
+            problems.append(f"--{name} must be >= 0 (got {getattr(args, name)}).")
+    if args.max_steps < 1:
+        problems.append(f"--max_steps must be at least 1 (got {args.max_steps}): a run of no steps trains nothing.")
+    if args.dtype not in ("auto", "bfloat16", "float32"):
+        problems.append(f"--dtype {args.dtype!r} is not one of: auto, bfloat16, float32.")
+    if args.resume_from and not Path(args.resume_from, TRAINER_STATE).exists():
+        problems.append(
+            f"--resume_from {args.resume_from}: no {TRAINER_STATE} there. Only the newest checkpoint of a run "
+            "keeps it: point --resume_from at that one (runs/<run>/final or the last step-…)."
+        )
+    return problems
+
+
+def stop_interrupted(script: str, checkpoint: Path | None, steps_done: int) -> NoReturn:
+    """What Ctrl-C does: one line on stderr instead of a traceback, naming the newest
+    checkpoint and the command that continues from it (the same arguments with --resume_from
+    that checkpoint), then exit status 130 as for any program stopped by SIGINT."""
+    if checkpoint is None:
+        message = f"Interrupted after {steps_done} steps; no checkpoint yet (--save_every sets how often)."
+    else:
+        argv, skip = [], False
+        for token in sys.argv[1:]:  # keep every argument but an earlier --resume_from
+            if skip or token.startswith("--resume_from="):
+                skip = False
+            elif token == "--resume_from":
+                skip = True
+            else:
+                argv.append(token)
+        if sys.argv and sys.argv[0].endswith(".py"):
+            script = sys.argv[0]  # as the user typed it (path/to/grpo.py)
+        command = shlex.join(["python", script, *argv, "--resume_from", str(checkpoint)])
+        message = f"Interrupted after {steps_done} steps. Newest checkpoint: {checkpoint}. Continue with: {command}"
+    print(message, file=sys.stderr)
+    raise SystemExit(130)
+
+
+def record_args(run_dir: Path, args, resumed_at: int | None = None) -> None:
+    """Writes args.json, the arguments the run goes on with. On a resume the earlier file is
+    kept as args.before-step-<k>.json (k: the step resumed from), so no setting is lost."""
+    path = Path(run_dir) / "args.json"
+    if resumed_at is not None and path.exists():
+        path.replace(path.with_name(f"args.before-step-{resumed_at:06d}.json"))
+    path.write_text(json.dumps(dataclasses.asdict(args), indent=2) + "\n")
 
 
 # ----------------------------------------------------------------------------------------
@@ -178,10 +274,16 @@ def load_model(
             f"--model {name!r} is a directory without config.json. Point it at a model directory "
             "(one written by save_pretrained, e.g. runs/<run>/final) or use a Hub id."
         )
+    if Path(path).is_dir() and not any((Path(path) / f).exists() for f in TOKENIZER_FILES):
+        raise SystemExit(
+            f"--model {name!r}: the directory has a model but no tokenizer files (tokenizer.json, or "
+            "tokenizer.model, or vocab.json and merges.txt). Save them beside the weights with "
+            "AutoTokenizer.from_pretrained(<base model>).save_pretrained(<this directory>)."
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, KeyError) as error:  # KeyError: a corrupt tokenizer.json
         raise SystemExit(
             f"Could not load model {name!r} (resolved to {path!r}): {error}\n"
             "A Hub id needs internet access to huggingface.co, or the model in the local HF cache; "
@@ -337,7 +439,7 @@ def make_run_dir(args, algo: str, task: str | None = None) -> Path:
         suffix += 1
         path = Path(args.output_dir) / f"{algo}-{task}-{model_tag}-{stamp}-{suffix}"
     path.mkdir(parents=True)
-    (path / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2) + "\n")
+    record_args(path, args)
     return path
 
 

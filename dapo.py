@@ -53,18 +53,21 @@ from tqdm import tqdm
 from common import (
     append_jsonl,
     autocast,
+    check_run_args,
     drop_trainer_state,
     load_model,
     load_reference,
     load_trainer_state,
     make_run_dir,
     parse_args,
+    record_args,
     resolve_device,
     resolve_precision,
     rng_states,
     save_checkpoint,
     seed_everything,
     set_rng_states,
+    stop_interrupted,
     truncate_jsonl,
 )
 from rewards import load_heldout_task, load_task
@@ -131,7 +134,7 @@ SAME_ON_RESUME = (
 
 def check_args(args: Args) -> None:
     """Stops with a message on settings that cannot work, before anything is loaded."""
-    problems = []
+    problems = check_run_args(args)
     if args.group_size < 2:
         problems.append("--group_size must be at least 2: a group of one has no relative advantage.")
     if not 0 <= args.eps_low < 1 or args.eps_high < 0:
@@ -150,6 +153,9 @@ def check_args(args: Args) -> None:
         problems.append("--num_mini_batches must be at least 1 and divide batch_size * group_size.")
     if args.temperature <= 0 or not 0 < args.top_p <= 1:
         problems.append("Training needs --temperature > 0 and 0 < --top_p <= 1.")
+    for name in ("beta", "adv_eps"):
+        if getattr(args, name) < 0:
+            problems.append(f"--{name} must be >= 0 (got {getattr(args, name)}).")
     if args.dual_clip and args.dual_clip <= 1:
         problems.append("--dual_clip must be > 1 (e.g. 3), or 0 to disable it.")
     if args.eval_every < 0 or (args.eval_every and (args.eval_problems < 1 or args.eval_batch_size < 1)):
@@ -594,11 +600,11 @@ def evaluate_heldout(
         texts = tokenizer.batch_decode(
             [ids[:length] for ids, length in zip(completion_ids.tolist(), row_lengths)], skip_special_tokens=True
         )
-        scores += [task.score(text, problem) for text, problem in zip(texts, problems)]
+        scores += [task.score(*graded) for graded in zip(texts, problems, truncated.tolist())]
         lengths += row_lengths
         truncations += truncated.tolist()
     return {
-        "eval/accuracy": sum(s.correct for s in scores) / len(scores),
+        "eval/accuracy": sum(s.strict for s in scores) / len(scores),  # the answer where the prompt asks
         "eval/reward": sum(s.reward for s in scores) / len(scores),
         "eval/format": sum(s.formatted for s in scores) / len(scores),
         "eval/length_mean": sum(lengths) / len(lengths),
@@ -617,14 +623,15 @@ def train(args: Args) -> Path:
     device = resolve_device(args.device)
     weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
     seed_everything(args.seed)
+    # The task first: a wrong --task or --data_dir stops before any model loads.
+    task = load_task(args.task, args.seed, args.num_problems, args.dataset, data_dir=args.data_dir)
+    heldout = load_heldout_task(args.task, args.eval_problems, args.data_dir) if args.eval_every else None
     policy, tokenizer, eos_ids = load_model(
         args.resume_from or args.model, device, weight_dtype, args.gradient_checkpointing
     )
     policy.train()
     reference = load_reference(args.model, device, weight_dtype) if args.beta > 0 else None
     vocab_size = len(tokenizer)  # ids the tokenizer has; the embedding may have more rows
-    task = load_task(args.task, args.seed, args.num_problems, args.dataset, data_dir=args.data_dir)
-    heldout = load_heldout_task(args.task, args.eval_problems, args.data_dir) if args.eval_every else None
     optimizer = torch.optim.AdamW(
         policy.parameters(), lr=args.lr, betas=(0.9, args.adam_beta2), weight_decay=args.weight_decay
     )
@@ -641,6 +648,7 @@ def train(args: Args) -> Path:
         previous_checkpoint = Path(args.resume_from)
         for log in ("metrics.jsonl", "samples.jsonl"):  # drop what ran after the checkpoint
             truncate_jsonl(run_dir / log, last_step=start_step)
+        record_args(run_dir, args, resumed_at=start_step)  # the arguments the run goes on with
     else:
         run_dir = make_run_dir(args, "dapo")
     # Without dynamic sampling a step is one round of B prompts, exactly as in grpo.py.
@@ -694,7 +702,9 @@ def train(args: Args) -> Path:
         texts = tokenizer.batch_decode(
             [ids[:length] for ids, length in zip(completion_ids.tolist(), lengths.tolist())], skip_special_tokens=True
         )
-        scores = [task.score(text, problems[i // args.group_size]) for i, text in enumerate(texts)]
+        # A completion cut at max_new_tokens passes its truncation on: GSM8K's reward gives it 0.
+        cut = truncated.tolist()
+        scores = [task.score(text, problems[i // args.group_size], cut[i]) for i, text in enumerate(texts)]
         rewards = torch.tensor([s.reward for s in scores], dtype=torch.float32, device=device)  # (n,)
         times["reward"] += time.perf_counter() - timer
         return {
@@ -719,114 +729,133 @@ def train(args: Args) -> Path:
         )  # fmt: skip
 
     progress = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps, desc="dapo")
-    for step in progress:
-        # 1-3. Rounds of fresh prompts, generated and scored by sample_round, until B groups have
-        #      rewards that are not all equal (dynamic sampling, DAPO Eq. 11) or max_rounds ran.
-        times.clear()  # nothing of the last step's phases carries over into a skipped step's row
-        times.update(generate=0.0, reward=0.0)
-        rollouts, kept, sampling = dynamic_sampling(
-            sample_round, args.group_size, args.batch_size, max_rounds, args.dynamic_sampling
-        )
-        rounds_done += len(rollouts)
-        # Over every completion generated, kept or not: a step whose completions all hit the cap
-        # keeps no group (all rewards 0), and failure mode 7 must still show in its row.
-        generated_lengths = torch.cat([rollout["completion_mask"].sum(-1) for rollout in rollouts]).float()
-        sampling["sampling/length_mean"] = generated_lengths.mean().item()
-        sampling["sampling/truncated"] = torch.cat([rollout["truncated"] for rollout in rollouts]).float().mean().item()
-        if not kept:  # max_rounds rounds without one informative group: no update this step
-            skipped = {"step": step + 1, **sampling, **{f"time/{phase}": seconds for phase, seconds in times.items()}}
-            append_jsonl(run_dir / "metrics.jsonl", {**skipped, **evaluate_if_due(step)})  # steps 7-8, as below
-            if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:
-                checkpoint(f"step-{step + 1:06d}", step + 1)  # step 9, as below
-            continue
-        sampled = select_groups(rollouts, kept, args.group_size, tokenizer.pad_token_id)
-        prompt_ids, prompt_mask = sampled["prompt_ids"], sampled["prompt_mask"]  # (N, P)
-        completion_ids, completion_mask = sampled["completion_ids"], sampled["completion_mask"]  # (N, T)
-        truncated, rewards, sample_logp = sampled["truncated"], sampled["rewards"], sampled["sample_logp"]
-        texts, scores = sampled["texts"], sampled["scores"]
-        num_sequences = completion_ids.shape[0]  # N = (groups kept)·G, at most B·G
+    try:
+        for step in progress:
+            # 1-3. Rounds of fresh prompts, generated and scored by sample_round, until B groups have
+            #      rewards that are not all equal (dynamic sampling, DAPO Eq. 11) or max_rounds ran.
+            times.clear()  # nothing of the last step's phases carries over into a skipped step's row
+            times.update(generate=0.0, reward=0.0)
+            rollouts, kept, sampling = dynamic_sampling(
+                sample_round, args.group_size, args.batch_size, max_rounds, args.dynamic_sampling
+            )
+            rounds_done += len(rollouts)
+            # Over every completion generated, kept or not: a step whose completions all hit the cap
+            # keeps no group (all rewards 0), and failure mode 7 must still show in its row.
+            generated_lengths = torch.cat([rollout["completion_mask"].sum(-1) for rollout in rollouts]).float()
+            sampling["sampling/length_mean"] = generated_lengths.mean().item()
+            sampling["sampling/truncated"] = (
+                torch.cat([rollout["truncated"] for rollout in rollouts]).float().mean().item()
+            )
+            if not kept:  # max_rounds rounds without one informative group: no update this step
+                skipped = {
+                    "step": step + 1,
+                    **sampling,
+                    **{f"time/{phase}": seconds for phase, seconds in times.items()},
+                }
+                append_jsonl(run_dir / "metrics.jsonl", {**skipped, **evaluate_if_due(step)})  # steps 7-8, as below
+                if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:
+                    checkpoint(f"step-{step + 1:06d}", step + 1)  # step 9, as below
+                continue
+            sampled = select_groups(rollouts, kept, args.group_size, tokenizer.pad_token_id)
+            prompt_ids, prompt_mask = sampled["prompt_ids"], sampled["prompt_mask"]  # (N, P)
+            completion_ids, completion_mask = sampled["completion_ids"], sampled["completion_mask"]  # (N, T)
+            truncated, rewards, sample_logp = sampled["truncated"], sampled["rewards"], sampled["sample_logp"]
+            texts, scores = sampled["texts"], sampled["scores"]
+            num_sequences = completion_ids.shape[0]  # N = (groups kept)·G, at most B·G
 
-        # 4. Log-probs of the sampled tokens under π_θold and π_ref, no grad.
-        timer = time.perf_counter()
-        policy.eval()  # same mode as sampling (matters for models with dropout)
-        with torch.no_grad(), autocast(device, compute_dtype):
-            old_logp, entropy = sequence_logprobs(
-                policy, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                args.temperature, vocab_size, args.logprob_chunk_size, with_entropy=True,
-            )  # fmt: skip
-            ref_logp = None
-            if reference is not None:
-                ref_logp, _ = sequence_logprobs(
-                    reference, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                    args.temperature, vocab_size, args.logprob_chunk_size,
+            # 4. Log-probs of the sampled tokens under π_θold and π_ref, no grad.
+            timer = time.perf_counter()
+            policy.eval()  # same mode as sampling (matters for models with dropout)
+            with torch.no_grad(), autocast(device, compute_dtype):
+                old_logp, entropy = sequence_logprobs(
+                    policy, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                    args.temperature, vocab_size, args.logprob_chunk_size, with_entropy=True,
                 )  # fmt: skip
-        policy.train()
-        times["logprobs"] = time.perf_counter() - timer
+                ref_logp = None
+                if reference is not None:
+                    ref_logp, _ = sequence_logprobs(
+                        reference, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                        args.temperature, vocab_size, args.logprob_chunk_size,
+                    )  # fmt: skip
+            policy.train()
+            times["logprobs"] = time.perf_counter() - timer
 
-        # 5. Group-relative advantages of the task reward plus the overlong penalty (DAPO Eq. 13).
-        advantages, length_penalty = shaped_advantages(
-            rewards, completion_mask.sum(-1), args.group_size, args.max_new_tokens, args.overlong_buffer, args.adv_eps
-        )  # (N,), (N,)
+            # 5. Group-relative advantages of the task reward plus the overlong penalty (DAPO Eq. 13).
+            advantages, length_penalty = shaped_advantages(
+                rewards,
+                completion_mask.sum(-1),
+                args.group_size,
+                args.max_new_tokens,
+                args.overlong_buffer,
+                args.adv_eps,
+            )  # (N,), (N,)
 
-        # 6. μ iterations over shuffled mini-batches; one optimizer step per mini-batch.
-        timer = time.perf_counter()
-        batch = {
-            "prompt_ids": prompt_ids,
-            "prompt_mask": prompt_mask,
-            "completion_ids": completion_ids,
-            "completion_mask": completion_mask,
-            "truncated": truncated,
-            "old_logp": old_logp,
-            "ref_logp": ref_logp,
-            "advantages": advantages,
-        }
-        update, grad_norms = {}, []
-        for _ in range(args.num_iterations):
-            order = torch.randperm(num_sequences, device=device)
-            # N < B·G need not split evenly: tensor_split makes sizes differ by at most one row.
-            for rows in order.tensor_split(min(args.num_mini_batches, num_sequences)):
-                mini = {k: v[rows] if v is not None else None for k, v in batch.items()}
-                totals = policy_backward(policy, mini, args, vocab_size, amp=lambda: autocast(device, compute_dtype))
-                grad_norms.append(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm).item())
-                if totals["tokens"]:  # overlong filtering may leave no token: AdamW's momentum alone must not move θ
-                    optimizer.step()
-                optimizer.zero_grad(set_to_none=True)  # free the gradients before the next generation
-                accumulate(update, totals)
-        learning_rate = scheduler.get_last_lr()[0]  # the rate this step trained with
-        scheduler.step()
-        times["update"] = time.perf_counter() - timer
+            # 6. μ iterations over shuffled mini-batches; one optimizer step per mini-batch.
+            timer = time.perf_counter()
+            batch = {
+                "prompt_ids": prompt_ids,
+                "prompt_mask": prompt_mask,
+                "completion_ids": completion_ids,
+                "completion_mask": completion_mask,
+                "truncated": truncated,
+                "old_logp": old_logp,
+                "ref_logp": ref_logp,
+                "advantages": advantages,
+            }
+            update, grad_norms = {}, []
+            for _ in range(args.num_iterations):
+                order = torch.randperm(num_sequences, device=device)
+                # N < B·G need not split evenly: tensor_split makes sizes differ by at most one row.
+                for rows in order.tensor_split(min(args.num_mini_batches, num_sequences)):
+                    mini = {k: v[rows] if v is not None else None for k, v in batch.items()}
+                    totals = policy_backward(
+                        policy, mini, args, vocab_size, amp=lambda: autocast(device, compute_dtype)
+                    )
+                    grad_norms.append(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm).item())
+                    if totals[
+                        "tokens"
+                    ]:  # overlong filtering may leave no token: AdamW's momentum alone must not move θ
+                        optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)  # free the gradients before the next generation
+                    accumulate(update, totals)
+            learning_rate = scheduler.get_last_lr()[0]  # the rate this step trained with
+            scheduler.step()
+            times["update"] = time.perf_counter() - timer
 
-        # 7. Every eval_every steps and at the end: greedy accuracy on held-out problems.
-        evaluation = evaluate_if_due(step)
+            # 7. Every eval_every steps and at the end: greedy accuracy on held-out problems.
+            evaluation = evaluate_if_due(step)
 
-        # 8. Log: every metric from the tensors the loss used, masked, over the whole batch.
-        rollout = step_metrics(
-            rewards, scores, completion_mask, truncated, entropy, old_logp, sample_logp, args.group_size
-        )
-        metrics = {
-            "step": step + 1,
-            **rollout,
-            **sampling,
-            "reward/overlong_penalty": length_penalty.mean().item(),
-            **update_metrics(update, grad_norms, learning_rate),
-            "throughput/tokens_per_s": generated_lengths.sum().item() / times["generate"],
-            **{f"time/{phase}": seconds for phase, seconds in times.items()},
-            **evaluation,
-        }
-        append_jsonl(run_dir / "metrics.jsonl", metrics)
-        progress.set_postfix(
-            reward=f"{metrics['sampling/reward_mean']:.3f}", len=f"{metrics['completion/length_mean']:.0f}"
-        )
-        if args.sample_every and step % args.sample_every == 0:
-            for i in range(0, min(args.num_samples * args.group_size, num_sequences), args.group_size):
-                prompt = tokenizer.decode(prompt_ids[i][prompt_mask[i].bool()])
-                record = {"step": step + 1, "prompt": prompt, "completion": texts[i], "reward": scores[i].reward}
-                append_jsonl(run_dir / "samples.jsonl", record)
+            # 8. Log: every metric from the tensors the loss used, masked, over the whole batch.
+            rollout = step_metrics(
+                rewards, scores, completion_mask, truncated, entropy, old_logp, sample_logp, args.group_size
+            )
+            metrics = {
+                "step": step + 1,
+                **rollout,
+                **sampling,
+                "reward/overlong_penalty": length_penalty.mean().item(),
+                **update_metrics(update, grad_norms, learning_rate),
+                "throughput/tokens_per_s": generated_lengths.sum().item() / times["generate"],
+                **{f"time/{phase}": seconds for phase, seconds in times.items()},
+                **evaluation,
+            }
+            append_jsonl(run_dir / "metrics.jsonl", metrics)
+            progress.set_postfix(
+                reward=f"{metrics['sampling/reward_mean']:.3f}", len=f"{metrics['completion/length_mean']:.0f}"
+            )
+            if args.sample_every and step % args.sample_every == 0:
+                for i in range(0, min(args.num_samples * args.group_size, num_sequences), args.group_size):
+                    prompt = tokenizer.decode(prompt_ids[i][prompt_mask[i].bool()])
+                    record = {"step": step + 1, "prompt": prompt, "completion": texts[i], "reward": scores[i].reward}
+                    append_jsonl(run_dir / "samples.jsonl", record)
 
-        # 9. Checkpoint.
-        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:
-            checkpoint(f"step-{step + 1:06d}", step + 1)
-    checkpoint("final", args.max_steps)
+            # 9. Checkpoint.
+            if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:
+                checkpoint(f"step-{step + 1:06d}", step + 1)
+        checkpoint("final", args.max_steps)
+    except KeyboardInterrupt:  # Ctrl-C: one line naming the newest checkpoint, not a traceback
+        progress.close()
+        stop_interrupted("dapo.py", previous_checkpoint, progress.n)
     return run_dir
 
 
@@ -870,4 +899,7 @@ def step_metrics(rewards, scores, completion_mask, truncated, entropy, old_logp,
 
 
 if __name__ == "__main__":
-    train(parse_args(Args))
+    try:
+        train(parse_args(Args))
+    except KeyboardInterrupt:  # during set-up, before the first step
+        raise SystemExit("Interrupted before the first training step: nothing to resume.") from None

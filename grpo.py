@@ -38,18 +38,21 @@ from tqdm import tqdm
 from common import (
     append_jsonl,
     autocast,
+    check_run_args,
     drop_trainer_state,
     load_model,
     load_reference,
     load_trainer_state,
     make_run_dir,
     parse_args,
+    record_args,
     resolve_device,
     resolve_precision,
     rng_states,
     save_checkpoint,
     seed_everything,
     set_rng_states,
+    stop_interrupted,
     truncate_jsonl,
 )
 from rewards import load_heldout_task, load_task
@@ -111,7 +114,7 @@ SAME_ON_RESUME = ("model", "task", "dataset", "num_problems", "seed", "batch_siz
 
 def check_args(args: Args) -> None:
     """Stops with a message on settings that cannot work, before anything is loaded."""
-    problems = []
+    problems = check_run_args(args)
     if args.group_size < 2:
         problems.append("--group_size must be at least 2: a group of one has no relative advantage.")
     if args.loss_type not in ("grpo", "dr_grpo", "gspo"):
@@ -120,6 +123,12 @@ def check_args(args: Args) -> None:
         problems.append("--num_mini_batches must be at least 1 and divide batch_size * group_size.")
     if args.temperature <= 0 or not 0 < args.top_p <= 1:
         problems.append("Training needs --temperature > 0 and 0 < --top_p <= 1.")
+    for name in ("eps", "gspo_eps_low", "gspo_eps_high"):
+        if getattr(args, name) <= 0:
+            problems.append(f"--{name} must be > 0 (got {getattr(args, name)}).")
+    for name in ("beta", "adv_eps"):
+        if getattr(args, name) < 0:
+            problems.append(f"--{name} must be >= 0 (got {getattr(args, name)}).")
     if args.dual_clip and args.dual_clip <= 1:
         problems.append("--dual_clip must be > 1 (e.g. 3), or 0 to disable it.")
     if args.eval_every < 0 or (args.eval_every and (args.eval_problems < 1 or args.eval_batch_size < 1)):
@@ -453,11 +462,11 @@ def evaluate_heldout(
         texts = tokenizer.batch_decode(
             [ids[:length] for ids, length in zip(completion_ids.tolist(), row_lengths)], skip_special_tokens=True
         )
-        scores += [task.score(text, problem) for text, problem in zip(texts, problems)]
+        scores += [task.score(*graded) for graded in zip(texts, problems, truncated.tolist())]
         lengths += row_lengths
         truncations += truncated.tolist()
     return {
-        "eval/accuracy": sum(s.correct for s in scores) / len(scores),
+        "eval/accuracy": sum(s.strict for s in scores) / len(scores),  # the answer where the prompt asks
         "eval/reward": sum(s.reward for s in scores) / len(scores),
         "eval/format": sum(s.formatted for s in scores) / len(scores),
         "eval/length_mean": sum(lengths) / len(lengths),
@@ -476,14 +485,15 @@ def train(args: Args) -> Path:
     device = resolve_device(args.device)
     weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
     seed_everything(args.seed)
+    # The task first: a wrong --task or --data_dir stops before any model loads.
+    task = load_task(args.task, args.seed, args.num_problems, args.dataset, data_dir=args.data_dir)
+    heldout = load_heldout_task(args.task, args.eval_problems, args.data_dir) if args.eval_every else None
     policy, tokenizer, eos_ids = load_model(
         args.resume_from or args.model, device, weight_dtype, args.gradient_checkpointing
     )
     policy.train()
     reference = load_reference(args.model, device, weight_dtype) if args.beta > 0 else None
     vocab_size = len(tokenizer)  # ids the tokenizer has; the embedding may have more rows
-    task = load_task(args.task, args.seed, args.num_problems, args.dataset, data_dir=args.data_dir)
-    heldout = load_heldout_task(args.task, args.eval_problems, args.data_dir) if args.eval_every else None
     optimizer = torch.optim.AdamW(
         policy.parameters(), lr=args.lr, betas=(0.9, args.adam_beta2), weight_decay=args.weight_decay
     )
@@ -498,6 +508,7 @@ def train(args: Args) -> Path:
         previous_checkpoint = Path(args.resume_from)
         for log in ("metrics.jsonl", "samples.jsonl"):  # drop what ran after the checkpoint
             truncate_jsonl(run_dir / log, last_step=start_step)
+        record_args(run_dir, args, resumed_at=start_step)  # the arguments the run goes on with
     else:
         run_dir = make_run_dir(args, "grpo")
     num_sequences = args.batch_size * args.group_size  # N
@@ -513,120 +524,129 @@ def train(args: Args) -> Path:
         previous_checkpoint = run_dir / name
 
     progress = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps, desc="grpo")
-    for step in progress:
-        timer = time.perf_counter()
-        # 1. Sample B prompts; each is repeated G times.
-        problems = [task.problems[i] for i in prompt_indices(step, args.batch_size, len(task.problems), args.seed)]
-        prompt_ids, prompt_mask = encode_prompts(
-            tokenizer, [task.messages(p) for p in problems], args.group_size, device
-        )  # (N, P)
+    try:
+        for step in progress:
+            timer = time.perf_counter()
+            # 1. Sample B prompts; each is repeated G times.
+            problems = [task.problems[i] for i in prompt_indices(step, args.batch_size, len(task.problems), args.seed)]
+            prompt_ids, prompt_mask = encode_prompts(
+                tokenizer, [task.messages(p) for p in problems], args.group_size, device
+            )  # (N, P)
 
-        # 2. Generate G completions per prompt with the current policy (π_θold).
-        with autocast(device, compute_dtype):
-            completion_ids, completion_mask, truncated, sample_logp = generate(
-                policy,
-                prompt_ids,
-                prompt_mask,
-                args.max_new_tokens,
-                eos_ids,
-                tokenizer.pad_token_id,
-                vocab_size,
-                args.temperature,
-                args.top_p,
-            )  # (N, T), (N, T), (N,), (N, T)
-        time_generate = time.perf_counter() - timer
+            # 2. Generate G completions per prompt with the current policy (π_θold).
+            with autocast(device, compute_dtype):
+                completion_ids, completion_mask, truncated, sample_logp = generate(
+                    policy,
+                    prompt_ids,
+                    prompt_mask,
+                    args.max_new_tokens,
+                    eos_ids,
+                    tokenizer.pad_token_id,
+                    vocab_size,
+                    args.temperature,
+                    args.top_p,
+                )  # (N, T), (N, T), (N,), (N, T)
+            time_generate = time.perf_counter() - timer
 
-        # 3. Score every completion with the task's rule-based reward.
-        timer = time.perf_counter()
-        lengths = completion_mask.sum(-1)  # (N,)
-        texts = tokenizer.batch_decode(
-            [ids[:length] for ids, length in zip(completion_ids.tolist(), lengths.tolist())], skip_special_tokens=True
-        )
-        scores = [task.score(text, problems[i // args.group_size]) for i, text in enumerate(texts)]
-        rewards = torch.tensor([s.reward for s in scores], dtype=torch.float32, device=device)  # (N,)
-        time_reward = time.perf_counter() - timer
+            # 3. Score every completion with the task's rule-based reward.
+            timer = time.perf_counter()
+            lengths = completion_mask.sum(-1)  # (N,)
+            texts = tokenizer.batch_decode(
+                [ids[:length] for ids, length in zip(completion_ids.tolist(), lengths.tolist())],
+                skip_special_tokens=True,
+            )
+            # A completion cut at max_new_tokens passes its truncation on: GSM8K's reward gives it 0.
+            cut = truncated.tolist()
+            scores = [task.score(text, problems[i // args.group_size], cut[i]) for i, text in enumerate(texts)]
+            rewards = torch.tensor([s.reward for s in scores], dtype=torch.float32, device=device)  # (N,)
+            time_reward = time.perf_counter() - timer
 
-        # 4. Log-probs of the sampled tokens under π_θold and π_ref, no grad.
-        timer = time.perf_counter()
-        policy.eval()  # same mode as sampling (matters for models with dropout)
-        with torch.no_grad(), autocast(device, compute_dtype):
-            old_logp, entropy = sequence_logprobs(
-                policy, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                args.temperature, vocab_size, args.logprob_chunk_size, with_entropy=True,
-            )  # fmt: skip
-            ref_logp = None
-            if reference is not None:
-                ref_logp, _ = sequence_logprobs(
-                    reference, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                    args.temperature, vocab_size, args.logprob_chunk_size,
+            # 4. Log-probs of the sampled tokens under π_θold and π_ref, no grad.
+            timer = time.perf_counter()
+            policy.eval()  # same mode as sampling (matters for models with dropout)
+            with torch.no_grad(), autocast(device, compute_dtype):
+                old_logp, entropy = sequence_logprobs(
+                    policy, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                    args.temperature, vocab_size, args.logprob_chunk_size, with_entropy=True,
                 )  # fmt: skip
-        policy.train()
-        time_logprobs = time.perf_counter() - timer
+                ref_logp = None
+                if reference is not None:
+                    ref_logp, _ = sequence_logprobs(
+                        reference, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                        args.temperature, vocab_size, args.logprob_chunk_size,
+                    )  # fmt: skip
+            policy.train()
+            time_logprobs = time.perf_counter() - timer
 
-        # 5. Group-relative advantages: one number per completion, shared by its tokens.
-        advantages = group_advantages(
-            rewards, args.group_size, scale_by_std=args.loss_type != "dr_grpo", eps=args.adv_eps
-        )  # (N,)
+            # 5. Group-relative advantages: one number per completion, shared by its tokens.
+            advantages = group_advantages(
+                rewards, args.group_size, scale_by_std=args.loss_type != "dr_grpo", eps=args.adv_eps
+            )  # (N,)
 
-        # 6. μ iterations over shuffled mini-batches; one optimizer step per mini-batch.
-        timer = time.perf_counter()
-        batch = {
-            "prompt_ids": prompt_ids,
-            "prompt_mask": prompt_mask,
-            "completion_ids": completion_ids,
-            "completion_mask": completion_mask,
-            "old_logp": old_logp,
-            "ref_logp": ref_logp,
-            "advantages": advantages,
-        }
-        update, grad_norms = {}, []
-        for _ in range(args.num_iterations):
-            order = torch.randperm(num_sequences, device=device)
-            for start in range(0, num_sequences, mini_batch):
-                rows = order[start : start + mini_batch]
-                mini = {k: v[rows] if v is not None else None for k, v in batch.items()}
-                totals = policy_backward(policy, mini, args, vocab_size, amp=lambda: autocast(device, compute_dtype))
-                grad_norms.append(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm).item())
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)  # free the gradients before the next generation
-                accumulate(update, totals)
-        learning_rate = scheduler.get_last_lr()[0]  # the rate this step trained with
-        scheduler.step()
-        time_update = time.perf_counter() - timer
+            # 6. μ iterations over shuffled mini-batches; one optimizer step per mini-batch.
+            timer = time.perf_counter()
+            batch = {
+                "prompt_ids": prompt_ids,
+                "prompt_mask": prompt_mask,
+                "completion_ids": completion_ids,
+                "completion_mask": completion_mask,
+                "old_logp": old_logp,
+                "ref_logp": ref_logp,
+                "advantages": advantages,
+            }
+            update, grad_norms = {}, []
+            for _ in range(args.num_iterations):
+                order = torch.randperm(num_sequences, device=device)
+                for start in range(0, num_sequences, mini_batch):
+                    rows = order[start : start + mini_batch]
+                    mini = {k: v[rows] if v is not None else None for k, v in batch.items()}
+                    totals = policy_backward(
+                        policy, mini, args, vocab_size, amp=lambda: autocast(device, compute_dtype)
+                    )
+                    grad_norms.append(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm).item())
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)  # free the gradients before the next generation
+                    accumulate(update, totals)
+            learning_rate = scheduler.get_last_lr()[0]  # the rate this step trained with
+            scheduler.step()
+            time_update = time.perf_counter() - timer
 
-        # 7. Every eval_every steps and at the end: greedy accuracy on held-out problems.
-        evaluation = {}
-        if heldout is not None and ((step + 1) % args.eval_every == 0 or step + 1 == args.max_steps):
-            evaluation = evaluate_heldout(
-                policy, tokenizer, eos_ids, heldout, args.max_new_tokens, args.eval_batch_size,
-                amp=lambda: autocast(device, compute_dtype),
-            )  # fmt: skip
+            # 7. Every eval_every steps and at the end: greedy accuracy on held-out problems.
+            evaluation = {}
+            if heldout is not None and ((step + 1) % args.eval_every == 0 or step + 1 == args.max_steps):
+                evaluation = evaluate_heldout(
+                    policy, tokenizer, eos_ids, heldout, args.max_new_tokens, args.eval_batch_size,
+                    amp=lambda: autocast(device, compute_dtype),
+                )  # fmt: skip
 
-        # 8. Log: every metric from the tensors the loss used, masked, over the whole batch.
-        times = {"generate": time_generate, "reward": time_reward, "logprobs": time_logprobs, "update": time_update}
-        rollout = step_metrics(
-            rewards, scores, completion_mask, truncated, entropy, old_logp, sample_logp, args.group_size
-        )
-        metrics = {
-            "step": step + 1,
-            **rollout,
-            **update_metrics(update, grad_norms, learning_rate),
-            "throughput/tokens_per_s": lengths.sum().item() / time_generate,
-            **{f"time/{phase}": seconds for phase, seconds in times.items()},
-            **evaluation,
-        }
-        append_jsonl(run_dir / "metrics.jsonl", metrics)
-        progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", len=f"{metrics['completion/length_mean']:.0f}")
-        if args.sample_every and step % args.sample_every == 0:
-            for i in range(0, min(args.num_samples * args.group_size, num_sequences), args.group_size):
-                prompt = tokenizer.decode(prompt_ids[i][prompt_mask[i].bool()])
-                record = {"step": step + 1, "prompt": prompt, "completion": texts[i], "reward": scores[i].reward}
-                append_jsonl(run_dir / "samples.jsonl", record)
+            # 8. Log: every metric from the tensors the loss used, masked, over the whole batch.
+            times = {"generate": time_generate, "reward": time_reward, "logprobs": time_logprobs, "update": time_update}
+            rollout = step_metrics(
+                rewards, scores, completion_mask, truncated, entropy, old_logp, sample_logp, args.group_size
+            )
+            metrics = {
+                "step": step + 1,
+                **rollout,
+                **update_metrics(update, grad_norms, learning_rate),
+                "throughput/tokens_per_s": lengths.sum().item() / time_generate,
+                **{f"time/{phase}": seconds for phase, seconds in times.items()},
+                **evaluation,
+            }
+            append_jsonl(run_dir / "metrics.jsonl", metrics)
+            progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", len=f"{metrics['completion/length_mean']:.0f}")
+            if args.sample_every and step % args.sample_every == 0:
+                for i in range(0, min(args.num_samples * args.group_size, num_sequences), args.group_size):
+                    prompt = tokenizer.decode(prompt_ids[i][prompt_mask[i].bool()])
+                    record = {"step": step + 1, "prompt": prompt, "completion": texts[i], "reward": scores[i].reward}
+                    append_jsonl(run_dir / "samples.jsonl", record)
 
-        # 9. Checkpoint.
-        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:
-            checkpoint(f"step-{step + 1:06d}", step + 1)
-    checkpoint("final", args.max_steps)
+            # 9. Checkpoint.
+            if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:
+                checkpoint(f"step-{step + 1:06d}", step + 1)
+        checkpoint("final", args.max_steps)
+    except KeyboardInterrupt:  # Ctrl-C: one line naming the newest checkpoint, not a traceback
+        progress.close()
+        stop_interrupted("grpo.py", previous_checkpoint, progress.n)
     return run_dir
 
 
@@ -670,4 +690,7 @@ def step_metrics(rewards, scores, completion_mask, truncated, entropy, old_logp,
 
 
 if __name__ == "__main__":
-    train(parse_args(Args))
+    try:
+        train(parse_args(Args))
+    except KeyboardInterrupt:  # during set-up, before the first step
+        raise SystemExit("Interrupted before the first training step: nothing to resume.") from None

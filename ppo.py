@@ -43,6 +43,7 @@ from transformers import AutoModel
 from common import (
     append_jsonl,
     autocast,
+    check_run_args,
     drop_trainer_state,
     enable_activation_checkpointing,
     load_model,
@@ -50,6 +51,7 @@ from common import (
     load_trainer_state,
     make_run_dir,
     parse_args,
+    record_args,
     resolve_device,
     resolve_model_name,
     resolve_precision,
@@ -57,6 +59,7 @@ from common import (
     save_checkpoint,
     seed_everything,
     set_rng_states,
+    stop_interrupted,
     truncate_jsonl,
 )
 from rewards import load_heldout_task, load_task
@@ -127,11 +130,13 @@ VALUE_HEAD_FILE = "value_head.safetensors"  # the critic's scalar head, beside i
 
 def check_args(args: Args) -> None:
     """Stops with a message on settings that cannot work, before anything is loaded."""
-    problems = []
+    problems = check_run_args(args)
     if args.num_mini_batches < 1 or (args.batch_size * args.group_size) % args.num_mini_batches:
         problems.append("--num_mini_batches must be at least 1 and divide batch_size * group_size.")
     if args.temperature <= 0 or not 0 < args.top_p <= 1:
         problems.append("Training needs --temperature > 0 and 0 < --top_p <= 1.")
+    if not args.critic_lr > 0:
+        problems.append(f"--critic_lr must be > 0 (got {args.critic_lr}); the critic learns from scratch: ~10× --lr.")
     if args.dual_clip and args.dual_clip <= 1:
         problems.append("--dual_clip must be > 1 (e.g. 3), or 0 to disable it.")
     for name in ("gamma", "lam_actor", "lam_critic"):
@@ -658,11 +663,11 @@ def evaluate_heldout(
         texts = tokenizer.batch_decode(
             [ids[:length] for ids, length in zip(completion_ids.tolist(), row_lengths)], skip_special_tokens=True
         )
-        scores += [task.score(text, problem) for text, problem in zip(texts, problems)]
+        scores += [task.score(*graded) for graded in zip(texts, problems, truncated.tolist())]
         lengths += row_lengths
         truncations += truncated.tolist()
     return {
-        "eval/accuracy": sum(s.correct for s in scores) / len(scores),
+        "eval/accuracy": sum(s.strict for s in scores) / len(scores),  # the answer where the prompt asks
         "eval/reward": sum(s.reward for s in scores) / len(scores),
         "eval/format": sum(s.formatted for s in scores) / len(scores),
         "eval/length_mean": sum(lengths) / len(lengths),
@@ -701,6 +706,9 @@ def train(args: Args) -> Path:
     device = resolve_device(args.device)
     weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
     seed_everything(args.seed)
+    # The task first: a wrong --task or --data_dir stops before any model loads.
+    task = load_task(args.task, args.seed, args.num_problems, args.dataset, data_dir=args.data_dir)
+    heldout = load_heldout_task(args.task, args.eval_problems, args.data_dir) if args.eval_every else None
     policy, tokenizer, eos_ids = load_model(
         args.resume_from or args.model, device, weight_dtype, args.gradient_checkpointing
     )
@@ -711,8 +719,6 @@ def train(args: Args) -> Path:
     )  # fmt: skip
     reference = load_reference(args.model, device, weight_dtype) if args.beta > 0 else None
     vocab_size = len(tokenizer)  # ids the tokenizer has; the embedding may have more rows
-    task = load_task(args.task, args.seed, args.num_problems, args.dataset, data_dir=args.data_dir)
-    heldout = load_heldout_task(args.task, args.eval_problems, args.data_dir) if args.eval_every else None
     optimizer, scheduler = make_optimizer(policy, args.lr, args)
     critic_optimizer, critic_scheduler = make_optimizer(critic, args.critic_lr, args)
     resumable = dict(  # everything besides the weights that a resumed run needs back
@@ -728,6 +734,7 @@ def train(args: Args) -> Path:
         previous_checkpoint = Path(args.resume_from)
         for log in ("metrics.jsonl", "samples.jsonl"):  # drop what ran after the checkpoint
             truncate_jsonl(run_dir / log, last_step=start_step)
+        record_args(run_dir, args, resumed_at=start_step)  # the arguments the run goes on with
     else:
         run_dir = make_run_dir(args, "ppo")
     num_sequences = args.batch_size * args.group_size  # N
@@ -746,122 +753,129 @@ def train(args: Args) -> Path:
         previous_checkpoint = run_dir / name
 
     progress = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps, desc="ppo")
-    for step in progress:
-        timer = time.perf_counter()
-        # 1. Sample B prompts; each is repeated G times.
-        problems = [task.problems[i] for i in prompt_indices(step, args.batch_size, len(task.problems), args.seed)]
-        prompt_ids, prompt_mask = encode_prompts(
-            tokenizer, [task.messages(p) for p in problems], args.group_size, device
-        )  # (N, P)
+    try:
+        for step in progress:
+            timer = time.perf_counter()
+            # 1. Sample B prompts; each is repeated G times.
+            problems = [task.problems[i] for i in prompt_indices(step, args.batch_size, len(task.problems), args.seed)]
+            prompt_ids, prompt_mask = encode_prompts(
+                tokenizer, [task.messages(p) for p in problems], args.group_size, device
+            )  # (N, P)
 
-        # 2. Generate G completions per prompt with the current policy (π_θold).
-        with amp():
-            completion_ids, completion_mask, truncated, sample_logp = generate(
-                policy, prompt_ids, prompt_mask, args.max_new_tokens, eos_ids, tokenizer.pad_token_id,
-                vocab_size, args.temperature, args.top_p,
-            )  # (N, T), (N, T), (N,), (N, T)  # fmt: skip
-        time_generate = time.perf_counter() - timer
+            # 2. Generate G completions per prompt with the current policy (π_θold).
+            with amp():
+                completion_ids, completion_mask, truncated, sample_logp = generate(
+                    policy, prompt_ids, prompt_mask, args.max_new_tokens, eos_ids, tokenizer.pad_token_id,
+                    vocab_size, args.temperature, args.top_p,
+                )  # (N, T), (N, T), (N,), (N, T)  # fmt: skip
+            time_generate = time.perf_counter() - timer
 
-        # 3. Score every completion with the task's rule-based reward.
-        timer = time.perf_counter()
-        lengths = completion_mask.sum(-1)  # (N,)
-        texts = tokenizer.batch_decode(
-            [ids[:length] for ids, length in zip(completion_ids.tolist(), lengths.tolist())], skip_special_tokens=True
-        )
-        scores = [task.score(text, problems[i // args.group_size]) for i, text in enumerate(texts)]
-        rewards = torch.tensor([s.reward for s in scores], dtype=torch.float32, device=device)  # (N,)
-        time_reward = time.perf_counter() - timer
+            # 3. Score every completion with the task's rule-based reward.
+            timer = time.perf_counter()
+            lengths = completion_mask.sum(-1)  # (N,)
+            texts = tokenizer.batch_decode(
+                [ids[:length] for ids, length in zip(completion_ids.tolist(), lengths.tolist())],
+                skip_special_tokens=True,
+            )
+            # A completion cut at max_new_tokens passes its truncation on: GSM8K's reward gives it 0.
+            cut = truncated.tolist()
+            scores = [task.score(text, problems[i // args.group_size], cut[i]) for i, text in enumerate(texts)]
+            rewards = torch.tensor([s.reward for s in scores], dtype=torch.float32, device=device)  # (N,)
+            time_reward = time.perf_counter() - timer
 
-        # 4. Log-probs under π_θold and π_ref, and values V_φ(s_t), no grad.
-        timer = time.perf_counter()
-        policy.eval(), critic.eval()  # same mode as sampling (matters for models with dropout)
-        # Separate autocast contexts: autocast keeps the bf16 copy of every trainable weight it
-        # casts until its context ends, so one context would hold policy and critic copies at once.
-        with torch.no_grad(), amp():
-            old_logp, entropy = sequence_logprobs(
-                policy, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                args.temperature, vocab_size, args.logprob_chunk_size, with_entropy=True,
-            )  # fmt: skip
-            ref_logp = None
-            if reference is not None:
-                ref_logp, _ = sequence_logprobs(
-                    reference, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                    args.temperature, vocab_size, args.logprob_chunk_size,
+            # 4. Log-probs under π_θold and π_ref, and values V_φ(s_t), no grad.
+            timer = time.perf_counter()
+            policy.eval(), critic.eval()  # same mode as sampling (matters for models with dropout)
+            # Separate autocast contexts: autocast keeps the bf16 copy of every trainable weight it
+            # casts until its context ends, so one context would hold policy and critic copies at once.
+            with torch.no_grad(), amp():
+                old_logp, entropy = sequence_logprobs(
+                    policy, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                    args.temperature, vocab_size, args.logprob_chunk_size, with_entropy=True,
                 )  # fmt: skip
-        with torch.no_grad(), amp():
-            old_values = critic_values(
-                critic, prompt_ids, prompt_mask, completion_ids, completion_mask, args.logprob_chunk_size
-            )  # (N, T)
-        policy.train(), critic.train()
-        time_logprobs = time.perf_counter() - timer
+                ref_logp = None
+                if reference is not None:
+                    ref_logp, _ = sequence_logprobs(
+                        reference, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                        args.temperature, vocab_size, args.logprob_chunk_size,
+                    )  # fmt: skip
+            with torch.no_grad(), amp():
+                old_values = critic_values(
+                    critic, prompt_ids, prompt_mask, completion_ids, completion_mask, args.logprob_chunk_size
+                )  # (N, T)
+            policy.train(), critic.train()
+            time_logprobs = time.perf_counter() - timer
 
-        # 5. Per-token rewards; GAE gives the actor's Â (λ_actor, whitened) and the critic's
-        #    return targets (λ_critic).
-        per_token_reward = token_rewards(rewards, old_logp, ref_logp, completion_mask, args.beta)  # (N, T)
-        lam_actor = adaptive_lambda(lengths, args.lam_alpha) if args.length_adaptive_lam else args.lam_actor
-        raw_advantages, _ = gae(per_token_reward, old_values, completion_mask, args.gamma, lam_actor)  # (N, T)
-        _, returns = gae(per_token_reward, old_values, completion_mask, args.gamma, args.lam_critic)  # (N, T)
-        advantages = masked_whiten(raw_advantages, completion_mask, args.whiten_eps)  # (N, T)
+            # 5. Per-token rewards; GAE gives the actor's Â (λ_actor, whitened) and the critic's
+            #    return targets (λ_critic).
+            per_token_reward = token_rewards(rewards, old_logp, ref_logp, completion_mask, args.beta)  # (N, T)
+            lam_actor = adaptive_lambda(lengths, args.lam_alpha) if args.length_adaptive_lam else args.lam_actor
+            raw_advantages, _ = gae(per_token_reward, old_values, completion_mask, args.gamma, lam_actor)  # (N, T)
+            _, returns = gae(per_token_reward, old_values, completion_mask, args.gamma, args.lam_critic)  # (N, T)
+            advantages = masked_whiten(raw_advantages, completion_mask, args.whiten_eps)  # (N, T)
 
-        # 6. PPO epochs over shuffled mini-batches: one actor step (none during the value
-        #    warm-up) and one critic step per mini-batch.
-        timer = time.perf_counter()
-        batch = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids)
-        batch.update(completion_mask=completion_mask, old_logp=old_logp, advantages=advantages)
-        batch.update(old_values=old_values, returns=returns)  # (N, …) each
-        train_policy = step >= args.value_warmup_steps
-        update, grad_norms, critic_update, critic_grad_norms = {}, [], {}, []
-        for _ in range(args.ppo_epochs):
-            order = torch.randperm(num_sequences, device=device)
-            for start in range(0, num_sequences, mini_batch):
-                mini = {k: v[order[start : start + mini_batch]] for k, v in batch.items()}
-                if train_policy:
-                    accumulate(update, policy_backward(policy, mini, args, vocab_size, amp))
-                    grad_norms.append(optimizer_step(policy, optimizer, args.max_grad_norm))
-                accumulate(critic_update, critic_backward(critic, mini, args, amp))
-                critic_grad_norms.append(optimizer_step(critic, critic_optimizer, args.max_grad_norm))
-        learning_rates = scheduler.get_last_lr()[0], critic_scheduler.get_last_lr()[0]  # the rates this step used
-        if train_policy:  # the actor's warm-up counts the steps in which it trains
-            scheduler.step()
-        critic_scheduler.step()
-        time_update = time.perf_counter() - timer
+            # 6. PPO epochs over shuffled mini-batches: one actor step (none during the value
+            #    warm-up) and one critic step per mini-batch.
+            timer = time.perf_counter()
+            batch = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids)
+            batch.update(completion_mask=completion_mask, old_logp=old_logp, advantages=advantages)
+            batch.update(old_values=old_values, returns=returns)  # (N, …) each
+            train_policy = step >= args.value_warmup_steps
+            update, grad_norms, critic_update, critic_grad_norms = {}, [], {}, []
+            for _ in range(args.ppo_epochs):
+                order = torch.randperm(num_sequences, device=device)
+                for start in range(0, num_sequences, mini_batch):
+                    mini = {k: v[order[start : start + mini_batch]] for k, v in batch.items()}
+                    if train_policy:
+                        accumulate(update, policy_backward(policy, mini, args, vocab_size, amp))
+                        grad_norms.append(optimizer_step(policy, optimizer, args.max_grad_norm))
+                    accumulate(critic_update, critic_backward(critic, mini, args, amp))
+                    critic_grad_norms.append(optimizer_step(critic, critic_optimizer, args.max_grad_norm))
+            learning_rates = scheduler.get_last_lr()[0], critic_scheduler.get_last_lr()[0]  # the rates this step used
+            if train_policy:  # the actor's warm-up counts the steps in which it trains
+                scheduler.step()
+            critic_scheduler.step()
+            time_update = time.perf_counter() - timer
 
-        # 7. Every eval_every steps and at the end: greedy accuracy on held-out problems.
-        evaluation = {}
-        if heldout is not None and ((step + 1) % args.eval_every == 0 or step + 1 == args.max_steps):
-            evaluation = evaluate_heldout(
-                policy, tokenizer, eos_ids, heldout, args.max_new_tokens, args.eval_batch_size,
-                amp=lambda: autocast(device, compute_dtype),
-            )  # fmt: skip
+            # 7. Every eval_every steps and at the end: greedy accuracy on held-out problems.
+            evaluation = {}
+            if heldout is not None and ((step + 1) % args.eval_every == 0 or step + 1 == args.max_steps):
+                evaluation = evaluate_heldout(
+                    policy, tokenizer, eos_ids, heldout, args.max_new_tokens, args.eval_batch_size,
+                    amp=lambda: autocast(device, compute_dtype),
+                )  # fmt: skip
 
-        # 8. Log: every metric from the tensors the losses used, masked, over the whole batch.
-        times = {"generate": time_generate, "reward": time_reward, "logprobs": time_logprobs, "update": time_update}
-        rollout = step_metrics(
-            rewards, scores, completion_mask, truncated, entropy, old_logp, sample_logp, args.group_size
-        )
-        metrics = {
-            "step": step + 1,
-            **rollout,
-            **rollout_value_metrics(
-                old_logp, ref_logp, completion_mask, args.beta, raw_advantages, returns, old_values
-            ),
-            **update_metrics(update, grad_norms, critic_update, critic_grad_norms, learning_rates),
-            "throughput/tokens_per_s": lengths.sum().item() / time_generate,
-            **{f"time/{phase}": seconds for phase, seconds in times.items()},
-            **evaluation,
-        }
-        append_jsonl(run_dir / "metrics.jsonl", metrics)
-        progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", len=f"{metrics['completion/length_mean']:.0f}")
-        if args.sample_every and step % args.sample_every == 0:
-            for i in range(0, min(args.num_samples * args.group_size, num_sequences), args.group_size):
-                prompt = tokenizer.decode(prompt_ids[i][prompt_mask[i].bool()])
-                record = {"step": step + 1, "prompt": prompt, "completion": texts[i], "reward": scores[i].reward}
-                append_jsonl(run_dir / "samples.jsonl", record)
+            # 8. Log: every metric from the tensors the losses used, masked, over the whole batch.
+            times = {"generate": time_generate, "reward": time_reward, "logprobs": time_logprobs, "update": time_update}
+            rollout = step_metrics(
+                rewards, scores, completion_mask, truncated, entropy, old_logp, sample_logp, args.group_size
+            )
+            metrics = {
+                "step": step + 1,
+                **rollout,
+                **rollout_value_metrics(
+                    old_logp, ref_logp, completion_mask, args.beta, raw_advantages, returns, old_values
+                ),
+                **update_metrics(update, grad_norms, critic_update, critic_grad_norms, learning_rates),
+                "throughput/tokens_per_s": lengths.sum().item() / time_generate,
+                **{f"time/{phase}": seconds for phase, seconds in times.items()},
+                **evaluation,
+            }
+            append_jsonl(run_dir / "metrics.jsonl", metrics)
+            progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", len=f"{metrics['completion/length_mean']:.0f}")
+            if args.sample_every and step % args.sample_every == 0:
+                for i in range(0, min(args.num_samples * args.group_size, num_sequences), args.group_size):
+                    prompt = tokenizer.decode(prompt_ids[i][prompt_mask[i].bool()])
+                    record = {"step": step + 1, "prompt": prompt, "completion": texts[i], "reward": scores[i].reward}
+                    append_jsonl(run_dir / "samples.jsonl", record)
 
-        # 9. Checkpoint (policy, critic, both optimizers).
-        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:
-            checkpoint(f"step-{step + 1:06d}", step + 1)
-    checkpoint("final", args.max_steps)
+            # 9. Checkpoint (policy, critic, both optimizers).
+            if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:
+                checkpoint(f"step-{step + 1:06d}", step + 1)
+        checkpoint("final", args.max_steps)
+    except KeyboardInterrupt:  # Ctrl-C: one line naming the newest checkpoint, not a traceback
+        progress.close()
+        stop_interrupted("ppo.py", previous_checkpoint, progress.n)
     return run_dir
 
 
@@ -936,4 +950,7 @@ def step_metrics(rewards, scores, completion_mask, truncated, entropy, old_logp,
 
 
 if __name__ == "__main__":
-    train(parse_args(Args))
+    try:
+        train(parse_args(Args))
+    except KeyboardInterrupt:  # during set-up, before the first step
+        raise SystemExit("Interrupted before the first training step: nothing to resume.") from None

@@ -67,8 +67,9 @@ def crash_and_resume(script, tmp_path, monkeypatch, **settings):
         real_save(path, *rest, **options)
 
     monkeypatch.setattr(script, "save_checkpoint", crash_on_final)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as stop:  # train() turns Ctrl-C into a message and exit status 130
         script.train(script.Args(output_dir=str(tmp_path / "b"), save_every=2, **settings))
+    assert stop.value.code == 130
     monkeypatch.setattr(script, "save_checkpoint", real_save)
     (crashed,) = (tmp_path / "b").iterdir()
     resumed = script.train(

@@ -76,6 +76,9 @@ def test_missing_model_gives_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="without config.json"):
         load_model(str(tmp_path), torch.device("cpu"))  # a directory without a model
     (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SystemExit, match="no tokenizer files"):
+        load_model(str(tmp_path), torch.device("cpu"))  # weights without a tokenizer
+    (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(SystemExit, match="Could not load model"):
         load_model(str(tmp_path), torch.device("cpu"))  # a broken model directory
 

@@ -1,0 +1,137 @@
+"""The command line as a user meets it, in all three training scripts: typos, negative
+numbers, out-of-range values and wrong tasks stop with a message before any model loads;
+Ctrl-C names the newest checkpoint and the command that resumes it; a resumed run records
+the arguments it went on with."""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import dapo
+import grpo
+import ppo
+from common import load_model, parse_args, resolve_model_name
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = [grpo, dapo, ppo]
+TINY = dict(model="tiny", task="digit", max_new_tokens=4, batch_size=2, group_size=2)
+
+
+def tiny_args(script, **settings):
+    """script.Args for a tiny run; dapo's overlong buffer (L_cache) must fit in 4 new tokens."""
+    extra = {"overlong_buffer": 2} if script is dapo else {}
+    return script.Args(**{**TINY, **extra, **settings})
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
+def test_negative_numbers_parse_in_every_spelling(script):
+    # argparse reads '-1e-6' as a flag ('expected one argument'); parse_args attaches it.
+    assert parse_args(script.Args, ["--lr", "-1e-6"]).lr == -1e-6
+    assert parse_args(script.Args, ["--lr=-1e-6"]).lr == -1e-6
+    assert parse_args(script.Args, ["--seed", "-3", "--max_steps", "7"]).seed == -3
+    assert parse_args(script.Args, ["--model", "tiny", "--lr", "2e-6"]).model == "tiny"
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
+def test_a_mistyped_flag_names_the_closest_one(script, capsys):
+    with pytest.raises(SystemExit) as stop:
+        parse_args(script.Args, ["--maxsteps", "3"])
+    assert stop.value.code == 2  # argparse's status for a usage error
+    assert "unrecognized arguments: --maxsteps (did you mean --max_steps?)" in capsys.readouterr().err
+
+
+def no_model_load(*args, **kwargs):
+    raise AssertionError("a model was loaded before the arguments were checked")
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(lr=-1e-6), "--lr must be > 0 (got -1e-06)"),
+        (dict(max_steps=0), "--max_steps must be at least 1 (got 0)"),
+        (dict(max_grad_norm=0.0), "--max_grad_norm must be > 0"),
+        (dict(adam_beta2=1.0), "--adam_beta2 must be in [0, 1)"),
+        (dict(warmup_steps=-1), "--warmup_steps must be >= 0"),
+        (dict(dtype="fp16"), "--dtype 'fp16' is not one of"),
+        (dict(resume_from="nowhere"), "--resume_from nowhere: no trainer_state.pt there"),
+        (dict(task="chess"), "--task 'chess' is not one of: countdown, digit, gsm8k"),
+        (dict(task="gsm8k", data_dir="no/such/dir"), "gsm8k/train.jsonl is missing"),
+        (dict(task="digit", data_dir="no/such/dir"), "--data_dir is for --task gsm8k"),
+    ],
+    ids=lambda v: next(iter(v)) if isinstance(v, dict) else "",
+)
+def test_bad_values_stop_before_any_model_loads(script, bad, message, monkeypatch, tmp_path):
+    monkeypatch.setattr(script, "load_model", no_model_load)
+    monkeypatch.setattr(script, "load_reference", no_model_load)
+    with pytest.raises(SystemExit) as stop:
+        script.train(tiny_args(script, **bad, output_dir=str(tmp_path)))
+    assert message in str(stop.value)
+    assert not any(tmp_path.iterdir())  # no run directory either
+
+
+def test_ppo_checks_the_critic_learning_rate(monkeypatch, tmp_path):
+    monkeypatch.setattr(ppo, "load_model", no_model_load)
+    with pytest.raises(SystemExit, match=r"--critic_lr must be > 0 \(got -1e-05\)"):
+        ppo.train(tiny_args(ppo, critic_lr=-1e-5, output_dir=str(tmp_path)))
+
+
+def test_a_model_directory_without_tokenizer_files_says_so(tmp_path):
+    # A checkpoint copied without its tokenizer: transformers' own error talks about
+    # sentencepiece and tiktoken; ours names the missing files and the fix.
+    model_dir = tmp_path / "weights-only"
+    shutil.copytree(resolve_model_name("tiny"), model_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (model_dir / name).unlink(missing_ok=True)
+    with pytest.raises(SystemExit, match="no tokenizer files") as stop:
+        load_model(str(model_dir), torch.device("cpu"))
+    assert "save_pretrained(<this directory>)" in str(stop.value)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
+def test_a_resumed_run_records_the_arguments_it_went_on_with(script, tmp_path):
+    first = script.train(tiny_args(script, max_steps=2, sample_every=1, output_dir=str(tmp_path)))
+    resumed = script.train(
+        tiny_args(script, max_steps=3, sample_every=2, output_dir=str(tmp_path), resume_from=str(first / "final"))
+    )
+    assert resumed == first
+    now = json.loads((first / "args.json").read_text())
+    assert (now["max_steps"], now["sample_every"], now["resume_from"]) == (3, 2, str(first / "final"))
+    before = json.loads((first / "args.before-step-000002.json").read_text())
+    assert (before["max_steps"], before["sample_every"], before["resume_from"]) == (2, 1, "")
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "dapo.py", "ppo.py"])
+def test_ctrl_c_names_the_newest_checkpoint_and_the_resume_command(script, tmp_path):
+    # A long run checkpointing every step; SIGINT (what Ctrl-C sends) once step-000002 exists.
+    command = [
+        sys.executable, str(ROOT / script), "--model", "tiny", "--task", "digit", "--max_new_tokens", "4",
+        "--batch_size", "2", "--group_size", "2", "--max_steps", "10000", "--save_every", "1", "--output_dir", "out",
+    ] + (["--overlong_buffer", "2"] if script == "dapo.py" else [])  # fmt: skip
+    process = subprocess.Popen(command, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not list(tmp_path.glob("out/*/step-000002")) and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    try:
+        _, stderr = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    assert process.returncode == 130, stderr[-2000:]
+    assert "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    (run_dir,) = (tmp_path / "out").iterdir()
+    newest = max(run_dir.glob("step-*"))  # the checkpoint that keeps the trainer state
+    assert (newest / "trainer_state.pt").exists()
+    assert last.startswith("Interrupted after ") and f"Newest checkpoint: out/{run_dir.name}/{newest.name}." in last
+    assert last.endswith(
+        f"Continue with: python {ROOT / script} {' '.join(command[2:])} --resume_from {newest.relative_to(tmp_path)}"
+    )
