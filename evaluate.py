@@ -13,6 +13,13 @@ benchmark for where the final answer goes. Generation is batched, greedy by defa
 KV-cache `generate` of grpo.py (imported, not copied). With --num_samples k --temperature t it
 reports the mean accuracy over the k samples and the unbiased pass@k.
 
+Two accuracies, as lm-eval's strict-match and flexible-extract: `strict_accuracy` counts only
+answers in the format the instruction asks for (GSM8K: the last \\boxed{} number; MATH-500: a
+\\boxed{}; BBH: after "So the answer is"; MMLU-Pro: "The answer is (X)"; Countdown has one
+format, so the two agree); `accuracy` (flexible) also reads each extractor's fallbacks (GSM8K's
+last number of the text, ...). Both grade truncated completions like any other: the cap
+(--max_new_tokens) belongs to the setup, and the `truncated` rate is reported beside them.
+
 Run:
   python evaluate.py --model Qwen2.5-1.5B-Instruct                 # all five, from the Hub
   python evaluate.py --model runs/dapo-…/final --benchmarks gsm8k --limit 200
@@ -22,9 +29,9 @@ Run:
   python evaluate.py --plot runs/grpo-… runs/dapo-…                # training curves, PNG
 
 Writes runs/eval-<benchmarks>-<model>-<time>/: args.json, results.json (per benchmark:
-accuracy, 95% confidence interval, n, mean completion length, truncation rate, seconds, and
-per subset), samples.jsonl (every completion: prompt, output, extracted, gold, correct) and
-table.md, the markdown table it prints at the end.
+accuracy and strict_accuracy with their 95% confidence intervals, n, mean completion length,
+truncation rate, seconds, and per subset), samples.jsonl (every completion: prompt, output,
+extracted, gold, correct, strict) and table.md, the markdown table it prints at the end.
 
 Shape letters in comments: N rows of a generation batch (prompts × num_samples) ·
 P prompt tokens · T completion tokens.
@@ -175,18 +182,18 @@ class Grader:
         self.pool = None
         self.timeouts = 0
 
-    def score(self, score_fn, completion: str, problem: dict) -> Score:
+    def score(self, score_fn, completion: str, problem: dict, truncated: bool = False) -> Score:
         if self.pool is None:
             # fork: the worker starts in milliseconds and runs only Python graders (no torch,
             # no CUDA, no tokenizer), so the parent's threads and GPU state are never touched.
             self.pool = multiprocessing.get_context("fork").Pool(processes=1)
-        job = self.pool.apply_async(score_fn, (completion, problem))
+        job = self.pool.apply_async(score_fn, (completion, problem), {"truncated": truncated})
         try:
             return job.get(self.timeout_s)
         except multiprocessing.TimeoutError:
             self.close()
             self.timeouts += 1
-            return Score(REWARD_NONE, correct=False, formatted=False, extracted=None)
+            return Score(REWARD_NONE, correct=False, formatted=False, extracted=None, strict=False)
 
     def close(self) -> None:
         if self.pool is not None:
@@ -209,7 +216,8 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
     # Longest prompts first: batches of similar length waste less padding, and a batch that
     # runs out of memory does so at once, not an hour in.
     order = sorted(range(len(problems)), key=lambda i: -sum(len(m["content"]) for m in conversations[i]))
-    correct = [[False] * k for _ in problems]  # [problem][sample]
+    correct = [[False] * k for _ in problems]  # [problem][sample], the flexible grade
+    strict = [[False] * k for _ in problems]  # [problem][sample], the answer in the asked format only
     lengths, truncations, formatted = [], [], []
     timeouts_before = grader.timeouts
     start = time.perf_counter()
@@ -236,8 +244,8 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
         )
         for row, text in enumerate(texts):
             index, sample = batch[row // k], row % k  # rows i·k … i·k+k−1 belong to problem i
-            score = grader.score(task.score, text, problems[index])
-            correct[index][sample] = score.correct
+            score = grader.score(task.score, text, problems[index], truncated=bool(truncated[row]))
+            correct[index][sample], strict[index][sample] = score.correct, score.strict
             lengths.append(row_lengths[row])
             truncations.append(bool(truncated[row]))
             formatted.append(score.formatted)
@@ -251,13 +259,14 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
                 "extracted": score.extracted,
                 "gold": problems[index]["gold"],
                 "correct": score.correct,
+                "strict": score.strict,
                 "length": row_lengths[row],
                 "truncated": bool(truncated[row]),
             }
             append_jsonl(samples_path, record)
         progress.update(len(batch))
     progress.close()
-    result = summarize(correct, [p["subset"] for p in problems])
+    result = summarize(correct, strict, [p["subset"] for p in problems])
     result.update(
         {
             "mean_length": sum(lengths) / len(lengths),
@@ -270,14 +279,20 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
     return result
 
 
-def summarize(correct: list[list[bool]], subsets: list[str]) -> dict:
-    """Accuracy statistics of one benchmark from correct[problem][sample]: mean accuracy,
-    its Wilson 95% interval over problems, pass@k for k = 1, 2, 4, … up to the sample count,
-    and per subset (BBH task / MMLU-Pro category) the accuracy, n, and their plain mean."""
+def summarize(correct: list[list[bool]], strict: list[list[bool]], subsets: list[str]) -> dict:
+    """Accuracy statistics of one benchmark from correct[problem][sample] (the flexible grade)
+    and strict[problem][sample] (the answer in the asked format only): mean accuracy and
+    strict_accuracy, each with its Wilson 95% interval over problems (ci95, strict_ci95),
+    pass@k of the flexible grade for k = 1, 2, 4, … up to the sample count, and per subset
+    (BBH task / MMLU-Pro category) both accuracies, n, and their plain means."""
     num_samples = len(correct[0])
     per_problem = [sum(c) / num_samples for c in correct]  # (problems,)
+    strict_per_problem = [sum(c) / num_samples for c in strict]  # (problems,)
     accuracy = sum(per_problem) / len(per_problem)
+    strict_accuracy = sum(strict_per_problem) / len(strict_per_problem)
     result = {"accuracy": accuracy, "ci95": wilson_interval(accuracy, len(per_problem)), "n": len(per_problem)}
+    result["strict_accuracy"] = strict_accuracy
+    result["strict_ci95"] = wilson_interval(strict_accuracy, len(strict_per_problem))
     result["num_samples"] = num_samples
     if num_samples > 1:
         k = 1
@@ -287,11 +302,19 @@ def summarize(correct: list[list[bool]], subsets: list[str]) -> dict:
         if f"pass@{num_samples}" not in result:
             result[f"pass@{num_samples}"] = sum(any(c) for c in correct) / len(correct)
     if any(subsets):
-        groups: dict[str, list[float]] = {}
-        for subset, value in zip(subsets, per_problem):
-            groups.setdefault(subset, []).append(value)
-        result["subsets"] = {name: {"accuracy": sum(v) / len(v), "n": len(v)} for name, v in groups.items()}
+        groups: dict[str, list[tuple[float, float]]] = {}
+        for subset, value, strict_value in zip(subsets, per_problem, strict_per_problem):
+            groups.setdefault(subset, []).append((value, strict_value))
+        result["subsets"] = {
+            name: {
+                "accuracy": sum(v for v, _ in values) / len(values),
+                "strict_accuracy": sum(s for _, s in values) / len(values),
+                "n": len(values),
+            }
+            for name, values in groups.items()
+        }
         result["subset_mean"] = sum(s["accuracy"] for s in result["subsets"].values()) / len(groups)
+        result["strict_subset_mean"] = sum(s["strict_accuracy"] for s in result["subsets"].values()) / len(groups)
     return result
 
 
@@ -303,24 +326,35 @@ def percent(value: float) -> str:
     return f"{100 * value:.1f}"
 
 
+def interval(ci: list[float]) -> str:
+    low, high = ci
+    return f"{percent(low)}–{percent(high)}"
+
+
 def results_table(results: dict) -> str:
-    """The markdown table of one evaluation: a row per benchmark, then one per subset."""
+    """The markdown table of one evaluation: a row per benchmark, then one per subset.
+    'accuracy %' is the flexible grade, 'strict %' the answer in the asked format only."""
     pass_keys = sorted(
         {key for r in results.values() for key in r if key.startswith("pass@")}, key=lambda s: int(s[5:])
     )
-    header = ["benchmark", "accuracy %", "95% CI", "n", *pass_keys, "mean length", "truncated %", "seconds"]
+    header = ["benchmark", "accuracy %", "95% CI", "strict %", "strict 95% CI", "n", *pass_keys]
+    header += ["mean length", "truncated %", "seconds"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, r in results.items():
-        low, high = r["ci95"]
-        cells = [name, percent(r["accuracy"]), f"{percent(low)}–{percent(high)}", str(r["n"])]
+        cells = [name, percent(r["accuracy"]), interval(r["ci95"])]
+        cells += [percent(r["strict_accuracy"]), interval(r["strict_ci95"]), str(r["n"])]
         cells += [percent(r[key]) if key in r else "" for key in pass_keys]
         cells += [f"{r['mean_length']:.0f}", percent(r["truncated"]), f"{r['seconds']:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     for name, r in results.items():
         if "subsets" in r:
-            lines += ["", f"| {name} subset | accuracy % | n |", "|---|---|---|"]
-            lines += [f"| {s} | {percent(v['accuracy'])} | {v['n']} |" for s, v in r["subsets"].items()]
-            lines.append(f"| mean over subsets | {percent(r['subset_mean'])} | {len(r['subsets'])} |")
+            lines += ["", f"| {name} subset | accuracy % | strict % | n |", "|---|---|---|---|"]
+            lines += [
+                f"| {s} | {percent(v['accuracy'])} | {percent(v['strict_accuracy'])} | {v['n']} |"
+                for s, v in r["subsets"].items()
+            ]
+            means = f"{percent(r['subset_mean'])} | {percent(r['strict_subset_mean'])}"
+            lines.append(f"| mean over subsets | {means} | {len(r['subsets'])} |")
     return "\n".join(lines)
 
 
@@ -336,23 +370,26 @@ def load_results(path: str) -> tuple[str, dict]:
 
 
 def compare_table(paths: list[str]) -> str:
-    """One markdown table of several evaluations: rows benchmarks, columns runs, cells the
-    accuracy % with its 95% interval and n; '–' where a run lacks a benchmark. (The Wilson
-    interval is not symmetric around the accuracy, so it is shown whole, not as ±.)"""
+    """One markdown table of several evaluations: columns runs; per benchmark a row of the
+    (flexible) accuracy % with its 95% interval and n, then a row '<benchmark> strict' of the
+    strict accuracy when a run has one; '–' where a run lacks it (results.json files written
+    before strict_accuracy existed). (The Wilson interval is not symmetric around the
+    accuracy, so it is shown whole, not as ±.)"""
     runs = [load_results(path) for path in paths]
     names = list(dict.fromkeys(name for _, results in runs for name in results))
     lines = ["| benchmark | " + " | ".join(label for label, _ in runs) + " |", "|---|" + "---|" * len(runs)]
     for name in names:
-        cells = []
-        for _, results in runs:
-            if name not in results:
-                cells.append("–")
+        for label, key, ci_key in ((name, "accuracy", "ci95"), (f"{name} strict", "strict_accuracy", "strict_ci95")):
+            if key == "strict_accuracy" and not any(key in results.get(name, {}) for _, results in runs):
                 continue
-            low, high = results[name]["ci95"]
-            cells.append(
-                f"{percent(results[name]['accuracy'])} ({percent(low)}–{percent(high)}, n={results[name]['n']})"
-            )
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+            cells = []
+            for _, results in runs:
+                result = results.get(name, {})
+                if key not in result:
+                    cells.append("–")
+                    continue
+                cells.append(f"{percent(result[key])} ({interval(result[ci_key])}, n={result['n']})")
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -1,9 +1,9 @@
 """Tasks: their data, their prompts and their rule-based rewards.
 
 A task is a list of problems (dicts), a function that turns a problem into chat messages, and
-a function that scores a completion's text against its problem. The training scripts and
-evaluate.py only see that interface (`load_task`, `load_benchmark`), so adding a task touches this
-file alone.
+a function that scores a completion's text against its problem, told whether the completion was
+cut at max_new_tokens (no EOS). The training scripts and evaluate.py only see that interface
+(`load_task`, `load_benchmark`), so adding a task touches this file alone.
 
 Tasks:
   countdown  the seed study's training task: reach a target with 3-4 numbers and + - * /.
@@ -13,13 +13,18 @@ Tasks:
              completion starts with a digit. Its expected reward under a policy π is exactly
              Σ_{v ∈ digit tokens} π(v | prompt) at the first position, so tests can measure
              learning without sampling noise.
-  gsm8k      grade-school maths word problems (openai/gsm8k, or --data_dir offline); the
-             final number, compared exactly with the gold after '####'.
+  gsm8k      grade-school maths word problems (openai/gsm8k, or --data_dir offline); reward
+             only for the number in the last \\boxed{} (the format the prompt asks for),
+             compared exactly with the gold after '####', and nothing for a completion cut
+             at max_new_tokens (gsm8k_reward).
 
 Benchmarks (evaluate.py; `load_benchmark`): countdown (a held-out generator set), gsm8k,
 math500 (graded for mathematical equivalence by HF's math-verify), bbh (27 BIG-Bench-Hard
 tasks), mmlu_pro (10-option multiple choice). Each problem dict carries "gold" (the reference
-answer as text) and "subset" (the BBH task or MMLU-Pro category; "" where there is none).
+answer as text) and "subset" (the BBH task or MMLU-Pro category; "" where there is none). Their
+graders give two grades, as lm-eval's strict-match and flexible-extract do: `strict`, the answer
+in the format the benchmark's instruction asks for, and `correct`, which also reads the places
+models commonly put it instead.
 
 Model output is untrusted input: the Countdown verifier parses it with `ast` and computes
 with exact fractions; nothing is ever passed to `eval`.
@@ -53,10 +58,17 @@ COUNTDOWN_HELDOUT_SHARE = 10
 
 @dataclass
 class Score:
-    reward: float
-    correct: bool  # the answer solves the problem
+    reward: float  # the training reward (REWARD_CORRECT / REWARD_FORMAT / REWARD_NONE)
+    correct: bool  # the answer solves the problem (a benchmark's flexible grade: its fallbacks too)
     formatted: bool  # the completion follows the task's answer format
     extracted: str | None = None  # the answer as read from the completion (None: none found)
+    # correct, reading only the answer in the format the instruction asks for (lm-eval's
+    # strict-match); None, for a task with one answer format, means the same as `correct`
+    strict: bool | None = None
+
+    def __post_init__(self):
+        if self.strict is None:
+            self.strict = self.correct
 
 
 @dataclass
@@ -64,7 +76,9 @@ class Task:
     name: str
     problems: list[dict]
     messages: Callable[[dict], list[dict]]  # problem -> chat messages for apply_chat_template
-    score: Callable[[str, dict], Score]  # (completion text, problem) -> Score
+    # (completion text, problem, truncated) -> Score. truncated: the completion hit
+    # max_new_tokens without an EOS; every scorer takes it as `truncated`, default False.
+    score: Callable[[str, dict, bool], Score]
 
 
 # ----------------------------------------------------------------------------------------
@@ -221,12 +235,18 @@ def evaluate_expression(tree: ast.AST) -> Fraction:
     return left / right
 
 
-def countdown_score(completion: str, problem: dict) -> Score:
+def countdown_score(completion: str, problem: dict, truncated: bool = False) -> Score:
     """1.0 correct, 0.1 well-formed but wrong, 0.0 otherwise (constants above).
 
     Well-formed: the strict tag format holds and the answer parses as an allowed expression.
     Correct: additionally, its literals are exactly the given numbers (as a multiset) and its
-    exact value is the target. Division by zero is simply wrong.
+    exact value is the target. Division by zero is simply wrong. One answer format, so
+    `strict` is `correct`.
+
+    `truncated` is ignored, and need not count: the format requires the completion to end with
+    `</answer>`, so a completion cut anywhere before that already gets 0. The one truncated
+    completion that can score is cut right after its `</answer>` (the EOS would have come
+    next), and its answer is complete. (Ignoring it also keeps every reward as it was.)
     """
     answer = extract_answer(completion)
     parsed = parse_expression(answer) if answer is not None else None
@@ -257,9 +277,11 @@ def digit_messages(problem: dict) -> list[dict]:
     return [{"role": "user", "content": problem["prompt"]}]
 
 
-def digit_score(completion: str, problem: dict) -> Score:
+def digit_score(completion: str, problem: dict, truncated: bool = False) -> Score:
     """1.0 if the completion's first character is an ASCII digit, else 0.0. Depends on the
-    first token only, which is what makes its expected reward computable in closed form."""
+    first token only, which is what makes its expected reward computable in closed form.
+    `truncated` is ignored: what comes after the first token, or whether it ends, does not
+    matter (runs of this toy use a few max_new_tokens, so most completions are cut)."""
     hit = completion[:1] in set("0123456789")
     return Score(REWARD_CORRECT if hit else REWARD_NONE, correct=hit, formatted=hit)
 
@@ -455,10 +477,11 @@ BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # LaTeX digit grouping: 1{,}234 · 1,\!234 · 1\,234 · 1 234 (removed before reading a boxed number)
 DIGIT_GROUPING = re.compile(r"\{,\}|\\!|\\,|(?<=\d) +(?=\d)")
 ANSWER_IS = re.compile(r"(?i:answer is)\s*:?\s*")
+# one character class between the phrase and the letter: adjacent \s* runs backtrack in
+# polynomial time on long whitespace (1,600 newlines took 14 s with three of them)
+ANSWER_IS_LETTER = re.compile(r"(?i:answer is)[\s:*]*\(?([A-J])\)?(?![A-Za-z])")  # The answer is (C)
 LETTER_PATTERNS = (  # in order of trust; the last match of the first pattern that matches wins
-    # one character class between the phrase and the letter: adjacent \s* runs backtrack in
-    # polynomial time on long whitespace (1,600 newlines took 14 s with three of them)
-    re.compile(r"(?i:answer is)[\s:*]*\(?([A-J])\)?(?![A-Za-z])"),  # The answer is (C)
+    ANSWER_IS_LETTER,  # what MMLU_PRO_INSTRUCTION asks for (markdown such as **C** allowed)
     re.compile(r"(?i:answer)\s*:[\s*]*\(?([A-J])\)?(?![A-Za-z])"),  # Answer: C
     re.compile(r"\\boxed\{\s*(?:\\text\{)?\(?([A-J])\)?\}?\s*\}"),  # \boxed{C}
 )
@@ -589,33 +612,67 @@ def extract_choice_letter(text: str) -> str | None:
 
 
 # ----------------------------------------------------------------------------------------
-# Benchmarks: graders. Each returns a Score with the same reward levels as Countdown:
-# correct 1.0; formatted (the answer is where the instruction asked) but wrong 0.1; else 0.
+# Benchmarks: graders. Each returns two grades, both blind to truncation (evaluate.py reports
+# the truncation rate on its own): `strict`, the answer where the benchmark's instruction asks
+# for it (lm-eval's strict-match), and `correct`, the flexible grade that also reads the
+# extractor's fallbacks (lm-eval's flexible-extract); strict implies correct. `formatted`: an
+# answer is where the instruction asks. `reward` is what the benchmark would pay as a training
+# reward, the rule of gsm8k_reward, with Countdown's levels: 1.0 strict, 0.1 formatted but
+# wrong, 0 otherwise, and 0 for a completion cut at max_new_tokens whatever it holds.
 
 MATH_VERIFY_TIMEOUT_S = 5  # seconds math-verify may spend on one parse or one comparison
 
 
-def graded(correct: bool, formatted: bool, extracted: str | None) -> Score:
-    reward = REWARD_CORRECT if correct else REWARD_FORMAT if formatted else REWARD_NONE
-    return Score(reward, correct=correct, formatted=formatted, extracted=extracted)
+def graded(correct: bool, strict: bool, formatted: bool, extracted: str | None, truncated: bool) -> Score:
+    if truncated:
+        reward = REWARD_NONE
+    else:
+        reward = REWARD_CORRECT if strict else REWARD_FORMAT if formatted else REWARD_NONE
+    return Score(reward, correct=correct, formatted=formatted, extracted=extracted, strict=strict)
 
 
-def gsm8k_score(completion: str, problem: dict) -> Score:
-    """Correct: the extracted final number equals the gold exactly. Formatted: a number in
-    \\boxed{}. As a training reward this is 1 / 0.1 / 0, like Countdown's."""
+def gsm8k_reward(completion: str, problem: dict, truncated: bool = False) -> Score:
+    """GSM8K's training reward (load_task): 1.0 when the last number inside the last
+    \\boxed{} (the format the prompt asks for) equals the gold exactly; 0.1 for a number in
+    \\boxed{} that is wrong; 0 without one, and 0 for a completion cut at max_new_tokens
+    (truncated) whatever it holds. correct, strict and formatted follow the reward: all False
+    when truncated.
+
+    Why not the evaluation's fallbacks (gsm8k_score's flexible `correct`: after 'answer is',
+    else the last number of the text): they credit junk. The only reward of 1.0 in a 10-step
+    real-model run went to a repetition loop cut at the token cap, '… 13. 20 chickens = 20 *',
+    whose last number happened to equal the gold, 20. A policy rewarded for that learns to
+    ramble until the cap, not to answer."""
+    boxed = extract_boxed_number(completion)
+    formatted = boxed is not None and not truncated
+    correct = formatted and numbers_equal(boxed, problem["gold"])
+    return graded(correct, correct, formatted, boxed, truncated)
+
+
+def gsm8k_score(completion: str, problem: dict, truncated: bool = False) -> Score:
+    """GSM8K's evaluation grade. strict: the number in the last \\boxed{} equals the gold
+    exactly; correct (flexible): the number extract_gsm8k_answer reads (the box, else after
+    'answer is', else the last number of the text) does. Neither depends on truncation.
+    Formatted: a number in \\boxed{}. extracted: the flexible answer. The reward is
+    gsm8k_reward's, so eval/reward during training is the training reward on held-out problems."""
     answer = extract_gsm8k_answer(completion)
-    formatted = extract_boxed_number(completion) is not None
-    return graded(numbers_equal(answer, problem["gold"]), formatted, answer)
+    boxed = extract_boxed_number(completion)
+    correct, strict = numbers_equal(answer, problem["gold"]), numbers_equal(boxed, problem["gold"])
+    return graded(correct, strict, boxed is not None, answer, truncated)
 
 
-def math500_score(completion: str, problem: dict, timeout_s: int = MATH_VERIFY_TIMEOUT_S) -> Score:
+def math500_score(
+    completion: str, problem: dict, truncated: bool = False, *, timeout_s: int = MATH_VERIFY_TIMEOUT_S
+) -> Score:
     """Mathematical equivalence by HF's math-verify (sympy): \\frac12 = 0.5 = \\dfrac{1}{2},
     intervals, sets, matrices... The gold is parsed as \\boxed{gold}; the completion's last
     \\boxed{} alone when it has one (math-verify would read two boxes, a first try and a
-    correction, as a set), else the whole completion. math-verify bounds each parse and comparison with
-    a SIGALRM of timeout_s: call it from the main thread. An alarm cannot interrupt a long
-    C-level computation (10^{10^{10^{10}}}), so evaluate.py also runs graders in a worker
-    process it can kill."""
+    correction, as a set), else the whole completion. strict: the completion has a \\boxed{}
+    (what the instruction asks for) and it is equivalent; correct (flexible) also accepts the
+    whole completion's last expression when there is no box. math-verify bounds each parse and
+    comparison with a SIGALRM of timeout_s: call it from the main thread. An alarm cannot
+    interrupt a long C-level computation (10^{10^{10^{10}}}), so evaluate.py also runs graders
+    in a worker process it can kill."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
     config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
@@ -627,17 +684,28 @@ def math500_score(completion: str, problem: dict, timeout_s: int = MATH_VERIFY_T
     extracted = predicted[-1] if predicted and isinstance(predicted[-1], str) else None
     if predicted and extracted is None:
         extracted = str(predicted[0])
-    return graded(correct, boxed is not None, extracted)
+    return graded(correct, correct and boxed is not None, boxed is not None, extracted, truncated)
 
 
-def bbh_score(completion: str, problem: dict) -> Score:
+def bbh_score(completion: str, problem: dict, truncated: bool = False) -> Score:
+    """strict: the answer after the last "answer is" (the instruction's "So the answer is X.")
+    is right; correct (flexible) also reads a \\boxed{} when the phrase is missing (see
+    extract_bbh_answer, bbh_correct). Formatted: the phrase with an answer after it."""
     answer = extract_bbh_answer(completion)
-    return graded(bbh_correct(answer, problem["gold"]), answer is not None, answer)
+    phrase = ANSWER_IS.search(completion) is not None  # then extract_bbh_answer read after it
+    correct = bbh_correct(answer, problem["gold"])
+    return graded(correct, phrase and correct, phrase and answer is not None, answer, truncated)
 
 
-def mmlu_pro_score(completion: str, problem: dict) -> Score:
+def mmlu_pro_score(completion: str, problem: dict, truncated: bool = False) -> Score:
+    """strict: the letter of the last "answer is (X)" (the instruction's "The answer is (X).",
+    markdown such as **X** allowed) is the gold; correct (flexible) falls back to "Answer: X",
+    then \\boxed{X} (extract_choice_letter). Formatted: an "answer is (X)" letter is there."""
     letter = extract_choice_letter(completion)
-    return graded(letter == problem["gold"], letter is not None, letter)
+    phrase_letters = ANSWER_IS_LETTER.findall(completion)
+    strict_letter = phrase_letters[-1] if phrase_letters else None  # = letter when not None
+    gold = problem["gold"]
+    return graded(letter == gold, strict_letter == gold, strict_letter is not None, letter, truncated)
 
 
 def load_benchmark(name: str, data_dir: str = "", countdown_problems: int = 500) -> Task:
@@ -667,8 +735,8 @@ TASKS = ("countdown", "digit", "gsm8k")
 def load_task(
     name: str, seed: int = 0, num_problems: int = 20000, dataset: str = "", split: str = "train", data_dir: str = ""
 ) -> Task:
-    """A task's problems, prompt and scorer. Countdown comes from the offline generator with
-    `seed` unless `dataset` names a Hub dataset; gsm8k from openai/gsm8k, or data_dir (which
+    """A task's problems, prompt and training reward. Countdown comes from the offline generator
+    with `seed` unless `dataset` names a Hub dataset; gsm8k from openai/gsm8k, or data_dir (which
     the other tasks refuse rather than ignore)."""
     if dataset and name != "countdown":
         raise SystemExit(f"--dataset is for --task countdown; --task {name} has its own data.")
@@ -683,15 +751,16 @@ def load_task(
     if name == "digit":
         problems = [{"prompt": prompt} for prompt in DIGIT_PROMPTS]
         return Task(name, problems, digit_messages, digit_score)
-    if name == "gsm8k":
-        return Task(name, load_gsm8k(split, data_dir), gsm8k_messages, gsm8k_score)
+    if name == "gsm8k":  # the strict reward, not the benchmark's grade (gsm8k_reward says why)
+        return Task(name, load_gsm8k(split, data_dir), gsm8k_messages, gsm8k_reward)
     raise SystemExit(f"--task {name!r} is not one of: {', '.join(TASKS)}.")
 
 
 def load_heldout_task(name: str, num_problems: int, data_dir: str = "") -> Task:
     """Problems no training step sees, for evaluation during training (--eval_every): the
     first num_problems of the benchmark of the same name (Countdown: its held-out share;
-    GSM8K: the test split). The digit toy has nothing held out: its own prompts."""
+    GSM8K: the test split), with the benchmark's grader: `strict` and `correct` as evaluate.py
+    grades them, `reward` the training reward. The digit toy has nothing held out: its own prompts."""
     task = load_task(name) if name == "digit" else load_benchmark(name, data_dir, countdown_problems=num_problems)
     task.problems = task.problems[:num_problems]
     return task

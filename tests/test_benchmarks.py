@@ -1,6 +1,7 @@
 """The benchmarks of rewards.py: loaders (offline layout, clear errors), answer extractors and
-graders, checked on hand-written cases and on real model outputs against their sources' own
-labels (fixture rows in tests/fixtures/labelled; the full shared files when present)."""
+graders (strict: the answer in the format the instruction asks for; correct: flexible, with the
+extractors' fallbacks), checked on hand-written cases and on real model outputs against their
+sources' own labels (fixture rows in tests/fixtures/labelled; the full shared files when present)."""
 
 import json
 import logging
@@ -11,11 +12,14 @@ import pytest
 from conftest import ROOT
 from rewards import (
     BBH_SUBSETS,
+    BENCHMARKS,
     REWARD_CORRECT,
     REWARD_FORMAT,
     REWARD_NONE,
+    TASKS,
     bbh_correct,
     bbh_score,
+    countdown_score,
     extract_bbh_answer,
     extract_boxed,
     extract_choice_letter,
@@ -213,13 +217,83 @@ def test_extractors_take_linear_time_on_long_whitespace(phrase):
 # Graders: reward levels and math-verify
 
 
-def test_gsm8k_reward_levels():
-    problem = {"gold": "18"}
-    assert gsm8k_score("2 * 9 = 18, so \\boxed{18}", problem).reward == REWARD_CORRECT
-    assert gsm8k_score("2 * 9 = 18", problem).reward == REWARD_CORRECT  # right, though not boxed
-    assert gsm8k_score("\\boxed{19}", problem).reward == REWARD_FORMAT  # boxed, wrong
-    wrong = gsm8k_score("it is 19", problem)
-    assert (wrong.reward, wrong.correct, wrong.formatted, wrong.extracted) == (REWARD_NONE, False, False, "19")
+@pytest.mark.parametrize(
+    "completion, truncated, expected",
+    [
+        # (correct, strict, formatted, reward, extracted): correct is the flexible grade, strict
+        # reads the last \\boxed{} alone, neither looks at truncation; the reward is the training
+        # reward (gsm8k_reward): the strict grade, and nothing for a truncated completion
+        ("2 * 9 = 18, so \\boxed{18}", False, (True, True, True, REWARD_CORRECT, "18")),
+        ("2 * 9 = 18, so \\boxed{18} and 18 18 18", True, (True, True, True, REWARD_NONE, "18")),
+        ("2 * 9 = 18", False, (True, False, False, REWARD_NONE, "18")),  # right, though not boxed
+        ("The answer is 18 dollars.", False, (True, False, False, REWARD_NONE, "18")),
+        ("\\boxed{19}", False, (False, False, True, REWARD_FORMAT, "19")),  # boxed, wrong
+        ("it is 19", False, (False, False, False, REWARD_NONE, "19")),
+        # the repetition loop of the issue ('… 13. 20 chickens = 20 *', gold 20), cut at the
+        # cap: its last number is the gold, so only the flexible grade credits it
+        ("12. 18 chickens = 18 * 1\n13. 18 chickens = 18 *", True, (True, False, False, REWARD_NONE, "18")),
+    ],
+)
+def test_gsm8k_strict_and_flexible_grades(completion, truncated, expected):
+    score = gsm8k_score(completion, {"gold": "18"}, truncated=truncated)
+    assert (score.correct, score.strict, score.formatted, score.reward, score.extracted) == expected
+
+
+@pytest.mark.parametrize(
+    "score_fn, completion, gold, correct, strict",
+    [
+        # MATH-500: strict needs a \\boxed{}; flexible falls back to the whole completion
+        (math500_score, "so the answer is \\boxed{\\frac{1}{2}}", "\\frac12", True, True),
+        (math500_score, "so x = 1/2", "\\frac12", True, False),
+        (math500_score, "\\boxed{3}", "\\frac12", False, False),
+        # BBH: strict reads after "So the answer is"; flexible also takes a \\boxed{} without it
+        (bbh_score, "Let's think step by step. ... So the answer is (B).", "(B)", True, True),
+        (bbh_score, "So the answer is $\\boxed{(C)}$.", "(C)", True, True),  # a box after the phrase
+        (bbh_score, "Sorting gives: \\boxed{apple banana}", "apple banana", True, False),  # no phrase
+        (bbh_score, "So the answer is (A).", "(B)", False, False),
+        # MMLU-Pro: strict is "answer is (X)" alone (markdown allowed); flexible adds
+        # "Answer: X" and \\boxed{X}
+        (mmlu_pro_score, "... The answer is (C).", "C", True, True),
+        (mmlu_pro_score, "The answer is **C. the third option**.", "C", True, True),
+        (mmlu_pro_score, "Answer: C", "C", True, False),
+        (mmlu_pro_score, "Thus \\boxed{C}", "C", True, False),
+        (mmlu_pro_score, "The answer is (A). Answer: C", "C", False, False),  # the phrase wins
+    ],
+)
+def test_strict_and_flexible_grades_of_each_benchmark(score_fn, completion, gold, correct, strict):
+    score = score_fn(completion, {"gold": gold})
+    assert (score.correct, score.strict) == (correct, strict)
+    assert score.reward == (REWARD_CORRECT if strict else REWARD_FORMAT if score.formatted else REWARD_NONE)
+    cut = score_fn(completion, {"gold": gold}, truncated=True)
+    assert (cut.correct, cut.strict, cut.reward) == (correct, strict, REWARD_NONE)  # grades ignore the cut, reward not
+
+
+def test_countdown_has_one_format_so_strict_is_correct():
+    problem = {"nums": [3, 5, 7, 11], "target": 51}
+    for answer in ("5 * 11 - 7 + 3", "5 * 11 - 7 - 3"):
+        score = countdown_score(f"<think> a </think> <answer> {answer} </answer>", problem)
+        assert score.strict == score.correct
+
+
+@pytest.mark.parametrize("kind, name", [("benchmark", n) for n in BENCHMARKS] + [("task", n) for n in TASKS])
+def test_every_scorer_takes_truncated(kind, name):
+    # The training scripts and evaluate.py call task.score(text, problem, truncated=...):
+    # False is the default, a cut completion never earns more, and strict implies correct.
+    if kind == "benchmark":
+        task = load_benchmark(name, str(DATA), countdown_problems=2)
+    else:
+        task = load_task(name, num_problems=2, data_dir=str(DATA) if name == "gsm8k" else "")
+    problem = {**task.problems[0], "gold": "7"} if name == "gsm8k" else task.problems[0]
+    for completion in ("So the answer is \\boxed{7}.", "7", "no answer"):
+        plain, cut = task.score(completion, problem), task.score(completion, problem, truncated=True)
+        assert task.score(completion, problem, truncated=False) == plain
+        assert cut.reward <= plain.reward
+        for score in (plain, cut):
+            assert isinstance(score.strict, bool) and (score.correct or not score.strict)
+    if name == "gsm8k":  # the boxed right answer: full reward, but none when cut
+        boxed = "So the answer is \\boxed{7}."
+        assert task.score(boxed, problem).reward == REWARD_CORRECT
+        assert task.score(boxed, problem, truncated=True).reward == REWARD_NONE
 
 
 @pytest.mark.parametrize(
@@ -275,39 +349,54 @@ def test_math_verify_timeout_counts_as_wrong(caplog):
     assert "Timeout" not in caplog.text
 
 
+def math500_golds_failing(rows):
+    """Answers whose reference solution, or \\boxed{answer}, is not graded strict-correct
+    (the reference solutions put their answer in \\boxed{}, so strict is meaningful here)."""
+    failing = []
+    for row in rows:
+        for completion in (row["solution"], f"\\boxed{{{row['answer']}}}"):
+            if not math500_score(completion, {"gold": row["answer"]}).strict:
+                failing.append(row["answer"])
+    return failing
+
+
 def test_math500_golds_of_the_fixture_grade_as_correct():
-    for row in jsonl(DATA / "math500" / "test.jsonl"):
-        assert math500_score(row["solution"], {"gold": row["answer"]}).correct, row["answer"]
-        assert math500_score(f"\\boxed{{{row['answer']}}}", {"gold": row["answer"]}).correct
+    assert math500_golds_failing(jsonl(DATA / "math500" / "test.jsonl")) == []
 
 
 @needs_shared
 def test_all_500_math500_golds_grade_as_correct():
-    # Measured: 500/500 both ways, ~3 s together on 2 busy cores.
+    # Measured: 500/500 both ways, strict (hence flexible), ~3 s together on 2 busy cores.
     rows = jsonl(SHARED / "math500" / "test.jsonl")
     assert len(rows) == 500
-    assert [r["answer"] for r in rows if not math500_score(r["solution"], {"gold": r["answer"]}).correct] == []
-    assert [
-        r["answer"] for r in rows if not math500_score(f"\\boxed{{{r['answer']}}}", {"gold": r["answer"]}).correct
-    ] == []
+    assert math500_golds_failing(rows) == []
 
 
 def gsm8k_golds_self_graded(path):
-    """(number graded correct, total): each reference solution, and its gold in \\boxed{}."""
+    """(reference solutions graded correct, of them strict, golds in \\boxed{} graded correct,
+    of them strict, problems). The reference solutions end with '#### N', not \\boxed{}, so
+    strict is meaningful for the boxed golds only (and rightly credits no solution)."""
     problems = load_gsm8k("test", str(path))
     rows = jsonl(path / "gsm8k" / "test.jsonl")
-    hits = sum(gsm8k_score(row["answer"], p).correct for row, p in zip(rows, problems))
-    hits += sum(gsm8k_score(f"\\boxed{{{p['gold']}}}", p).correct for p in problems)
-    return hits, 2 * len(problems)
+    solutions = [gsm8k_score(row["answer"], p) for row, p in zip(rows, problems)]
+    boxed = [gsm8k_score(f"\\boxed{{{p['gold']}}}", p) for p in problems]
+    count = lambda scores, key: sum(getattr(s, key) for s in scores)  # noqa: E731
+    return (
+        count(solutions, "correct"),
+        count(solutions, "strict"),
+        count(boxed, "correct"),
+        count(boxed, "strict"),
+        len(problems),
+    )
 
 
 def test_gsm8k_golds_of_the_fixture_grade_as_correct():
-    assert gsm8k_golds_self_graded(DATA) == (6, 6)
+    assert gsm8k_golds_self_graded(DATA) == (3, 0, 3, 3, 3)
 
 
 @needs_shared
 def test_all_1319_gsm8k_golds_grade_as_correct():
-    assert gsm8k_golds_self_graded(SHARED) == (2 * 1319, 2 * 1319)
+    assert gsm8k_golds_self_graded(SHARED) == (1319, 0, 1319, 1319, 1319)
 
 
 # ----------------------------------------------------------------------------------------
@@ -315,19 +404,23 @@ def test_all_1319_gsm8k_golds_grade_as_correct():
 
 
 def gsm8k_agreement(rows, golds):
-    """(agreeing, total) over the four GSM8K paper models: our grade vs their is_correct."""
-    agree = total = 0
+    """(agreeing, strict-correct, total) over the four GSM8K paper models: our flexible grade
+    vs their is_correct, and how many we grade strict-correct. Their solutions end with
+    'A: N' and never use \\boxed{}, so strict credits none: not meaningful for them."""
+    agree = strict = total = 0
     for row, gold in zip(rows, golds):
         for model in ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification"):
-            agree += gsm8k_score(row[model]["solution"], {"gold": gold}).correct == row[model]["is_correct"]
+            score = gsm8k_score(row[model]["solution"], {"gold": gold})
+            agree += score.correct == row[model]["is_correct"]
+            strict += score.strict
             total += 1
-    return agree, total
+    return agree, strict, total
 
 
 def test_gsm8k_grader_agrees_with_the_labels_of_the_paper_models():
     rows = jsonl(FIXTURES / "labelled" / "gsm8k_model_solutions.jsonl")
     golds = [gsm8k_gold(r["gold_solution"]) for r in rows]
-    assert gsm8k_agreement(rows, golds) == (160, 160)  # measured: 160/160
+    assert gsm8k_agreement(rows, golds) == (160, 0, 160)  # measured: 160/160, strict 0 (no \\boxed{})
 
 
 def test_gsm8k_gold_is_the_number_after_the_last_marker():
@@ -340,43 +433,46 @@ def test_gsm8k_gold_is_the_number_after_the_last_marker():
 def test_gsm8k_grader_agrees_with_all_5276_labels():
     rows = jsonl(SHARED / "gsm8k" / "example_model_solutions.jsonl")
     golds = [p["gold"] for p in load_gsm8k("test", str(SHARED))]
-    assert gsm8k_agreement(rows, golds) == (5276, 5276)  # measured: 5276/5276 (4 models × 1319)
+    assert gsm8k_agreement(rows, golds) == (5276, 0, 5276)  # measured: 5276/5276 (4 models × 1319), strict 0
 
 
 def bbh_agreement(rows):
-    """(same correctness as the derived label, same extracted answer, total)."""
+    """(same correctness as the derived label, same strict correctness, same extracted answer,
+    total). The label reads after 'the answer is ' only, the strict format: strict agreement is
+    meaningful here."""
     scores = [bbh_score(r["output"], {"gold": r["target"]}) for r in rows]
     same_correct = sum(s.correct == r["is_correct_derived"] for s, r in zip(scores, rows))
+    same_strict = sum(s.strict == r["is_correct_derived"] for s, r in zip(scores, rows))
     same_answer = sum(s.extracted == r["extracted_answer"] for s, r in zip(scores, rows))
-    return same_correct, same_answer, len(rows)
+    return same_correct, same_strict, same_answer, len(rows)
 
 
 def test_bbh_grader_agrees_with_the_davinci_labels():
     # The label's rule (shared/data README) is an exact string match; ours forgives case and
     # option text, but not a hedge: the row answering '(A) or (B)' for gold '(A)' is wrong in
-    # both. Measured: 86/86 correctness, 86/86 extracted answers.
-    same_correct, same_answer, total = bbh_agreement(jsonl(FIXTURES / "labelled" / "bbh_davinci_outputs.jsonl"))
-    assert total == 86
-    assert same_correct == 86 and same_answer == 86
+    # both. Measured: 86/86 correctness, 86/86 strict, 86/86 extracted answers.
+    agreement = bbh_agreement(jsonl(FIXTURES / "labelled" / "bbh_davinci_outputs.jsonl"))
+    assert agreement == (86, 86, 86, 86)
 
 
 @needs_shared
 def test_bbh_grader_agrees_with_all_1080_davinci_labels():
-    same_correct, same_answer, total = bbh_agreement(jsonl(SHARED / "bbh" / "davinci_cot_outputs.jsonl"))
-    assert total == 1080
-    assert same_correct == 1080 and same_answer == 1080  # measured: 1080/1080 both
+    agreement = bbh_agreement(jsonl(SHARED / "bbh" / "davinci_cot_outputs.jsonl"))
+    assert agreement == (1080, 1080, 1080, 1080)  # measured: 1080/1080 all three
 
 
 def mmlu_agreement(rows):
     """(same letter as the source's pred, where pred is not null; rows with pred null where
-    we find a letter; same correctness as is_correct; total)."""
+    we find a letter; same correctness as is_correct; same strict correctness; total). The
+    source's pred comes from its regex 'answer is \\(?([A-J])\\)?', the strict format: strict
+    agreement is meaningful here."""
     letters = [extract_choice_letter(r["model_output"]) for r in rows]
     same = sum(letter == r["pred"] for letter, r in zip(letters, rows) if r["pred"] is not None)
     recovered = sum(letter is not None for letter, r in zip(letters, rows) if r["pred"] is None)
-    same_correct = sum(
-        mmlu_pro_score(r["model_output"], {"gold": r["answer"]}).correct == r["is_correct"] for r in rows
-    )
-    return same, recovered, same_correct, len(rows)
+    scores = [mmlu_pro_score(r["model_output"], {"gold": r["answer"]}) for r in rows]
+    same_correct = sum(s.correct == r["is_correct"] for s, r in zip(scores, rows))
+    same_strict = sum(s.strict == r["is_correct"] for s, r in zip(scores, rows))
+    return same, recovered, same_correct, same_strict, len(rows)
 
 
 def test_mmlu_pro_extractor_agrees_with_the_source_letters():
@@ -384,17 +480,19 @@ def test_mmlu_pro_extractor_agrees_with_the_source_letters():
     # pred null can become correct. Measured on the fixture: 27/27 same letter where pred is
     # set, letters found for 22 of the 30 null rows, 42/57 same correctness (the other 15 are
     # null preds that we read and find right, where the source's is_correct says False).
+    # Strict agrees as often: gpt-4o always writes the phrase, markdown and all.
     rows = jsonl(FIXTURES / "labelled" / "mmlu_pro_outputs.jsonl")
-    same, recovered, same_correct, total = mmlu_agreement(rows)
+    same, recovered, same_correct, same_strict, total = mmlu_agreement(rows)
     assert total == 57 and sum(r["pred"] is not None for r in rows) == 27
-    assert same == 27 and recovered >= 22 and same_correct >= 42
+    assert same == 27 and recovered >= 22 and same_correct >= 42 and same_strict == same_correct
 
 
 @needs_shared
 def test_mmlu_pro_extractor_agrees_with_all_700_source_letters():
-    same, recovered, same_correct, total = mmlu_agreement(jsonl(SHARED / "mmlu_pro" / "sample.jsonl"))
+    same, recovered, same_correct, same_strict, total = mmlu_agreement(jsonl(SHARED / "mmlu_pro" / "sample.jsonl"))
     assert total == 700
     assert same == 670 and recovered >= 22 and same_correct >= 685  # measured: 670/670, 22 of 30, 685/700
+    assert same_strict == same_correct  # measured: 685/700; the 15 others: 'The answer is **A**' read, pred null
 
 
 # ----------------------------------------------------------------------------------------
@@ -498,6 +596,8 @@ def test_gsm8k_training_task_offline():
     assert len(task.problems) == 8 and task.problems[0]["gold"] == "72"  # train row 1: 48 + 24 = 72
     assert "\\boxed{}" in task.messages(task.problems[0])[0]["content"]
     assert task.score("48 + 24 = \\boxed{72}", task.problems[0]).reward == REWARD_CORRECT
+    assert task.score("48 + 24 = \\boxed{72}", task.problems[0], truncated=True).reward == REWARD_NONE
+    assert task.score("48 + 24 = 72", task.problems[0]).reward == REWARD_NONE  # the strict reward: no fallbacks
     assert load_heldout_task("gsm8k", 2, str(DATA)).problems == load_gsm8k("test", str(DATA))[:2]
     with pytest.raises(SystemExit, match="--dataset is for --task countdown"):
         load_task("gsm8k", dataset="openai/gsm8k")

@@ -1,5 +1,6 @@
 """evaluate.py: its statistics by hand, the grading worker's deadline, an offline end-to-end
-run of the tiny model over fixture rows of every benchmark, --compare and --plot."""
+run of the tiny model over fixture rows of every benchmark, the strict and flexible accuracies
+of scripted answers, --compare and --plot."""
 
 import json
 import time
@@ -23,7 +24,7 @@ from evaluate import (
     summarize,
     wilson_interval,
 )
-from rewards import BENCHMARKS, gsm8k_score, load_gsm8k, math500_score
+from rewards import BENCHMARKS, REWARD_NONE, Score, gsm8k_score, load_gsm8k, math500_score
 
 DATA = ROOT / "tests" / "fixtures" / "data"
 
@@ -47,16 +48,26 @@ def test_pass_at_k_by_hand():
 
 def test_summarize_by_hand():
     correct = [[True, False, False, False], [True, True, True, True], [False, False, False, False]]
-    result = summarize(correct, ["a", "a", "b"])
+    strict = [[False, False, False, False], [True, True, False, False], [False, False, False, False]]
+    result = summarize(correct, strict, ["a", "a", "b"])
     # per problem 1/4, 1, 0 -> accuracy 5/12; pass@2 = (1 − C(3,2)/C(4,2) + 1 + 0) / 3 = 0.5;
     # pass@4 = (1 + 1 + 0) / 3; subset a = (0.25 + 1) / 2, b = 0, their mean 0.3125.
     assert result["accuracy"] == pytest.approx(5 / 12) and result["n"] == 3 and result["num_samples"] == 4
     assert result["pass@1"] == pytest.approx(5 / 12)
     assert result["pass@2"] == pytest.approx(0.5)
     assert result["pass@4"] == pytest.approx(2 / 3)
-    assert result["subsets"] == {"a": {"accuracy": 0.625, "n": 2}, "b": {"accuracy": 0.0, "n": 1}}
+    # strict per problem 0, 1/2, 0 -> 1/6, its Wilson interval over the 3 problems;
+    # subset a = (0 + 0.5) / 2, b = 0, their mean 0.125
+    assert result["strict_accuracy"] == pytest.approx(1 / 6)
+    assert result["strict_ci95"] == pytest.approx(wilson_interval(1 / 6, 3))
+    assert result["ci95"] == pytest.approx(wilson_interval(5 / 12, 3))
+    assert result["subsets"] == {
+        "a": {"accuracy": 0.625, "strict_accuracy": 0.25, "n": 2},
+        "b": {"accuracy": 0.0, "strict_accuracy": 0.0, "n": 1},
+    }
     assert result["subset_mean"] == pytest.approx(0.3125)
-    assert "subsets" not in summarize([[True], [False]], ["", ""])
+    assert result["strict_subset_mean"] == pytest.approx(0.125)
+    assert "subsets" not in summarize([[True], [False]], [[True], [False]], ["", ""])
 
 
 def test_limit_spreads_over_subsets():
@@ -84,9 +95,12 @@ def test_grader_kills_a_hung_grading_and_keeps_going():
         start = time.perf_counter()
         hung = grader.score(math500_score, "\\boxed{10^{10^{10^{10}}}-1}", {"gold": "3"})
         assert time.perf_counter() - start < 15
-        assert (hung.correct, grader.timeouts) == (False, 1)
+        assert (hung.correct, hung.strict, grader.timeouts) == (False, False, 1)
         assert grader.score(gsm8k_score, "\\boxed{18}", {"gold": "18"}).correct
         assert grader.score(math500_score, "\\boxed{0.5}", {"gold": "\\frac12"}).correct
+        # the truncation flag reaches the grader: the grades stand, the training reward goes
+        cut = grader.score(gsm8k_score, "\\boxed{18} 18 18", {"gold": "18"}, truncated=True)
+        assert (cut.correct, cut.strict, cut.reward) == (True, True, REWARD_NONE)
     finally:
         grader.close()
 
@@ -106,13 +120,17 @@ def test_offline_end_to_end_on_every_benchmark(tmp_path, capsys):
         assert result["n"] == 2 and len(rows) == 2
         # the summary is computed from the same completions that samples.jsonl records
         assert result["accuracy"] == sum(r["correct"] for r in rows) / 2
+        assert result["strict_accuracy"] == sum(r["strict"] for r in rows) / 2 <= result["accuracy"]
+        assert all(r["correct"] or not r["strict"] for r in rows)  # strict implies correct
         assert result["mean_length"] == sum(r["length"] for r in rows) / 2 <= 4
         assert result["truncated"] == sum(r["truncated"] for r in rows) / 2
         low, high = result["ci95"]
         assert 0 <= low <= result["accuracy"] <= high <= 1
+        low, high = result["strict_ci95"]
+        assert 0 <= low <= result["strict_accuracy"] <= high <= 1
         assert result["seconds"] > 0 and result["grade_timeouts"] == 0
         for row in rows:
-            assert set(row) >= {"prompt", "output", "extracted", "gold", "correct"}
+            assert set(row) >= {"prompt", "output", "extracted", "gold", "correct", "strict"}
             assert row["prompt"].startswith("<|im_start|>") and row["prompt"].endswith("<|im_start|>assistant\n")
     # --limit 2 takes one problem from each of the first two BBH tasks / MMLU-Pro categories
     assert set(results["bbh"]["subsets"]) == {"boolean_expressions", "causal_judgement"}
@@ -122,10 +140,14 @@ def test_offline_end_to_end_on_every_benchmark(tmp_path, capsys):
     table = (run_dir / "table.md").read_text()
     printed = capsys.readouterr().out
     assert table.strip() in printed
-    assert table.startswith("| benchmark | accuracy % | 95% CI | n | mean length | truncated % | seconds |")
+    assert table.startswith(
+        "| benchmark | accuracy % | 95% CI | strict % | strict 95% CI | n | mean length | truncated % | seconds |"
+    )
     for name in BENCHMARKS:
         assert f"\n| {name} | " in table
-    assert "| bbh subset | accuracy % | n |" in table and "| boolean_expressions | " in table
+    assert "| bbh subset | accuracy % | strict % | n |" in table and "| boolean_expressions | " in table
+    assert set(results["bbh"]["subsets"]["boolean_expressions"]) == {"accuracy", "strict_accuracy", "n"}
+    assert "strict_subset_mean" in results["bbh"] and "strict_subset_mean" in results["mmlu_pro"]
 
 
 class AnsweringModel(torch.nn.Module):
@@ -159,15 +181,16 @@ class AnsweringModel(torch.nn.Module):
 def test_end_to_end_grades_each_completion_against_its_own_problem(tmp_path, monkeypatch):
     # GSM8K's 3 fixture problems (golds 18, 3, 70000), 2 samples each, 2 problems per batch,
     # so the longest-first order splits them over two batches of 4 and 2 rows. The model
-    # answers problem 0 right twice, problem 1 right then wrong, problem 2 wrong twice, each
-    # wrong answer another problem's gold: a completion graded against the wrong problem
-    # changes the outcome. By hand: per problem 2/2, 1/2, 0/2 -> accuracy (1 + 0.5 + 0) / 3
-    # = 0.5 = pass@1; pass@2 = (1 + 1 + 0) / 3 (1 − C(1,2)/C(2,2) = 1 for problem 1).
+    # answers problem 0 right twice (the second time without \\boxed{}), problem 1 right then
+    # wrong, problem 2 wrong twice, each wrong answer another problem's gold: a completion
+    # graded against the wrong problem changes the outcome. By hand: per problem 2/2, 1/2, 0/2
+    # -> accuracy (1 + 0.5 + 0) / 3 = 0.5 = pass@1; pass@2 = (1 + 1 + 0) / 3 (1 − C(1,2)/C(2,2)
+    # = 1 for problem 1); strict (boxed answers only) per problem 1/2, 1/2, 0/2 -> 1/3.
     _, tokenizer, eos_ids = load_model("tiny", torch.device("cpu"))
     problems = load_gsm8k("test", str(DATA))
     assert [p["gold"] for p in problems] == ["18", "3", "70000"]
     answers = {
-        problems[0]["question"]: ["So \\boxed{18}.", "It is 9 * 2 = \\boxed{18}"],
+        problems[0]["question"]: ["So \\boxed{18}.", "It is 9 * 2 = 18"],
         problems[1]["question"]: ["\\boxed{3}", "\\boxed{70000}"],
         problems[2]["question"]: ["\\boxed{18}", "The answer is 3"],
     }
@@ -176,14 +199,14 @@ def test_end_to_end_grades_each_completion_against_its_own_problem(tmp_path, mon
     argv = f"--model scripted --benchmarks gsm8k --data_dir {DATA} --batch_size 2 --num_samples 2"
     run_dir = main(parse_args(Args, argv.split() + ["--temperature", "1.0", "--output_dir", str(tmp_path)]))
     samples = read_jsonl(run_dir / "samples.jsonl")
-    graded = {(s["index"], s["sample"]): (s["gold"], s["extracted"], s["correct"]) for s in samples}
+    graded = {(s["index"], s["sample"]): (s["gold"], s["extracted"], s["correct"], s["strict"]) for s in samples}
     assert graded == {
-        (0, 0): ("18", "18", True),
-        (0, 1): ("18", "18", True),
-        (1, 0): ("3", "3", True),
-        (1, 1): ("3", "70000", False),
-        (2, 0): ("70000", "18", False),
-        (2, 1): ("70000", "3", False),
+        (0, 0): ("18", "18", True, True),
+        (0, 1): ("18", "18", True, False),  # right, but not in \\boxed{}
+        (1, 0): ("3", "3", True, True),
+        (1, 1): ("3", "70000", False, False),
+        (2, 0): ("70000", "18", False, False),
+        (2, 1): ("70000", "3", False, False),
     }
     for s in samples:  # each record's prompt and output belong together
         assert s["output"] in answers[problems[s["index"]]["question"]] and s["truncated"] is False
@@ -192,8 +215,43 @@ def test_end_to_end_grades_each_completion_against_its_own_problem(tmp_path, mon
     assert (result["n"], result["num_samples"]) == (3, 2)
     assert result["accuracy"] == pytest.approx(0.5) and result["pass@1"] == pytest.approx(0.5)
     assert result["pass@2"] == pytest.approx(2 / 3)
-    assert result["formatted"] == pytest.approx(5 / 6)  # every answer but 'The answer is 3' is boxed
+    assert result["strict_accuracy"] == pytest.approx(1 / 3)
+    assert result["formatted"] == pytest.approx(4 / 6)  # all boxed but '9 * 2 = 18' and 'The answer is 3'
     assert result["truncated"] == 0.0
+
+
+def report_truncation(completion: str, problem: dict, truncated: bool = False) -> Score:
+    """A scorer that writes the truncation flag it was given where samples.jsonl shows it."""
+    return Score(REWARD_NONE, correct=False, formatted=False, extracted=f"truncated={truncated}")
+
+
+def test_each_completion_is_graded_with_its_own_truncation_flag(tmp_path, monkeypatch):
+    # Problem 0's answer is cut at the 12-token cap after its right \\boxed{18}; the others end.
+    # Graded by GSM8K's grader, the cut one stays correct and strict (the grades ignore the cut;
+    # samples.jsonl and results.json report it); a scorer echoing its flag shows that each
+    # completion reached the grader with its own.
+    _, tokenizer, eos_ids = load_model("tiny", torch.device("cpu"))
+    problems = load_gsm8k("test", str(DATA))
+    answers = {
+        problems[0]["question"]: ["\\boxed{18}" + " and 18" * 20],
+        problems[1]["question"]: ["\\boxed{3}"],
+        problems[2]["question"]: ["\\boxed{1}"],
+    }
+    model = AnsweringModel(tokenizer, eos_ids[0], answers)
+    monkeypatch.setattr(evaluate, "load_model", lambda *args, **kwargs: (model, tokenizer, eos_ids))
+    argv = f"--model scripted --benchmarks gsm8k --data_dir {DATA} --max_new_tokens 12".split()
+    samples = read_jsonl(main(parse_args(Args, argv + ["--output_dir", str(tmp_path / "a")])) / "samples.jsonl")
+    graded = {s["index"]: (s["truncated"], s["correct"], s["strict"]) for s in samples}
+    assert graded == {0: (True, True, True), 1: (False, True, True), 2: (False, False, False)}
+    task = evaluate.load_benchmark("gsm8k", str(DATA))
+    task.score = report_truncation
+    monkeypatch.setattr(evaluate, "load_benchmark", lambda *args, **kwargs: task)
+    samples = read_jsonl(main(parse_args(Args, argv + ["--output_dir", str(tmp_path / "b")])) / "samples.jsonl")
+    assert sorted((s["index"], s["extracted"]) for s in samples) == [
+        (0, "truncated=True"),
+        (1, "truncated=False"),
+        (2, "truncated=False"),
+    ]
 
 
 def test_each_prompt_goes_through_the_chat_template_once(tmp_path, monkeypatch):
@@ -218,7 +276,8 @@ def test_sampling_reports_pass_at_k(tmp_path):
     assert result["num_samples"] == 2 and len(samples) == 6
     assert sorted((s["index"], s["sample"]) for s in samples) == [(i, k) for i in range(3) for k in range(2)]
     assert "pass@1" in result and "pass@2" in result
-    assert (run_dir / "table.md").read_text().startswith("| benchmark | accuracy % | 95% CI | n | pass@1 | pass@2 |")
+    table = (run_dir / "table.md").read_text()
+    assert table.startswith("| benchmark | accuracy % | 95% CI | strict % | strict 95% CI | n | pass@1 | pass@2 |")
 
 
 def write_results(path, results):
@@ -244,6 +303,19 @@ def test_compare_joins_runs_into_one_table(tmp_path):
     ]
     with pytest.raises(SystemExit, match="no results.json there"):
         compare_table([str(tmp_path)])
+
+
+def test_compare_adds_a_strict_row_where_a_run_has_strict_accuracy(tmp_path):
+    strict = {"strict_accuracy": 0.25, "strict_ci95": [0.2, 0.3]}
+    write_results(tmp_path / "eval-new", {"gsm8k": {"accuracy": 0.5, "ci95": [0.4, 0.6], "n": 100, **strict}})
+    write_results(tmp_path / "eval-old", {"gsm8k": {"accuracy": 0.5, "ci95": [0.4, 0.6], "n": 100}})  # no strict yet
+    table = compare_table([str(tmp_path / "eval-new"), str(tmp_path / "eval-old")])
+    assert table.splitlines() == [
+        "| benchmark | eval-new | eval-old |",
+        "|---|---|---|",
+        "| gsm8k | 50.0 (40.0–60.0, n=100) | 50.0 (40.0–60.0, n=100) |",
+        "| gsm8k strict | 25.0 (20.0–30.0, n=100) | – |",
+    ]
 
 
 def test_compare_from_the_command_line(tmp_path, capsys):

@@ -1,23 +1,29 @@
 """The Countdown verifier on correct, wrong, malformed and hostile answers; the generator;
-the digit toy task."""
+the digit toy task; the GSM8K training reward (strict \\boxed{}, nothing when truncated); how
+each training reward treats a completion cut at max_new_tokens."""
 
 import signal
 from contextlib import contextmanager
 
 import pytest
 
+from conftest import ROOT
 from rewards import (
     MAX_EXPRESSION_CHARS,
     REWARD_CORRECT,
     REWARD_FORMAT,
     REWARD_NONE,
+    Score,
     countdown_score,
     digit_score,
     extract_answer,
     generate_countdown,
+    gsm8k_reward,
+    gsm8k_score,
     load_task,
 )
 
+GSM8K_DATA = ROOT / "tests" / "fixtures" / "data"  # the --data_dir layout, a few rows per file
 PROBLEM = {"nums": [3, 5, 7, 11], "target": 51}  # 5 · 11 − 7 + 3 = 55 − 7 + 3 = 51
 
 
@@ -218,3 +224,93 @@ def test_dataset_loader_names_missing_columns(tmp_path):
     (tmp_path / "train.jsonl").write_text('{"goal": 51, "nums": [3, 5, 7, 11]}\n')
     with pytest.raises(SystemExit, match=r"lacks the column\(s\) \['target'\]"):
         load_task("countdown", dataset=str(tmp_path))
+
+
+# ----------------------------------------------------------------------------------------
+# Truncation: `truncated` (the completion hit max_new_tokens without an EOS) and the rewards
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [
+        wrap("5 * 11 - 7 + 3"),  # correct: a completion cut right after </answer> keeps its 1.0
+        wrap("5 * 11 - 7 - 3"),  # well-formed, wrong
+        "<think> a </think> <answer> 5 * 11 - 7",  # cut inside the answer
+        "<think> reasoning that goes on and on",  # cut inside the reasoning
+    ],
+)
+def test_countdown_reward_ignores_truncation(completion):
+    assert countdown_score(completion, PROBLEM, truncated=True) == countdown_score(completion, PROBLEM)
+
+
+def test_countdown_format_already_gives_nothing_to_a_completion_cut_before_its_end():
+    # Why countdown_score may ignore `truncated`: every proper prefix of a correct completion
+    # (wherever max_new_tokens could cut it) fails the strict format and gets nothing.
+    full = wrap("5 * 11 - 7 + 3")
+    assert countdown_score(full, PROBLEM).reward == REWARD_CORRECT
+    rewards = {countdown_score(full[:cut], PROBLEM, truncated=True).reward for cut in range(len(full))}
+    assert rewards == {REWARD_NONE}
+
+
+def test_digit_reward_ignores_truncation():
+    for text in ("7", "7 7 7 7", "x"):
+        assert digit_score(text, {}, truncated=True) == digit_score(text, {})
+
+
+def test_score_strict_defaults_to_correct():
+    # a task with one answer format leaves `strict` out: it is the same grade as `correct`
+    assert Score(REWARD_CORRECT, correct=True, formatted=True).strict is True
+    assert Score(REWARD_NONE, correct=False, formatted=False).strict is False
+    assert countdown_score(wrap("5 * 11 - 7 + 3"), PROBLEM).strict is True
+    assert digit_score("x", {}).strict is False
+
+
+# The junk of the issue: a repetition loop cut at max_new_tokens, whose last number (20) is the
+# gold. The only 1.0 in a 10-step real-model run on GSM8K went to a completion like this.
+LOOP = (
+    "Let's count the chickens.\n"
+    + "".join(f"{i}. 20 chickens = 20 * 1\n" for i in range(1, 13))
+    + "13. 20 chickens = 20 *"
+)
+
+
+def test_gsm8k_reward_gives_nothing_to_a_truncated_repetition_loop():
+    problem = {"gold": "20"}
+    flexible = gsm8k_score(LOOP, problem, truncated=True)  # the evaluation's flexible grade reads it as right
+    assert (flexible.correct, flexible.strict, flexible.extracted) == (True, False, "20")
+    for truncated in (True, False):  # no \\boxed{}: nothing, cut or not
+        reward = gsm8k_reward(LOOP, problem, truncated=truncated)
+        assert (reward.reward, reward.correct, reward.strict, reward.formatted) == (REWARD_NONE, False, False, False)
+    assert flexible.reward == REWARD_NONE  # the benchmark grader's reward is the training reward
+
+
+@pytest.mark.parametrize(
+    "completion, truncated, expected",
+    [
+        # (reward, correct, formatted, extracted); strict is always correct here
+        ("2 * 9 = 18, so \\boxed{18}", False, (REWARD_CORRECT, True, True, "18")),
+        ("\\boxed{18.00}", False, (REWARD_CORRECT, True, True, "18.00")),  # exact numeric equality
+        ("\\boxed{17}, no: \\boxed{18}", False, (REWARD_CORRECT, True, True, "18")),  # the last box
+        ("\\boxed{19}", False, (REWARD_FORMAT, False, True, "19")),  # boxed, wrong
+        ("\\boxed{18} is wrong, it is \\boxed{19}", False, (REWARD_FORMAT, False, True, "19")),
+        ("\\boxed{x}", False, (REWARD_NONE, False, False, None)),  # a box without a number
+        ("2 * 9 = 18", False, (REWARD_NONE, False, False, None)),  # right number, not boxed
+        ("The answer is 18.", False, (REWARD_NONE, False, False, None)),  # the evaluation's fallback
+        # cut at max_new_tokens: nothing, even with the right answer boxed before the cut
+        ("2 * 9 = 18, so \\boxed{18} and then 18 18 18 18", True, (REWARD_NONE, False, False, "18")),
+        ("\\boxed{19} 19 19", True, (REWARD_NONE, False, False, "19")),
+    ],
+)
+def test_gsm8k_reward_reads_the_box_only_and_nothing_when_truncated(completion, truncated, expected):
+    score = gsm8k_reward(completion, {"gold": "18"}, truncated=truncated)
+    assert (score.reward, score.correct, score.formatted, score.extracted) == expected
+    assert score.strict == score.correct
+
+
+def test_gsm8k_training_task_uses_the_strict_reward():
+    task = load_task("gsm8k", data_dir=str(GSM8K_DATA))
+    problem = task.problems[0]  # gold 72
+    assert task.score is gsm8k_reward
+    assert task.score("48 + 24 = \\boxed{72}", problem).reward == REWARD_CORRECT
+    assert task.score("48 + 24 = \\boxed{72}", problem, truncated=True).reward == REWARD_NONE
+    assert task.score("48 + 24 = 72", problem, False).reward == REWARD_NONE  # positional truncated works too
