@@ -13,7 +13,7 @@ import ppo
 from common import load_model, parse_args, read_jsonl
 from conftest import ROOT
 from grpo import Args, evaluate_heldout, train
-from rewards import load_task
+from rewards import load_heldout_task, load_task
 
 DATA = ROOT / "tests" / "fixtures" / "data"
 
@@ -53,6 +53,29 @@ def test_evaluate_heldout_by_hand():
     assert metrics["eval/accuracy"] == metrics["eval/reward"] == metrics["eval/format"] == 0.5
     assert metrics["eval/length_mean"] == 2.0 and metrics["eval/truncated"] == 0.25
     assert metrics["eval/seconds"] > 0
+
+
+def test_evaluate_heldout_counts_only_the_asked_format_on_gsm8k():
+    # The first two GSM8K test problems (golds 18 and 3). Row 0 ends "\boxed{18}" (strict and
+    # flexible: correct); row 1 ends "= 3" with no box, the gold by the flexible last-number
+    # fallback only; row 2 boxes the right 18 but never stops (truncated). eval/accuracy is
+    # the strict grade, which ignores truncation: rows 0 and 2, so 2/3. eval/reward is the
+    # training reward: 1 for row 0, 0 for row 1 (no box), 0 for row 2 (cut): 1/3.
+    _, tokenizer, eos_ids = load_model("tiny", torch.device("cpu"))
+    task = load_heldout_task("gsm8k", 3, data_dir=str(DATA))
+    task.problems = [task.problems[0], task.problems[1], task.problems[0]]
+    assert [p["gold"] for p in task.problems] == ["18", "3", "18"]
+    texts = ["so \\boxed{18}", "2 + 1 = 3", "\\boxed{18} and"]
+    encoded = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    width = max(len(ids) for ids in encoded) + 1
+    eos = eos_ids[0]
+    script = [ids + [eos] * (width - len(ids)) for ids in encoded[:2]]
+    script.append((encoded[2] * width)[:width])  # no EOS within max_new_tokens = width
+    model = ScriptedModel(script, rows=len(tokenizer) + 8)
+    metrics = evaluate_heldout(model, tokenizer, eos_ids, task, max_new_tokens=width, batch_size=3)
+    assert metrics["eval/truncated"] == pytest.approx(1 / 3)
+    assert metrics["eval/accuracy"] == pytest.approx(2 / 3)
+    assert metrics["eval/reward"] == pytest.approx(1 / 3)
 
 
 # Settings of each script that a 4-token run needs: DAPO's length buffer must fit in L_max = 4
