@@ -23,6 +23,7 @@ from typing import NoReturn
 
 import numpy as np
 import torch
+from jinja2 import TemplateError
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, HfArgumentParser
 from transformers.utils import logging as hf_logging
 
@@ -206,8 +207,8 @@ def seed_everything(seed: int) -> None:
 
 def resolve_model_name(name: str) -> str:
     """--model as typed -> what from_pretrained takes (a local directory or a Hub id)."""
-    if name == "tiny":
-        return str(build_tiny_model())
+    if name in TINY_MODELS:
+        return str(build_tiny_model(name=name))
     if Path(name).expanduser().is_dir():
         return str(Path(name).expanduser())
     if name in MODEL_ALIASES:
@@ -215,7 +216,7 @@ def resolve_model_name(name: str) -> str:
     if re.fullmatch(r"[\w.\-]+/[\w.\-]+", name):
         return name  # a Hub id such as Qwen/Qwen2.5-1.5B-Instruct
     raise SystemExit(
-        f"--model {name!r} is not a local directory, a Hub id of the form 'org/name', 'tiny', "
+        f"--model {name!r} is not a local directory, a Hub id of the form 'org/name', {', '.join(TINY_MODELS)}, "
         f"or one of the short names: {', '.join(MODEL_ALIASES)}."
     )
 
@@ -259,6 +260,24 @@ def set_pad_token(tokenizer, eos_ids: list[int]) -> None:
             return
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+
+
+def render_chat(tokenizer, messages: list[dict]) -> str:
+    """One conversation through the model's chat template, ending where the assistant's turn
+    begins. Some templates have no system role: Gemma's raises on one, others drop it without
+    a word. For those the system text goes at the top of the first user message, which is what
+    such models are fine-tuned to see, rather than being lost or stopping the run."""
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except TemplateError:
+        if messages[0]["role"] != "system":
+            raise
+        text = None
+    if messages[0]["role"] == "system" and (text is None or messages[0]["content"] not in text):
+        system, first, *rest = messages
+        folded = {"role": first["role"], "content": f"{system['content']}\n\n{first['content']}"}
+        text = tokenizer.apply_chat_template([folded, *rest], add_generation_prompt=True, tokenize=False)
+    return text
 
 
 def load_model(
@@ -320,8 +339,13 @@ def load_reference(name: str, device: torch.device, dtype: torch.dtype):
 
 
 # ----------------------------------------------------------------------------------------
-# The tiny model: a randomly initialised Qwen2 of a few hundred thousand parameters with a
+# The tiny models: randomly initialised models of a few hundred thousand parameters with a
 # small byte-level BPE tokenizer trained here, so that tests and CPU runs download nothing.
+#   tiny                 Qwen2, ChatML template, embedding padded beyond the tokenizer (as Qwen's)
+#   tiny-llama           Llama, untied embeddings, a Llama-3-style template that inserts a
+#                        default system prompt, BOS from the template, pad chosen by set_pad_token
+#   tiny-llama-nosystem  the same model with a Gemma-style template that has no system role
+#                        (it raises on one), as several real chat models do
 
 TINY_VERSION = 1  # bump when anything below changes; the cache directory is keyed by it
 TINY_VOCAB = 384  # tokenizer size; the embedding is padded to 448 rows, like Qwen's
@@ -333,6 +357,31 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+LLAMA_SPECIAL = [
+    "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+    "<|finetune_right_pad_id|>",
+]  # fmt: skip
+LLAMA_DEFAULT_SYSTEM = "You are a helpful assistant."
+LLAMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'system' %}"
+    "{% set system = messages[0]['content'] %}{% set messages = messages[1:] %}"
+    f"{{% else %}}{{% set system = '{LLAMA_DEFAULT_SYSTEM}' %}}{{% endif %}}"
+    "{{ '<|start_header_id|>system<|end_header_id|>\n\n' + system + '<|eot_id|>' }}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+NO_SYSTEM_TEMPLATE = (  # the shape of Gemma's: user and model turns only
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+TINY_MODELS = ("tiny", "tiny-llama", "tiny-llama-nosystem")
 
 
 def _tiny_corpus(seed: int = 0, lines: int = 3000) -> list[str]:
@@ -353,61 +402,81 @@ def _tiny_corpus(seed: int = 0, lines: int = 3000) -> list[str]:
     return corpus
 
 
-def build_tiny_model(cache_dir: str | None = None) -> Path:
-    """Builds the tiny model once into a cache directory and returns its path."""
+def build_tiny_model(cache_dir: str | None = None, name: str = "tiny") -> Path:
+    """Builds a tiny model (one of TINY_MODELS) once into a cache directory; returns its path."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     root = Path(cache_dir or os.environ.get("NANOPO_CACHE", Path.home() / ".cache" / "nanopo"))
-    path = root / f"tiny-v{TINY_VERSION}"
+    path = root / f"{name}-v{TINY_VERSION}"
     if (path / "config.json").exists():
         return path
+    qwen = name == "tiny"
+    special = TINY_SPECIAL if qwen else LLAMA_SPECIAL
 
     bpe = Tokenizer(models.BPE())
-    # Digits one per token (as in Qwen's tokenizer), then GPT-2 style byte-level pieces.
+    # Digits one per token (as in Qwen's and Llama 3's tokenizers), then GPT-2 style byte-level pieces.
     bpe.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=TINY_VOCAB,
-        special_tokens=TINY_SPECIAL,
+        special_tokens=special,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     bpe.train_from_iterator(_tiny_corpus(), trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=CHATML_TEMPLATE,
-    )
-    tokenizer.chat_template = CHATML_TEMPLATE
-    config = Qwen2Config(
-        vocab_size=TINY_EMBED_ROWS,
+    shape = dict(
         hidden_size=96,
         intermediate_size=256,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tokenizer.pad_token_id,
     )
+    if qwen:
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHATML_TEMPLATE
+        )
+        tokenizer.chat_template = CHATML_TEMPLATE
+        stop_tokens = ("<|im_end|>", "<|endoftext|>")
+        config = Qwen2Config(
+            vocab_size=TINY_EMBED_ROWS,
+            **shape,
+            tie_word_embeddings=True,
+            bos_token_id=None,
+            eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    else:  # no pad token: load_model's set_pad_token must pick <|finetune_right_pad_id|>
+        template = LLAMA_TEMPLATE if name == "tiny-llama" else NO_SYSTEM_TEMPLATE
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=bpe, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", chat_template=template
+        )
+        tokenizer.chat_template = template
+        stop_tokens = ("<|eot_id|>", "<|end_of_text|>")
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),  # no padded rows, unlike Qwen
+            **shape,
+            rope_theta=500000.0,
+            tie_word_embeddings=False,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.convert_tokens_to_ids("<|eot_id|>"),
+        )
     with torch.random.fork_rng(devices=[]):  # a fixed init that leaves the caller's RNG untouched
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM(config)
+        model = Qwen2ForCausalLM(config) if qwen else LlamaForCausalLM(config)
     generation = GenerationConfig(
-        eos_token_id=[tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")],
+        eos_token_id=[tokenizer.convert_tokens_to_ids(t) for t in stop_tokens],
         pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
     )
 
     # Write into a temporary directory and rename it into place, so that a crash or a second
     # process never leaves a half-written model behind.
     root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=root, prefix=".tiny-"))
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}-"))
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     generation.save_pretrained(staging)

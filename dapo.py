@@ -61,6 +61,7 @@ from common import (
     make_run_dir,
     parse_args,
     record_args,
+    render_chat,
     resolve_device,
     resolve_precision,
     rng_states,
@@ -184,9 +185,9 @@ def prompt_indices(step: int, batch_size: int, num_problems: int, seed: int) -> 
 
 
 def encode_prompts(tokenizer, conversations: list[list[dict]], group_size: int, device: torch.device):
-    """Chat-templated prompts, left padded, each repeated G times in a row, so that
+    """Chat-templated prompts (common.render_chat), left padded, each repeated G times in a row, so that
     rows i·G … i·G+G-1 are the group of prompt i. Returns prompt_ids, prompt_mask (N, P)."""
-    texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in conversations]
+    texts = [render_chat(tokenizer, c) for c in conversations]
     encoded = tokenizer(texts, padding=True, add_special_tokens=False, return_tensors="pt")
     prompt_ids = encoded["input_ids"].repeat_interleave(group_size, dim=0).to(device)  # (N, P)
     prompt_mask = encoded["attention_mask"].repeat_interleave(group_size, dim=0).to(device)  # (N, P)

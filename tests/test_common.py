@@ -10,12 +10,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from common import (
     MODEL_ALIASES,
     TINY_EMBED_ROWS,
+    TINY_MODELS,
     TINY_VOCAB,
     append_jsonl,
     load_model,
     load_trainer_state,
     make_run_dir,
     read_jsonl,
+    render_chat,
     resolve_model_name,
     resolve_precision,
     save_checkpoint,
@@ -111,8 +113,9 @@ def test_run_dir_args_and_metrics(tmp_path):
     assert [r["reward/mean"] for r in read_jsonl(first / "metrics.jsonl")] == [0.5, 0.75]
 
 
-def test_checkpoint_round_trip_and_overwrite(tiny, tmp_path):
-    model, tokenizer, _ = tiny
+@pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
+def test_checkpoint_round_trip_and_overwrite(name, tmp_path):
+    model, tokenizer, _ = load_model(name, torch.device("cpu"))
     path = tmp_path / "final"
     save_checkpoint(path, model, tokenizer, {"step": 3})
     save_checkpoint(path, model, tokenizer, {"step": 5})  # overwriting replaces it whole
@@ -122,20 +125,66 @@ def test_checkpoint_round_trip_and_overwrite(tiny, tmp_path):
     for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), name
     assert (path / "model.safetensors").exists()
+    reloaded, reloaded_tokenizer, _ = load_model(str(path), torch.device("cpu"))  # as --model or evaluate.py would
+    assert reloaded_tokenizer.chat_template == tokenizer.chat_template
+    assert reloaded_tokenizer.pad_token_id == tokenizer.pad_token_id
+    assert reloaded.config.model_type == model.config.model_type
     with pytest.raises(SystemExit, match="no trainer_state.pt"):
         load_trainer_state(str(tmp_path))
 
 
-def test_tiny_build_is_deterministic_and_leaves_the_rng_alone(tmp_path):
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_tiny_build_is_deterministic_and_leaves_the_rng_alone(name, tmp_path):
     # Two fresh builds give the same tokenizer and weights, and building (the first run on a
     # machine) must not shift the caller's RNG, or that run would sample differently.
     from common import build_tiny_model
 
     torch.manual_seed(123)
     state = torch.get_rng_state()
-    first, second = build_tiny_model(str(tmp_path / "a")), build_tiny_model(str(tmp_path / "b"))
+    first, second = build_tiny_model(str(tmp_path / "a"), name), build_tiny_model(str(tmp_path / "b"), name)
     assert torch.equal(torch.get_rng_state(), state)
     assert (first / "tokenizer.json").read_text() == (second / "tokenizer.json").read_text()
     a = AutoModelForCausalLM.from_pretrained(first).state_dict()
     b = AutoModelForCausalLM.from_pretrained(second).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_tiny_llama_model_with_its_own_template_and_pad():
+    model, tokenizer, eos_ids = load_model("tiny-llama", torch.device("cpu"))
+    assert model.config.model_type == "llama" and not model.config.tie_word_embeddings
+    assert len(tokenizer) == TINY_VOCAB == model.get_input_embeddings().weight.shape[0]  # no padded rows
+    eot, end_of_text = tokenizer.convert_tokens_to_ids(["<|eot_id|>", "<|end_of_text|>"])
+    assert eos_ids == sorted([eot, end_of_text])
+    # It ships no pad token: set_pad_token picks one that is not an EOS (failure mode 2).
+    assert tokenizer.pad_token == "<|finetune_right_pad_id|>" and tokenizer.pad_token_id not in eos_ids
+    # The template starts with BOS and inserts its default system prompt when none is given.
+    assert render_chat(tokenizer, [{"role": "user", "content": "Hi"}]) == (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are a helpful assistant.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    system = [{"role": "system", "content": "Think first."}, {"role": "user", "content": "Hi"}]
+    assert render_chat(tokenizer, system).startswith(
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nThink first.<|eot_id|>"
+    )
+    ids = tokenizer(render_chat(tokenizer, system), add_special_tokens=False)["input_ids"]
+    assert ids.count(tokenizer.bos_token_id) == 1  # the template's BOS, not a second one from the tokenizer
+
+
+def test_a_template_without_a_system_role_gets_the_system_text_in_the_first_user_turn():
+    # Countdown's prompt has a system message. tiny-llama-nosystem's template raises on one
+    # (as Gemma's does); a template that silently skips system messages would lose it. Both
+    # get the system text at the top of the first user message instead.
+    _, tokenizer, _ = load_model("tiny-llama-nosystem", torch.device("cpu"))
+    messages = [{"role": "system", "content": "Think first."}, {"role": "user", "content": "Hi"}]
+    folded = (
+        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nThink first.\n\nHi<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    assert render_chat(tokenizer, messages) == folded
+    tokenizer.chat_template = (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] != 'system' %}"
+        "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] + '<|eot_id|>' }}"
+        "{% endif %}{% endfor %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    )
+    assert render_chat(tokenizer, messages) == folded
+    assert render_chat(tokenizer, messages[1:]) == folded.replace("Think first.\n\n", "")

@@ -15,10 +15,12 @@ PROMPTS = [  # very different lengths, so the batch is heavily left padded
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny():
+# Two architectures with different templates: Qwen2 + ChatML, and Llama (untied embeddings, a
+# BOS from its template, a default system prompt, a pad token that set_pad_token chooses).
+@pytest.fixture(scope="module", params=["tiny", "tiny-llama"])
+def tiny(request):
     torch.manual_seed(0)
-    model, tokenizer, eos_ids = load_model("tiny", torch.device("cpu"))
+    model, tokenizer, eos_ids = load_model(request.param, torch.device("cpu"))
     return model.eval(), tokenizer, eos_ids
 
 
