@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from common import (
@@ -219,7 +218,12 @@ def generate(
     tokens, masks, logps = [], [], []
     for t in range(max_new_tokens):
         logits = out.logits[:, -1, :vocab_size].float()  # (N, V) ids ≥ vocab_size are cut off
-        logp = F.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)  # (N, V)
+        scaled = logits / (temperature if temperature > 0 else 1.0)  # (N, V)
+        # logit − logsumexp, the formula sequence_logprobs scores with, not F.log_softmax: on the
+        # CPU that kernel sums exp(x − max) in 16 (AVX-512) or 8 (AVX2) fp32 running sums, and in
+        # the one holding the max (exp 0 = 1) every later term below 2^-24 rounds away. A confident
+        # model over a 150k vocabulary then gets log π of every token ~1e-5 too high.
+        logp = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)  # (N, V)
         if temperature > 0:
             token = torch.multinomial(top_p_filter(logp.exp(), top_p), 1).squeeze(-1)  # (N,)
         else:

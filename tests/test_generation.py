@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from common import load_model
 from grpo import encode_prompts, generate, sequence_logprobs, top_p_filter
@@ -144,3 +145,75 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert torch.equal(top_p_filter(probs, 0.7), torch.tensor([[0.0, 0.5, 0.0, 0.3]]))
     assert torch.equal(top_p_filter(probs, 0.1), torch.tensor([[0.0, 0.5, 0.0, 0.0]]))  # the top token always stays
     assert torch.equal(top_p_filter(probs, 1.0), probs)
+
+
+# The sampler's log-probs must carry no fp32 bias when the model is confident over a large
+# vocabulary (a real chat model's case; the tiny models' 384 tokens are too few to show it).
+# F.log_softmax's CPU kernel sums exp(x − max) over the vocabulary in 16 (AVX-512) or 8 (AVX2) fp32
+# accumulator lanes. The lane holding the max gets exp(0) = 1, after which every term below
+# 2^-24 (half an ulp of 1) rounds away: the normaliser comes out too small and log π of every
+# token too high. A real chat model puts almost all of a 128k–150k vocabulary 17–25 nats below
+# a confident top token, which made policy/sample_logp_diff ~1.5e-5 (always sampler > scorer)
+# while the scoring pass (logit − logsumexp) stayed within ~1e-6 of float64.
+V = 65536  # vocabulary
+GAP = 18.0  # nats between the top token (id 0) and every other token, at h_0 = √32
+
+
+def confident_model():
+    """A 1-layer Qwen2 whose logits are, at every position, ~GAP above a flat bulk for id 0:
+    the final norm keeps only hidden dim 0, which the embeddings make dominant (h_0 ≈ 5.6, a
+    little under √32 as the other dims add to the rms); lm_head column 0 then sets the logits:
+    ≈ +2 for id 0 and ≈ −15.8 for every other id, a gap of ≈ 17.8 nats."""
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=False,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 1.0  # other dims keep their N(0, 0.02) init
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+        h0 = 32**0.5  # rms-normalised (1, ~0, …): dim 0 ≈ √hidden
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[:, 0] = (2.0 - GAP) / h0
+        model.lm_head.weight[0, 0] = 2.0 / h0
+    return model
+
+
+def test_sampler_logprobs_unbiased_when_confident():
+    model = confident_model()
+    prompt_ids = torch.randint(1, V, (4, 6))
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_mask[1:, :2] = 0  # left padding in three rows
+    ids, mask, _, sample_logp = generate(model, prompt_ids, prompt_mask, 12, [V - 1], V - 1, V, temperature=1.0)
+    with torch.no_grad():
+        old_logp, _ = sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, 1.0, V, 4)
+        inputs = torch.cat([prompt_ids, ids], 1)
+        attention = torch.cat([prompt_mask, mask], 1)
+        reference = (
+            model.double()(
+                input_ids=inputs, attention_mask=attention, position_ids=(attention.cumsum(-1) - 1).clamp(min=0)
+            )
+            .logits[:, prompt_ids.shape[1] - 1 : -1]
+            .log_softmax(-1)
+            .gather(-1, ids[..., None])
+            .squeeze(-1)
+        )
+    valid = mask.bool()
+    assert (ids[valid] == 0).float().mean() > 0.9  # p(id 0) = 1 / (1 + (V−1)e^-17.8) ≈ 0.9988
+    # With F.log_softmax the lane of id 0 loses the V/16 − 1 = 4095 bulk terms that follow it,
+    # e^-17.8 = 1.9e-8 each (below 2^-24 = 6.0e-8, so each rounds away against 1): log π too high
+    # by 4095 · 1.9e-8 ≈ 7.6e-5 on every token (measured 7.3e-5; twice that with 8 AVX2 lanes).
+    # logit − logsumexp, the scorer's formula, is off only by the rounding of logsumexp ≈ 2
+    # (ulp 2.4e-7) plus the cached/uncached logit noise times 1 − p ≈ 1e-3: ≲ 3e-7 (measured 0).
+    # 1e-5 sits 7× below the biased figure and 30× above the unbiased one.
+    diff = (sample_logp - old_logp)[valid]
+    assert diff.abs().mean().item() <= 1e-5  # policy/sample_logp_diff
+    assert diff.abs().max().item() <= 1e-5
+    assert (sample_logp.double() - reference)[valid].abs().max().item() <= 1e-5
