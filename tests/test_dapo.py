@@ -312,8 +312,17 @@ def test_overlong_filter_equals_dropping_truncated_completions(rollout):
 def test_dapo_learns_the_digit_task(tmp_path):
     # The random tiny model starts near 10/384 ≈ 0.025 (expected_digit_reward: exact, from one
     # forward pass). 25 DAPO steps (B = 16, G = 8, lr 3e-3, dynamic sampling over at most 4
-    # rounds, 4 new tokens with a 2-token overlong buffer) must lift it above 0.5, 20× the start;
-    # a policy that did not learn stays near 0.025. The seed fixes the run (this run measured ~0.76).
+    # rounds, 4 new tokens with a 2-token overlong buffer) must lift it above 0.25, 10× the
+    # start; a policy that did not learn stays near 0.025. How far it gets depends on the
+    # sampled trajectory, which a last-bit difference between CPUs' kernels can part, so the
+    # bars are margins that every measured run clears: OMP_NUM_THREADS=1, seeds 0-4 (Args.seed),
+    # each under ATEN_CPU_CAPABILITY=avx512 (this CPU's own), avx2 and default, 15 runs:
+    #   exact expected reward after step 25                 min 0.439, median 0.535 (seed 0: 0.764)
+    #   sampling/reward_mean, mean over steps 21-25         min 0.487, median 0.505
+    #   sampling/rounds at step 1                           4 in every run
+    # (here no run's sampled rewards parted between the three kernel sets within 25 steps; the
+    # spread is the seeds'). To see the test on another kernel set:
+    #   ATEN_CPU_CAPABILITY=avx2 OMP_NUM_THREADS=1 python -m pytest tests/test_dapo.py -k learns
     model, tokenizer, _ = load_model("tiny", torch.device("cpu"))
     start = expected_digit_reward(model, tokenizer)
     assert start < 0.1
@@ -323,18 +332,25 @@ def test_dapo_learns_the_digit_task(tmp_path):
     )  # fmt: skip
     run_dir = train(args)
     end = expected_digit_reward(AutoModelForCausalLM.from_pretrained(run_dir / "final"), tokenizer)
-    assert end > 0.5, (start, end)
+    assert end > 0.25, (start, end)
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert len(metrics) == 25
-    # Dynamic sampling at work: early steps need several rounds to find 16 informative groups,
-    # and every kept group has unequal rewards.
+    # Dynamic sampling at work: step 1 needs more than one round to find 16 informative groups
+    # (a group of 8 is informative with probability ≈ 1 − 0.975^8 ≈ 0.18, so one round of 16
+    # groups fills the batch with probability ~1e-12), and every kept group has unequal rewards
+    # (by construction, whatever the trajectory).
     assert metrics[0]["sampling/rounds"] > 1
     assert all(m["reward/zero_std_groups"] == 0 for m in metrics if "reward/zero_std_groups" in m)
-    assert sum(m["sampling/reward_mean"] for m in metrics[-5:]) / 5 > 0.5  # the sampled rewards agree
+    assert sum(m["sampling/reward_mean"] for m in metrics[-5:]) / 5 > 0.25  # the sampled rewards agree
 
 
+# G = 8: a group is informative (kept) with probability ≈ 1 − 0.975^8 ≈ 0.18, so a step of 2
+# rounds of 4 groups keeps none with probability 0.82^8 ≈ 0.2 and all 4 steps none (the weights
+# never move, the test fails) ~0.2%. With G = 4 that was 0.45 a step, ~4% a run: seed 7 kept no
+# group in 4 steps. Measured with G = 8, seeds 0-9 under ATEN_CPU_CAPABILITY=avx512 and avx2:
+# the weights moved in every run, step 1 took 2 rounds in every run.
 RESUME = dict(
-    model="tiny", task="digit", lr=3e-3, max_new_tokens=6, overlong_buffer=3, batch_size=4, group_size=4,
+    model="tiny", task="digit", lr=3e-3, max_new_tokens=6, overlong_buffer=3, batch_size=4, group_size=8,
     max_gen_rounds=2, max_steps=4,
 )  # fmt: skip
 
@@ -346,7 +362,9 @@ def test_resume_after_a_crash_continues_exactly(tmp_path, monkeypatch):
     # of rounds per step; that position is in the checkpoint, so the same prompts come back.
     straight, resumed = crash_and_resume(dapo, tmp_path, monkeypatch, **RESUME)
     rounds = [m["sampling/rounds"] for m in read_jsonl(straight / "metrics.jsonl")]
-    assert len(set(rounds)) > 1 or rounds[0] > 1, rounds  # the stream moves by more than one round a step
+    # the stream moves by more than one round a step: step 1's first round fills the batch (all
+    # 4 of its groups informative) with probability 0.18^4 ≈ 0.001
+    assert len(set(rounds)) > 1 or rounds[0] > 1, rounds
     start = AutoModelForCausalLM.from_pretrained(build_tiny_model()).state_dict()
     moved = AutoModelForCausalLM.from_pretrained(straight / "final").state_dict()
     assert not all(torch.equal(start[k], moved[k]) for k in start)  # it trained: the comparison means something

@@ -403,40 +403,64 @@ def test_a_crash_while_saving_the_critic_leaves_the_previous_checkpoint_whole(tm
 
 
 # The learning run: PPO's actor at GRPO's toy learning rate; the critic learns faster (lr 1e-2,
-# two epochs over each rollout) with Monte-Carlo targets (λ_critic = 1, VAPO's decoupled GAE),
-# so it keeps up with a policy that solves the task in ~15 steps. Measured on this seed:
-# reward/mean 0.05 at step 1, ~0.99 over steps 21-25; explained variance 0.0 at step 1,
-# 0.23 on average over steps 21-25.
+# two epochs over each rollout) with Monte-Carlo targets (λ_critic = 1, VAPO's decoupled GAE).
+# Sampling is chaotic: a last-bit difference between CPUs' kernels (AVX-512 here, AVX2
+# elsewhere) flips a sampled token and the trajectory parts, so the test asserts only margins
+# that every measured run clears. Measured with OMP_NUM_THREADS=1 for seeds 0-4, each under
+# ATEN_CPU_CAPABILITY=avx512 (this CPU's own), avx2 and default (15 runs; each seed's runs part
+# by step 6-10; 2 threads, MKL_ENABLE_INSTRUCTIONS=AVX2 and ONEDNN_MAX_CPU_ISA=AVX2 changed no
+# sampled token), train(Args(**LEARN, seed=s)), the numbers the test asserts:
+#   exact expected reward after step 15            min 0.970, median 0.988 (start 0.025)
+#   sampled reward/mean, mean over steps 11-15     min 0.897, median 0.945
+#   |value/mean − return/mean|, mean over 11-15    max 0.192, median 0.105
+# 15 steps, not more: from step ~12 the reward is ≈ 1, every return is ≈ 1 and the whitened
+# advantages are mostly noise; there the policy drifts and at times collapses (the same runs
+# taken to 25 steps: in 6 of 15 the sampled reward fell from ≈ 1 to 0.35 or less at some step
+# from step 18 on, and 4 of 15 ended below the bars). Explained variance is not asserted past
+# step 1: the critic learns the mean return well before it separates good completions from
+# bad, so over steps 6-15 the explained variance, pooled with weights Var(R), measured −0.003
+# to 0.144 (seed-dependent); in the saturated tail it swings between −1.6 and 0.6 on a single
+# sampled token (the last 5 of 25 steps averaged −0.39 under avx2 for seed 0: the failing
+# report). To see the test on another kernel set:
+#   ATEN_CPU_CAPABILITY=avx2 OMP_NUM_THREADS=1 python -m pytest tests/test_ppo.py -k learns
 LEARN = dict(
     model="tiny", task="digit", lr=3e-3, critic_lr=1e-2, ppo_epochs=2, lam_critic=1.0,
-    max_new_tokens=4, batch_size=16, max_steps=25,
+    max_new_tokens=4, batch_size=16, max_steps=15,
 )  # fmt: skip
-EV_BAR = 0.1
+REWARD_BAR = 0.6  # the exact and the sampled reward: measured ≥ 0.897; the start is 0.025
+VALUE_GAP_BAR = 0.4  # |value/mean − return/mean| over the last 5 steps: measured ≤ 0.192
 
 
 def test_ppo_learns_the_digit_task(tmp_path):
     # The random tiny model starts near 10/384 ≈ 0.026 expected reward (the exact value from one
-    # forward pass, see test_train.expected_digit_reward). The 25 steps of LEARN must lift it
-    # above 0.6, and the critic, whose head starts at zero (explained variance exactly 0 at step
-    # 1), must come to explain part of the returns' variance. The seed fixes the run; the
-    # measured values are in the comment above LEARN.
+    # forward pass, see test_train.expected_digit_reward). The 15 steps of LEARN must lift it
+    # above 0.6, and the sampled rewards of the last 5 steps must agree. The critic, whose head
+    # starts at zero (values and explained variance exactly 0 at step 1), must follow the mean
+    # return: within 0.4 of it over the last 5 steps. A critic that does not learn keeps
+    # value/mean at 0, so its gap is the mean return itself, > 0.6 by the assertion before it
+    # (measured with critic_lr=1e-12, seed 0: value/mean ≤ 6e-9, gap 0.90, while the actor
+    # learned as well as ever: the actor's numbers alone do not show a working critic).
     model, tokenizer, _ = load_model("tiny", torch.device("cpu"))
     start = expected_digit_reward(model, tokenizer)
     assert start < 0.1
     run_dir = train(Args(**LEARN, output_dir=str(tmp_path), save_every=0))
     end = expected_digit_reward(AutoModelForCausalLM.from_pretrained(run_dir / "final"), tokenizer)
-    assert end > 0.6, (start, end)
+    assert end > REWARD_BAR, (start, end)
     rows = read_jsonl(run_dir / "metrics.jsonl")
-    explained = [r["value/explained_variance"] for r in rows]
-    assert explained[0] == 0.0
-    assert sum(explained[-5:]) / 5 > EV_BAR, explained
-    assert sum(r["reward/mean"] for r in rows[-5:]) / 5 > 0.6  # the sampled rewards agree
+    assert rows[0]["value/explained_variance"] == 0.0 and rows[0]["value/mean"] == 0.0
+    last = rows[-5:]
+    assert sum(r["reward/mean"] for r in last) / 5 > REWARD_BAR  # the sampled rewards agree
+    assert sum(r["return/mean"] for r in last) / 5 > REWARD_BAR
+    gap = sum(abs(r["value/mean"] - r["return/mean"]) for r in last) / 5
+    assert gap < VALUE_GAP_BAR, [(r["value/mean"], r["return/mean"]) for r in rows]
 
 
 def test_resume_after_a_crash_continues_exactly(tmp_path, monkeypatch):
     # conftest.crash_and_resume: run A goes through 3 steps; run B crashes writing its final
     # checkpoint and resumes from step-000002. B must end with A's policy AND critic bit for bit: both optimizers, schedulers, RNG and the prompt order come back.
-    # 32 completions a step: some start with a digit, so the actor and the critic both move.
+    # 32 completions a step; a step without a digit has probability ~0.45, but over 3 steps the
+    # actor and the critic move (measured, seeds 0-9 (Args.seed): policy moved and value head
+    # non-zero in every run, 5 of them with a step of reward 0 among steps 1-2).
     common = dict(
         model="tiny", task="digit", lr=3e-3, critic_lr=3e-3, max_new_tokens=2, batch_size=8, group_size=4, max_steps=3
     )
