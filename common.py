@@ -117,10 +117,7 @@ def check_run_args(args) -> list[str]:
     if args.dtype not in ("auto", "bfloat16", "float32"):
         problems.append(f"--dtype {args.dtype!r} is not one of: auto, bfloat16, float32.")
     if args.resume_from and not Path(args.resume_from, TRAINER_STATE).exists():
-        problems.append(
-            f"--resume_from {args.resume_from}: no {TRAINER_STATE} there. Only the newest checkpoint of a run "
-            "keeps it: point --resume_from at that one (runs/<run>/final or the last step-…)."
-        )
+        problems.append(no_trainer_state(args.resume_from))
     return problems
 
 
@@ -559,15 +556,20 @@ def set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
+def no_trainer_state(checkpoint) -> str:
+    """The message for a --resume_from directory without the trainer state."""
+    return (
+        f"--resume_from {checkpoint}: no {TRAINER_STATE} there. Only the newest checkpoint of a run "
+        "keeps it: point --resume_from at that one (runs/<run>/final or the last step-…)."
+    )
+
+
 def load_trainer_state(checkpoint: str, args: dict | None = None, must_match: tuple[str, ...] = ()) -> dict:
     """The trainer state saved beside a checkpoint's weights. Stops with a message if it is
     absent, or if `args` differ from the saved run's in any of the `must_match` fields."""
     path = Path(checkpoint) / TRAINER_STATE
     if not path.exists():
-        raise SystemExit(
-            f"--resume_from {checkpoint}: no {TRAINER_STATE} there. Only the newest checkpoint of a "
-            "run keeps it: point --resume_from at that one (runs/<run>/final or the last step-…)."
-        )
+        raise SystemExit(no_trainer_state(checkpoint))
     state = torch.load(path, map_location="cpu", weights_only=False)
     saved = state.get("args", {})
     different = [f"--{k} {saved[k]!r} (now {args[k]!r})" for k in must_match if k in saved and saved[k] != args[k]]
