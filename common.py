@@ -8,7 +8,6 @@ scripts themselves, so that each script reads top to bottom on its own.
 import contextlib
 import dataclasses
 import difflib
-import inspect
 import json
 import os
 import random
@@ -53,20 +52,25 @@ TRAINER_STATE = "trainer_state.pt"  # optimizer, scheduler, step and RNG states,
 # Command line
 
 
+def arg(default, help: str):
+    """One field of a script's Args with its --help text, on one line:
+        lr: float = arg(1e-6, "learning rate (seed study: 1e-6 to 3e-6)")
+    HfArgumentParser reads the text from the field's metadata and adds the default after it."""
+    metadata = {"help": help.replace("%", "%%")}  # argparse formats help strings with %
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
 def parse_args(args_class, argv: list[str] | None = None):
-    """Parses the command line into the training script's Args dataclass with
-    HfArgumentParser. Each field's help is the comment on its line in Args, so the dataclass
-    stays one line per hyperparameter and `--help` still explains every one.
+    """Parses the command line into a script's Args dataclass with HfArgumentParser (the help of
+    each flag is its field's arg(...) text).
 
     Two things argparse gets wrong for us: a negative number in scientific notation
     (`--lr -1e-6`) reads as a flag, so a value that parses as a number is attached to the flag
     before it (`--lr=-1e-6`), and check_args can then say what is wrong with it; and an unknown
     flag such as `--maxsteps` stops with argparse's usual message plus the closest valid name."""
     parser = HfArgumentParser(args_class)
-    comments = dict(re.findall(r"^\s+(\w+): [^#\n]*#\s*(.+)$", inspect.getsource(args_class), flags=re.M))
-    for action in parser._actions:
-        if action.dest in comments:
-            action.help = comments[action.dest].replace("%", "%%") + " (default: %(default)s)"
     argv = list(sys.argv[1:] if argv is None else argv)
     attached = []
     for token in argv:
@@ -76,7 +80,7 @@ def parse_args(args_class, argv: list[str] | None = None):
             attached.append(token)
     args, unknown = parser.parse_args_into_dataclasses(args=attached, return_remaining_strings=True)
     if unknown:
-        flags = [option for action in parser._actions for option in action.option_strings]
+        flags = [f"--{field.name}" for field in dataclasses.fields(args_class)]
         hints = []
         for token in unknown:
             close = difflib.get_close_matches(token.split("=", 1)[0], flags, n=1) if token.startswith("-") else []

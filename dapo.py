@@ -52,6 +52,7 @@ from tqdm import tqdm
 
 from common import (
     append_jsonl,
+    arg,
     autocast,
     check_run_args,
     drop_trainer_state,
@@ -77,53 +78,53 @@ from rewards import load_heldout_task, load_task
 @dataclass
 class Args:
     # model and task
-    model: str = "Qwen2.5-1.5B-Instruct"  # local dir, Hub id, short name (common.MODEL_ALIASES) or 'tiny'
-    task: str = "countdown"  # a task of rewards.py: countdown, digit, gsm8k
-    dataset: str = ""  # Hub dataset for the task (Jiayi-Pan/Countdown-Tasks-3to4); '' = offline generator
-    data_dir: str = ""  # gsm8k offline: a directory laid out like shared/data (gsm8k/train.jsonl, test.jsonl); '' = Hub
-    num_problems: int = 20000  # problems drawn from the offline Countdown generator
+    model: str = arg("Qwen2.5-1.5B-Instruct", "local dir, Hub id, short name (common.MODEL_ALIASES) or 'tiny'")
+    task: str = arg("countdown", "a task of rewards.py: countdown, digit, gsm8k")
+    dataset: str = arg("", "Hub dataset for the task (Jiayi-Pan/Countdown-Tasks-3to4); '' = offline generator")
+    data_dir: str = arg("", "gsm8k offline: a directory holding gsm8k/train.jsonl and gsm8k/test.jsonl; '' = the Hub")
+    num_problems: int = arg(20000, "problems drawn from the offline Countdown generator")
     # sampling
-    batch_size: int = 32  # B, prompts per step
-    group_size: int = 8  # G, completions per prompt (seed study: 8 beats 2 and 4)
-    max_new_tokens: int = 1024  # L_max, completion cap (DAPO Eq. 13); every completion longer is truncated
-    temperature: float = 1.0  # sampling temperature; log-probs use the same one
-    top_p: float = 1.0  # nucleus sampling; 1.0 samples the whole distribution
-    dynamic_sampling: bool = True  # DAPO Eq. 11: train only on groups with unequal rewards (seed study: no gain)
-    gen_batch_size: int = 0  # prompts per generation round of dynamic sampling; 0 = B (DAPO's verl recipe: 3·B)
-    max_gen_rounds: int = 10  # generation rounds per step at most, then train on the groups kept (verl's recipe: 10)
+    batch_size: int = arg(32, "B, prompts per step")
+    group_size: int = arg(8, "G, completions per prompt (seed study: 8 beats 2 and 4)")
+    max_new_tokens: int = arg(1024, "L_max, completion cap (DAPO Eq. 13); every completion longer is truncated")
+    temperature: float = arg(1.0, "sampling temperature; log-probs use the same one")
+    top_p: float = arg(1.0, "nucleus sampling; 1.0 samples the whole distribution")
+    dynamic_sampling: bool = arg(True, "DAPO Eq. 11: train only on groups with unequal rewards (seed study: no gain)")
+    gen_batch_size: int = arg(0, "prompts per generation round of dynamic sampling; 0 = B (DAPO's verl recipe: 3·B)")
+    max_gen_rounds: int = arg(10, "generation rounds per step at most, then train on the groups kept (verl: 10)")
     # optimisation
-    lr: float = 1e-6  # learning rate (seed study: 1e-6 to 3e-6)
-    warmup_steps: int = 0  # linear learning-rate warm-up, in steps
-    weight_decay: float = 0.0  # AdamW weight decay
-    adam_beta2: float = 0.999  # AdamW β2
-    max_grad_norm: float = 1.0  # gradient clipping by global norm
-    num_iterations: int = 1  # μ, GRPO iterations over each batch (DeepSeekMath Alg. 1)
-    num_mini_batches: int = 1  # optimizer steps per iteration; B·G must split evenly (fewer kept groups: near-evenly)
-    micro_batch_size: int = 4  # sequences per forward/backward (gradient accumulation)
-    logprob_chunk_size: int = 8  # sequences per no-grad scoring pass
-    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% slower
+    lr: float = arg(1e-6, "learning rate (seed study: 1e-6 to 3e-6)")
+    warmup_steps: int = arg(0, "linear learning-rate warm-up, in steps")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    adam_beta2: float = arg(0.999, "AdamW β2")
+    max_grad_norm: float = arg(1.0, "gradient clipping by global norm")
+    num_iterations: int = arg(1, "μ, GRPO iterations over each batch (DeepSeekMath Alg. 1)")
+    num_mini_batches: int = arg(1, "optimizer steps per iteration; B·G must split evenly (fewer kept: near-evenly)")
+    micro_batch_size: int = arg(4, "sequences per forward/backward (gradient accumulation)")
+    logprob_chunk_size: int = arg(8, "sequences per no-grad scoring pass")
+    gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, ~30% slower")
     # the DAPO objective
-    eps_low: float = 0.2  # ε_low, lower clip range of the token ratio, DAPO Eq. 10
-    eps_high: float = 0.28  # ε_high, upper clip range of the token ratio (clip-higher), DAPO Eq. 10
-    overlong_buffer: int = 256  # L_cache, the soft length-penalty buffer before L_max, DAPO Eq. 13; 0 = no penalty
-    overlong_filter: bool = False  # mask truncated completions out of the loss and its token count (DAPO Sec. 3.4)
-    beta: float = 0.0  # β, k3 KL coefficient as in GRPO (DAPO drops the KL, Sec. 2.3); 0 = no reference model
-    adv_eps: float = 1e-6  # added to the group std in Â, DAPO Eq. 6 (verl's value; TRL uses 1e-4)
-    dual_clip: float = 0.0  # c of dual-clip PPO (Ye et al. Eq. 4), > 1 to enable (verl: 3); 0 = off
+    eps_low: float = arg(0.2, "ε_low, lower clip range of the token ratio, DAPO Eq. 10")
+    eps_high: float = arg(0.28, "ε_high, upper clip range of the token ratio (clip-higher), DAPO Eq. 10")
+    overlong_buffer: int = arg(256, "L_cache, the soft length-penalty buffer before L_max, DAPO Eq. 13; 0 = no penalty")
+    overlong_filter: bool = arg(False, "mask truncated completions out of the loss and its token count (DAPO Sec. 3.4)")
+    beta: float = arg(0.0, "β, k3 KL coefficient as in GRPO (DAPO drops the KL, Sec. 2.3); 0 = no reference model")
+    adv_eps: float = arg(1e-6, "added to the group std in Â, DAPO Eq. 6 (verl's value; TRL uses 1e-4)")
+    dual_clip: float = arg(0.0, "c of dual-clip PPO (Ye et al. Eq. 4), > 1 to enable (verl: 3); 0 = off")
     # run
-    max_steps: int = 500  # training steps (one batch of at most B·G completions each)
-    seed: int = 0  # seeds prompts order, sampling and initialisation
-    device: str = "auto"  # auto, cpu, cuda, cuda:1, ...
-    dtype: str = "auto"  # auto (bf16 compute, fp32 weights on GPU; fp32 on CPU), bfloat16, float32
-    output_dir: str = "runs"  # runs/<algo>-<task>-<model>-<time>/
-    save_every: int = 100  # checkpoint every this many steps (and always at the end); 0 = end only
-    sample_every: int = 10  # write a few completions to samples.jsonl every this many steps
-    num_samples: int = 4  # completions written each time
-    resume_from: str = ""  # a checkpoint directory of an earlier run to continue from
+    max_steps: int = arg(500, "training steps (one batch of at most B·G completions each)")
+    seed: int = arg(0, "seeds prompts order, sampling and initialisation")
+    device: str = arg("auto", "auto, cpu, cuda, cuda:1, ...")
+    dtype: str = arg("auto", "auto (bf16 compute, fp32 weights on GPU; fp32 on CPU), bfloat16, float32")
+    output_dir: str = arg("runs", "runs/<algo>-<task>-<model>-<time>/")
+    save_every: int = arg(100, "checkpoint every this many steps (and always at the end); 0 = end only")
+    sample_every: int = arg(10, "write a few completions to samples.jsonl every this many steps")
+    num_samples: int = arg(4, "completions written each time")
+    resume_from: str = arg("", "a checkpoint directory of an earlier run to continue from")
     # held-out evaluation
-    eval_every: int = 0  # greedy accuracy on held-out problems every this many steps and at the end; 0 = never
-    eval_problems: int = 128  # held-out problems per evaluation (Countdown: its held-out share; GSM8K: test split)
-    eval_batch_size: int = 32  # held-out problems per generation batch
+    eval_every: int = arg(0, "greedy accuracy on held-out problems every this many steps and at the end; 0 = never")
+    eval_problems: int = arg(128, "held-out problems per evaluation (Countdown: its held-out share; GSM8K: test split)")
+    eval_batch_size: int = arg(32, "held-out problems per generation batch")
 
 
 # Settings a resumed run must share with the run it continues (the reference model, the

@@ -41,13 +41,14 @@ import json
 import math
 import multiprocessing
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
 from common import (
     append_jsonl,
+    arg,
     autocast,
     load_model,
     make_run_dir,
@@ -75,27 +76,27 @@ PLOT_PANELS = (
 @dataclass
 class Args:
     # what to evaluate
-    model: str = "Qwen2.5-1.5B-Instruct"  # local dir (e.g. runs/<run>/final), Hub id, short name or 'tiny'
-    benchmarks: str = "gsm8k,math500,bbh,mmlu_pro,countdown"  # comma-separated, any of these five
-    data_dir: str = ""  # offline: a directory laid out like shared/data (gsm8k/test.jsonl, ...); '' = the Hub
-    limit: int = 0  # problems per benchmark at most, spread over BBH tasks / MMLU-Pro categories; 0 = all
-    countdown_problems: int = 500  # size of the held-out Countdown set
+    model: str = arg("Qwen2.5-1.5B-Instruct", "local dir (e.g. runs/<run>/final), Hub id, short name or 'tiny'")
+    benchmarks: str = arg("gsm8k,math500,bbh,mmlu_pro,countdown", "comma-separated, any of these five")
+    data_dir: str = arg("", "offline: a directory laid out like tests/fixtures/data (gsm8k/test.jsonl, ...); '' = Hub")
+    limit: int = arg(0, "problems per benchmark at most, spread over BBH tasks / MMLU-Pro categories; 0 = all")
+    countdown_problems: int = arg(500, "size of the held-out Countdown set")
     # generation
-    max_new_tokens: int = 2048  # completion cap (seed study: 2048); longer completions count as truncated
-    batch_size: int = 32  # problems per generation batch (each generates num_samples completions)
-    num_samples: int = 1  # k completions per problem; k > 1 reports pass@k and needs --temperature > 0
-    temperature: float = 0.0  # 0 = greedy decoding
-    top_p: float = 1.0  # nucleus sampling when temperature > 0
-    grade_timeout: float = 60.0  # seconds one grading may take before its worker process is killed (counted wrong)
+    max_new_tokens: int = arg(2048, "completion cap (seed study: 2048); longer completions count as truncated")
+    batch_size: int = arg(32, "problems per generation batch (each generates num_samples completions)")
+    num_samples: int = arg(1, "k completions per problem; k > 1 reports pass@k and needs --temperature > 0")
+    temperature: float = arg(0.0, "0 = greedy decoding")
+    top_p: float = arg(1.0, "nucleus sampling when temperature > 0")
+    grade_timeout: float = arg(60.0, "seconds one grading may take before its worker process is killed (counted wrong)")
     # run
-    seed: int = 0  # seeds sampling when temperature > 0
-    device: str = "auto"  # auto, cpu, cuda, cuda:1, ...
-    dtype: str = "auto"  # auto (bf16 compute on GPU; fp32 on CPU), bfloat16, float32
-    output_dir: str = "runs"  # results go to <output_dir>/eval-<benchmarks>-<model>-<time>/
+    seed: int = arg(0, "seeds sampling when temperature > 0")
+    device: str = arg("auto", "auto, cpu, cuda, cuda:1, ...")
+    dtype: str = arg("auto", "auto (bf16 compute on GPU; fp32 on CPU), bfloat16, float32")
+    output_dir: str = arg("runs", "results go to <output_dir>/eval-<benchmarks>-<model>-<time>/")
     # other modes
-    compare: list[str] = field(default_factory=list)  # eval run dirs (or results.json files) to join into one table
-    plot: list[str] = field(default_factory=list)  # training run dirs whose metrics.jsonl to plot
-    plot_file: str = ""  # PNG written by --plot; '' = <output_dir>/curves-<time>.png
+    compare: list[str] = arg([], "eval run dirs (or results.json files) to join into one table")
+    plot: list[str] = arg([], "training run dirs whose metrics.jsonl to plot")
+    plot_file: str = arg("", "PNG written by --plot; '' = <output_dir>/curves-<time>.png")
 
 
 def check_args(args: Args) -> list[str]:

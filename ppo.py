@@ -41,6 +41,7 @@ from transformers import AutoModel
 
 from common import (
     append_jsonl,
+    arg,
     autocast,
     check_run_args,
     drop_trainer_state,
@@ -68,57 +69,57 @@ from rewards import load_heldout_task, load_task
 @dataclass
 class Args:
     # model and task
-    model: str = "Qwen2.5-1.5B-Instruct"  # local dir, Hub id, short name (common.MODEL_ALIASES) or 'tiny'
-    task: str = "countdown"  # a task of rewards.py: countdown, digit, gsm8k
-    dataset: str = ""  # Hub dataset for the task (Jiayi-Pan/Countdown-Tasks-3to4); '' = offline generator
-    data_dir: str = ""  # gsm8k offline: a directory laid out like shared/data (gsm8k/train.jsonl, test.jsonl); '' = Hub
-    num_problems: int = 20000  # problems drawn from the offline Countdown generator
+    model: str = arg("Qwen2.5-1.5B-Instruct", "local dir, Hub id, short name (common.MODEL_ALIASES) or 'tiny'")
+    task: str = arg("countdown", "a task of rewards.py: countdown, digit, gsm8k")
+    dataset: str = arg("", "Hub dataset for the task (Jiayi-Pan/Countdown-Tasks-3to4); '' = offline generator")
+    data_dir: str = arg("", "gsm8k offline: a directory holding gsm8k/train.jsonl and gsm8k/test.jsonl; '' = the Hub")
+    num_problems: int = arg(20000, "problems drawn from the offline Countdown generator")
     # sampling: PPO needs no groups (the critic is the baseline), but B prompts × G samples keeps
     # N = B·G = 256 completions a step, the same prompts and compute as grpo.py, so runs compare
-    batch_size: int = 32  # B, prompts per step
-    group_size: int = 8  # G, completions per prompt; 1 is allowed (then reward/zero_std_groups is 1)
-    max_new_tokens: int = 1024  # completion cap; every completion longer is truncated
-    temperature: float = 1.0  # sampling temperature; log-probs use the same one
-    top_p: float = 1.0  # nucleus sampling; 1.0 samples the whole distribution
+    batch_size: int = arg(32, "B, prompts per step")
+    group_size: int = arg(8, "G, completions per prompt; 1 is allowed (then reward/zero_std_groups is 1)")
+    max_new_tokens: int = arg(1024, "completion cap; every completion longer is truncated")
+    temperature: float = arg(1.0, "sampling temperature; log-probs use the same one")
+    top_p: float = arg(1.0, "nucleus sampling; 1.0 samples the whole distribution")
     # optimisation
-    lr: float = 1e-6  # actor (policy) learning rate (seed study: 1e-6 to 3e-6)
-    critic_lr: float = 1e-5  # critic learning rate (a value head learns from scratch: 10× the actor's)
-    warmup_steps: int = 0  # linear learning-rate warm-up of actor and critic, in steps they train
-    weight_decay: float = 0.0  # AdamW weight decay (actor and critic)
-    adam_beta2: float = 0.999  # AdamW β2 (actor and critic)
-    max_grad_norm: float = 1.0  # gradient clipping by global norm, actor and critic separately
-    ppo_epochs: int = 1  # K, epochs over each rollout (PPO Alg. 1)
-    num_mini_batches: int = 4  # optimizer steps per epoch, for actor and critic each; N must split evenly
-    micro_batch_size: int = 4  # sequences per forward/backward (gradient accumulation)
-    logprob_chunk_size: int = 8  # sequences per no-grad scoring pass (log-probs and values)
-    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% slower
+    lr: float = arg(1e-6, "actor (policy) learning rate (seed study: 1e-6 to 3e-6)")
+    critic_lr: float = arg(1e-5, "critic learning rate (a value head learns from scratch: 10× the actor's)")
+    warmup_steps: int = arg(0, "linear learning-rate warm-up of actor and critic, in steps they train")
+    weight_decay: float = arg(0.0, "AdamW weight decay (actor and critic)")
+    adam_beta2: float = arg(0.999, "AdamW β2 (actor and critic)")
+    max_grad_norm: float = arg(1.0, "gradient clipping by global norm, actor and critic separately")
+    ppo_epochs: int = arg(1, "K, epochs over each rollout (PPO Alg. 1)")
+    num_mini_batches: int = arg(4, "optimizer steps per epoch, for actor and critic each; N must split evenly")
+    micro_batch_size: int = arg(4, "sequences per forward/backward (gradient accumulation)")
+    logprob_chunk_size: int = arg(8, "sequences per no-grad scoring pass (log-probs and values)")
+    gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, ~30% slower")
     # the PPO objective
-    eps: float = 0.2  # ε, clip range of the token ratio, PPO Eq. 7
-    eps_value: float = 0.2  # ε_v, clip range of V_φ around V_old in the value loss
-    entropy_coef: float = 0.0  # c_2 of PPO Eq. 9, entropy bonus (seed study: it hurt accuracy); 0 = off
-    dual_clip: float = 0.0  # c of dual-clip PPO (Ye et al. Eq. 4), > 1 to enable (verl: 3); 0 = off
-    beta: float = 0.01  # β, k1 KL penalty in the per-token reward (InstructGPT Eq. 2); 0 = no reference
-    gamma: float = 1.0  # γ, discount of GAE (GAE Eq. 16); 1 = the reward at the end counts in full
-    lam_actor: float = 0.95  # λ of GAE for the policy's advantages (GAE Eq. 16)
-    lam_critic: float = 0.95  # λ of GAE for the critic's return targets (VAPO decoupled GAE: 1.0)
-    length_adaptive_lam: bool = False  # VAPO: λ_actor = 1 − 1/(α·|o|) per completion, clamped at 0
-    lam_alpha: float = 0.05  # α of the length-adaptive λ_actor (VAPO)
-    value_warmup_steps: int = 0  # VAPO value pretraining: only the critic learns for the first K steps
-    whiten_eps: float = 1e-8  # added to the batch variance when whitening Â
+    eps: float = arg(0.2, "ε, clip range of the token ratio, PPO Eq. 7")
+    eps_value: float = arg(0.2, "ε_v, clip range of V_φ around V_old in the value loss")
+    entropy_coef: float = arg(0.0, "c_2 of PPO Eq. 9, entropy bonus (seed study: it hurt accuracy); 0 = off")
+    dual_clip: float = arg(0.0, "c of dual-clip PPO (Ye et al. Eq. 4), > 1 to enable (verl: 3); 0 = off")
+    beta: float = arg(0.01, "β, k1 KL penalty in the per-token reward (InstructGPT Eq. 2); 0 = no reference")
+    gamma: float = arg(1.0, "γ, discount of GAE (GAE Eq. 16); 1 = the reward at the end counts in full")
+    lam_actor: float = arg(0.95, "λ of GAE for the policy's advantages (GAE Eq. 16)")
+    lam_critic: float = arg(0.95, "λ of GAE for the critic's return targets (VAPO decoupled GAE: 1.0)")
+    length_adaptive_lam: bool = arg(False, "VAPO: λ_actor = 1 − 1/(α·|o|) per completion, clamped at 0")
+    lam_alpha: float = arg(0.05, "α of the length-adaptive λ_actor (VAPO)")
+    value_warmup_steps: int = arg(0, "VAPO value pretraining: only the critic learns for the first K steps")
+    whiten_eps: float = arg(1e-8, "added to the batch variance when whitening Â")
     # run
-    max_steps: int = 500  # training steps (one batch of B·G completions each)
-    seed: int = 0  # seeds prompts order, sampling and initialisation
-    device: str = "auto"  # auto, cpu, cuda, cuda:1, ...
-    dtype: str = "auto"  # auto (bf16 compute, fp32 weights on GPU; fp32 on CPU), bfloat16, float32
-    output_dir: str = "runs"  # runs/<algo>-<task>-<model>-<time>/
-    save_every: int = 100  # checkpoint every this many steps (and always at the end); 0 = end only
-    sample_every: int = 10  # write a few completions to samples.jsonl every this many steps
-    num_samples: int = 4  # completions written each time
-    resume_from: str = ""  # a checkpoint directory of an earlier run to continue from
+    max_steps: int = arg(500, "training steps (one batch of B·G completions each)")
+    seed: int = arg(0, "seeds prompts order, sampling and initialisation")
+    device: str = arg("auto", "auto, cpu, cuda, cuda:1, ...")
+    dtype: str = arg("auto", "auto (bf16 compute, fp32 weights on GPU; fp32 on CPU), bfloat16, float32")
+    output_dir: str = arg("runs", "runs/<algo>-<task>-<model>-<time>/")
+    save_every: int = arg(100, "checkpoint every this many steps (and always at the end); 0 = end only")
+    sample_every: int = arg(10, "write a few completions to samples.jsonl every this many steps")
+    num_samples: int = arg(4, "completions written each time")
+    resume_from: str = arg("", "a checkpoint directory of an earlier run to continue from")
     # held-out evaluation
-    eval_every: int = 0  # greedy accuracy on held-out problems every this many steps and at the end; 0 = never
-    eval_problems: int = 128  # held-out problems per evaluation (Countdown: its held-out share; GSM8K: test split)
-    eval_batch_size: int = 32  # held-out problems per generation batch
+    eval_every: int = arg(0, "greedy accuracy on held-out problems every this many steps and at the end; 0 = never")
+    eval_problems: int = arg(128, "held-out problems per evaluation (Countdown: its held-out share; GSM8K: test split)")
+    eval_batch_size: int = arg(32, "held-out problems per generation batch")
 
 
 # Settings a resumed run must share with the run it continues (the reference model, the
