@@ -23,6 +23,7 @@ from typing import NoReturn
 import numpy as np
 import torch
 from jinja2 import TemplateError
+from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, HfArgumentParser
 from transformers.utils import logging as hf_logging
 
@@ -511,6 +512,116 @@ def make_run_dir(args, algo: str, task: str | None = None) -> Path:
     path.mkdir(parents=True)
     record_args(path, args)
     return path
+
+
+class Run:
+    """The part of a training loop that is not the algorithm: one run on disk, new or resumed.
+
+        run = Run(args, "grpo", policy, tokenizer, {"optimizer": optimizer, "scheduler": scheduler}, ...)
+        with run:                        # Ctrl-C: one line naming the newest checkpoint, exit 130
+            for step in run.steps():     # start_step … max_steps-1, with a progress bar
+                ...                      # the algorithm: rollout, log-probs, advantages, update
+                run.end_step(step, metrics, batch)   # evaluate when due, log, checkpoint when due
+            run.save_final()
+        return run.dir
+
+    A new run gets runs/<algo>-<task>-<model>-<time>/ with args.json. With --resume_from, the
+    run continues in the checkpoint's run directory: the `resumable` objects (optimizers and
+    schedulers: anything with state_dict/load_state_dict) and the RNG states come back, and
+    metrics.jsonl and samples.jsonl lose the steps after the checkpoint, which run again.
+    Checkpoints are step-<k>/ every save_every steps and final/ at the end; only the newest
+    keeps the trainer state (AdamW's moments are twice the weights).
+
+    evaluate: a function returning the held-out eval/ metrics, or None for no evaluation.
+    write_extra(directory): more files for each checkpoint (ppo.py's critic), written before
+    the checkpoint is renamed into place. show: the metrics the progress bar shows."""
+
+    def __init__(
+        self,
+        args,
+        algo: str,
+        policy,
+        tokenizer,
+        resumable: dict,
+        same_on_resume: tuple[str, ...],
+        evaluate=None,
+        write_extra=None,
+        show: dict[str, str] | None = None,
+    ):
+        self.args, self.algo, self.policy, self.tokenizer = args, algo, policy, tokenizer
+        self.resumable, self.evaluate, self.write_extra = resumable, evaluate, write_extra
+        self.show = show or {"reward": "reward/mean", "len": "completion/length_mean"}
+        self.newest_checkpoint: Path | None = None
+        self.start_step = 0
+        self.resumed_state: dict = {}  # the trainer state resumed from ({} for a new run)
+        self.progress = None
+        if args.resume_from:
+            state = load_trainer_state(args.resume_from, vars(args), same_on_resume)
+            for name, thing in resumable.items():
+                thing.load_state_dict(state[name])
+            set_rng_states(state["rng"])
+            self.resumed_state, self.start_step = state, state["step"]
+            self.newest_checkpoint = Path(args.resume_from)
+            self.dir = self.newest_checkpoint.parent
+            for log in ("metrics.jsonl", "samples.jsonl"):  # drop what ran after the checkpoint
+                truncate_jsonl(self.dir / log, last_step=self.start_step)
+            record_args(self.dir, args, resumed_at=self.start_step)  # the arguments the run goes on with
+        else:
+            self.dir = make_run_dir(args, algo)
+
+    def steps(self):
+        """The steps still to run, as a progress bar over all max_steps."""
+        total = self.args.max_steps
+        self.progress = tqdm(range(self.start_step, total), initial=self.start_step, total=total, desc=self.algo)
+        return self.progress
+
+    def end_step(self, step: int, metrics: dict, batch=None, state: dict | None = None) -> None:
+        """Steps 7-9 of every script. 7: every eval_every steps and at the last, the held-out
+        evaluation, whose eval/ metrics join the step's row. 8: the row goes to metrics.jsonl,
+        and every sample_every steps the first completion of num_samples groups of `batch` (a
+        script's Rollout) to samples.jsonl. 9: every save_every steps, a checkpoint, with
+        `state` (more trainer state, e.g. dapo.py's prompt-stream position) in it."""
+        args, done = self.args, step + 1
+        if self.evaluate is not None and (done % args.eval_every == 0 or done == args.max_steps):
+            metrics = {**metrics, **self.evaluate()}
+        append_jsonl(self.dir / "metrics.jsonl", metrics)
+        shown = {name: metrics[key] for name, key in self.show.items() if key in metrics}
+        self.progress.set_postfix({name: f"{value:.3g}" for name, value in shown.items()})
+        if batch is not None and args.sample_every and step % args.sample_every == 0:
+            for i in range(0, min(args.num_samples * args.group_size, len(batch.texts)), args.group_size):
+                prompt = self.tokenizer.decode(batch.prompt_ids[i][batch.prompt_mask[i].bool()])
+                record = {
+                    "step": done,
+                    "prompt": prompt,
+                    "completion": batch.texts[i],
+                    "reward": batch.scores[i].reward,
+                }
+                append_jsonl(self.dir / "samples.jsonl", record)
+        if args.save_every and done % args.save_every == 0 and done < args.max_steps:
+            self.save(f"step-{done:06d}", done, state)
+
+    def save_final(self, state: dict | None = None) -> None:
+        self.save("final", self.args.max_steps, state)
+
+    def save(self, name: str, step: int, state: dict | None = None) -> None:
+        """A checkpoint: the policy as save_pretrained writes it, the tokenizer, write_extra's
+        files, and the trainer state (step, each resumable's state_dict, RNG states, the args,
+        `state`). The previous checkpoint keeps its weights and loses its trainer state."""
+        trainer_state = {"step": step, **(state or {}), **{k: v.state_dict() for k, v in self.resumable.items()}}
+        trainer_state |= {"rng": rng_states(), "args": vars(self.args)}
+        save_checkpoint(self.dir / name, self.policy, self.tokenizer, trainer_state, extra=self.write_extra)
+        if self.newest_checkpoint is not None and self.newest_checkpoint != self.dir / name:
+            drop_trainer_state(self.newest_checkpoint)
+        self.newest_checkpoint = self.dir / name
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if kind is KeyboardInterrupt:  # one line naming the newest checkpoint, not a traceback
+            if self.progress is not None:
+                self.progress.close()
+            stop_interrupted(f"{self.algo}.py", self.newest_checkpoint, self.progress.n if self.progress else 0)
 
 
 def append_jsonl(path: Path, record: dict) -> None:

@@ -40,39 +40,29 @@ Shape letters in comments:
 """
 
 import contextlib
+import functools
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from common import (
-    append_jsonl,
+    Run,
     arg,
     autocast,
     check_run_args,
-    drop_trainer_state,
     load_model,
     load_reference,
-    load_trainer_state,
-    make_run_dir,
     parse_args,
-    record_args,
     render_chat,
     resolve_device,
     resolve_precision,
-    rng_states,
-    save_checkpoint,
     seed_everything,
-    set_rng_states,
-    stop_interrupted,
-    truncate_jsonl,
 )
-from rewards import load_heldout_task, load_task
+from rewards import Score, load_heldout_task, load_task
 
 
 @dataclass
@@ -282,6 +272,72 @@ def generate(
     return completion_ids, completion_mask, ~finished, sample_logp
 
 
+@dataclass
+class Rollout:
+    """What steps 1-3 produce: n = (prompts)·G rows, the group of prompt i in rows i·G … i·G+G-1."""
+
+    prompt_ids: torch.Tensor  # (n, P) left padded
+    prompt_mask: torch.Tensor  # (n, P) 1 for prompt tokens, 0 for padding
+    completion_ids: torch.Tensor  # (n, T) right padded with the pad id
+    completion_mask: torch.Tensor  # (n, T) 1 up to and including the EOS
+    truncated: torch.Tensor  # (n,) True where no EOS came within max_new_tokens
+    sample_logp: torch.Tensor  # (n, T) log π of each sampled token, as generate drew it
+    rewards: torch.Tensor  # (n,) the task's rule-based reward
+    texts: list[str]  # the n completions, decoded
+    scores: list[Score]  # the n grades: reward, correct, formatted, strict
+    seconds: dict[str, float]  # time spent generating and scoring
+
+
+def rollout(
+    policy,
+    tokenizer,
+    eos_ids: list[int],
+    task,  # a rewards.Task: its prompts and its reward
+    problems: list[dict],  # items of task.problems, one group each
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    amp=contextlib.nullcontext,
+) -> Rollout:
+    """Steps 1-3 for a list of problems: 1. each problem's prompt through the chat template,
+    repeated G times; 2. G completions of each from the policy as it is now (π_θold), sampled
+    with the KV cache; 3. every completion decoded and scored with the task's rule-based reward.
+    temperature 0 is greedy decoding (held-out evaluation). amp() is the autocast context."""
+    device = next(policy.parameters()).device
+    timer = time.perf_counter()
+    conversations = [task.messages(problem) for problem in problems]
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, conversations, group_size, device)  # (n, P)
+    with amp():
+        completion_ids, completion_mask, truncated, sample_logp = generate(
+            policy, prompt_ids, prompt_mask, max_new_tokens, eos_ids, tokenizer.pad_token_id, len(tokenizer),
+            temperature, top_p,
+        )  # (n, T), (n, T), (n,), (n, T)  # fmt: skip
+    seconds = {"generate": time.perf_counter() - timer}
+    timer = time.perf_counter()
+    lengths = completion_mask.sum(-1).tolist()
+    texts = tokenizer.batch_decode(
+        [ids[:length] for ids, length in zip(completion_ids.tolist(), lengths)], skip_special_tokens=True
+    )
+    # A completion cut at max_new_tokens passes its truncation on: GSM8K's reward gives it 0.
+    cut = truncated.tolist()
+    scores = [task.score(text, problems[i // group_size], cut[i]) for i, text in enumerate(texts)]
+    rewards = torch.tensor([s.reward for s in scores], dtype=torch.float32, device=device)  # (n,)
+    seconds["reward"] = time.perf_counter() - timer
+    return Rollout(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        truncated=truncated,
+        sample_logp=sample_logp,
+        rewards=rewards,
+        texts=texts,
+        scores=scores,
+        seconds=seconds,
+    )
+
+
 def sequence_logprobs(
     model,
     prompt_ids: torch.Tensor,  # (N, P)
@@ -333,7 +389,7 @@ def sequence_logprobs(
 
 def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """DAPO Eq. 11's constraint 0 < |{o_i correct}| < G, read as "the G task rewards are not all
-    equal" (ALGORITHMS.md): with DAPO's ±1 reward the two are the same; with Countdown's
+    equal": with DAPO's ±1 reward the two are the same; with Countdown's
     1 / 0.1 / 0 a group of well-formed wrong answers and malformed ones (0.1 vs 0) is kept too.
     A group whose task rewards are all equal has no right-versus-wrong signal; only the length
     penalty, if any, still separates its completions (see shaped_advantages).
@@ -342,75 +398,65 @@ def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return grouped.max(dim=-1).values > grouped.min(dim=-1).values
 
 
-def dynamic_sampling(
-    sample_round: Callable[[int], dict], group_size: int, batch_size: int, max_rounds: int, filter_groups: bool
-) -> tuple[list[dict], list[tuple[int, int]], dict]:
-    """DAPO's dynamic sampling (Eq. 11, Alg. 1): calls sample_round(0), sample_round(1), …, each
-    of which generates and scores one round of fresh prompts and returns a dict whose "rewards"
-    (n,) hold the task rewards, groups in consecutive rows; keeps the groups whose rewards are
-    not all equal; stops as soon as batch_size groups are kept, or after max_rounds rounds.
-    Groups kept beyond batch_size (in the last round) are dropped, so a step trains on exactly
-    B groups when max_rounds sufficed, and otherwise on those it found, possibly none.
-    filter_groups=False keeps every group (DAPO without dynamic sampling: one round of B).
+def take_groups(batch: Rollout, groups: list[int], group_size: int) -> Rollout:
+    """The rows of the given groups of a round, in order (group g is rows g·G … g·G+G-1)."""
+    rows = [g * group_size + i for g in groups for i in range(group_size)]
+    return Rollout(
+        prompt_ids=batch.prompt_ids[rows],
+        prompt_mask=batch.prompt_mask[rows],
+        completion_ids=batch.completion_ids[rows],
+        completion_mask=batch.completion_mask[rows],
+        truncated=batch.truncated[rows],
+        sample_logp=batch.sample_logp[rows],
+        rewards=batch.rewards[rows],
+        texts=[batch.texts[i] for i in rows],
+        scores=[batch.scores[i] for i in rows],
+        seconds=batch.seconds,
+    )
 
-    The filter reads the task reward, before overlong shaping, as verl's DAPO recipe filters on
-    accuracy: a group that differs only in how far its completions ran into the length buffer
-    is not one that some solved and others failed.
-    Returns every round's dict, the kept (round, group) pairs in the order generated, and the
-    step's bookkeeping, including the mean reward over every completion generated (the
-    policy's own score, which the kept groups, chosen for having mixed rewards, would bias).
-    """
-    rollouts, kept = [], []
-    for round_index in range(max_rounds):
-        rollout = sample_round(round_index)
-        rollouts.append(rollout)
-        groups = rollout["rewards"].numel() // group_size
-        keep = informative_groups(rollout["rewards"], group_size).tolist() if filter_groups else [True] * groups
-        kept += [(round_index, group) for group in range(groups) if keep[group]]
-        if len(kept) >= batch_size:
-            break
-    generated = torch.cat([rollout["rewards"] for rollout in rollouts])  # every completion of the step
-    stats = {
-        "sampling/rounds": len(rollouts),
-        "sampling/groups_generated": generated.numel() // group_size,
-        "sampling/groups_kept": min(len(kept), batch_size),
-        "sampling/reward_mean": generated.mean().item(),
+
+def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
+    """The groups kept from several rounds as one batch. Each round has its own prompt width P
+    and completion width T: prompts are padded again on the left and completions on the right,
+    with pad_id in the ids and 0 in the masks and log-probs, so no log-prob changes."""
+    prompt_width = max(part.prompt_ids.shape[1] for part in parts)  # P
+    completion_width = max(part.completion_ids.shape[1] for part in parts)  # T
+
+    def left(tensors, fill):  # (n_i, P_i) each -> (N, P)
+        return torch.cat([F.pad(t, (prompt_width - t.shape[1], 0), value=fill) for t in tensors])
+
+    def right(tensors, fill):  # (n_i, T_i) each -> (N, T)
+        return torch.cat([F.pad(t, (0, completion_width - t.shape[1]), value=fill) for t in tensors])
+
+    return Rollout(
+        prompt_ids=left([part.prompt_ids for part in parts], pad_id),
+        prompt_mask=left([part.prompt_mask for part in parts], 0),
+        completion_ids=right([part.completion_ids for part in parts], pad_id),
+        completion_mask=right([part.completion_mask for part in parts], 0),
+        truncated=torch.cat([part.truncated for part in parts]),
+        sample_logp=right([part.sample_logp for part in parts], 0.0),
+        rewards=torch.cat([part.rewards for part in parts]),
+        texts=[text for part in parts for text in part.texts],
+        scores=[score for part in parts for score in part.scores],
+        seconds={phase: sum(part.seconds[phase] for part in parts) for phase in parts[0].seconds},
+    )
+
+
+def sampling_metrics(rounds: list[Rollout], groups_kept: int, group_size: int) -> dict:
+    """Dynamic sampling's record of one step, over every completion generated, kept or not:
+    the mean reward is the policy's own score (the kept groups, chosen for having mixed
+    rewards, would bias it), and a step whose completions all hit the length cap keeps no
+    group (all rewards 0) yet must still show its lengths and truncations."""
+    rewards = torch.cat([batch.rewards for batch in rounds])  # (every completion,)
+    lengths = torch.cat([batch.completion_mask.sum(-1) for batch in rounds]).float()
+    return {
+        "sampling/rounds": len(rounds),
+        "sampling/groups_generated": rewards.numel() // group_size,
+        "sampling/groups_kept": groups_kept,
+        "sampling/reward_mean": rewards.mean().item(),
+        "sampling/length_mean": lengths.mean().item(),
+        "sampling/truncated": torch.cat([batch.truncated for batch in rounds]).float().mean().item(),
     }
-    return rollouts, kept[:batch_size], stats
-
-
-def select_groups(rollouts: list[dict], kept: list[tuple[int, int]], group_size: int, pad_id: int) -> dict:
-    """The rows of the kept groups of every round, as one batch in the order kept. Each round
-    has its own prompt length P and completion length T, so prompts are padded again on the
-    left and completions (and per-token tensors) on the right; the new padding is masked, so
-    no log-prob changes. A rollout maps a name to a (n, …) tensor or a list of n items; 2-D
-    tensors named prompt_* are the left-padded ones; *_ids are padded with pad_id, the rest 0.
-    Returns the same names with N = (groups kept)·G rows."""
-    rows = {}  # round -> its kept rows, in order
-    for round_index, group in kept:
-        rows.setdefault(round_index, []).extend(range(group * group_size, (group + 1) * group_size))
-    parts = [
-        {
-            key: [value[i] for i in taken] if isinstance(value, list) else value[taken]
-            for key, value in rollouts[r].items()
-        }
-        for r, taken in rows.items()
-    ]
-    batch = {}
-    for key, first in parts[0].items():
-        values = [part[key] for part in parts]
-        if isinstance(first, list):
-            batch[key] = [item for value in values for item in value]
-            continue
-        if first.dim() == 2:
-            width = max(value.shape[1] for value in values)
-            fill = pad_id if key.endswith("_ids") else 0
-            left = key.startswith("prompt")
-            values = [
-                F.pad(v, (width - v.shape[1], 0) if left else (0, width - v.shape[1]), value=fill) for v in values
-            ]
-        batch[key] = torch.cat(values)
-    return batch
 
 
 # ----------------------------------------------------------------------------------------
@@ -593,23 +639,14 @@ def evaluate_heldout(
     uses by default. Greedy decoding draws no random numbers, so evaluating does not change
     what training samples next (a resumed run stays exact). amp() is the autocast context.
     Returns the eval/ metrics, means over the problems."""
-    device = next(policy.parameters()).device
     start = time.perf_counter()
     scores, lengths, truncations = [], [], []
     for first in range(0, len(task.problems), batch_size):
         problems = task.problems[first : first + batch_size]
-        prompt_ids, prompt_mask = encode_prompts(tokenizer, [task.messages(p) for p in problems], 1, device)  # (n, P)
-        with amp():
-            completion_ids, completion_mask, truncated, _ = generate(
-                policy, prompt_ids, prompt_mask, max_new_tokens, eos_ids, tokenizer.pad_token_id, len(tokenizer), 0.0
-            )  # (n, T), (n, T), (n,)
-        row_lengths = completion_mask.sum(-1).tolist()
-        texts = tokenizer.batch_decode(
-            [ids[:length] for ids, length in zip(completion_ids.tolist(), row_lengths)], skip_special_tokens=True
-        )
-        scores += [task.score(*graded) for graded in zip(texts, problems, truncated.tolist())]
-        lengths += row_lengths
-        truncations += truncated.tolist()
+        batch = rollout(policy, tokenizer, eos_ids, task, problems, 1, max_new_tokens, 0.0, 1.0, amp)  # n = problems
+        scores += batch.scores
+        lengths += batch.completion_mask.sum(-1).tolist()
+        truncations += batch.truncated.tolist()
     return {
         "eval/accuracy": sum(s.strict for s in scores) / len(scores),  # the answer where the prompt asks
         "eval/reward": sum(s.reward for s in scores) / len(scores),
@@ -629,6 +666,7 @@ def train(args: Args) -> Path:
     check_args(args)
     device = resolve_device(args.device)
     weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
+    amp = functools.partial(autocast, device, compute_dtype)  # bf16 autocast on a GPU, nothing on the CPU
     seed_everything(args.seed)
     # The task first: a wrong --task or --data_dir stops before any model loads.
     task = load_task(args.task, args.seed, args.num_problems, args.dataset, data_dir=args.data_dir)
@@ -643,154 +681,72 @@ def train(args: Args) -> Path:
         policy.parameters(), lr=args.lr, betas=(0.9, args.adam_beta2), weight_decay=args.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
+    evaluate = None
+    if heldout is not None:  # run.end_step calls it every eval_every steps and at the end
+        evaluate = functools.partial(
+            evaluate_heldout, policy, tokenizer, eos_ids, heldout, args.max_new_tokens, args.eval_batch_size, amp
+        )
+    resumable = {"optimizer": optimizer, "scheduler": scheduler}
+    show = {"reward": "sampling/reward_mean", "len": "completion/length_mean"}  # the policy's reward: every group's
+    run = Run(args, "dapo", policy, tokenizer, resumable, SAME_ON_RESUME, evaluate, show=show)
     # rounds_done counts generation rounds since the start of the run: the prompt stream's
     # position, which dynamic sampling advances by a varying number of rounds per step.
-    start_step, rounds_done, previous_checkpoint = 0, 0, None
-    if args.resume_from:
-        state = load_trainer_state(args.resume_from, vars(args), SAME_ON_RESUME)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        set_rng_states(state["rng"])
-        start_step, rounds_done, run_dir = state["step"], state["rounds"], Path(args.resume_from).parent
-        previous_checkpoint = Path(args.resume_from)
-        for log in ("metrics.jsonl", "samples.jsonl"):  # drop what ran after the checkpoint
-            truncate_jsonl(run_dir / log, last_step=start_step)
-        record_args(run_dir, args, resumed_at=start_step)  # the arguments the run goes on with
-    else:
-        run_dir = make_run_dir(args, "dapo")
+    rounds_done = run.resumed_state.get("rounds", 0)
     # Without dynamic sampling a step is one round of B prompts, exactly as in grpo.py.
     round_size = (args.gen_batch_size or args.batch_size) if args.dynamic_sampling else args.batch_size
     max_rounds = args.max_gen_rounds if args.dynamic_sampling else 1
-    times = {}  # seconds per phase of the current step
 
-    def checkpoint(name: str, step: int) -> None:
-        nonlocal previous_checkpoint
-        state = {
-            "step": step,
-            "rounds": rounds_done,
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-        }
-        save_checkpoint(run_dir / name, policy, tokenizer, {**state, "rng": rng_states(), "args": vars(args)})
-        # AdamW's state is twice the weights: only the newest checkpoint keeps it for resuming.
-        if previous_checkpoint is not None and previous_checkpoint != run_dir / name:
-            drop_trainer_state(previous_checkpoint)
-        previous_checkpoint = run_dir / name
-
-    def sample_round(round_index: int) -> dict:
-        """Steps 1-3 for one round of round_size prompts (n = round_size·G rows). Its prompts
-        are the next slice of the prompt stream, so a resumed run draws exactly what it would have."""
-        timer = time.perf_counter()
-        # 1. Sample the round's prompts; each is repeated G times.
-        indices = prompt_indices(rounds_done + round_index, round_size, len(task.problems), args.seed)
-        problems = [task.problems[i] for i in indices]
-        prompt_ids, prompt_mask = encode_prompts(
-            tokenizer, [task.messages(p) for p in problems], args.group_size, device
-        )  # (n, P)
-
-        # 2. Generate G completions per prompt with the current policy (π_θold).
-        with autocast(device, compute_dtype):
-            completion_ids, completion_mask, truncated, sample_logp = generate(
-                policy,
-                prompt_ids,
-                prompt_mask,
-                args.max_new_tokens,
-                eos_ids,
-                tokenizer.pad_token_id,
-                vocab_size,
-                args.temperature,
-                args.top_p,
-            )  # (n, T), (n, T), (n,), (n, T)
-        times["generate"] += time.perf_counter() - timer
-
-        # 3. Score every completion with the task's rule-based reward.
-        timer = time.perf_counter()
-        lengths = completion_mask.sum(-1)  # (n,)
-        texts = tokenizer.batch_decode(
-            [ids[:length] for ids, length in zip(completion_ids.tolist(), lengths.tolist())], skip_special_tokens=True
-        )
-        # A completion cut at max_new_tokens passes its truncation on: GSM8K's reward gives it 0.
-        cut = truncated.tolist()
-        scores = [task.score(text, problems[i // args.group_size], cut[i]) for i, text in enumerate(texts)]
-        rewards = torch.tensor([s.reward for s in scores], dtype=torch.float32, device=device)  # (n,)
-        times["reward"] += time.perf_counter() - timer
-        return {
-            "prompt_ids": prompt_ids,
-            "prompt_mask": prompt_mask,
-            "completion_ids": completion_ids,
-            "completion_mask": completion_mask,
-            "truncated": truncated,
-            "sample_logp": sample_logp,
-            "rewards": rewards,
-            "texts": texts,
-            "scores": scores,
-        }
-
-    def evaluate_if_due(step: int) -> dict:
-        """Step 7, also for a step that skipped its update: every eval_every steps and at the end."""
-        if heldout is None or ((step + 1) % args.eval_every and step + 1 < args.max_steps):
-            return {}
-        return evaluate_heldout(
-            policy, tokenizer, eos_ids, heldout, args.max_new_tokens, args.eval_batch_size,
-            amp=lambda: autocast(device, compute_dtype),
-        )  # fmt: skip
-
-    progress = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps, desc="dapo")
-    try:
-        for step in progress:
-            # 1-3. Rounds of fresh prompts, generated and scored by sample_round, until B groups have
-            #      rewards that are not all equal (dynamic sampling, DAPO Eq. 11) or max_rounds ran.
-            times.clear()  # nothing of the last step's phases carries over into a skipped step's row
-            times.update(generate=0.0, reward=0.0)
-            rollouts, kept, sampling = dynamic_sampling(
-                sample_round, args.group_size, args.batch_size, max_rounds, args.dynamic_sampling
-            )
-            rounds_done += len(rollouts)
-            # Over every completion generated, kept or not: a step whose completions all hit the cap
-            # keeps no group (all rewards 0), and failure mode 7 must still show in its row.
-            generated_lengths = torch.cat([rollout["completion_mask"].sum(-1) for rollout in rollouts]).float()
-            sampling["sampling/length_mean"] = generated_lengths.mean().item()
-            sampling["sampling/truncated"] = (
-                torch.cat([rollout["truncated"] for rollout in rollouts]).float().mean().item()
-            )
+    with run:  # Ctrl-C stops with one line naming the newest checkpoint
+        for step in run.steps():
+            # 1-3. Dynamic sampling (DAPO Eq. 11, Algorithm 1): rounds of fresh prompts, G completions
+            #      of each from π_θold, every completion scored, until B groups have task rewards that
+            #      are not all equal (some solved, some not) or max_rounds rounds ran.
+            rounds, kept, groups_kept = [], [], 0  # every round's Rollout; the groups kept of each
+            while groups_kept < args.batch_size and len(rounds) < max_rounds:
+                indices = prompt_indices(rounds_done, round_size, len(task.problems), args.seed)
+                problems = [task.problems[i] for i in indices]
+                batch = rollout(
+                    policy, tokenizer, eos_ids, task, problems, args.group_size, args.max_new_tokens,
+                    args.temperature, args.top_p, amp,
+                )  # fmt: skip
+                rounds.append(batch)
+                rounds_done += 1
+                keep = informative_groups(batch.rewards, args.group_size)  # (round_size,)
+                if not args.dynamic_sampling:
+                    keep = torch.ones_like(keep)
+                groups = keep.nonzero().flatten().tolist()[: args.batch_size - groups_kept]  # no more than B
+                if groups:
+                    kept.append(take_groups(batch, groups, args.group_size))
+                groups_kept += len(groups)
+            sampling = sampling_metrics(rounds, groups_kept, args.group_size)
+            seconds = {phase: sum(batch.seconds[phase] for batch in rounds) for phase in ("generate", "reward")}
             if not kept:  # max_rounds rounds without one informative group: no update this step
-                skipped = {
-                    "step": step + 1,
-                    **sampling,
-                    **{f"time/{phase}": seconds for phase, seconds in times.items()},
-                }
-                append_jsonl(run_dir / "metrics.jsonl", {**skipped, **evaluate_if_due(step)})  # steps 7-8, as below
-                if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:
-                    checkpoint(f"step-{step + 1:06d}", step + 1)  # step 9, as below
+                skipped = {"step": step + 1, **sampling, **{f"time/{phase}": value for phase, value in seconds.items()}}
+                run.end_step(step, skipped, state={"rounds": rounds_done})
                 continue
-            sampled = select_groups(rollouts, kept, args.group_size, tokenizer.pad_token_id)
-            prompt_ids, prompt_mask = sampled["prompt_ids"], sampled["prompt_mask"]  # (N, P)
-            completion_ids, completion_mask = sampled["completion_ids"], sampled["completion_mask"]  # (N, T)
-            truncated, rewards, sample_logp = sampled["truncated"], sampled["rewards"], sampled["sample_logp"]
-            texts, scores = sampled["texts"], sampled["scores"]
-            num_sequences = completion_ids.shape[0]  # N = (groups kept)·G, at most B·G
+            batch = concat_rollouts(kept, tokenizer.pad_token_id)
+            num_sequences = len(batch.texts)  # N = (groups kept)·G, at most B·G
+            sequences = batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
 
             # 4. Log-probs of the sampled tokens under π_θold and π_ref, no grad.
             timer = time.perf_counter()
             policy.eval()  # same mode as sampling (matters for models with dropout)
-            with torch.no_grad(), autocast(device, compute_dtype):
+            with torch.no_grad(), amp():
                 old_logp, entropy = sequence_logprobs(
-                    policy, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                    args.temperature, vocab_size, args.logprob_chunk_size, with_entropy=True,
-                )  # fmt: skip
+                    policy, *sequences, args.temperature, vocab_size, args.logprob_chunk_size, with_entropy=True
+                )  # (N, T), (N, T)
                 ref_logp = None
                 if reference is not None:
                     ref_logp, _ = sequence_logprobs(
-                        reference, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                        args.temperature, vocab_size, args.logprob_chunk_size,
-                    )  # fmt: skip
+                        reference, *sequences, args.temperature, vocab_size, args.logprob_chunk_size
+                    )  # (N, T)
             policy.train()
-            times["logprobs"] = time.perf_counter() - timer
+            seconds_logprobs = time.perf_counter() - timer
 
             # 5. Group-relative advantages of the task reward plus the overlong penalty (DAPO Eq. 13).
             advantages, length_penalty = shaped_advantages(
-                rewards,
-                completion_mask.sum(-1),
+                batch.rewards,
+                batch.completion_mask.sum(-1),
                 args.group_size,
                 args.max_new_tokens,
                 args.overlong_buffer,
@@ -799,12 +755,12 @@ def train(args: Args) -> Path:
 
             # 6. μ iterations over shuffled mini-batches; one optimizer step per mini-batch.
             timer = time.perf_counter()
-            batch = {
-                "prompt_ids": prompt_ids,
-                "prompt_mask": prompt_mask,
-                "completion_ids": completion_ids,
-                "completion_mask": completion_mask,
-                "truncated": truncated,
+            tensors = {
+                "prompt_ids": batch.prompt_ids,
+                "prompt_mask": batch.prompt_mask,
+                "completion_ids": batch.completion_ids,
+                "completion_mask": batch.completion_mask,
+                "truncated": batch.truncated,
                 "old_logp": old_logp,
                 "ref_logp": ref_logp,
                 "advantages": advantages,
@@ -814,56 +770,32 @@ def train(args: Args) -> Path:
                 order = torch.randperm(num_sequences, device=device)
                 # N < B·G need not split evenly: tensor_split makes sizes differ by at most one row.
                 for rows in order.tensor_split(min(args.num_mini_batches, num_sequences)):
-                    mini = {k: v[rows] if v is not None else None for k, v in batch.items()}
-                    totals = policy_backward(
-                        policy, mini, args, vocab_size, amp=lambda: autocast(device, compute_dtype)
-                    )
+                    mini = {k: v[rows] if v is not None else None for k, v in tensors.items()}
+                    totals = policy_backward(policy, mini, args, vocab_size, amp)
                     grad_norms.append(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm).item())
-                    if totals[
-                        "tokens"
-                    ]:  # overlong filtering may leave no token: AdamW's momentum alone must not move θ
+                    if totals["tokens"]:  # overlong filtering may leave no token: momentum alone must not move θ
                         optimizer.step()
                     optimizer.zero_grad(set_to_none=True)  # free the gradients before the next generation
                     accumulate(update, totals)
             learning_rate = scheduler.get_last_lr()[0]  # the rate this step trained with
             scheduler.step()
-            times["update"] = time.perf_counter() - timer
+            seconds |= {"logprobs": seconds_logprobs, "update": time.perf_counter() - timer}
 
-            # 7. Every eval_every steps and at the end: greedy accuracy on held-out problems.
-            evaluation = evaluate_if_due(step)
-
-            # 8. Log: every metric from the tensors the loss used, masked, over the whole batch.
-            rollout = step_metrics(
-                rewards, scores, completion_mask, truncated, entropy, old_logp, sample_logp, args.group_size
-            )
+            # 7-9. Every metric from the tensors the loss used, masked, over the whole batch; then
+            #      Run.end_step: the held-out evaluation when due, the metrics row and samples, a
+            #      checkpoint when due.
             metrics = {
                 "step": step + 1,
-                **rollout,
+                **step_metrics(batch, entropy, old_logp, args.group_size),
                 **sampling,
                 "reward/overlong_penalty": length_penalty.mean().item(),
                 **update_metrics(update, grad_norms, learning_rate),
-                "throughput/tokens_per_s": generated_lengths.sum().item() / times["generate"],
-                **{f"time/{phase}": seconds for phase, seconds in times.items()},
-                **evaluation,
+                "throughput/tokens_per_s": sum(b.completion_mask.sum().item() for b in rounds) / seconds["generate"],
+                **{f"time/{phase}": value for phase, value in seconds.items()},
             }
-            append_jsonl(run_dir / "metrics.jsonl", metrics)
-            progress.set_postfix(
-                reward=f"{metrics['sampling/reward_mean']:.3f}", len=f"{metrics['completion/length_mean']:.0f}"
-            )
-            if args.sample_every and step % args.sample_every == 0:
-                for i in range(0, min(args.num_samples * args.group_size, num_sequences), args.group_size):
-                    prompt = tokenizer.decode(prompt_ids[i][prompt_mask[i].bool()])
-                    record = {"step": step + 1, "prompt": prompt, "completion": texts[i], "reward": scores[i].reward}
-                    append_jsonl(run_dir / "samples.jsonl", record)
-
-            # 9. Checkpoint.
-            if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:
-                checkpoint(f"step-{step + 1:06d}", step + 1)
-        checkpoint("final", args.max_steps)
-    except KeyboardInterrupt:  # Ctrl-C: one line naming the newest checkpoint, not a traceback
-        progress.close()
-        stop_interrupted("dapo.py", previous_checkpoint, progress.n)
-    return run_dir
+            run.end_step(step, metrics, batch, state={"rounds": rounds_done})
+        run.save_final(state={"rounds": rounds_done})
+    return run.dir
 
 
 def update_metrics(update: dict, grad_norms: list[float], learning_rate: float) -> dict:
@@ -883,11 +815,12 @@ def update_metrics(update: dict, grad_norms: list[float], learning_rate: float) 
     }
 
 
-def step_metrics(rewards, scores, completion_mask, truncated, entropy, old_logp, sample_logp, group_size) -> dict:
-    """Rollout statistics of one step: reward (N,), scores, completion_mask (N, T),
-    truncated (N,), entropy, old_logp and sample_logp (N, T)."""
-    mask = completion_mask.bool()
-    lengths = completion_mask.sum(-1).float()  # (N,)
+def step_metrics(batch: Rollout, entropy: torch.Tensor, old_logp: torch.Tensor, group_size: int) -> dict:
+    """Rollout statistics of the batch a step trains on, with the entropy and old_logp (N, T)
+    that step 4 computed for it."""
+    mask = batch.completion_mask.bool()
+    lengths = batch.completion_mask.sum(-1).float()  # (N,)
+    rewards, scores = batch.rewards, batch.scores
     grouped = rewards.view(-1, group_size)  # (B, G)
     return {
         "reward/mean": rewards.mean().item(),
@@ -897,11 +830,11 @@ def step_metrics(rewards, scores, completion_mask, truncated, entropy, old_logp,
         "reward/zero_std_groups": (grouped.max(-1).values == grouped.min(-1).values).float().mean().item(),
         "completion/length_mean": lengths.mean().item(),
         "completion/length_max": lengths.max().item(),
-        "completion/truncated": truncated.float().mean().item(),
+        "completion/truncated": batch.truncated.float().mean().item(),
         "policy/entropy": entropy[mask].mean().item(),
-        # Sampler and scorer must agree (failure mode 1): ~1e-6 in fp32, more in bf16.
-        "policy/sample_logp_diff": (sample_logp - old_logp)[mask].abs().mean().item(),
-        "policy/sample_logp_diff_max": (sample_logp - old_logp)[mask].abs().max().item(),
+        # Sampler and scorer must agree, or every ratio is off before any update: ~1e-6 in fp32, more in bf16.
+        "policy/sample_logp_diff": (batch.sample_logp - old_logp)[mask].abs().mean().item(),
+        "policy/sample_logp_diff_max": (batch.sample_logp - old_logp)[mask].abs().max().item(),
     }
 
 

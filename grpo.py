@@ -26,37 +26,28 @@ Shape letters in comments:
 """
 
 import contextlib
+import functools
 import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from common import (
-    append_jsonl,
+    Run,
     arg,
     autocast,
     check_run_args,
-    drop_trainer_state,
     load_model,
     load_reference,
-    load_trainer_state,
-    make_run_dir,
     parse_args,
-    record_args,
     render_chat,
     resolve_device,
     resolve_precision,
-    rng_states,
-    save_checkpoint,
     seed_everything,
-    set_rng_states,
-    stop_interrupted,
-    truncate_jsonl,
 )
-from rewards import load_heldout_task, load_task
+from rewards import Score, load_heldout_task, load_task
 
 
 @dataclass
@@ -252,6 +243,72 @@ def generate(
     completion_mask = torch.stack(masks, dim=1).long()  # (N, T)
     sample_logp = torch.stack(logps, dim=1)  # (N, T)
     return completion_ids, completion_mask, ~finished, sample_logp
+
+
+@dataclass
+class Rollout:
+    """What steps 1-3 produce: n = (prompts)·G rows, the group of prompt i in rows i·G … i·G+G-1."""
+
+    prompt_ids: torch.Tensor  # (n, P) left padded
+    prompt_mask: torch.Tensor  # (n, P) 1 for prompt tokens, 0 for padding
+    completion_ids: torch.Tensor  # (n, T) right padded with the pad id
+    completion_mask: torch.Tensor  # (n, T) 1 up to and including the EOS
+    truncated: torch.Tensor  # (n,) True where no EOS came within max_new_tokens
+    sample_logp: torch.Tensor  # (n, T) log π of each sampled token, as generate drew it
+    rewards: torch.Tensor  # (n,) the task's rule-based reward
+    texts: list[str]  # the n completions, decoded
+    scores: list[Score]  # the n grades: reward, correct, formatted, strict
+    seconds: dict[str, float]  # time spent generating and scoring
+
+
+def rollout(
+    policy,
+    tokenizer,
+    eos_ids: list[int],
+    task,  # a rewards.Task: its prompts and its reward
+    problems: list[dict],  # items of task.problems, one group each
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    amp=contextlib.nullcontext,
+) -> Rollout:
+    """Steps 1-3 for a list of problems: 1. each problem's prompt through the chat template,
+    repeated G times; 2. G completions of each from the policy as it is now (π_θold), sampled
+    with the KV cache; 3. every completion decoded and scored with the task's rule-based reward.
+    temperature 0 is greedy decoding (held-out evaluation). amp() is the autocast context."""
+    device = next(policy.parameters()).device
+    timer = time.perf_counter()
+    conversations = [task.messages(problem) for problem in problems]
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, conversations, group_size, device)  # (n, P)
+    with amp():
+        completion_ids, completion_mask, truncated, sample_logp = generate(
+            policy, prompt_ids, prompt_mask, max_new_tokens, eos_ids, tokenizer.pad_token_id, len(tokenizer),
+            temperature, top_p,
+        )  # (n, T), (n, T), (n,), (n, T)  # fmt: skip
+    seconds = {"generate": time.perf_counter() - timer}
+    timer = time.perf_counter()
+    lengths = completion_mask.sum(-1).tolist()
+    texts = tokenizer.batch_decode(
+        [ids[:length] for ids, length in zip(completion_ids.tolist(), lengths)], skip_special_tokens=True
+    )
+    # A completion cut at max_new_tokens passes its truncation on: GSM8K's reward gives it 0.
+    cut = truncated.tolist()
+    scores = [task.score(text, problems[i // group_size], cut[i]) for i, text in enumerate(texts)]
+    rewards = torch.tensor([s.reward for s in scores], dtype=torch.float32, device=device)  # (n,)
+    seconds["reward"] = time.perf_counter() - timer
+    return Rollout(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        truncated=truncated,
+        sample_logp=sample_logp,
+        rewards=rewards,
+        texts=texts,
+        scores=scores,
+        seconds=seconds,
+    )
 
 
 def sequence_logprobs(
@@ -454,23 +511,14 @@ def evaluate_heldout(
     uses by default. Greedy decoding draws no random numbers, so evaluating does not change
     what training samples next (a resumed run stays exact). amp() is the autocast context.
     Returns the eval/ metrics, means over the problems."""
-    device = next(policy.parameters()).device
     start = time.perf_counter()
     scores, lengths, truncations = [], [], []
     for first in range(0, len(task.problems), batch_size):
         problems = task.problems[first : first + batch_size]
-        prompt_ids, prompt_mask = encode_prompts(tokenizer, [task.messages(p) for p in problems], 1, device)  # (n, P)
-        with amp():
-            completion_ids, completion_mask, truncated, _ = generate(
-                policy, prompt_ids, prompt_mask, max_new_tokens, eos_ids, tokenizer.pad_token_id, len(tokenizer), 0.0
-            )  # (n, T), (n, T), (n,)
-        row_lengths = completion_mask.sum(-1).tolist()
-        texts = tokenizer.batch_decode(
-            [ids[:length] for ids, length in zip(completion_ids.tolist(), row_lengths)], skip_special_tokens=True
-        )
-        scores += [task.score(*graded) for graded in zip(texts, problems, truncated.tolist())]
-        lengths += row_lengths
-        truncations += truncated.tolist()
+        batch = rollout(policy, tokenizer, eos_ids, task, problems, 1, max_new_tokens, 0.0, 1.0, amp)  # n = problems
+        scores += batch.scores
+        lengths += batch.completion_mask.sum(-1).tolist()
+        truncations += batch.truncated.tolist()
     return {
         "eval/accuracy": sum(s.strict for s in scores) / len(scores),  # the answer where the prompt asks
         "eval/reward": sum(s.reward for s in scores) / len(scores),
@@ -490,6 +538,7 @@ def train(args: Args) -> Path:
     check_args(args)
     device = resolve_device(args.device)
     weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
+    amp = functools.partial(autocast, device, compute_dtype)  # bf16 autocast on a GPU, nothing on the CPU
     seed_everything(args.seed)
     # The task first: a wrong --task or --data_dir stops before any model loads.
     task = load_task(args.task, args.seed, args.num_problems, args.dataset, data_dir=args.data_dir)
@@ -504,98 +553,52 @@ def train(args: Args) -> Path:
         policy.parameters(), lr=args.lr, betas=(0.9, args.adam_beta2), weight_decay=args.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
-    start_step, previous_checkpoint = 0, None
-    if args.resume_from:
-        state = load_trainer_state(args.resume_from, vars(args), SAME_ON_RESUME)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        set_rng_states(state["rng"])
-        start_step, run_dir = state["step"], Path(args.resume_from).parent
-        previous_checkpoint = Path(args.resume_from)
-        for log in ("metrics.jsonl", "samples.jsonl"):  # drop what ran after the checkpoint
-            truncate_jsonl(run_dir / log, last_step=start_step)
-        record_args(run_dir, args, resumed_at=start_step)  # the arguments the run goes on with
-    else:
-        run_dir = make_run_dir(args, "grpo")
+    evaluate = None
+    if heldout is not None:  # run.end_step calls it every eval_every steps and at the end
+        evaluate = functools.partial(
+            evaluate_heldout, policy, tokenizer, eos_ids, heldout, args.max_new_tokens, args.eval_batch_size, amp
+        )
+    resumable = {"optimizer": optimizer, "scheduler": scheduler}
+    run = Run(args, "grpo", policy, tokenizer, resumable, SAME_ON_RESUME, evaluate)
     num_sequences = args.batch_size * args.group_size  # N
-    mini_batch = num_sequences // args.num_mini_batches
 
-    def checkpoint(name: str, step: int) -> None:
-        nonlocal previous_checkpoint
-        state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
-        save_checkpoint(run_dir / name, policy, tokenizer, {**state, "rng": rng_states(), "args": vars(args)})
-        # AdamW's state is twice the weights: only the newest checkpoint keeps it for resuming.
-        if previous_checkpoint is not None and previous_checkpoint != run_dir / name:
-            drop_trainer_state(previous_checkpoint)
-        previous_checkpoint = run_dir / name
-
-    progress = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps, desc="grpo")
-    try:
-        for step in progress:
-            timer = time.perf_counter()
-            # 1. Sample B prompts; each is repeated G times.
+    with run:  # Ctrl-C stops with one line naming the newest checkpoint
+        for step in run.steps():
+            # 1-3. Sample B prompts, G completions of each from π_θold, every completion scored.
             problems = [task.problems[i] for i in prompt_indices(step, args.batch_size, len(task.problems), args.seed)]
-            prompt_ids, prompt_mask = encode_prompts(
-                tokenizer, [task.messages(p) for p in problems], args.group_size, device
-            )  # (N, P)
-
-            # 2. Generate G completions per prompt with the current policy (π_θold).
-            with autocast(device, compute_dtype):
-                completion_ids, completion_mask, truncated, sample_logp = generate(
-                    policy,
-                    prompt_ids,
-                    prompt_mask,
-                    args.max_new_tokens,
-                    eos_ids,
-                    tokenizer.pad_token_id,
-                    vocab_size,
-                    args.temperature,
-                    args.top_p,
-                )  # (N, T), (N, T), (N,), (N, T)
-            time_generate = time.perf_counter() - timer
-
-            # 3. Score every completion with the task's rule-based reward.
-            timer = time.perf_counter()
-            lengths = completion_mask.sum(-1)  # (N,)
-            texts = tokenizer.batch_decode(
-                [ids[:length] for ids, length in zip(completion_ids.tolist(), lengths.tolist())],
-                skip_special_tokens=True,
-            )
-            # A completion cut at max_new_tokens passes its truncation on: GSM8K's reward gives it 0.
-            cut = truncated.tolist()
-            scores = [task.score(text, problems[i // args.group_size], cut[i]) for i, text in enumerate(texts)]
-            rewards = torch.tensor([s.reward for s in scores], dtype=torch.float32, device=device)  # (N,)
-            time_reward = time.perf_counter() - timer
+            batch = rollout(
+                policy, tokenizer, eos_ids, task, problems, args.group_size, args.max_new_tokens,
+                args.temperature, args.top_p, amp,
+            )  # fmt: skip
+            sequences = batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
 
             # 4. Log-probs of the sampled tokens under π_θold and π_ref, no grad.
             timer = time.perf_counter()
             policy.eval()  # same mode as sampling (matters for models with dropout)
-            with torch.no_grad(), autocast(device, compute_dtype):
+            with torch.no_grad(), amp():
                 old_logp, entropy = sequence_logprobs(
-                    policy, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                    args.temperature, vocab_size, args.logprob_chunk_size, with_entropy=True,
-                )  # fmt: skip
+                    policy, *sequences, args.temperature, vocab_size, args.logprob_chunk_size, with_entropy=True
+                )  # (N, T), (N, T)
                 ref_logp = None
                 if reference is not None:
                     ref_logp, _ = sequence_logprobs(
-                        reference, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                        args.temperature, vocab_size, args.logprob_chunk_size,
-                    )  # fmt: skip
+                        reference, *sequences, args.temperature, vocab_size, args.logprob_chunk_size
+                    )  # (N, T)
             policy.train()
-            time_logprobs = time.perf_counter() - timer
+            seconds_logprobs = time.perf_counter() - timer
 
             # 5. Group-relative advantages: one number per completion, shared by its tokens.
             advantages = group_advantages(
-                rewards, args.group_size, scale_by_std=args.loss_type != "dr_grpo", eps=args.adv_eps
+                batch.rewards, args.group_size, scale_by_std=args.loss_type != "dr_grpo", eps=args.adv_eps
             )  # (N,)
 
             # 6. μ iterations over shuffled mini-batches; one optimizer step per mini-batch.
             timer = time.perf_counter()
-            batch = {
-                "prompt_ids": prompt_ids,
-                "prompt_mask": prompt_mask,
-                "completion_ids": completion_ids,
-                "completion_mask": completion_mask,
+            tensors = {
+                "prompt_ids": batch.prompt_ids,
+                "prompt_mask": batch.prompt_mask,
+                "completion_ids": batch.completion_ids,
+                "completion_mask": batch.completion_mask,
                 "old_logp": old_logp,
                 "ref_logp": ref_logp,
                 "advantages": advantages,
@@ -603,57 +606,30 @@ def train(args: Args) -> Path:
             update, grad_norms = {}, []
             for _ in range(args.num_iterations):
                 order = torch.randperm(num_sequences, device=device)
-                for start in range(0, num_sequences, mini_batch):
-                    rows = order[start : start + mini_batch]
-                    mini = {k: v[rows] if v is not None else None for k, v in batch.items()}
-                    totals = policy_backward(
-                        policy, mini, args, vocab_size, amp=lambda: autocast(device, compute_dtype)
-                    )
+                for rows in order.tensor_split(args.num_mini_batches):
+                    mini = {k: v[rows] if v is not None else None for k, v in tensors.items()}
+                    totals = policy_backward(policy, mini, args, vocab_size, amp)
                     grad_norms.append(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm).item())
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)  # free the gradients before the next generation
                     accumulate(update, totals)
             learning_rate = scheduler.get_last_lr()[0]  # the rate this step trained with
             scheduler.step()
-            time_update = time.perf_counter() - timer
+            seconds = {**batch.seconds, "logprobs": seconds_logprobs, "update": time.perf_counter() - timer}
 
-            # 7. Every eval_every steps and at the end: greedy accuracy on held-out problems.
-            evaluation = {}
-            if heldout is not None and ((step + 1) % args.eval_every == 0 or step + 1 == args.max_steps):
-                evaluation = evaluate_heldout(
-                    policy, tokenizer, eos_ids, heldout, args.max_new_tokens, args.eval_batch_size,
-                    amp=lambda: autocast(device, compute_dtype),
-                )  # fmt: skip
-
-            # 8. Log: every metric from the tensors the loss used, masked, over the whole batch.
-            times = {"generate": time_generate, "reward": time_reward, "logprobs": time_logprobs, "update": time_update}
-            rollout = step_metrics(
-                rewards, scores, completion_mask, truncated, entropy, old_logp, sample_logp, args.group_size
-            )
+            # 7-9. Every metric from the tensors the loss used, masked, over the whole batch; then
+            #      Run.end_step: the held-out evaluation when due, the metrics row and samples, a
+            #      checkpoint when due.
             metrics = {
                 "step": step + 1,
-                **rollout,
+                **step_metrics(batch, entropy, old_logp, args.group_size),
                 **update_metrics(update, grad_norms, learning_rate),
-                "throughput/tokens_per_s": lengths.sum().item() / time_generate,
-                **{f"time/{phase}": seconds for phase, seconds in times.items()},
-                **evaluation,
+                "throughput/tokens_per_s": batch.completion_mask.sum().item() / seconds["generate"],
+                **{f"time/{phase}": value for phase, value in seconds.items()},
             }
-            append_jsonl(run_dir / "metrics.jsonl", metrics)
-            progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", len=f"{metrics['completion/length_mean']:.0f}")
-            if args.sample_every and step % args.sample_every == 0:
-                for i in range(0, min(args.num_samples * args.group_size, num_sequences), args.group_size):
-                    prompt = tokenizer.decode(prompt_ids[i][prompt_mask[i].bool()])
-                    record = {"step": step + 1, "prompt": prompt, "completion": texts[i], "reward": scores[i].reward}
-                    append_jsonl(run_dir / "samples.jsonl", record)
-
-            # 9. Checkpoint.
-            if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:
-                checkpoint(f"step-{step + 1:06d}", step + 1)
-        checkpoint("final", args.max_steps)
-    except KeyboardInterrupt:  # Ctrl-C: one line naming the newest checkpoint, not a traceback
-        progress.close()
-        stop_interrupted("grpo.py", previous_checkpoint, progress.n)
-    return run_dir
+            run.end_step(step, metrics, batch)
+        run.save_final()
+    return run.dir
 
 
 def update_metrics(update: dict, grad_norms: list[float], learning_rate: float) -> dict:
@@ -673,11 +649,12 @@ def update_metrics(update: dict, grad_norms: list[float], learning_rate: float) 
     }
 
 
-def step_metrics(rewards, scores, completion_mask, truncated, entropy, old_logp, sample_logp, group_size) -> dict:
-    """Rollout statistics of one step: reward (N,), scores, completion_mask (N, T),
-    truncated (N,), entropy, old_logp and sample_logp (N, T)."""
-    mask = completion_mask.bool()
-    lengths = completion_mask.sum(-1).float()  # (N,)
+def step_metrics(batch: Rollout, entropy: torch.Tensor, old_logp: torch.Tensor, group_size: int) -> dict:
+    """Rollout statistics of the batch a step trains on, with the entropy and old_logp (N, T)
+    that step 4 computed for it."""
+    mask = batch.completion_mask.bool()
+    lengths = batch.completion_mask.sum(-1).float()  # (N,)
+    rewards, scores = batch.rewards, batch.scores
     grouped = rewards.view(-1, group_size)  # (B, G)
     return {
         "reward/mean": rewards.mean().item(),
@@ -687,11 +664,11 @@ def step_metrics(rewards, scores, completion_mask, truncated, entropy, old_logp,
         "reward/zero_std_groups": (grouped.max(-1).values == grouped.min(-1).values).float().mean().item(),
         "completion/length_mean": lengths.mean().item(),
         "completion/length_max": lengths.max().item(),
-        "completion/truncated": truncated.float().mean().item(),
+        "completion/truncated": batch.truncated.float().mean().item(),
         "policy/entropy": entropy[mask].mean().item(),
-        # Sampler and scorer must agree (failure mode 1): ~1e-6 in fp32, more in bf16.
-        "policy/sample_logp_diff": (sample_logp - old_logp)[mask].abs().mean().item(),
-        "policy/sample_logp_diff_max": (sample_logp - old_logp)[mask].abs().max().item(),
+        # Sampler and scorer must agree, or every ratio is off before any update: ~1e-6 in fp32, more in bf16.
+        "policy/sample_logp_diff": (batch.sample_logp - old_logp)[mask].abs().mean().item(),
+        "policy/sample_logp_diff_max": (batch.sample_logp - old_logp)[mask].abs().max().item(),
     }
 
 

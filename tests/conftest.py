@@ -19,7 +19,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 @pytest.fixture(scope="module")
-def rollout():
+def sampled():
     """A real batch from the tiny model for the loss and gradient tests of grpo.py and dapo.py:
     3 prompts × 4 completions of unequal lengths, some truncated at 12 tokens. Returns
     (model, tokenizer, batch) with batch in the layout policy_backward takes."""
@@ -58,19 +58,21 @@ def crash_and_resume(script, tmp_path, monkeypatch, **settings):
     Returns (A's run dir, B's run dir after resuming) for the caller to compare bit for bit.
     Checks on the way that B kept one log row per step: the rows of the steps run again after
     the checkpoint were dropped, not duplicated."""
+    import common
+
     straight = script.train(script.Args(output_dir=str(tmp_path / "a"), save_every=0, **settings))
-    real_save = script.save_checkpoint
+    real_save = common.save_checkpoint  # what Run.save writes with
 
     def crash_on_final(path, *rest, **options):
         if path.name == "final":
             raise KeyboardInterrupt("simulated crash")
         real_save(path, *rest, **options)
 
-    monkeypatch.setattr(script, "save_checkpoint", crash_on_final)
+    monkeypatch.setattr(common, "save_checkpoint", crash_on_final)
     with pytest.raises(SystemExit) as stop:  # train() turns Ctrl-C into a message and exit status 130
         script.train(script.Args(output_dir=str(tmp_path / "b"), save_every=2, **settings))
     assert stop.value.code == 130
-    monkeypatch.setattr(script, "save_checkpoint", real_save)
+    monkeypatch.setattr(common, "save_checkpoint", real_save)
     (crashed,) = (tmp_path / "b").iterdir()
     resumed = script.train(
         script.Args(output_dir=str(tmp_path / "b"), resume_from=str(crashed / "step-000002"), **settings)

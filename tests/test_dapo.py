@@ -16,14 +16,15 @@ from common import build_tiny_model, load_model, parse_args, read_jsonl
 from conftest import ROOT, crash_and_resume
 from dapo import (
     Args,
+    Rollout,
     check_args,
+    concat_rollouts,
     dapo_loss,
-    dynamic_sampling,
     informative_groups,
     overlong_penalty,
     policy_backward,
-    select_groups,
     shaped_advantages,
+    take_groups,
     train,
 )
 from grpo import grpo_loss
@@ -141,18 +142,6 @@ def test_overlong_filter_removes_truncated_completions_from_numerator_and_denomi
 # Dynamic sampling (Eq. 11)
 
 
-def scripted_rounds(*rewards):
-    """A sample_round that returns the given reward lists, one per round, and records calls."""
-    calls = []
-
-    def sample_round(round_index):
-        calls.append(round_index)
-        values = torch.tensor(rewards[round_index], dtype=torch.float32)
-        return {"rewards": values, "id": [f"r{round_index}-{i}" for i in range(len(values))]}
-
-    return sample_round, calls
-
-
 def test_informative_groups():
     # G = 3: [1, 1, 1] all right, [0, 0, 0] all wrong, [0.1, 0.1, 0.1] all well-formed but wrong:
     # Â = 0 for each -> dropped; [1, 0, 0.1] and [0, 0.1, 0.1] have unequal rewards -> kept.
@@ -160,93 +149,130 @@ def test_informative_groups():
     assert informative_groups(rewards, 3).tolist() == [False, False, False, True, True]
 
 
-def test_dynamic_sampling_refills_until_batch_size():
+REAL_ROLLOUT = dapo.rollout
+
+
+def first_step_with_scripted_rewards(monkeypatch, tmp_path, rounds, **overrides) -> dict:
+    """The metrics row of one DAPO step in which the k-th generation round's task rewards are
+    rounds[k] (G = 2, rounds of 3 prompts): train()'s own dynamic-sampling loop runs on the
+    tiny model's real completions, with only the rewards replaced."""
+    script = iter(rounds)
+
+    def scripted_rollout(*args, **kwargs):
+        batch = REAL_ROLLOUT(*args, **kwargs)
+        return dataclasses.replace(batch, rewards=torch.tensor(next(script), dtype=torch.float32))
+
+    monkeypatch.setattr(dapo, "rollout", scripted_rollout)
+    settings = dict(model="tiny", task="digit", output_dir=str(tmp_path), max_steps=1, batch_size=3, group_size=2)
+    settings |= dict(gen_batch_size=3, max_new_tokens=4, overlong_buffer=0, sample_every=0) | overrides
+    return read_jsonl(train(Args(**settings)) / "metrics.jsonl")[0]
+
+
+def test_dynamic_sampling_refills_until_batch_size(monkeypatch, tmp_path):
     # B = 3 groups of G = 2. Round 0: [1,1] no, [0,1] yes, [0,0] no -> 1 kept.
     # Round 1: [1,0] yes, [0.1,0.1] no, [0,1] yes -> 3 kept = B: stop; round 2 is never generated.
     # Generated 2 rounds · 3 groups = 6; the mean reward of all 12 completions is
-    # (1+1+0+1+0+0 + 1+0+0.1+0.1+0+1) / 12 = 5.2 / 12 = 0.433333.
-    sample_round, calls = scripted_rounds([1, 1, 0, 1, 0, 0], [1, 0, 0.1, 0.1, 0, 1], [0, 1, 0, 1, 0, 1])
-    rollouts, kept, stats = dynamic_sampling(sample_round, group_size=2, batch_size=3, max_rounds=5, filter_groups=True)
-    assert calls == [0, 1] and len(rollouts) == 2
-    assert kept == [(0, 1), (1, 0), (1, 2)]
-    assert stats["sampling/rounds"] == 2
-    assert stats["sampling/groups_generated"] == 6
-    assert stats["sampling/groups_kept"] == 3
-    assert stats["sampling/reward_mean"] == pytest.approx(5.2 / 12, abs=1e-6)
+    # (1+1+0+1+0+0 + 1+0+0.1+0.1+0+1) / 12 = 5.2 / 12 = 0.433333. The step trains on the kept
+    # groups [0,1], [1,0], [0,1]: reward/mean 3/6 = 0.5.
+    rounds = [[1, 1, 0, 1, 0, 0], [1, 0, 0.1, 0.1, 0, 1], [0, 1, 0, 1, 0, 1]]
+    row = first_step_with_scripted_rewards(monkeypatch, tmp_path, rounds)
+    assert (row["sampling/rounds"], row["sampling/groups_generated"], row["sampling/groups_kept"]) == (2, 6, 3)
+    assert row["sampling/reward_mean"] == pytest.approx(5.2 / 12, abs=1e-6)
+    assert row["reward/mean"] == pytest.approx(0.5)
+    assert "loss/policy" in row
 
 
-def test_dynamic_sampling_cuts_the_surplus_to_exactly_batch_size():
-    # B = 2, G = 2: round 0's three groups are all informative; the third is dropped.
-    sample_round, calls = scripted_rounds([0, 1, 1, 0, 0, 1])
-    _, kept, stats = dynamic_sampling(sample_round, group_size=2, batch_size=2, max_rounds=5, filter_groups=True)
-    assert calls == [0] and kept == [(0, 0), (0, 1)]
-    assert (stats["sampling/groups_generated"], stats["sampling/groups_kept"]) == (3, 2)
+def test_dynamic_sampling_cuts_the_surplus_to_exactly_batch_size(monkeypatch, tmp_path):
+    # B = 2, G = 2: round 0's three groups [0,1], [1,0], [0,1] are all informative; the third is
+    # dropped, so the step trains on 2 groups. Kept rewards 0,1,1,0: reward/mean 0.5, and the
+    # reward's std over those 4 (unbiased): sqrt(4 · 0.25 / 3) = 0.57735.
+    row = first_step_with_scripted_rewards(monkeypatch, tmp_path, [[0, 1, 1, 0, 0, 1]], batch_size=2)
+    assert (row["sampling/rounds"], row["sampling/groups_generated"], row["sampling/groups_kept"]) == (1, 3, 2)
+    assert row["reward/std"] == pytest.approx((1 / 3) ** 0.5, abs=1e-6)
 
 
-def test_dynamic_sampling_stops_at_max_rounds():
-    # Every group all-equal in every round: after max_rounds = 3 rounds, 9 groups generated,
-    # nothing kept (the caller skips the update); with one informative group in round 2, that one.
+def test_dynamic_sampling_stops_at_max_rounds(monkeypatch, tmp_path):
+    # Every group all-equal in every round: after max_gen_rounds = 3 rounds, 9 groups generated,
+    # nothing kept: the row records the rounds and no update (no loss, no gradient norm).
     uninformative = [1, 1, 0, 0, 0.1, 0.1]
-    sample_round, calls = scripted_rounds(*[uninformative] * 4)
-    _, kept, stats = dynamic_sampling(sample_round, group_size=2, batch_size=3, max_rounds=3, filter_groups=True)
-    assert calls == [0, 1, 2] and kept == []
-    assert (stats["sampling/rounds"], stats["sampling/groups_generated"], stats["sampling/groups_kept"]) == (3, 9, 0)
-    sample_round, calls = scripted_rounds(uninformative, uninformative, [1, 1, 1, 0, 0, 0])
-    _, kept, stats = dynamic_sampling(sample_round, group_size=2, batch_size=3, max_rounds=3, filter_groups=True)
-    assert kept == [(2, 1)] and stats["sampling/groups_kept"] == 1
+    row = first_step_with_scripted_rewards(monkeypatch, tmp_path / "a", [uninformative] * 4, max_gen_rounds=3)
+    assert (row["sampling/rounds"], row["sampling/groups_generated"], row["sampling/groups_kept"]) == (3, 9, 0)
+    assert "loss/policy" not in row and "optim/grad_norm" not in row
+    # One informative group in round 2 (the third): that one group is trained on.
+    rounds = [uninformative, uninformative, [1, 1, 1, 0, 0, 0]]
+    row = first_step_with_scripted_rewards(monkeypatch, tmp_path / "b", rounds, max_gen_rounds=3)
+    assert (row["sampling/rounds"], row["sampling/groups_kept"]) == (3, 1)
+    assert row["reward/mean"] == pytest.approx(0.5) and "loss/policy" in row
 
 
-def test_without_dynamic_sampling_one_round_keeps_every_group():
-    sample_round, calls = scripted_rounds([1, 1, 0, 1, 0, 0])
-    _, kept, stats = dynamic_sampling(sample_round, group_size=2, batch_size=3, max_rounds=1, filter_groups=False)
-    assert calls == [0] and kept == [(0, 0), (0, 1), (0, 2)]
-    assert stats["sampling/groups_kept"] == 3
+def test_without_dynamic_sampling_one_round_keeps_every_group(monkeypatch, tmp_path):
+    # --dynamic_sampling false: one round of B = 3 prompts, every group kept, even [1,1] and [0,0].
+    rows = [[1, 1, 0, 1, 0, 0]]
+    row = first_step_with_scripted_rewards(monkeypatch, tmp_path, rows, dynamic_sampling=False, gen_batch_size=0)
+    assert (row["sampling/rounds"], row["sampling/groups_generated"], row["sampling/groups_kept"]) == (1, 3, 3)
+    assert row["reward/mean"] == pytest.approx(3 / 6)
 
 
-def test_select_groups_pads_rounds_of_different_lengths():
-    # Round 0: 2 groups of G = 1 with P = 2, T = 1; round 1: 1 group with P = 3, T = 2. Keep
-    # round 0's group 1 and round 1's group 0. Prompts are left padded to P = 3, completions
-    # right padded to T = 2; ids with pad_id 9, masks and log-probs with 0; lists are concatenated.
-    round0 = {
-        "prompt_ids": torch.tensor([[1, 2], [3, 4]]),
-        "prompt_mask": torch.tensor([[1, 1], [1, 1]]),
-        "completion_ids": torch.tensor([[5], [6]]),
-        "completion_mask": torch.tensor([[1], [1]]),
-        "sample_logp": torch.tensor([[-0.5], [-0.25]]),
-        "truncated": torch.tensor([False, True]),
-        "texts": ["a", "b"],
-    }
-    round1 = {
-        "prompt_ids": torch.tensor([[7, 8, 7]]),
-        "prompt_mask": torch.tensor([[1, 1, 1]]),
-        "completion_ids": torch.tensor([[8, 8]]),
-        "completion_mask": torch.tensor([[1, 1]]),
-        "sample_logp": torch.tensor([[-1.0, -2.0]]),
-        "truncated": torch.tensor([True]),
-        "texts": ["c"],
-    }
-    batch = select_groups([round0, round1], [(0, 1), (1, 0)], group_size=1, pad_id=9)
-    assert batch["prompt_ids"].tolist() == [[9, 3, 4], [7, 8, 7]]
-    assert batch["prompt_mask"].tolist() == [[0, 1, 1], [1, 1, 1]]
-    assert batch["completion_ids"].tolist() == [[6, 9], [8, 8]]
-    assert batch["completion_mask"].tolist() == [[1, 0], [1, 1]]
-    assert batch["sample_logp"].tolist() == [[-0.25, 0.0], [-1.0, -2.0]]
-    assert batch["truncated"].tolist() == [True, True]
-    assert batch["texts"] == ["b", "c"]
+def rollout_of(**fields) -> Rollout:
+    """A Rollout from the given tensors; n rows, no time spent."""
+    n = len(fields["texts"])
+    return Rollout(**{"scores": [None] * n, "seconds": {"generate": 0.0, "reward": 0.0}, **fields})
 
 
-def test_select_groups_takes_every_row_of_a_kept_group():
-    # G = 2: round 0 holds groups 0 (rows 0, 1) and 1 (rows 2, 3); keeping group 1 must take
-    # rows 2 and 3 (a mapping of group g to rows g … g+G−1 would take rows 1 and 2). Round 1's
-    # group 0 is rows 0 and 1. Rewards travel with their rows.
-    round0 = {
-        "completion_ids": torch.tensor([[10], [11], [12], [13]]),
-        "rewards": torch.tensor([0.0, 0.0, 1.0, 0.1]),
-    }
-    round1 = {"completion_ids": torch.tensor([[20], [21]]), "rewards": torch.tensor([1.0, 0.0])}
-    batch = select_groups([round0, round1], [(0, 1), (1, 0)], group_size=2, pad_id=9)
-    assert batch["completion_ids"].tolist() == [[12], [13], [20], [21]]
-    assert batch["rewards"].tolist() == pytest.approx([1.0, 0.1, 1.0, 0.0])
+def test_concat_rollouts_pads_rounds_of_different_lengths():
+    # Round 0's group 1 (G = 1) with P = 2, T = 1 and round 1's group 0 with P = 3, T = 2.
+    # Prompts are left padded to P = 3, completions right padded to T = 2; ids with pad_id 9,
+    # masks and log-probs with 0; rewards, truncation and texts are concatenated.
+    round0 = rollout_of(
+        prompt_ids=torch.tensor([[3, 4]]),
+        prompt_mask=torch.tensor([[1, 1]]),
+        completion_ids=torch.tensor([[6]]),
+        completion_mask=torch.tensor([[1]]),
+        truncated=torch.tensor([True]),
+        sample_logp=torch.tensor([[-0.25]]),
+        rewards=torch.tensor([0.1]),
+        texts=["b"],
+    )
+    round1 = rollout_of(
+        prompt_ids=torch.tensor([[7, 8, 7]]),
+        prompt_mask=torch.tensor([[1, 1, 1]]),
+        completion_ids=torch.tensor([[8, 8]]),
+        completion_mask=torch.tensor([[1, 1]]),
+        truncated=torch.tensor([True]),
+        sample_logp=torch.tensor([[-1.0, -2.0]]),
+        rewards=torch.tensor([1.0]),
+        texts=["c"],
+    )
+    batch = concat_rollouts([round0, round1], pad_id=9)
+    assert batch.prompt_ids.tolist() == [[9, 3, 4], [7, 8, 7]]
+    assert batch.prompt_mask.tolist() == [[0, 1, 1], [1, 1, 1]]
+    assert batch.completion_ids.tolist() == [[6, 9], [8, 8]]
+    assert batch.completion_mask.tolist() == [[1, 0], [1, 1]]
+    assert batch.sample_logp.tolist() == [[-0.25, 0.0], [-1.0, -2.0]]
+    assert batch.truncated.tolist() == [True, True]
+    assert batch.rewards.tolist() == pytest.approx([0.1, 1.0])
+    assert batch.texts == ["b", "c"]
+
+
+def test_take_groups_takes_every_row_of_a_kept_group():
+    # G = 2: a round holds groups 0 (rows 0, 1) and 1 (rows 2, 3); keeping group 1 must take
+    # rows 2 and 3 (a mapping of group g to rows g … g+G−1 would take rows 1 and 2). Rewards
+    # and texts travel with their rows.
+    ids = torch.tensor([[10], [11], [12], [13]])
+    batch = rollout_of(
+        prompt_ids=ids,
+        prompt_mask=torch.ones_like(ids),
+        completion_ids=ids,
+        completion_mask=torch.ones_like(ids),
+        truncated=torch.tensor([False] * 4),
+        sample_logp=torch.zeros(4, 1),
+        rewards=torch.tensor([0.0, 0.0, 1.0, 0.1]),
+        texts=["w", "x", "y", "z"],
+    )
+    kept = take_groups(batch, [1], group_size=2)
+    assert kept.completion_ids.tolist() == [[12], [13]]
+    assert kept.rewards.tolist() == pytest.approx([1.0, 0.1])
+    assert kept.texts == ["y", "z"]
 
 
 def test_length_penalty_enters_before_the_group_normalisation():
@@ -276,11 +302,11 @@ def gradient(model, tokenizer, batch, **overrides):
 
 
 @pytest.mark.parametrize("overlong_filter", [False, True])
-def test_gradient_accumulation_equals_one_big_batch(rollout, overlong_filter):
+def test_gradient_accumulation_equals_one_big_batch(sampled, overlong_filter):
     # The loss of each micro-batch is divided by the token count of the whole mini-batch, so
     # the micro-batch losses add up to the one-batch loss and their gradients to its gradient:
     # for 12 = 12, 4·3 and 5 + 5 + 2 (uneven: the micro-batches hold different token counts).
-    model, tokenizer, batch = rollout
+    model, tokenizer, batch = sampled
     assert batch["completion_mask"].sum(-1).unique().numel() > 1, "want completions of unequal length"
     assert 0 < batch["truncated"].sum() < len(batch["truncated"]), "want some completions truncated"
     results = [
@@ -294,10 +320,10 @@ def test_gradient_accumulation_equals_one_big_batch(rollout, overlong_filter):
         assert totals["tokens"] == full_totals["tokens"]
 
 
-def test_overlong_filter_equals_dropping_truncated_completions(rollout):
+def test_overlong_filter_equals_dropping_truncated_completions(sampled):
     # Filtering truncated completions out of the loss must give exactly the gradient of the
     # batch without them (they leave the token count too), and differ from not filtering.
-    model, tokenizer, batch = rollout
+    model, tokenizer, batch = sampled
     finished = ~batch["truncated"]
     without = {k: v[finished] for k, v in batch.items()}
     filtered, filtered_totals = gradient(model, tokenizer, batch, micro_batch_size=5, overlong_filter=True)
@@ -483,6 +509,5 @@ def test_defaults_are_the_seed_studys_setting():
         "Qwen2.5-1.5B-Instruct", "countdown", 8, 1e-6, 32,
     )  # fmt: skip
     assert (args.eps_low, args.eps_high, args.beta, args.dynamic_sampling) == (0.2, 0.28, 0.0, True)
-    source = (ROOT / "dapo.py").read_text()
-    for field in dataclasses.fields(Args):
-        assert re.search(rf"^    {field.name}: .+  # \S", source, flags=re.M), field.name
+    for field in dataclasses.fields(Args):  # every field explains itself in --help
+        assert field.metadata.get("help"), field.name
