@@ -514,27 +514,40 @@ def make_run_dir(args, algo: str, task: str | None = None) -> Path:
     return path
 
 
-class Run:
-    """The part of a training loop that is not the algorithm: one run on disk, new or resumed.
+def make_optimizer(model, lr: float, args) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW (β1 0.9, β2 --adam_beta2, --weight_decay) and its linear warm-up over
+    --warmup_steps steps, for a policy (--lr) or ppo.py's critic (--critic_lr)."""
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=lr, betas=(0.9, args.adam_beta2), weight_decay=args.weight_decay
+    )
+    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
+    return optimizer, warmup
 
-        run = Run(args, "grpo", policy, tokenizer, {"optimizer": optimizer, "scheduler": scheduler}, ...)
-        with run:                        # Ctrl-C: one line naming the newest checkpoint, exit 130
-            for step in run.steps():     # start_step … max_steps-1, with a progress bar
-                ...                      # the algorithm: rollout, log-probs, advantages, update
-                run.end_step(step, metrics, batch)   # evaluate when due, log, checkpoint when due
+
+class Run:
+    """What a training loop does besides the algorithm: one run on disk, new or resumed.
+
+        run = Run(args, "grpo", policy, tokenizer, {"optimizer": optimizer, ...}, SAME_ON_RESUME, evaluate)
+        with run:                         # Ctrl-C: one line naming the newest checkpoint, exit 130
+            for step in run.steps():      # start_step … max_steps-1, with a progress bar
+                ...                       # the algorithm: rollout, log-probs, advantages, update
+                run.end_step(step, metrics, seconds, batch)  # evaluate when due, log, save when due
             run.save_final()
         return run.dir
 
-    A new run gets runs/<algo>-<task>-<model>-<time>/ with args.json. With --resume_from, the
-    run continues in the checkpoint's run directory: the `resumable` objects (optimizers and
-    schedulers: anything with state_dict/load_state_dict) and the RNG states come back, and
-    metrics.jsonl and samples.jsonl lose the steps after the checkpoint, which run again.
-    Checkpoints are step-<k>/ every save_every steps and final/ at the end; only the newest
-    keeps the trainer state (AdamW's moments are twice the weights).
+    A new run gets runs/<algo>-<task>-<model>-<time>/ with args.json. With --resume_from it
+    continues in the checkpoint's run directory: the `resumable` objects (optimizers and
+    schedulers: anything with state_dict/load_state_dict) and the RNG states come back,
+    `resumed_state` holds the rest of the trainer state saved, and metrics.jsonl and
+    samples.jsonl lose the steps after the checkpoint, which run again. Checkpoints are
+    step-<k>/ every save_every steps and final/ at the end; only the newest keeps the trainer
+    state (AdamW's moments are twice the weights).
 
-    evaluate: a function returning the held-out eval/ metrics, or None for no evaluation.
-    write_extra(directory): more files for each checkpoint (ppo.py's critic), written before
-    the checkpoint is renamed into place. show: the metrics the progress bar shows."""
+    same_on_resume: the Args fields a resumed run must share with the run it continues.
+    evaluate(): the held-out eval/ metrics, called every eval_every steps and at the end
+    (never with --eval_every 0). write_extra(directory): more files for each checkpoint
+    (ppo.py's critic), written before the checkpoint is renamed into place. show: the metric
+    the progress bar shows as the reward."""
 
     def __init__(
         self,
@@ -544,30 +557,27 @@ class Run:
         tokenizer,
         resumable: dict,
         same_on_resume: tuple[str, ...],
-        evaluate=None,
+        evaluate,
         write_extra=None,
-        show: dict[str, str] | None = None,
+        show: str = "reward/mean",
     ):
         self.args, self.algo, self.policy, self.tokenizer = args, algo, policy, tokenizer
-        self.resumable, self.evaluate, self.write_extra = resumable, evaluate, write_extra
-        self.show = show or {"reward": "reward/mean", "len": "completion/length_mean"}
+        self.resumable, self.evaluate, self.write_extra, self.show = resumable, evaluate, write_extra, show
         self.newest_checkpoint: Path | None = None
-        self.start_step = 0
-        self.resumed_state: dict = {}  # the trainer state resumed from ({} for a new run)
-        self.progress = None
-        if args.resume_from:
-            state = load_trainer_state(args.resume_from, vars(args), same_on_resume)
-            for name, thing in resumable.items():
-                thing.load_state_dict(state[name])
-            set_rng_states(state["rng"])
-            self.resumed_state, self.start_step = state, state["step"]
-            self.newest_checkpoint = Path(args.resume_from)
-            self.dir = self.newest_checkpoint.parent
-            for log in ("metrics.jsonl", "samples.jsonl"):  # drop what ran after the checkpoint
-                truncate_jsonl(self.dir / log, last_step=self.start_step)
-            record_args(self.dir, args, resumed_at=self.start_step)  # the arguments the run goes on with
-        else:
+        self.start_step, self.resumed_state, self.progress = 0, {}, None
+        if not args.resume_from:
             self.dir = make_run_dir(args, algo)
+            return
+        state = load_trainer_state(args.resume_from, vars(args), same_on_resume)
+        for name, thing in resumable.items():
+            thing.load_state_dict(state[name])
+        set_rng_states(state["rng"])
+        self.start_step, self.resumed_state = state["step"], state
+        self.newest_checkpoint = Path(args.resume_from)
+        self.dir = self.newest_checkpoint.parent
+        for log in ("metrics.jsonl", "samples.jsonl"):  # drop what ran after the checkpoint
+            truncate_jsonl(self.dir / log, last_step=self.start_step)
+        record_args(self.dir, args, resumed_at=self.start_step)  # the arguments the run goes on with
 
     def steps(self):
         """The steps still to run, as a progress bar over all max_steps."""
@@ -575,28 +585,25 @@ class Run:
         self.progress = tqdm(range(self.start_step, total), initial=self.start_step, total=total, desc=self.algo)
         return self.progress
 
-    def end_step(self, step: int, metrics: dict, batch=None, state: dict | None = None) -> None:
-        """Steps 7-9 of every script. 7: every eval_every steps and at the last, the held-out
-        evaluation, whose eval/ metrics join the step's row. 8: the row goes to metrics.jsonl,
-        and every sample_every steps the first completion of num_samples groups of `batch` (a
-        script's Rollout) to samples.jsonl. 9: every save_every steps, a checkpoint, with
-        `state` (more trainer state, e.g. dapo.py's prompt-stream position) in it."""
+    def end_step(self, step: int, metrics: dict, seconds: dict, batch=None, state: dict | None = None) -> None:
+        """Steps 7-9 of every script, for step (0-based) with its metrics row and the seconds
+        each phase took. 7: every eval_every steps and at the last, the held-out evaluation.
+        8: the row, its time/ and eval/ metrics after the rest, to metrics.jsonl; every
+        sample_every steps the first completion of num_samples groups of `batch` (a script's
+        Rollout; None: no samples) to samples.jsonl. 9: every save_every steps a checkpoint,
+        with `state` (more trainer state, e.g. dapo.py's prompt-stream position) in it."""
         args, done = self.args, step + 1
-        if self.evaluate is not None and (done % args.eval_every == 0 or done == args.max_steps):
-            metrics = {**metrics, **self.evaluate()}
+        metrics = {**metrics, **{f"time/{phase}": value for phase, value in seconds.items()}}
+        if args.eval_every and (done % args.eval_every == 0 or done == args.max_steps):
+            metrics |= self.evaluate()
         append_jsonl(self.dir / "metrics.jsonl", metrics)
-        shown = {name: metrics[key] for name, key in self.show.items() if key in metrics}
-        self.progress.set_postfix({name: f"{value:.3g}" for name, value in shown.items()})
+        shown = {"reward": metrics.get(self.show), "len": metrics.get("completion/length_mean")}
+        self.progress.set_postfix({name: f"{value:.3g}" for name, value in shown.items() if value is not None})
         if batch is not None and args.sample_every and step % args.sample_every == 0:
             for i in range(0, min(args.num_samples * args.group_size, len(batch.texts)), args.group_size):
                 prompt = self.tokenizer.decode(batch.prompt_ids[i][batch.prompt_mask[i].bool()])
-                record = {
-                    "step": done,
-                    "prompt": prompt,
-                    "completion": batch.texts[i],
-                    "reward": batch.scores[i].reward,
-                }
-                append_jsonl(self.dir / "samples.jsonl", record)
+                record = {"step": done, "prompt": prompt, "completion": batch.texts[i]}
+                append_jsonl(self.dir / "samples.jsonl", {**record, "reward": batch.scores[i].reward})
         if args.save_every and done % args.save_every == 0 and done < args.max_steps:
             self.save(f"step-{done:06d}", done, state)
 
@@ -605,8 +612,8 @@ class Run:
 
     def save(self, name: str, step: int, state: dict | None = None) -> None:
         """A checkpoint: the policy as save_pretrained writes it, the tokenizer, write_extra's
-        files, and the trainer state (step, each resumable's state_dict, RNG states, the args,
-        `state`). The previous checkpoint keeps its weights and loses its trainer state."""
+        files, and the trainer state (step, `state`, each resumable's state_dict, the RNG states,
+        the args). The checkpoint before keeps its weights and loses its trainer state."""
         trainer_state = {"step": step, **(state or {}), **{k: v.state_dict() for k, v in self.resumable.items()}}
         trainer_state |= {"rng": rng_states(), "args": vars(self.args)}
         save_checkpoint(self.dir / name, self.policy, self.tokenizer, trainer_state, extra=self.write_extra)
@@ -619,9 +626,10 @@ class Run:
 
     def __exit__(self, kind, error, traceback) -> None:
         if kind is KeyboardInterrupt:  # one line naming the newest checkpoint, not a traceback
+            steps_done = self.progress.n if self.progress is not None else self.start_step
             if self.progress is not None:
                 self.progress.close()
-            stop_interrupted(f"{self.algo}.py", self.newest_checkpoint, self.progress.n if self.progress else 0)
+            stop_interrupted(f"{self.algo}.py", self.newest_checkpoint, steps_done)
 
 
 def append_jsonl(path: Path, record: dict) -> None:

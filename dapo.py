@@ -19,7 +19,7 @@ Papers (equation numbers as cited in the code):
   DAPO      Yu et al. 2025, arXiv 2503.14476: Eq. 8 (objective), 10 (clip-higher), 11 (dynamic
             sampling), 12 (token-level loss), 13 (overlong shaping), Sec. 3.4 (filtering).
   GRPO      Shao et al. 2024, DeepSeekMath, arXiv 2402.03300, Eq. 3 and 4; the objective as
-            restated in the DAPO paper, Eq. 4-6 (advantages, k3 KL).
+            restated in the DAPO paper (Yu et al. 2025, arXiv 2503.14476), Eq. 4-6.
   Dual-clip Ye et al. 2020, arXiv 1912.09729, Eq. 4.
 
 Run:
@@ -32,6 +32,8 @@ Run:
                                                                # sampling every step would be skipped)
   python dapo.py --model tiny --task digit --lr 3e-3 --max_new_tokens 8 --overlong_buffer 4 --max_steps 40
                                                                # CPU, watch the reward rise
+  python dapo.py --model Qwen2.5-1.5B-Instruct --task gsm8k --eval_every 50
+                                                               # GSM8K, held-out accuracy logged
 Shape letters in comments:
   B prompts per step · G completions per prompt · N = B·G sequences (fewer when dynamic
   sampling ran out of rounds) · n sequences of a micro-batch or of one generation round ·
@@ -56,6 +58,7 @@ from common import (
     check_run_args,
     load_model,
     load_reference,
+    make_optimizer,
     parse_args,
     render_chat,
     resolve_device,
@@ -76,7 +79,7 @@ class Args:
     # sampling
     batch_size: int = arg(32, "B, prompts per step")
     group_size: int = arg(8, "G, completions per prompt (seed study: 8 beats 2 and 4)")
-    max_new_tokens: int = arg(1024, "L_max, completion cap (DAPO Eq. 13); every completion longer is truncated")
+    max_new_tokens: int = arg(1024, "completion cap; every completion longer is truncated")
     temperature: float = arg(1.0, "sampling temperature; log-probs use the same one")
     top_p: float = arg(1.0, "nucleus sampling; 1.0 samples the whole distribution")
     dynamic_sampling: bool = arg(True, "DAPO Eq. 11: train only on groups with unequal rewards (seed study: no gain)")
@@ -119,9 +122,8 @@ class Args:
 
 # Settings a resumed run must share with the run it continues (the reference model, the
 # prompt order and the meaning of a step depend on them).
-SAME_ON_RESUME = (
-    "model", "task", "dataset", "num_problems", "seed", "batch_size", "group_size", "dynamic_sampling", "gen_batch_size"
-)  # fmt: skip
+SAME_ON_RESUME = ("model", "task", "dataset", "num_problems", "seed", "batch_size", "group_size")
+SAME_ON_RESUME += ("dynamic_sampling", "gen_batch_size")  # the prompt stream's rounds depend on them too
 
 
 def check_args(args: Args) -> None:
@@ -389,8 +391,8 @@ def sequence_logprobs(
 
 def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """DAPO Eq. 11's constraint 0 < |{o_i correct}| < G, read as "the G task rewards are not all
-    equal": with DAPO's ±1 reward the two are the same; with Countdown's
-    1 / 0.1 / 0 a group of well-formed wrong answers and malformed ones (0.1 vs 0) is kept too.
+    equal": with DAPO's ±1 reward the two are the same; with Countdown's 1 / 0.1 / 0 a group of
+    well-formed wrong answers and malformed ones (0.1 vs 0) is kept too.
     A group whose task rewards are all equal has no right-versus-wrong signal; only the length
     penalty, if any, still separates its completions (see shaped_advantages).
     rewards (n,) with groups in consecutive rows -> (n / G,) bool, True for a group to keep."""
@@ -398,47 +400,36 @@ def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return grouped.max(dim=-1).values > grouped.min(dim=-1).values
 
 
-def take_groups(batch: Rollout, groups: list[int], group_size: int) -> Rollout:
-    """The rows of the given groups of a round, in order (group g is rows g·G … g·G+G-1)."""
-    rows = [g * group_size + i for g in groups for i in range(group_size)]
-    return Rollout(
-        prompt_ids=batch.prompt_ids[rows],
-        prompt_mask=batch.prompt_mask[rows],
-        completion_ids=batch.completion_ids[rows],
-        completion_mask=batch.completion_mask[rows],
-        truncated=batch.truncated[rows],
-        sample_logp=batch.sample_logp[rows],
-        rewards=batch.rewards[rows],
-        texts=[batch.texts[i] for i in rows],
-        scores=[batch.scores[i] for i in rows],
-        seconds=batch.seconds,
-    )
+def keep_groups(rounds: list[Rollout], kept: list[list[int]], group_size: int, pad_id: int) -> Rollout:
+    """The groups kept from every round as one batch: kept[r] lists round r's kept groups in
+    order (group g is rows g·G … g·G+G-1). Rounds differ in prompt width P and completion
+    width T, so prompts are padded again on the left and completions on the right, with pad_id
+    in the ids and 0 in the masks and log-probs: no log-prob changes. N = (groups kept)·G rows;
+    seconds are those of every round, kept or not."""
+    taken = []  # (round, its kept rows) for every round that kept a group
+    for batch, groups in zip(rounds, kept):
+        if groups:
+            taken.append((batch, [g * group_size + i for g in groups for i in range(group_size)]))
+    prompt_width = max(batch.prompt_ids.shape[1] for batch, _ in taken)  # P
+    completion_width = max(batch.completion_ids.shape[1] for batch, _ in taken)  # T
 
+    def left(tensor, rows, fill):  # the kept rows of a round's (n, P_r) tensor -> (rows, P)
+        return F.pad(tensor[rows], (prompt_width - tensor.shape[1], 0), value=fill)
 
-def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
-    """The groups kept from several rounds as one batch. Each round has its own prompt width P
-    and completion width T: prompts are padded again on the left and completions on the right,
-    with pad_id in the ids and 0 in the masks and log-probs, so no log-prob changes."""
-    prompt_width = max(part.prompt_ids.shape[1] for part in parts)  # P
-    completion_width = max(part.completion_ids.shape[1] for part in parts)  # T
-
-    def left(tensors, fill):  # (n_i, P_i) each -> (N, P)
-        return torch.cat([F.pad(t, (prompt_width - t.shape[1], 0), value=fill) for t in tensors])
-
-    def right(tensors, fill):  # (n_i, T_i) each -> (N, T)
-        return torch.cat([F.pad(t, (0, completion_width - t.shape[1]), value=fill) for t in tensors])
+    def right(tensor, rows, fill):  # the kept rows of a round's (n, T_r) tensor -> (rows, T)
+        return F.pad(tensor[rows], (0, completion_width - tensor.shape[1]), value=fill)
 
     return Rollout(
-        prompt_ids=left([part.prompt_ids for part in parts], pad_id),
-        prompt_mask=left([part.prompt_mask for part in parts], 0),
-        completion_ids=right([part.completion_ids for part in parts], pad_id),
-        completion_mask=right([part.completion_mask for part in parts], 0),
-        truncated=torch.cat([part.truncated for part in parts]),
-        sample_logp=right([part.sample_logp for part in parts], 0.0),
-        rewards=torch.cat([part.rewards for part in parts]),
-        texts=[text for part in parts for text in part.texts],
-        scores=[score for part in parts for score in part.scores],
-        seconds={phase: sum(part.seconds[phase] for part in parts) for phase in parts[0].seconds},
+        prompt_ids=torch.cat([left(batch.prompt_ids, rows, pad_id) for batch, rows in taken]),  # (N, P)
+        prompt_mask=torch.cat([left(batch.prompt_mask, rows, 0) for batch, rows in taken]),  # (N, P)
+        completion_ids=torch.cat([right(batch.completion_ids, rows, pad_id) for batch, rows in taken]),  # (N, T)
+        completion_mask=torch.cat([right(batch.completion_mask, rows, 0) for batch, rows in taken]),  # (N, T)
+        truncated=torch.cat([batch.truncated[rows] for batch, rows in taken]),  # (N,)
+        sample_logp=torch.cat([right(batch.sample_logp, rows, 0.0) for batch, rows in taken]),  # (N, T)
+        rewards=torch.cat([batch.rewards[rows] for batch, rows in taken]),  # (N,)
+        texts=[batch.texts[i] for batch, rows in taken for i in rows],
+        scores=[batch.scores[i] for batch, rows in taken for i in rows],
+        seconds={phase: sum(batch.seconds[phase] for batch in rounds) for phase in ("generate", "reward")},
     )
 
 
@@ -677,18 +668,12 @@ def train(args: Args) -> Path:
     policy.train()
     reference = load_reference(args.model, device, weight_dtype) if args.beta > 0 else None
     vocab_size = len(tokenizer)  # ids the tokenizer has; the embedding may have more rows
-    optimizer = torch.optim.AdamW(
-        policy.parameters(), lr=args.lr, betas=(0.9, args.adam_beta2), weight_decay=args.weight_decay
+    optimizer, scheduler = make_optimizer(policy, args.lr, args)  # AdamW, linear warm-up
+    evaluate = functools.partial(  # run.end_step calls it every eval_every steps and at the end
+        evaluate_heldout, policy, tokenizer, eos_ids, heldout, args.max_new_tokens, args.eval_batch_size, amp
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
-    evaluate = None
-    if heldout is not None:  # run.end_step calls it every eval_every steps and at the end
-        evaluate = functools.partial(
-            evaluate_heldout, policy, tokenizer, eos_ids, heldout, args.max_new_tokens, args.eval_batch_size, amp
-        )
     resumable = {"optimizer": optimizer, "scheduler": scheduler}
-    show = {"reward": "sampling/reward_mean", "len": "completion/length_mean"}  # the policy's reward: every group's
-    run = Run(args, "dapo", policy, tokenizer, resumable, SAME_ON_RESUME, evaluate, show=show)
+    run = Run(args, "dapo", policy, tokenizer, resumable, SAME_ON_RESUME, evaluate, show="sampling/reward_mean")
     # rounds_done counts generation rounds since the start of the run: the prompt stream's
     # position, which dynamic sampling advances by a varying number of rounds per step.
     rounds_done = run.resumed_state.get("rounds", 0)
@@ -698,33 +683,28 @@ def train(args: Args) -> Path:
 
     with run:  # Ctrl-C stops with one line naming the newest checkpoint
         for step in run.steps():
-            # 1-3. Dynamic sampling (DAPO Eq. 11, Algorithm 1): rounds of fresh prompts, G completions
-            #      of each from π_θold, every completion scored, until B groups have task rewards that
-            #      are not all equal (some solved, some not) or max_rounds rounds ran.
+            # 1-3. Dynamic sampling (DAPO Eq. 11, Algorithm 1): rounds of fresh prompts, G completions each
+            #      from π_θold, all scored, until B groups have task rewards that are not all equal.
             rounds, kept, groups_kept = [], [], 0  # every round's Rollout; the groups kept of each
             while groups_kept < args.batch_size and len(rounds) < max_rounds:
-                indices = prompt_indices(rounds_done, round_size, len(task.problems), args.seed)
+                indices = prompt_indices(rounds_done + len(rounds), round_size, len(task.problems), args.seed)
                 problems = [task.problems[i] for i in indices]
                 batch = rollout(
                     policy, tokenizer, eos_ids, task, problems, args.group_size, args.max_new_tokens,
                     args.temperature, args.top_p, amp,
                 )  # fmt: skip
+                informative = informative_groups(batch.rewards, args.group_size).tolist()  # a bool per group
+                groups = [g for g, keep in enumerate(informative) if keep or not args.dynamic_sampling]
                 rounds.append(batch)
-                rounds_done += 1
-                keep = informative_groups(batch.rewards, args.group_size)  # (round_size,)
-                if not args.dynamic_sampling:
-                    keep = torch.ones_like(keep)
-                groups = keep.nonzero().flatten().tolist()[: args.batch_size - groups_kept]  # no more than B
-                if groups:
-                    kept.append(take_groups(batch, groups, args.group_size))
-                groups_kept += len(groups)
+                kept.append(groups[: args.batch_size - groups_kept])  # B groups at most in all
+                groups_kept += len(kept[-1])
+            rounds_done += len(rounds)
             sampling = sampling_metrics(rounds, groups_kept, args.group_size)
-            seconds = {phase: sum(batch.seconds[phase] for batch in rounds) for phase in ("generate", "reward")}
-            if not kept:  # max_rounds rounds without one informative group: no update this step
-                skipped = {"step": step + 1, **sampling, **{f"time/{phase}": value for phase, value in seconds.items()}}
-                run.end_step(step, skipped, state={"rounds": rounds_done})
+            if not groups_kept:  # max_rounds rounds without one informative group: no update this step
+                seconds = {phase: sum(r.seconds[phase] for r in rounds) for phase in ("generate", "reward")}
+                run.end_step(step, {"step": step + 1, **sampling}, seconds, state={"rounds": rounds_done})
                 continue
-            batch = concat_rollouts(kept, tokenizer.pad_token_id)
+            batch = keep_groups(rounds, kept, args.group_size, tokenizer.pad_token_id)
             num_sequences = len(batch.texts)  # N = (groups kept)·G, at most B·G
             sequences = batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
 
@@ -745,13 +725,9 @@ def train(args: Args) -> Path:
 
             # 5. Group-relative advantages of the task reward plus the overlong penalty (DAPO Eq. 13).
             advantages, length_penalty = shaped_advantages(
-                batch.rewards,
-                batch.completion_mask.sum(-1),
-                args.group_size,
-                args.max_new_tokens,
-                args.overlong_buffer,
-                args.adv_eps,
-            )  # (N,), (N,)
+                batch.rewards, batch.completion_mask.sum(-1), args.group_size, args.max_new_tokens,
+                args.overlong_buffer, args.adv_eps,
+            )  # (N,), (N,)  # fmt: skip
 
             # 6. μ iterations over shuffled mini-batches; one optimizer step per mini-batch.
             timer = time.perf_counter()
@@ -779,7 +755,7 @@ def train(args: Args) -> Path:
                     accumulate(update, totals)
             learning_rate = scheduler.get_last_lr()[0]  # the rate this step trained with
             scheduler.step()
-            seconds |= {"logprobs": seconds_logprobs, "update": time.perf_counter() - timer}
+            seconds = {**batch.seconds, "logprobs": seconds_logprobs, "update": time.perf_counter() - timer}
 
             # 7-9. Every metric from the tensors the loss used, masked, over the whole batch; then
             #      Run.end_step: the held-out evaluation when due, the metrics row and samples, a
@@ -790,10 +766,9 @@ def train(args: Args) -> Path:
                 **sampling,
                 "reward/overlong_penalty": length_penalty.mean().item(),
                 **update_metrics(update, grad_norms, learning_rate),
-                "throughput/tokens_per_s": sum(b.completion_mask.sum().item() for b in rounds) / seconds["generate"],
-                **{f"time/{phase}": value for phase, value in seconds.items()},
+                "throughput/tokens_per_s": sum(r.completion_mask.sum().item() for r in rounds) / seconds["generate"],
             }
-            run.end_step(step, metrics, batch, state={"rounds": rounds_done})
+            run.end_step(step, metrics, seconds, batch, state={"rounds": rounds_done})
         run.save_final(state={"rounds": rounds_done})
     return run.dir
 

@@ -41,6 +41,7 @@ from common import (
     check_run_args,
     load_model,
     load_reference,
+    make_optimizer,
     parse_args,
     render_chat,
     resolve_device,
@@ -549,15 +550,10 @@ def train(args: Args) -> Path:
     policy.train()
     reference = load_reference(args.model, device, weight_dtype) if args.beta > 0 else None
     vocab_size = len(tokenizer)  # ids the tokenizer has; the embedding may have more rows
-    optimizer = torch.optim.AdamW(
-        policy.parameters(), lr=args.lr, betas=(0.9, args.adam_beta2), weight_decay=args.weight_decay
+    optimizer, scheduler = make_optimizer(policy, args.lr, args)  # AdamW, linear warm-up
+    evaluate = functools.partial(  # run.end_step calls it every eval_every steps and at the end
+        evaluate_heldout, policy, tokenizer, eos_ids, heldout, args.max_new_tokens, args.eval_batch_size, amp
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
-    evaluate = None
-    if heldout is not None:  # run.end_step calls it every eval_every steps and at the end
-        evaluate = functools.partial(
-            evaluate_heldout, policy, tokenizer, eos_ids, heldout, args.max_new_tokens, args.eval_batch_size, amp
-        )
     resumable = {"optimizer": optimizer, "scheduler": scheduler}
     run = Run(args, "grpo", policy, tokenizer, resumable, SAME_ON_RESUME, evaluate)
     num_sequences = args.batch_size * args.group_size  # N
@@ -625,9 +621,8 @@ def train(args: Args) -> Path:
                 **step_metrics(batch, entropy, old_logp, args.group_size),
                 **update_metrics(update, grad_norms, learning_rate),
                 "throughput/tokens_per_s": batch.completion_mask.sum().item() / seconds["generate"],
-                **{f"time/{phase}": value for phase, value in seconds.items()},
             }
-            run.end_step(step, metrics, batch)
+            run.end_step(step, metrics, seconds, batch)
         run.save_final()
     return run.dir
 

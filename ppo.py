@@ -47,6 +47,7 @@ from common import (
     enable_activation_checkpointing,
     load_model,
     load_reference,
+    make_optimizer,
     parse_args,
     render_chat,
     resolve_device,
@@ -729,15 +730,6 @@ def evaluate_heldout(
 # Training
 
 
-def make_optimizer(model, lr: float, args: Args):
-    """AdamW and its linear warm-up schedule, for the actor (lr) or the critic (critic_lr)."""
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=lr, betas=(0.9, args.adam_beta2), weight_decay=args.weight_decay
-    )
-    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
-    return optimizer, warmup
-
-
 def optimizer_step(model, optimizer, max_grad_norm: float) -> float:
     """Clips the gradient norm, steps, and frees the gradients (set to None, not zeros), so
     that actor and critic gradients never exist at the same time. Returns the norm before
@@ -769,13 +761,11 @@ def train(args: Args) -> Path:
     )  # fmt: skip
     reference = load_reference(args.model, device, weight_dtype) if args.beta > 0 else None
     vocab_size = len(tokenizer)  # ids the tokenizer has; the embedding may have more rows
-    optimizer, scheduler = make_optimizer(policy, args.lr, args)
+    optimizer, scheduler = make_optimizer(policy, args.lr, args)  # AdamW, linear warm-up
     critic_optimizer, critic_scheduler = make_optimizer(critic, args.critic_lr, args)
-    evaluate = None
-    if heldout is not None:  # run.end_step calls it every eval_every steps and at the end
-        evaluate = functools.partial(
-            evaluate_heldout, policy, tokenizer, eos_ids, heldout, args.max_new_tokens, args.eval_batch_size, amp
-        )
+    evaluate = functools.partial(  # run.end_step calls it every eval_every steps and at the end
+        evaluate_heldout, policy, tokenizer, eos_ids, heldout, args.max_new_tokens, args.eval_batch_size, amp
+    )
     resumable = {"optimizer": optimizer, "scheduler": scheduler}
     resumable |= {"critic_optimizer": critic_optimizer, "critic_scheduler": critic_scheduler}
     write_critic = functools.partial(save_critic, critic)  # into every checkpoint's critic/ folder
@@ -861,9 +851,8 @@ def train(args: Args) -> Path:
                 ),
                 **update_metrics(update, grad_norms, critic_update, critic_grad_norms, learning_rates),
                 "throughput/tokens_per_s": batch.completion_mask.sum().item() / seconds["generate"],
-                **{f"time/{phase}": value for phase, value in seconds.items()},
             }
-            run.end_step(step, metrics, batch)
+            run.end_step(step, metrics, seconds, batch)
         run.save_final()
     return run.dir
 

@@ -18,13 +18,12 @@ from dapo import (
     Args,
     Rollout,
     check_args,
-    concat_rollouts,
     dapo_loss,
     informative_groups,
+    keep_groups,
     overlong_penalty,
     policy_backward,
     shaped_advantages,
-    take_groups,
     train,
 )
 from grpo import grpo_loss
@@ -219,19 +218,21 @@ def rollout_of(**fields) -> Rollout:
     return Rollout(**{"scores": [None] * n, "seconds": {"generate": 0.0, "reward": 0.0}, **fields})
 
 
-def test_concat_rollouts_pads_rounds_of_different_lengths():
-    # Round 0's group 1 (G = 1) with P = 2, T = 1 and round 1's group 0 with P = 3, T = 2.
-    # Prompts are left padded to P = 3, completions right padded to T = 2; ids with pad_id 9,
-    # masks and log-probs with 0; rewards, truncation and texts are concatenated.
+def test_keep_groups_pads_rounds_of_different_lengths():
+    # G = 1. Round 0 (P = 2, T = 1) keeps its group 1; round 1 (P = 3, T = 2) keeps its group 0;
+    # round 2 keeps nothing. Prompts are left padded to P = 3, completions right padded to
+    # T = 2; ids with pad_id 9, masks and log-probs with 0; rewards, truncation and texts follow
+    # their rows. seconds add up over every round, round 2 included: 1 + 2 + 4 = 7.
     round0 = rollout_of(
-        prompt_ids=torch.tensor([[3, 4]]),
-        prompt_mask=torch.tensor([[1, 1]]),
-        completion_ids=torch.tensor([[6]]),
-        completion_mask=torch.tensor([[1]]),
-        truncated=torch.tensor([True]),
-        sample_logp=torch.tensor([[-0.25]]),
-        rewards=torch.tensor([0.1]),
-        texts=["b"],
+        prompt_ids=torch.tensor([[1, 2], [3, 4]]),
+        prompt_mask=torch.tensor([[1, 1], [1, 1]]),
+        completion_ids=torch.tensor([[5], [6]]),
+        completion_mask=torch.tensor([[1], [1]]),
+        truncated=torch.tensor([False, True]),
+        sample_logp=torch.tensor([[-0.5], [-0.25]]),
+        rewards=torch.tensor([0.0, 0.1]),
+        texts=["a", "b"],
+        seconds={"generate": 1.0, "reward": 0.0},
     )
     round1 = rollout_of(
         prompt_ids=torch.tensor([[7, 8, 7]]),
@@ -242,8 +243,10 @@ def test_concat_rollouts_pads_rounds_of_different_lengths():
         sample_logp=torch.tensor([[-1.0, -2.0]]),
         rewards=torch.tensor([1.0]),
         texts=["c"],
+        seconds={"generate": 2.0, "reward": 0.0},
     )
-    batch = concat_rollouts([round0, round1], pad_id=9)
+    round2 = dataclasses.replace(round1, seconds={"generate": 4.0, "reward": 0.5})
+    batch = keep_groups([round0, round1, round2], [[1], [0], []], group_size=1, pad_id=9)
     assert batch.prompt_ids.tolist() == [[9, 3, 4], [7, 8, 7]]
     assert batch.prompt_mask.tolist() == [[0, 1, 1], [1, 1, 1]]
     assert batch.completion_ids.tolist() == [[6, 9], [8, 8]]
@@ -252,9 +255,10 @@ def test_concat_rollouts_pads_rounds_of_different_lengths():
     assert batch.truncated.tolist() == [True, True]
     assert batch.rewards.tolist() == pytest.approx([0.1, 1.0])
     assert batch.texts == ["b", "c"]
+    assert batch.seconds == {"generate": 7.0, "reward": 0.5}
 
 
-def test_take_groups_takes_every_row_of_a_kept_group():
+def test_keep_groups_takes_every_row_of_a_kept_group():
     # G = 2: a round holds groups 0 (rows 0, 1) and 1 (rows 2, 3); keeping group 1 must take
     # rows 2 and 3 (a mapping of group g to rows g … g+G−1 would take rows 1 and 2). Rewards
     # and texts travel with their rows.
@@ -269,7 +273,7 @@ def test_take_groups_takes_every_row_of_a_kept_group():
         rewards=torch.tensor([0.0, 0.0, 1.0, 0.1]),
         texts=["w", "x", "y", "z"],
     )
-    kept = take_groups(batch, [1], group_size=2)
+    kept = keep_groups([batch], [[1]], group_size=2, pad_id=9)
     assert kept.completion_ids.tolist() == [[12], [13]]
     assert kept.rewards.tolist() == pytest.approx([1.0, 0.1])
     assert kept.texts == ["y", "z"]
