@@ -248,7 +248,7 @@ def set_pad_token(tokenizer, eos_ids: list[int]) -> None:
     """Left padding, and a pad token that is not an EOS token.
 
     With pad == EOS, code that masks padding by token id also masks the real EOS, the model is
-    never trained to stop (failure mode 2). nanoPO builds its masks from positions, not ids,
+    never trained to stop. nanoPO builds its masks from positions, not ids,
     but a distinct pad keeps every tool downstream honest too. If no existing token fits, the
     pad token stays equal to EOS and we rely on the positional masks alone.
     """

@@ -21,6 +21,8 @@ Papers (equation numbers as cited in the code):
   GRPO      Shao et al. 2024, DeepSeekMath, arXiv 2402.03300, Eq. 3 and 4; the objective as
             restated in the DAPO paper (Yu et al. 2025, arXiv 2503.14476), Eq. 4-6.
   Dual-clip Ye et al. 2020, arXiv 1912.09729, Eq. 4.
+  Defaults  marked "seed study": the comparison of PPO, GRPO and DAPO on Countdown with
+            Qwen2.5-1.5B-Instruct, arXiv 2512.07611.
 
 Run:
   python dapo.py --model Qwen2.5-1.5B-Instruct                 # one GPU, Countdown
@@ -520,7 +522,7 @@ def dapo_loss(
     num_tokens is Σ_i |o_i| over the whole mini-batch, not over this micro-batch: every valid
     token weighs 1/num_tokens, whatever its completion's length and its micro-batch, so the
     losses of the micro-batches add up to the mini-batch loss and gradient accumulation gives
-    exactly the big-batch gradient (failure mode 3). GRPO weighs a token of o_i 1/(N·|o_i|)
+    exactly the big-batch gradient. GRPO weighs a token of o_i 1/(N·|o_i|)
     instead: the tokens of a long completion count less each, so a long, wrong, repetitive
     answer is penalised less per token than a short one (DAPO Sec. 3.3).
 

@@ -23,7 +23,7 @@ last number of the text, ...). Both grade truncated completions like any other: 
 Run:
   python evaluate.py --model Qwen2.5-1.5B-Instruct                 # all five, from the Hub
   python evaluate.py --model runs/dapo-…/final --benchmarks gsm8k --limit 200
-  python evaluate.py --model tiny --data_dir ../shared/data --limit 5 --max_new_tokens 32
+  python evaluate.py --model tiny --data_dir tests/fixtures/data --limit 5 --max_new_tokens 32
                                                                    # offline CPU smoke run
   python evaluate.py --compare runs/eval-a runs/eval-b             # one table, a column per run
   python evaluate.py --plot runs/grpo-… runs/dapo-…                # training curves, PNG

@@ -11,6 +11,8 @@ Papers (equation numbers as cited in the code):
   Dr. GRPO  Liu et al. 2025, arXiv 2503.20783, Sec. 3.1 (no std, constant normaliser).
   GSPO      Zheng et al. 2025, arXiv 2507.18071, Eq. 5-7 (sequence-level ratio).
   Dual-clip Ye et al. 2020, arXiv 1912.09729, Eq. 4.
+  Defaults  marked "seed study": the comparison of PPO, GRPO and DAPO on Countdown with
+            Qwen2.5-1.5B-Instruct, arXiv 2512.07611.
 
 Run:
   python grpo.py --model Qwen2.5-1.5B-Instruct                 # one GPU, Countdown
@@ -401,7 +403,7 @@ def grpo_loss(
         J = 1/G Σ_i 1/|o_i| Σ_t [ min(r_it Â_i, clip(r_it, 1−ε, 1+ε) Â_i) − β D_KL,it ]
     Normalised by num_sequences, the sequence count of the whole mini-batch, not of this
     micro-batch: the losses of the micro-batches add up to the mini-batch loss, so gradient
-    accumulation gives exactly the big-batch gradient (failure mode 3).
+    accumulation gives exactly the big-batch gradient.
 
     loss_type
       grpo     1/|o_i| per completion, then the mean over completions (sample-level).

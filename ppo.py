@@ -16,6 +16,8 @@ Papers (equation numbers as cited in the code):
   VAPO       Yue et al. 2025, arXiv 2504.05118, Sec. 3 (value pretraining, decoupled GAE,
              length-adaptive GAE); the background equations as in the DAPO paper, Eq. 2-3.
   Dual-clip  Ye et al. 2020, arXiv 1912.09729, Eq. 4.
+  Defaults   marked "seed study": the comparison of PPO, GRPO and DAPO on Countdown with
+             Qwen2.5-1.5B-Instruct, arXiv 2512.07611.
 
 Run:
   python ppo.py --model Qwen2.5-1.5B-Instruct                  # one 80 GB GPU, Countdown
@@ -73,17 +75,17 @@ class Args:
     max_new_tokens: int = arg(1024, "completion cap; every completion longer is truncated")
     temperature: float = arg(1.0, "sampling temperature; log-probs use the same one")
     top_p: float = arg(1.0, "nucleus sampling; 1.0 samples the whole distribution")
-    # optimisation
+    # optimisation: actor and critic each have their own AdamW and clip their own gradient norm
     lr: float = arg(1e-6, "actor (policy) learning rate (seed study: 1e-6 to 3e-6)")
     critic_lr: float = arg(1e-5, "critic learning rate (a value head learns from scratch: 10× the actor's)")
     warmup_steps: int = arg(0, "linear learning-rate warm-up of actor and critic, in steps they train")
-    weight_decay: float = arg(0.0, "AdamW weight decay (actor and critic)")
-    adam_beta2: float = arg(0.999, "AdamW β2 (actor and critic)")
-    max_grad_norm: float = arg(1.0, "gradient clipping by global norm, actor and critic separately")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    adam_beta2: float = arg(0.999, "AdamW β2")
+    max_grad_norm: float = arg(1.0, "gradient clipping by global norm")
     ppo_epochs: int = arg(1, "K, epochs over each rollout (PPO Alg. 1)")
     num_mini_batches: int = arg(4, "optimizer steps per epoch, for actor and critic each; N must split evenly")
     micro_batch_size: int = arg(4, "sequences per forward/backward (gradient accumulation)")
-    logprob_chunk_size: int = arg(8, "sequences per no-grad scoring pass (log-probs and values)")
+    logprob_chunk_size: int = arg(8, "sequences per no-grad scoring pass")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, ~30% slower")
     # the PPO objective
     eps: float = arg(0.2, "ε, clip range of the token ratio, PPO Eq. 7")
@@ -567,7 +569,7 @@ def ppo_loss(
         J = 1/|tokens| Σ_i Σ_t [ min(r_t Â_t, clip(r_t, 1−ε, 1+ε) Â_t) + c_2 H_t ]
     a mean over the valid tokens of the whole mini-batch: num_tokens counts them all, so the
     micro-batch losses add up to the mini-batch loss and gradient accumulation gives exactly
-    the big-batch gradient (failure mode 3). The value loss is a separate function: actor and
+    the big-batch gradient. The value loss is a separate function: actor and
     critic are separate networks with separate optimizers, so nothing is gained by summing.
     dual_clip c > 1 bounds the objective of a negative-advantage token below by c·Â
     (Ye et al. Eq. 4). Returns (loss, stats): stats are sums over valid tokens."""

@@ -287,8 +287,8 @@ def digit_score(completion: str, problem: dict, truncated: bool = False) -> Scor
 
 
 # ----------------------------------------------------------------------------------------
-# Benchmarks: data. From the Hugging Face Hub by default; from a directory laid out like
-# shared/data with --data_dir (offline): gsm8k/{train,test}.jsonl, math500/test.jsonl,
+# Benchmarks: data. From the Hugging Face Hub by default; from a directory with --data_dir
+# (offline), laid out as tests/fixtures/data: gsm8k/{train,test}.jsonl, math500/test.jsonl,
 # bbh/<task>.json, mmlu_pro/sample.jsonl.
 
 BENCHMARKS = ("countdown", "gsm8k", "math500", "bbh", "mmlu_pro")
@@ -307,9 +307,9 @@ BBH_SUBSETS = (
     "tracking_shuffled_objects_three_objects", "web_of_lies", "word_sorting",
 )  # fmt: skip
 MMLU_PRO_LETTERS = "ABCDEFGHIJ"
-HUB_HINT = "or run offline with --data_dir <dir> (the layout of shared/data)."
+HUB_HINT = "or run offline with --data_dir <dir> (laid out as tests/fixtures/data)."
 DATA_DIR_HINT = (
-    "Lay the directory out like shared/data (README, 'Evaluation'), or drop --data_dir to load from the Hub."
+    "Lay the directory out like tests/fixtures/data (docs/evaluation.md), or drop --data_dir to load from the Hub."
 )
 
 

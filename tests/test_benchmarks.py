@@ -1,11 +1,13 @@
 """The benchmarks of rewards.py: loaders (offline layout, clear errors), answer extractors and
 graders (strict: the answer in the format the instruction asks for; correct: flexible, with the
 extractors' fallbacks), checked on hand-written cases and on real model outputs against their
-sources' own labels (fixture rows in tests/fixtures/labelled; the full shared files when present)."""
+sources' own labels (fixture rows in tests/fixtures/labelled; the full files too where NANOPO_LABELLED_DIR points to them)."""
 
 import json
 import logging
+import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -42,8 +44,11 @@ from rewards import (
 
 FIXTURES = ROOT / "tests" / "fixtures"
 DATA = FIXTURES / "data"  # the --data_dir layout, a few rows per file
-SHARED = ROOT.parent / "shared" / "data"  # the full offline data, next to the repository if present
-needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data is not next to the repository")
+# The full benchmark files with their labelled model outputs, where a machine has them: a directory in
+# the --data_dir layout that also holds gsm8k/example_model_solutions.jsonl, bbh/davinci_cot_outputs.jsonl
+# and the labelled mmlu_pro/sample.jsonl (tests/fixtures/build_fixtures.py cuts the fixtures from it).
+SHARED = Path(os.environ.get("NANOPO_LABELLED_DIR", "/nonexistent"))
+needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="set NANOPO_LABELLED_DIR to the full labelled files")
 
 
 def jsonl(path):
@@ -448,7 +453,7 @@ def bbh_agreement(rows):
 
 
 def test_bbh_grader_agrees_with_the_davinci_labels():
-    # The label's rule (shared/data README) is an exact string match; ours forgives case and
+    # The label's rule (the source's README) is an exact string match; ours forgives case and
     # option text, but not a hedge: the row answering '(A) or (B)' for gold '(A)' is wrong in
     # both. Measured: 86/86 correctness, 86/86 strict, 86/86 extracted answers.
     agreement = bbh_agreement(jsonl(FIXTURES / "labelled" / "bbh_davinci_outputs.jsonl"))
@@ -523,7 +528,7 @@ def test_mmlu_pro_prompt_lists_options_and_drops_padding(tmp_path):
 
 
 def test_missing_file_and_missing_column_give_clear_errors(tmp_path):
-    with pytest.raises(SystemExit, match=r"gsm8k/test.jsonl is missing .*shared/data"):
+    with pytest.raises(SystemExit, match=r"gsm8k/test.jsonl is missing .*tests/fixtures/data"):
         load_benchmark("gsm8k", str(tmp_path))
     (tmp_path / "gsm8k").mkdir()
     (tmp_path / "gsm8k" / "test.jsonl").write_text('{"question": "q", "solution": "#### 3"}\n')

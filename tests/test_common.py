@@ -155,7 +155,7 @@ def test_tiny_llama_model_with_its_own_template_and_pad():
     assert len(tokenizer) == TINY_VOCAB == model.get_input_embeddings().weight.shape[0]  # no padded rows
     eot, end_of_text = tokenizer.convert_tokens_to_ids(["<|eot_id|>", "<|end_of_text|>"])
     assert eos_ids == sorted([eot, end_of_text])
-    # It ships no pad token: set_pad_token picks one that is not an EOS (failure mode 2).
+    # It ships no pad token: set_pad_token picks one that is not an EOS (pad = EOS would mask the EOS out).
     assert tokenizer.pad_token == "<|finetune_right_pad_id|>" and tokenizer.pad_token_id not in eos_ids
     # The template starts with BOS and inserts its default system prompt when none is given.
     assert render_chat(tokenizer, [{"role": "user", "content": "Hi"}]) == (

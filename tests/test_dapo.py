@@ -418,7 +418,7 @@ def test_a_step_without_informative_groups_skips_the_update(tmp_path):
     )  # fmt: skip
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert ["eval/accuracy" in m for m in metrics] == [False, True]
-    # Failure mode 7 stays visible although no group was kept: the 4-token completions of the
+    # A step whose completions all hit the cap stays visible although no group was kept: the 4-token completions of the
     # random model are almost all truncated, and every row reports it.
     assert all(0 < m["sampling/truncated"] <= 1 and 0 < m["sampling/length_mean"] <= 4 for m in metrics)
     assert [m["sampling/rounds"] for m in metrics] == [3, 3]

@@ -1,26 +1,34 @@
-"""The three training scripts keep their shared functions character for character identical
-(DESIGN.md, 'Lockstep'), so a fix lands everywhere at once and `diff grpo.py dapo.py` shows
-only what the algorithm changes.
+"""The three training scripts keep what they share character for character identical, so a fix
+lands everywhere at once and `diff grpo.py dapo.py` shows only what the algorithm changes.
 
-The rule: a top-level function whose name appears in two scripts must read the same in both,
-unless it is listed in DIFFERS_BY_DESIGN with the reason. A function that differs gets a
-name of its own (dapo_loss, ppo_loss) or an entry there; silent drift fails here."""
+Two rules:
+- a top-level function or class whose name appears in two scripts reads the same in both,
+  unless DIFFERS_BY_DESIGN names it with the reason. A function that differs gets a name of
+  its own (dapo_loss, ppo_loss) or an entry there; silent drift fails here.
+- an Args field that two scripts share has the same default and the same --help text in both,
+  unless ARGS_DIFFER_BY_DESIGN names it with the reason."""
 
 import ast
+import dataclasses
 import itertools
 
 import pytest
 
+import dapo
+import grpo
+import ppo
 from conftest import ROOT
 
-SCRIPTS = ["grpo.py", "dapo.py", "ppo.py"]
-# Every script defines these, identically: sampling, generation and scoring are not where
-# the algorithms differ.
+SCRIPTS = {"grpo.py": grpo, "dapo.py": dapo, "ppo.py": ppo}
+# Every script defines these, identically: sampling, generation, scoring and held-out
+# evaluation are not where the algorithms differ.
 SHARED = [
     "prompt_indices",
     "encode_prompts",
     "top_p_filter",
     "generate",
+    "Rollout",
+    "rollout",
     "sequence_logprobs",
     "kl_k3",
     "step_metrics",
@@ -28,37 +36,77 @@ SHARED = [
 ]
 # Same name, different body on purpose: the reason is the algorithm.
 DIFFERS_BY_DESIGN = {
+    "Args": "each script has its own hyperparameters (shared fields: test_shared_args_fields_agree)",
     "check_args": "each script validates its own hyperparameters",
     "train": "the training loop is the algorithm",
     "policy_backward": "each objective normalises and batches its loss differently",
     "update_metrics": "each objective logs its own update statistics",
 }
+# Args fields that two scripts share with a different default or help, and why.
+ARGS_DIFFER_BY_DESIGN = {
+    "beta": "the KL term differs: k3 in GRPO's loss (β 0.01), none in DAPO (β 0), k1 in PPO's per-token reward",
+    "eps": "GRPO's ε is DAPO Eq. 5's and its variants'; PPO's is PPO Eq. 7's",
+    "group_size": "PPO allows G = 1: its critic, not the group, is the baseline",
+    "lr": "PPO's --lr is the actor's; its critic has --critic_lr",
+    "warmup_steps": "PPO's actor warms up over the steps it trains, which the value warm-up delays",
+    "max_steps": "a DAPO step trains on at most B·G completions: dynamic sampling may keep fewer",
+    "num_mini_batches": "DAPO splits fewer kept groups near-evenly; PPO steps actor and critic per mini-batch (4)",
+}
 
 
-def functions(script: str) -> dict[str, str]:
+def definitions(script: str) -> dict[str, str]:
+    """Top-level functions and classes of a script: name -> source text."""
     source = (ROOT / script).read_text()
-    tree = ast.parse(source)
-    return {node.name: ast.get_source_segment(source, node) for node in tree.body if isinstance(node, ast.FunctionDef)}
-
-
-def present_scripts() -> list[str]:
-    return [s for s in SCRIPTS if (ROOT / s).exists()]
+    nodes = (node for node in ast.parse(source).body if isinstance(node, (ast.FunctionDef, ast.ClassDef)))
+    return {node.name: ast.get_source_segment(source, node) for node in nodes}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_script_defines_every_shared_function(script):
-    if script not in present_scripts():
-        pytest.skip(f"{script} not written yet")
-    defined = functions(script)
+    defined = definitions(script)
     assert [name for name in SHARED if name not in defined] == []
 
 
 @pytest.mark.parametrize("pair", list(itertools.combinations(SCRIPTS, 2)), ids="-vs-".join)
 def test_same_name_means_same_text(pair):
-    if not all(script in present_scripts() for script in pair):
-        pytest.skip(f"{' or '.join(pair)} not written yet")
-    first, second = (functions(script) for script in pair)
+    first, second = (definitions(script) for script in pair)
     common = sorted(set(first) & set(second) - set(DIFFERS_BY_DESIGN))
     assert set(SHARED) <= set(common)
     drifted = [name for name in common if first[name] != second[name]]
     assert drifted == [], f"{drifted} differ between {pair[0]} and {pair[1]}: change both, or rename one"
+
+
+def args_fields(script: str) -> dict[str, tuple]:
+    return {f.name: (f.default, f.metadata["help"]) for f in dataclasses.fields(SCRIPTS[script].Args)}
+
+
+@pytest.mark.parametrize("pair", list(itertools.combinations(SCRIPTS, 2)), ids="-vs-".join)
+def test_shared_args_fields_agree(pair):
+    first, second = (args_fields(script) for script in pair)
+    shared = sorted(set(first) & set(second) - set(ARGS_DIFFER_BY_DESIGN))
+    drifted = [f"--{name}: {first[name]} vs {second[name]}" for name in shared if first[name] != second[name]]
+    assert drifted == [], f"{pair[0]} and {pair[1]} disagree on {drifted}: make them agree, or say why here"
+
+
+def test_every_difference_by_design_is_a_real_difference():
+    # An entry whose field or function has become the same everywhere is stale: remove it.
+    fields = [args_fields(script) for script in SCRIPTS]
+    for name in ARGS_DIFFER_BY_DESIGN:
+        values = {f[name] for f in fields if name in f}
+        assert len(values) > 1, f"--{name} now agrees in every script: drop it from ARGS_DIFFER_BY_DESIGN"
+    sources = [definitions(script) for script in SCRIPTS]
+    for name in DIFFERS_BY_DESIGN:
+        texts = {s[name] for s in sources if name in s}
+        assert len(texts) > 1, f"{name} is now the same in every script: drop it from DIFFERS_BY_DESIGN"
+
+
+def test_the_scripts_share_their_imports_from_common():
+    # What a script takes from common.py is the same list in all three, less PPO's critic
+    # loading helpers: the run harness, model loading and seeding are not the algorithm.
+    imported = {}
+    for script in SCRIPTS:
+        tree = ast.parse((ROOT / script).read_text())
+        (node,) = [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == "common"]
+        imported[script] = {alias.name for alias in node.names}
+    ppo_only = {"enable_activation_checkpointing", "resolve_model_name"}
+    assert imported["grpo.py"] == imported["dapo.py"] == imported["ppo.py"] - ppo_only
