@@ -2,6 +2,7 @@
 
 import json
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,9 +13,11 @@ from common import (
     TINY_EMBED_ROWS,
     TINY_MODELS,
     TINY_VOCAB,
+    Run,
     append_jsonl,
     load_model,
     load_trainer_state,
+    make_optimizer,
     make_run_dir,
     read_jsonl,
     render_chat,
@@ -188,3 +191,94 @@ def test_a_template_without_a_system_role_gets_the_system_text_in_the_first_user
     )
     assert render_chat(tokenizer, messages) == folded
     assert render_chat(tokenizer, messages[1:]) == folded.replace("Think first.\n\n", "")
+
+
+# ----------------------------------------------------------------------------------------
+# common.Run: the run harness every training script uses around its algorithm.
+
+
+def run_args(tmp_path, **overrides):
+    from grpo import Args
+
+    settings = dict(model="tiny", output_dir=str(tmp_path), max_steps=5, batch_size=2, group_size=2)
+    return Args(**(settings | dict(eval_every=2, save_every=2, sample_every=2, num_samples=1) | overrides))
+
+
+def fake_batch(tokenizer, n=4):
+    """What end_step reads of a script's Rollout: prompts, completions and their rewards."""
+    ids = torch.tensor(tokenizer(["q0", "q0", "q1", "q1"][:n])["input_ids"])
+    texts = [f"completion {i}" for i in range(n)]
+    scores = [SimpleNamespace(reward=float(i)) for i in range(n)]
+    return SimpleNamespace(prompt_ids=ids, prompt_mask=torch.ones_like(ids), texts=texts, scores=scores)
+
+
+def test_run_evaluates_logs_samples_and_saves_on_schedule(tiny, tmp_path):
+    # max_steps 5, eval_every 2, save_every 2, sample_every 2 (0-based step % 2 == 0, logged as
+    # step + 1): evaluations after steps 2, 4 and 5 (the last); samples at steps 1, 3, 5, one
+    # each (num_samples 1: the first row of the first group); checkpoints step-000002 and
+    # step-000004, then final. Only final keeps the trainer state.
+    model, tokenizer, _ = tiny
+    optimizer, scheduler = make_optimizer(model, 1e-3, run_args(tmp_path))
+    calls = []
+    run = Run(
+        run_args(tmp_path), "grpo", model, tokenizer, {"optimizer": optimizer, "scheduler": scheduler},
+        ("model",), evaluate=lambda: calls.append(1) or {"eval/accuracy": 0.5},
+    )  # fmt: skip
+    with run:
+        for step in run.steps():
+            run.end_step(step, {"step": step + 1, "reward/mean": 0.25}, {"generate": 1.5}, fake_batch(tokenizer))
+        run.save_final()
+    rows = read_jsonl(run.dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r.get("eval/accuracy") for r in rows] == [None, 0.5, None, 0.5, 0.5] and len(calls) == 3
+    assert list(rows[1]) == ["step", "reward/mean", "time/generate", "eval/accuracy"]  # time/, then eval/
+    samples = read_jsonl(run.dir / "samples.jsonl")
+    assert [(s["step"], s["completion"], s["reward"]) for s in samples] == [(s, "completion 0", 0.0) for s in (1, 3, 5)]
+    saved = sorted(p.name for p in run.dir.iterdir() if p.is_dir())
+    assert saved == ["final", "step-000002", "step-000004"]
+    assert [(run.dir / name / "trainer_state.pt").exists() for name in saved] == [True, False, False]
+    state = load_trainer_state(str(run.dir / "final"))
+    assert state["step"] == 5 and set(state) == {"step", "optimizer", "scheduler", "rng", "args"}
+
+
+def test_run_resumes_state_logs_and_args(tiny, tmp_path):
+    # A run saved at step 2 with more trainer state ({"rounds": 7}) and the optimizer of one
+    # AdamW step; the log holds steps 1-3 (step 3 ran after the checkpoint). Resuming restores
+    # the optimizer's moments, hands back the extra state, drops step 3 from the log, keeps the
+    # earlier args.json as args.before-step-000002.json and the torch RNG as it was at the save.
+    model, tokenizer, _ = tiny
+    optimizer, scheduler = make_optimizer(model, 1e-3, run_args(tmp_path))
+    model.lm_head.weight.sum().backward()
+    optimizer.step()
+    first = Run(run_args(tmp_path, eval_every=0), "grpo", model, tokenizer, {"optimizer": optimizer}, ("model",), None)
+    first.steps()
+    for step in range(3):
+        first.end_step(step, {"step": step + 1}, {}, state={"rounds": 7})
+    expected_draw = (torch.manual_seed(11), torch.rand(3))[1]
+    torch.manual_seed(11)
+    first.save("step-000002", 2, state={"rounds": 7})
+    torch.rand(5)  # the RNG moves on after the save
+    fresh, _ = make_optimizer(model, 1e-3, run_args(tmp_path))
+    args = run_args(tmp_path, eval_every=0, resume_from=str(first.dir / "step-000002"), lr=2e-3)
+    resumed = Run(args, "grpo", model, tokenizer, {"optimizer": fresh}, ("model",), None)
+    assert resumed.dir == first.dir and resumed.start_step == 2 and resumed.resumed_state["rounds"] == 7
+    assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    assert [r["step"] for r in read_jsonl(first.dir / "metrics.jsonl")] == [1, 2]
+    assert json.loads((first.dir / "args.json").read_text())["lr"] == 2e-3
+    assert json.loads((first.dir / "args.before-step-000002.json").read_text())["lr"] == 1e-6
+    assert torch.equal(torch.rand(3), expected_draw)
+    assert list(resumed.steps()) == [2, 3, 4]
+
+
+def test_ctrl_c_in_a_run_stops_with_the_newest_checkpoint(tiny, tmp_path, capsys):
+    model, tokenizer, _ = tiny
+    run = Run(run_args(tmp_path, eval_every=0), "grpo", model, tokenizer, {}, ("model",), None)
+    with pytest.raises(SystemExit) as stop, run:
+        for step in run.steps():
+            run.end_step(step, {"step": step + 1}, {})
+            if step == 2:
+                raise KeyboardInterrupt
+    assert stop.value.code == 130
+    message = capsys.readouterr().err
+    assert f"Interrupted after 2 steps. Newest checkpoint: {run.dir / 'step-000002'}." in message
+    assert f"--resume_from {run.dir / 'step-000002'}" in message
