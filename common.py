@@ -81,7 +81,8 @@ def parse_args(args_class, argv: list[str] | None = None):
             attached.append(token)
     args, unknown = parser.parse_args_into_dataclasses(args=attached, return_remaining_strings=True)
     if unknown:
-        flags = [f"--{field.name}" for field in dataclasses.fields(args_class)]
+        fields = dataclasses.fields(args_class)
+        flags = ["--help"] + [f"--{f.name}" for f in fields] + [f"--no_{f.name}" for f in fields if f.default is True]
         hints = []
         for token in unknown:
             close = difflib.get_close_matches(token.split("=", 1)[0], flags, n=1) if token.startswith("-") else []
@@ -527,7 +528,8 @@ def make_optimizer(model, lr: float, args) -> tuple[torch.optim.AdamW, torch.opt
 class Run:
     """What a training loop does besides the algorithm: one run on disk, new or resumed.
 
-        run = Run(args, "grpo", policy, tokenizer, {"optimizer": optimizer, ...}, SAME_ON_RESUME, evaluate)
+        run = Run(args, "grpo", policy, tokenizer, resumable={"optimizer": optimizer, ...},
+                  same_on_resume=SAME_ON_RESUME, evaluate=evaluate)
         with run:                         # Ctrl-C: one line naming the newest checkpoint, exit 130
             for step in run.steps():      # start_step … max_steps-1, with a progress bar
                 ...                       # the algorithm: rollout, log-probs, advantages, update
@@ -537,17 +539,17 @@ class Run:
 
     A new run gets runs/<algo>-<task>-<model>-<time>/ with args.json. With --resume_from it
     continues in the checkpoint's run directory: the `resumable` objects (optimizers and
-    schedulers: anything with state_dict/load_state_dict) and the RNG states come back,
-    `resumed_state` holds the rest of the trainer state saved, and metrics.jsonl and
-    samples.jsonl lose the steps after the checkpoint, which run again. Checkpoints are
-    step-<k>/ every save_every steps and final/ at the end; only the newest keeps the trainer
-    state (AdamW's moments are twice the weights).
+    schedulers: anything with state_dict/load_state_dict), `state` and the RNG states come
+    back, and metrics.jsonl and samples.jsonl lose the steps after the checkpoint, which run
+    again. Checkpoints are step-<k>/ every save_every steps and final/ at the end; only the
+    newest keeps the trainer state (AdamW's moments are twice the weights).
 
     same_on_resume: the Args fields a resumed run must share with the run it continues.
     evaluate(): the held-out eval/ metrics, called every eval_every steps and at the end
-    (never with --eval_every 0). write_extra(directory): more files for each checkpoint
-    (ppo.py's critic), written before the checkpoint is renamed into place. show: the metric
-    the progress bar shows as the reward."""
+    (never with --eval_every 0). state: more trainer state that the script updates as it goes
+    (dapo.py's position in the prompt stream), saved with every checkpoint and restored on
+    resume. write_extra(directory): more files for each checkpoint (ppo.py's critic), written
+    before the checkpoint is renamed into place. reward_key: the metric the progress bar shows."""
 
     def __init__(
         self,
@@ -555,24 +557,28 @@ class Run:
         algo: str,
         policy,
         tokenizer,
+        *,
         resumable: dict,
         same_on_resume: tuple[str, ...],
         evaluate,
+        state: dict | None = None,
         write_extra=None,
-        show: str = "reward/mean",
+        reward_key: str = "reward/mean",
     ):
         self.args, self.algo, self.policy, self.tokenizer = args, algo, policy, tokenizer
-        self.resumable, self.evaluate, self.write_extra, self.show = resumable, evaluate, write_extra, show
+        self.resumable, self.evaluate, self.write_extra = resumable, evaluate, write_extra
+        self.state, self.reward_key = dict(state or {}), reward_key
         self.newest_checkpoint: Path | None = None
-        self.start_step, self.resumed_state, self.progress = 0, {}, None
+        self.start_step, self.progress = 0, None
         if not args.resume_from:
             self.dir = make_run_dir(args, algo)
             return
-        state = load_trainer_state(args.resume_from, vars(args), same_on_resume)
+        saved = load_trainer_state(args.resume_from, vars(args), same_on_resume)
         for name, thing in resumable.items():
-            thing.load_state_dict(state[name])
-        set_rng_states(state["rng"])
-        self.start_step, self.resumed_state = state["step"], state
+            thing.load_state_dict(saved[name])
+        self.state = {name: saved[name] for name in self.state}  # KeyError: a checkpoint of another script
+        set_rng_states(saved["rng"])
+        self.start_step = saved["step"]
         self.newest_checkpoint = Path(args.resume_from)
         self.dir = self.newest_checkpoint.parent
         for log in ("metrics.jsonl", "samples.jsonl"):  # drop what ran after the checkpoint
@@ -580,41 +586,45 @@ class Run:
         record_args(self.dir, args, resumed_at=self.start_step)  # the arguments the run goes on with
 
     def steps(self):
-        """The steps still to run, as a progress bar over all max_steps."""
+        """The steps still to run, 0-based, as a progress bar over all max_steps."""
         total = self.args.max_steps
         self.progress = tqdm(range(self.start_step, total), initial=self.start_step, total=total, desc=self.algo)
         return self.progress
 
-    def end_step(self, step: int, metrics: dict, seconds: dict, batch=None, state: dict | None = None) -> None:
-        """Steps 7-9 of every script, for step (0-based) with its metrics row and the seconds
-        each phase took. 7: every eval_every steps and at the last, the held-out evaluation.
-        8: the row, its time/ and eval/ metrics after the rest, to metrics.jsonl; every
-        sample_every steps the first completion of num_samples groups of `batch` (a script's
-        Rollout; None: no samples) to samples.jsonl. 9: every save_every steps a checkpoint,
-        with `state` (more trainer state, e.g. dapo.py's prompt-stream position) in it."""
+    def end_step(self, step: int, metrics: dict, seconds: dict, batch=None) -> None:
+        """Steps 7-9 of every script, after step `step` (0-based; logged as step + 1), with the
+        step's metrics and the seconds each of its phases took.
+        7. After every eval_every-th step and the last, the held-out evaluation.
+        8. The row {"step", metrics, time/…, eval/…} to metrics.jsonl; after steps 1,
+           1 + sample_every, 1 + 2·sample_every, …, the first completion of num_samples groups of
+           `batch` (the script's Rollout; None: no samples) to samples.jsonl.
+        9. After every save_every-th step (the last saves final/ instead), a checkpoint."""
         args, done = self.args, step + 1
-        metrics = {**metrics, **{f"time/{phase}": value for phase, value in seconds.items()}}
+        metrics = {"step": done, **metrics, **{f"time/{phase}": value for phase, value in seconds.items()}}
         if args.eval_every and (done % args.eval_every == 0 or done == args.max_steps):
             metrics |= self.evaluate()
         append_jsonl(self.dir / "metrics.jsonl", metrics)
-        shown = {"reward": metrics.get(self.show), "len": metrics.get("completion/length_mean")}
-        self.progress.set_postfix({name: f"{value:.3g}" for name, value in shown.items() if value is not None})
+        if self.progress is not None and self.reward_key in metrics:
+            shown = {"reward": f"{metrics[self.reward_key]:.3f}"}
+            if "completion/length_mean" in metrics:
+                shown["len"] = f"{metrics['completion/length_mean']:.0f}"
+            self.progress.set_postfix(shown)
         if batch is not None and args.sample_every and step % args.sample_every == 0:
             for i in range(0, min(args.num_samples * args.group_size, len(batch.texts)), args.group_size):
                 prompt = self.tokenizer.decode(batch.prompt_ids[i][batch.prompt_mask[i].bool()])
                 record = {"step": done, "prompt": prompt, "completion": batch.texts[i]}
                 append_jsonl(self.dir / "samples.jsonl", {**record, "reward": batch.scores[i].reward})
         if args.save_every and done % args.save_every == 0 and done < args.max_steps:
-            self.save(f"step-{done:06d}", done, state)
+            self.save(f"step-{done:06d}", done)
 
-    def save_final(self, state: dict | None = None) -> None:
-        self.save("final", self.args.max_steps, state)
+    def save_final(self) -> None:
+        self.save("final", self.args.max_steps)
 
-    def save(self, name: str, step: int, state: dict | None = None) -> None:
+    def save(self, name: str, step: int) -> None:
         """A checkpoint: the policy as save_pretrained writes it, the tokenizer, write_extra's
         files, and the trainer state (step, `state`, each resumable's state_dict, the RNG states,
         the args). The checkpoint before keeps its weights and loses its trainer state."""
-        trainer_state = {"step": step, **(state or {}), **{k: v.state_dict() for k, v in self.resumable.items()}}
+        trainer_state = {"step": step, **self.state, **{k: v.state_dict() for k, v in self.resumable.items()}}
         trainer_state |= {"rng": rng_states(), "args": vars(self.args)}
         save_checkpoint(self.dir / name, self.policy, self.tokenizer, trainer_state, extra=self.write_extra)
         if self.newest_checkpoint is not None and self.newest_checkpoint != self.dir / name:

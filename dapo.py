@@ -38,7 +38,7 @@ Run:
                                                                # GSM8K, held-out accuracy logged
 Shape letters in comments:
   B prompts per step · G completions per prompt · N = B·G sequences (fewer when dynamic
-  sampling ran out of rounds) · n sequences of a micro-batch or of one generation round ·
+  sampling ran out of rounds) · n sequences of a micro-batch or of one rollout() ·
   P prompt tokens (left padded) · T completion tokens (right padded) ·
   V vocabulary (the tokenizer's, not the embedding's padded size)
 """
@@ -47,7 +47,7 @@ import contextlib
 import functools
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -289,7 +289,7 @@ class Rollout:
     rewards: torch.Tensor  # (n,) the task's rule-based reward
     texts: list[str]  # the n completions, decoded
     scores: list[Score]  # the n grades: reward, correct, formatted, strict
-    seconds: dict[str, float]  # time spent generating and scoring
+    seconds: dict[str, float] = field(default_factory=dict)  # time rollout() spent generating and scoring
 
 
 def rollout(
@@ -406,8 +406,7 @@ def keep_groups(rounds: list[Rollout], kept: list[list[int]], group_size: int, p
     """The groups kept from every round as one batch: kept[r] lists round r's kept groups in
     order (group g is rows g·G … g·G+G-1). Rounds differ in prompt width P and completion
     width T, so prompts are padded again on the left and completions on the right, with pad_id
-    in the ids and 0 in the masks and log-probs: no log-prob changes. N = (groups kept)·G rows;
-    seconds are those of every round, kept or not."""
+    in the ids and 0 in the masks and log-probs: no log-prob changes. N = (groups kept)·G rows."""
     taken = []  # (round, its kept rows) for every round that kept a group
     for batch, groups in zip(rounds, kept):
         if groups:
@@ -431,7 +430,6 @@ def keep_groups(rounds: list[Rollout], kept: list[list[int]], group_size: int, p
         rewards=torch.cat([batch.rewards[rows] for batch, rows in taken]),  # (N,)
         texts=[batch.texts[i] for batch, rows in taken for i in rows],
         scores=[batch.scores[i] for batch, rows in taken for i in rows],
-        seconds={phase: sum(batch.seconds[phase] for batch in rounds) for phase in ("generate", "reward")},
     )
 
 
@@ -675,10 +673,12 @@ def train(args: Args) -> Path:
         evaluate_heldout, policy, tokenizer, eos_ids, heldout, args.max_new_tokens, args.eval_batch_size, amp
     )
     resumable = {"optimizer": optimizer, "scheduler": scheduler}
-    run = Run(args, "dapo", policy, tokenizer, resumable, SAME_ON_RESUME, evaluate, show="sampling/reward_mean")
-    # rounds_done counts generation rounds since the start of the run: the prompt stream's
-    # position, which dynamic sampling advances by a varying number of rounds per step.
-    rounds_done = run.resumed_state.get("rounds", 0)
+    # run.state["rounds"] counts generation rounds since the start of the run: the position in the
+    # prompt stream, which dynamic sampling advances by a varying number of rounds per step.
+    run = Run(
+        args, "dapo", policy, tokenizer, resumable=resumable, same_on_resume=SAME_ON_RESUME, evaluate=evaluate,
+        state={"rounds": 0}, reward_key="sampling/reward_mean",
+    )  # fmt: skip
     # Without dynamic sampling a step is one round of B prompts, exactly as in grpo.py.
     round_size = (args.gen_batch_size or args.batch_size) if args.dynamic_sampling else args.batch_size
     max_rounds = args.max_gen_rounds if args.dynamic_sampling else 1
@@ -686,25 +686,26 @@ def train(args: Args) -> Path:
     with run:  # Ctrl-C stops with one line naming the newest checkpoint
         for step in run.steps():
             # 1-3. Dynamic sampling (DAPO Eq. 11, Algorithm 1): rounds of fresh prompts, G completions each
-            #      from π_θold, all scored, until B groups have task rewards that are not all equal.
+            #      from π_θold, all scored, until B groups have task rewards that are not all equal or
+            #      max_rounds rounds ran. Without dynamic sampling: one round, every group kept.
             rounds, kept, groups_kept = [], [], 0  # every round's Rollout; the groups kept of each
             while groups_kept < args.batch_size and len(rounds) < max_rounds:
-                indices = prompt_indices(rounds_done + len(rounds), round_size, len(task.problems), args.seed)
-                problems = [task.problems[i] for i in indices]
-                batch = rollout(
+                stream = run.state["rounds"] + len(rounds)  # this round's place in the prompt stream
+                problems = [task.problems[i] for i in prompt_indices(stream, round_size, len(task.problems), args.seed)]
+                sampled = rollout(
                     policy, tokenizer, eos_ids, task, problems, args.group_size, args.max_new_tokens,
                     args.temperature, args.top_p, amp,
                 )  # fmt: skip
-                informative = informative_groups(batch.rewards, args.group_size).tolist()  # a bool per group
+                informative = informative_groups(sampled.rewards, args.group_size).tolist()  # a bool per group
                 groups = [g for g, keep in enumerate(informative) if keep or not args.dynamic_sampling]
-                rounds.append(batch)
+                rounds.append(sampled)
                 kept.append(groups[: args.batch_size - groups_kept])  # B groups at most in all
                 groups_kept += len(kept[-1])
-            rounds_done += len(rounds)
+            run.state["rounds"] += len(rounds)  # saved with every checkpoint
             sampling = sampling_metrics(rounds, groups_kept, args.group_size)
+            seconds = {phase: sum(sampled.seconds[phase] for sampled in rounds) for phase in ("generate", "reward")}
             if not groups_kept:  # max_rounds rounds without one informative group: no update this step
-                seconds = {phase: sum(r.seconds[phase] for r in rounds) for phase in ("generate", "reward")}
-                run.end_step(step, {"step": step + 1, **sampling}, seconds, state={"rounds": rounds_done})
+                run.end_step(step, sampling, seconds)
                 continue
             batch = keep_groups(rounds, kept, args.group_size, tokenizer.pad_token_id)
             num_sequences = len(batch.texts)  # N = (groups kept)·G, at most B·G
@@ -757,21 +758,20 @@ def train(args: Args) -> Path:
                     accumulate(update, totals)
             learning_rate = scheduler.get_last_lr()[0]  # the rate this step trained with
             scheduler.step()
-            seconds = {**batch.seconds, "logprobs": seconds_logprobs, "update": time.perf_counter() - timer}
+            seconds |= {"logprobs": seconds_logprobs, "update": time.perf_counter() - timer}
 
             # 7-9. Every metric from the tensors the loss used, masked, over the whole batch; then
             #      Run.end_step: the held-out evaluation when due, the metrics row and samples, a
             #      checkpoint when due.
             metrics = {
-                "step": step + 1,
                 **step_metrics(batch, entropy, old_logp, args.group_size),
                 **sampling,
                 "reward/overlong_penalty": length_penalty.mean().item(),
                 **update_metrics(update, grad_norms, learning_rate),
                 "throughput/tokens_per_s": sum(r.completion_mask.sum().item() for r in rounds) / seconds["generate"],
             }
-            run.end_step(step, metrics, seconds, batch, state={"rounds": rounds_done})
-        run.save_final(state={"rounds": rounds_done})
+            run.end_step(step, metrics, seconds, batch)
+        run.save_final()
     return run.dir
 
 

@@ -23,7 +23,7 @@ Run:
                                                                # GSM8K, held-out accuracy logged
 Shape letters in comments:
   B prompts per step · G completions per prompt · N = B·G sequences · n sequences of a
-  micro-batch · P prompt tokens (left padded) · T completion tokens (right padded) ·
+  micro-batch or of one rollout() · P prompt tokens (left padded) · T completion tokens (right padded) ·
   V vocabulary (the tokenizer's, not the embedding's padded size)
 """
 
@@ -31,7 +31,7 @@ import contextlib
 import functools
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -261,7 +261,7 @@ class Rollout:
     rewards: torch.Tensor  # (n,) the task's rule-based reward
     texts: list[str]  # the n completions, decoded
     scores: list[Score]  # the n grades: reward, correct, formatted, strict
-    seconds: dict[str, float]  # time spent generating and scoring
+    seconds: dict[str, float] = field(default_factory=dict)  # time rollout() spent generating and scoring
 
 
 def rollout(
@@ -557,7 +557,7 @@ def train(args: Args) -> Path:
         evaluate_heldout, policy, tokenizer, eos_ids, heldout, args.max_new_tokens, args.eval_batch_size, amp
     )
     resumable = {"optimizer": optimizer, "scheduler": scheduler}
-    run = Run(args, "grpo", policy, tokenizer, resumable, SAME_ON_RESUME, evaluate)
+    run = Run(args, "grpo", policy, tokenizer, resumable=resumable, same_on_resume=SAME_ON_RESUME, evaluate=evaluate)
     num_sequences = args.batch_size * args.group_size  # N
 
     with run:  # Ctrl-C stops with one line naming the newest checkpoint
@@ -619,7 +619,6 @@ def train(args: Args) -> Path:
             #      Run.end_step: the held-out evaluation when due, the metrics row and samples, a
             #      checkpoint when due.
             metrics = {
-                "step": step + 1,
                 **step_metrics(batch, entropy, old_logp, args.group_size),
                 **update_metrics(update, grad_norms, learning_rate),
                 "throughput/tokens_per_s": batch.completion_mask.sum().item() / seconds["generate"],

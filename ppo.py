@@ -26,7 +26,7 @@ Run:
                                                                # CPU, watch the reward rise
 Shape letters in comments:
   B prompts per step · G completions per prompt · N = B·G sequences · n sequences of a
-  micro-batch · P prompt tokens (left padded) · T completion tokens (right padded) ·
+  micro-batch or of one rollout() · P prompt tokens (left padded) · T completion tokens (right padded) ·
   V vocabulary (the tokenizer's, not the embedding's padded size) · H hidden size
 """
 
@@ -34,7 +34,7 @@ import contextlib
 import functools
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -284,7 +284,7 @@ class Rollout:
     rewards: torch.Tensor  # (n,) the task's rule-based reward
     texts: list[str]  # the n completions, decoded
     scores: list[Score]  # the n grades: reward, correct, formatted, strict
-    seconds: dict[str, float]  # time spent generating and scoring
+    seconds: dict[str, float] = field(default_factory=dict)  # time rollout() spent generating and scoring
 
 
 def rollout(
@@ -771,7 +771,10 @@ def train(args: Args) -> Path:
     resumable = {"optimizer": optimizer, "scheduler": scheduler}
     resumable |= {"critic_optimizer": critic_optimizer, "critic_scheduler": critic_scheduler}
     write_critic = functools.partial(save_critic, critic)  # into every checkpoint's critic/ folder
-    run = Run(args, "ppo", policy, tokenizer, resumable, SAME_ON_RESUME, evaluate, write_extra=write_critic)
+    run = Run(
+        args, "ppo", policy, tokenizer, resumable=resumable, same_on_resume=SAME_ON_RESUME, evaluate=evaluate,
+        write_extra=write_critic,
+    )  # fmt: skip
     num_sequences = args.batch_size * args.group_size  # N
 
     with run:  # Ctrl-C stops with one line naming the newest checkpoint
@@ -846,7 +849,6 @@ def train(args: Args) -> Path:
             #      Run.end_step: the held-out evaluation when due, the metrics row and samples, a
             #      checkpoint when due.
             metrics = {
-                "step": step + 1,
                 **step_metrics(batch, entropy, old_logp, args.group_size),
                 **rollout_value_metrics(
                     old_logp, ref_logp, batch.completion_mask, args.beta, raw_advantages, returns, old_values

@@ -221,12 +221,12 @@ def test_run_evaluates_logs_samples_and_saves_on_schedule(tiny, tmp_path):
     optimizer, scheduler = make_optimizer(model, 1e-3, run_args(tmp_path))
     calls = []
     run = Run(
-        run_args(tmp_path), "grpo", model, tokenizer, {"optimizer": optimizer, "scheduler": scheduler},
-        ("model",), evaluate=lambda: calls.append(1) or {"eval/accuracy": 0.5},
+        run_args(tmp_path), "grpo", model, tokenizer, resumable={"optimizer": optimizer, "scheduler": scheduler},
+        same_on_resume=("model",), evaluate=lambda: calls.append(1) or {"eval/accuracy": 0.5},
     )  # fmt: skip
     with run:
         for step in run.steps():
-            run.end_step(step, {"step": step + 1, "reward/mean": 0.25}, {"generate": 1.5}, fake_batch(tokenizer))
+            run.end_step(step, {"reward/mean": 0.25}, {"generate": 1.5}, fake_batch(tokenizer))
         run.save_final()
     rows = read_jsonl(run.dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
@@ -242,26 +242,29 @@ def test_run_evaluates_logs_samples_and_saves_on_schedule(tiny, tmp_path):
 
 
 def test_run_resumes_state_logs_and_args(tiny, tmp_path):
-    # A run saved at step 2 with more trainer state ({"rounds": 7}) and the optimizer of one
-    # AdamW step; the log holds steps 1-3 (step 3 ran after the checkpoint). Resuming restores
-    # the optimizer's moments, hands back the extra state, drops step 3 from the log, keeps the
-    # earlier args.json as args.before-step-000002.json and the torch RNG as it was at the save.
+    # A run saved after step 2 with run.state {"rounds": 7} and the optimizer of one AdamW step;
+    # the log holds steps 1-3 (step 3 ran after the checkpoint). Resuming restores the
+    # optimizer's moments and run.state, drops step 3 from the log, keeps the earlier args.json
+    # as args.before-step-000002.json, and the torch RNG as it was at the save.
     model, tokenizer, _ = tiny
     optimizer, scheduler = make_optimizer(model, 1e-3, run_args(tmp_path))
     model.lm_head.weight.sum().backward()
     optimizer.step()
-    first = Run(run_args(tmp_path, eval_every=0), "grpo", model, tokenizer, {"optimizer": optimizer}, ("model",), None)
-    first.steps()
+    settings = dict(resumable={"optimizer": optimizer}, same_on_resume=("model",), evaluate=None)
+    first = Run(run_args(tmp_path, eval_every=0), "grpo", model, tokenizer, **settings, state={"rounds": 0})
     for step in range(3):
-        first.end_step(step, {"step": step + 1}, {}, state={"rounds": 7})
-    expected_draw = (torch.manual_seed(11), torch.rand(3))[1]
-    torch.manual_seed(11)
-    first.save("step-000002", 2, state={"rounds": 7})
-    torch.rand(5)  # the RNG moves on after the save
+        first.state["rounds"] = [4, 7, 107][step]  # as a script advances it; 7 at the checkpoint
+        first.end_step(step, {}, {})
+        if step == 1:
+            expected_draw = (torch.manual_seed(11), torch.rand(3))[1]
+            torch.manual_seed(11)
+            first.save("step-000002", 2)
+            torch.rand(5)  # the RNG moves on after the save
     fresh, _ = make_optimizer(model, 1e-3, run_args(tmp_path))
     args = run_args(tmp_path, eval_every=0, resume_from=str(first.dir / "step-000002"), lr=2e-3)
-    resumed = Run(args, "grpo", model, tokenizer, {"optimizer": fresh}, ("model",), None)
-    assert resumed.dir == first.dir and resumed.start_step == 2 and resumed.resumed_state["rounds"] == 7
+    settings["resumable"] = {"optimizer": fresh}
+    resumed = Run(args, "grpo", model, tokenizer, **settings, state={"rounds": 0})
+    assert resumed.dir == first.dir and resumed.start_step == 2 and resumed.state == {"rounds": 7}
     assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
     assert [r["step"] for r in read_jsonl(first.dir / "metrics.jsonl")] == [1, 2]
     assert json.loads((first.dir / "args.json").read_text())["lr"] == 2e-3
@@ -272,10 +275,11 @@ def test_run_resumes_state_logs_and_args(tiny, tmp_path):
 
 def test_ctrl_c_in_a_run_stops_with_the_newest_checkpoint(tiny, tmp_path, capsys):
     model, tokenizer, _ = tiny
-    run = Run(run_args(tmp_path, eval_every=0), "grpo", model, tokenizer, {}, ("model",), None)
+    settings = dict(resumable={}, same_on_resume=("model",), evaluate=None)
+    run = Run(run_args(tmp_path, eval_every=0), "grpo", model, tokenizer, **settings)
     with pytest.raises(SystemExit) as stop, run:
         for step in run.steps():
-            run.end_step(step, {"step": step + 1}, {})
+            run.end_step(step, {}, {})
             if step == 2:
                 raise KeyboardInterrupt
     assert stop.value.code == 130

@@ -213,16 +213,15 @@ def test_without_dynamic_sampling_one_round_keeps_every_group(monkeypatch, tmp_p
 
 
 def rollout_of(**fields) -> Rollout:
-    """A Rollout from the given tensors; n rows, no time spent."""
-    n = len(fields["texts"])
-    return Rollout(**{"scores": [None] * n, "seconds": {"generate": 0.0, "reward": 0.0}, **fields})
+    """A Rollout of the given tensors (n rows); no scores."""
+    return Rollout(**{"scores": [None] * len(fields["texts"]), **fields})
 
 
 def test_keep_groups_pads_rounds_of_different_lengths():
     # G = 1. Round 0 (P = 2, T = 1) keeps its group 1; round 1 (P = 3, T = 2) keeps its group 0;
     # round 2 keeps nothing. Prompts are left padded to P = 3, completions right padded to
     # T = 2; ids with pad_id 9, masks and log-probs with 0; rewards, truncation and texts follow
-    # their rows. seconds add up over every round, round 2 included: 1 + 2 + 4 = 7.
+    # their rows.
     round0 = rollout_of(
         prompt_ids=torch.tensor([[1, 2], [3, 4]]),
         prompt_mask=torch.tensor([[1, 1], [1, 1]]),
@@ -232,7 +231,6 @@ def test_keep_groups_pads_rounds_of_different_lengths():
         sample_logp=torch.tensor([[-0.5], [-0.25]]),
         rewards=torch.tensor([0.0, 0.1]),
         texts=["a", "b"],
-        seconds={"generate": 1.0, "reward": 0.0},
     )
     round1 = rollout_of(
         prompt_ids=torch.tensor([[7, 8, 7]]),
@@ -243,9 +241,8 @@ def test_keep_groups_pads_rounds_of_different_lengths():
         sample_logp=torch.tensor([[-1.0, -2.0]]),
         rewards=torch.tensor([1.0]),
         texts=["c"],
-        seconds={"generate": 2.0, "reward": 0.0},
     )
-    round2 = dataclasses.replace(round1, seconds={"generate": 4.0, "reward": 0.5})
+    round2 = dataclasses.replace(round1, texts=["d"])
     batch = keep_groups([round0, round1, round2], [[1], [0], []], group_size=1, pad_id=9)
     assert batch.prompt_ids.tolist() == [[9, 3, 4], [7, 8, 7]]
     assert batch.prompt_mask.tolist() == [[0, 1, 1], [1, 1, 1]]
@@ -255,7 +252,6 @@ def test_keep_groups_pads_rounds_of_different_lengths():
     assert batch.truncated.tolist() == [True, True]
     assert batch.rewards.tolist() == pytest.approx([0.1, 1.0])
     assert batch.texts == ["b", "c"]
-    assert batch.seconds == {"generate": 7.0, "reward": 0.5}
 
 
 def test_keep_groups_takes_every_row_of_a_kept_group():
