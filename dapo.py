@@ -673,8 +673,7 @@ def train(args: Args) -> Path:
         evaluate_heldout, policy, tokenizer, eos_ids, heldout, args.max_new_tokens, args.eval_batch_size, amp
     )
     resumable = {"optimizer": optimizer, "scheduler": scheduler}
-    # run.state["rounds"] counts generation rounds since the start of the run: the position in the
-    # prompt stream, which dynamic sampling advances by a varying number of rounds per step.
+    # run.state["rounds"]: generation rounds since the start, the position in the prompt stream
     run = Run(
         args, "dapo", policy, tokenizer, resumable=resumable, same_on_resume=SAME_ON_RESUME, evaluate=evaluate,
         state={"rounds": 0}, reward_key="sampling/reward_mean",
