@@ -47,6 +47,10 @@ MODEL_ALIASES = {
 # Files that hold a tokenizer's vocabulary; a model directory needs at least one of them.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 TRAINER_STATE = "trainer_state.pt"  # optimizer, scheduler, step and RNG states, for resuming
+ADAPTER_DIR = "adapter"  # a LoRA checkpoint's adapters, in peft's format
+# LoRA's best learning rate is about 10× full fine-tuning's (Schulman et al. 2025, "LoRA
+# Without Regret", over ranks 1-512 with α = 32): the default --lr with --lora_rank > 0.
+FULL_LR, LORA_LR = 1e-6, 1e-5
 
 
 # ----------------------------------------------------------------------------------------
@@ -109,8 +113,13 @@ def check_run_args(args) -> list[str]:
     range, before anything is loaded, so a typo costs a second and not a model load.
     Returns the problems found, one line each."""
     problems = []
-    if not args.lr > 0:
+    if args.lr is not None and not args.lr > 0:
         problems.append(f"--lr must be > 0 (got {args.lr}); the seed study used 1e-6 to 3e-6.")
+    if args.lora_rank < 0 or not args.lora_alpha > 0 or not args.lora_targets.strip(","):
+        problems.append(
+            f"LoRA needs --lora_rank >= 0 (0: off), --lora_alpha > 0 and --lora_targets 'all-linear' or layer "
+            f"names such as q_proj,v_proj (got {args.lora_rank}, {args.lora_alpha}, {args.lora_targets!r})."
+        )
     if not 0 <= args.adam_beta2 < 1:
         problems.append(f"--adam_beta2 must be in [0, 1) (got {args.adam_beta2}).")
     if not args.max_grad_norm > 0:
@@ -291,6 +300,11 @@ def load_model(
 ):
     """Returns (model, tokenizer, eos_ids) for a name as --model takes it."""
     path = resolve_model_name(name)
+    if Path(path).is_dir() and not (Path(path) / "config.json").exists() and (Path(path) / ADAPTER_DIR).is_dir():
+        raise SystemExit(
+            f"--model {name!r} is a LoRA checkpoint: it holds adapters ({ADAPTER_DIR}/), not a model. Only a run's "
+            "final/ holds the merged model; to continue training, pass this checkpoint to --resume_from."
+        )
     if Path(path).is_dir() and not (Path(path) / "config.json").exists():
         raise SystemExit(
             f"--model {name!r} is a directory without config.json. Point it at a model directory "
@@ -333,12 +347,70 @@ def enable_activation_checkpointing(model) -> None:
     enable({"use_reentrant": False})  # first parameter under both names
 
 
-def load_reference(name: str, device: torch.device, dtype: torch.dtype):
+def load_policy(args, device: torch.device, dtype: torch.dtype):
+    """The policy to train and its tokenizer: returns (policy, tokenizer, eos_ids).
+    Full fine-tuning (--lora_rank 0): --model's weights, or --resume_from's, all trainable.
+    LoRA (--lora_rank r > 0, Hu et al. 2021, through the peft library): --model's weights,
+    frozen, under low-rank adapters W + (α/r)·B·A on the --lora_targets layers; B starts at 0,
+    so the policy starts as --model exactly. On resume the adapters come from the checkpoint's
+    adapter/ folder and the frozen weights again from --model."""
+    if not args.lora_rank:
+        return load_model(args.resume_from or args.model, device, dtype, args.gradient_checkpointing)
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    model, tokenizer, eos_ids = load_model(args.model, device, dtype, args.gradient_checkpointing)
+    if args.resume_from:
+        policy = PeftModel.from_pretrained(model, Path(args.resume_from) / ADAPTER_DIR, is_trainable=True)
+    else:
+        targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
+        config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=targets, lora_dropout=0.0)
+        policy = get_peft_model(model, config)
+    return policy, tokenizer, eos_ids
+
+
+def load_reference(args, policy, device: torch.device, dtype: torch.dtype):
     """The frozen reference policy π_ref for the KL term: the starting model, never trained.
-    Loaded from --model (not copied from the policy), so a resumed run keeps the true start."""
-    reference, _, _ = load_model(name, device, dtype)
+    Full fine-tuning: a second copy loaded from --model (not copied from the policy, so a
+    resumed run keeps the true start). LoRA: no second copy. The policy's own weights are
+    --model's, frozen, and the adapters are all it learns, so the policy with its adapters
+    switched off (peft's disable_adapter) computes exactly --model's forward pass."""
+    if args.lora_rank:
+        return AdaptersOff(policy)
+    reference, _, _ = load_model(args.model, device, dtype)
     reference.eval().requires_grad_(False)
     return reference
+
+
+class AdaptersOff:
+    """A LoRA policy called with its adapters switched off: the base model it adapts. A plain
+    callable, not a module, so that nothing (requires_grad_, eval) reaches the policy through it."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def __call__(self, **inputs):
+        with self.policy.disable_adapter():
+            return self.policy(**inputs)
+
+
+def is_lora(model) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def save_merged(policy, directory: Path) -> None:
+    """A LoRA policy as one full model, save_pretrained's format (transformers, vLLM, lm-eval and
+    evaluate.py load it): every adapted weight W + (α/r)·B·A, computed beside the policy, one
+    layer at a time on the CPU, so the policy's own weights stay bit for bit what they were."""
+    from peft.tuners.lora import LoraLayer
+
+    base = policy.get_base_model()
+    state = {k.replace(".base_layer", ""): v.cpu() for k, v in base.state_dict().items() if "lora_" not in k}
+    with torch.no_grad():
+        for name, module in base.named_modules():
+            if isinstance(module, LoraLayer):
+                merged = module.base_layer.weight + module.get_delta_weight(module.active_adapters[0])
+                state[f"{name}.weight"] = merged.cpu()
+    base.save_pretrained(directory, state_dict=state, safe_serialization=True)
 
 
 # ----------------------------------------------------------------------------------------
@@ -505,22 +577,27 @@ def make_run_dir(args, algo: str, task: str | None = None) -> Path:
         model_tag = f"{model_path.parent.name}-{model_tag}"
     task = task or args.task
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = Path(args.output_dir) / f"{algo}-{task}-{model_tag}-{stamp}"
-    suffix = 1
-    while path.exists():  # two runs started in the same second
-        suffix += 1
-        path = Path(args.output_dir) / f"{algo}-{task}-{model_tag}-{stamp}-{suffix}"
-    path.mkdir(parents=True)
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    path, suffix = Path(args.output_dir) / f"{algo}-{task}-{model_tag}-{stamp}", 1
+    while True:  # two runs started in the same second, even by two processes, get two directories
+        try:
+            path.mkdir()
+            break
+        except FileExistsError:
+            suffix += 1
+            path = Path(args.output_dir) / f"{algo}-{task}-{model_tag}-{stamp}-{suffix}"
     record_args(path, args)
     return path
 
 
-def make_optimizer(model, lr: float, args) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW (β1 0.9, β2 --adam_beta2, --weight_decay) and its linear warm-up over
-    --warmup_steps steps, for a policy (--lr) or ppo.py's critic (--critic_lr)."""
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=lr, betas=(0.9, args.adam_beta2), weight_decay=args.weight_decay
-    )
+def make_optimizer(model, lr: float | None, args) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW (β1 0.9, β2 --adam_beta2, --weight_decay) over the trainable weights (with LoRA:
+    the adapters) and its linear warm-up over --warmup_steps steps, for a policy (--lr; None:
+    FULL_LR, or LORA_LR with LoRA) or ppo.py's critic (--critic_lr)."""
+    if lr is None:
+        lr = LORA_LR if args.lora_rank else FULL_LR
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=lr, betas=(0.9, args.adam_beta2), weight_decay=args.weight_decay)
     warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     return optimizer, warmup
 
@@ -626,7 +703,9 @@ class Run:
         the args). The checkpoint before keeps its weights and loses its trainer state."""
         trainer_state = {"step": step, **self.state, **{k: v.state_dict() for k, v in self.resumable.items()}}
         trainer_state |= {"rng": rng_states(), "args": vars(self.args)}
-        save_checkpoint(self.dir / name, self.policy, self.tokenizer, trainer_state, extra=self.write_extra)
+        save_checkpoint(
+            self.dir / name, self.policy, self.tokenizer, trainer_state, extra=self.write_extra, final=name == "final"
+        )
         if self.newest_checkpoint is not None and self.newest_checkpoint != self.dir / name:
             drop_trainer_state(self.newest_checkpoint)
         self.newest_checkpoint = self.dir / name
@@ -652,15 +731,22 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def save_checkpoint(path: Path, model, tokenizer, trainer_state: dict, extra=None) -> None:
+def save_checkpoint(path: Path, model, tokenizer, trainer_state: dict, extra=None, final: bool = False) -> None:
     """save_pretrained (safetensors; loadable by transformers, vLLM, lm-eval) plus the trainer
-    state needed to resume. Written to a sibling temporary directory and renamed into place,
-    so an interrupted save never destroys the previous checkpoint of the same name.
-    extra(directory), if given, writes more files (ppo.py's critic) into that temporary
-    directory, so they arrive with the same rename: a checkpoint is whole or absent."""
+    state needed to resume. A LoRA policy saves its adapters in peft's format in adapter/,
+    and, when final, the merged full model beside them. Written to a sibling temporary
+    directory and renamed into place, so an interrupted save never destroys the previous
+    checkpoint of the same name. extra(directory), if given, writes more files (ppo.py's
+    critic) into that temporary directory, so they arrive with the same rename: a checkpoint
+    is whole or absent."""
     path = Path(path)
     staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
-    model.save_pretrained(staging, safe_serialization=True)
+    if is_lora(model):
+        model.save_pretrained(staging / ADAPTER_DIR, safe_serialization=True)
+        if final:
+            save_merged(model, staging)
+    else:
+        model.save_pretrained(staging, safe_serialization=True)
     tokenizer.save_pretrained(staging)
     torch.save(trainer_state, staging / TRAINER_STATE)
     if extra is not None:

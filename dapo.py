@@ -58,7 +58,7 @@ from common import (
     arg,
     autocast,
     check_run_args,
-    load_model,
+    load_policy,
     load_reference,
     make_optimizer,
     parse_args,
@@ -88,7 +88,7 @@ class Args:
     gen_batch_size: int = arg(0, "prompts per generation round of dynamic sampling; 0 = B (DAPO's verl recipe: 3·B)")
     max_gen_rounds: int = arg(10, "generation rounds per step at most, then train on the groups kept (verl: 10)")
     # optimisation
-    lr: float = arg(1e-6, "learning rate (seed study: 1e-6 to 3e-6)")
+    lr: float | None = arg(None, "learning rate; unset: 1e-6 (seed study: 1e-6 to 3e-6), 1e-5 with LoRA")
     warmup_steps: int = arg(0, "linear learning-rate warm-up, in steps")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     adam_beta2: float = arg(0.999, "AdamW β2")
@@ -98,6 +98,10 @@ class Args:
     micro_batch_size: int = arg(4, "sequences per forward/backward (gradient accumulation)")
     logprob_chunk_size: int = arg(8, "sequences per no-grad scoring pass")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, ~30% slower")
+    # LoRA (peft): train low-rank adapters on the frozen model instead of every weight
+    lora_rank: int = arg(0, "r, rank of the LoRA adapters (Hu et al. 2021); 0 = train every weight")
+    lora_alpha: float = arg(32.0, "α: the adapters' update is scaled by α/r (LoRA Without Regret keeps α = 32)")
+    lora_targets: str = arg("all-linear", "layers with adapters: all-linear (attention, MLP) or names: q_proj,v_proj")
     # the DAPO objective
     eps_low: float = arg(0.2, "ε_low, lower clip range of the token ratio, DAPO Eq. 10")
     eps_high: float = arg(0.28, "ε_high, upper clip range of the token ratio (clip-higher), DAPO Eq. 10")
@@ -125,6 +129,7 @@ class Args:
 # Settings a resumed run must share with the run it continues (the reference model, the
 # prompt order and the meaning of a step depend on them).
 SAME_ON_RESUME = ("model", "task", "dataset", "num_problems", "seed", "batch_size", "group_size")
+SAME_ON_RESUME += ("lora_rank", "lora_alpha", "lora_targets")  # the adapters saved must fit the run
 SAME_ON_RESUME += ("dynamic_sampling", "gen_batch_size")  # the prompt stream's rounds depend on them too
 
 
@@ -662,11 +667,9 @@ def train(args: Args) -> Path:
     # The task first: a wrong --task or --data_dir stops before any model loads.
     task = load_task(args.task, args.seed, args.num_problems, args.dataset, data_dir=args.data_dir)
     heldout = load_heldout_task(args.task, args.eval_problems, args.data_dir) if args.eval_every else None
-    policy, tokenizer, eos_ids = load_model(
-        args.resume_from or args.model, device, weight_dtype, args.gradient_checkpointing
-    )
+    policy, tokenizer, eos_ids = load_policy(args, device, weight_dtype)  # with --lora_rank: LoRA adapters
     policy.train()
-    reference = load_reference(args.model, device, weight_dtype) if args.beta > 0 else None
+    reference = load_reference(args, policy, device, weight_dtype) if args.beta > 0 else None
     vocab_size = len(tokenizer)  # ids the tokenizer has; the embedding may have more rows
     optimizer, scheduler = make_optimizer(policy, args.lr, args)  # AdamW, linear warm-up
     evaluate = functools.partial(  # run.end_step calls it every eval_every steps and at the end

@@ -47,7 +47,7 @@ from common import (
     autocast,
     check_run_args,
     enable_activation_checkpointing,
-    load_model,
+    load_policy,
     load_reference,
     make_optimizer,
     parse_args,
@@ -76,7 +76,7 @@ class Args:
     temperature: float = arg(1.0, "sampling temperature; log-probs use the same one")
     top_p: float = arg(1.0, "nucleus sampling; 1.0 samples the whole distribution")
     # optimisation: actor and critic each have their own AdamW and clip their own gradient norm
-    lr: float = arg(1e-6, "actor (policy) learning rate (seed study: 1e-6 to 3e-6)")
+    lr: float | None = arg(None, "actor (policy) learning rate; unset: 1e-6 (seed study: 1e-6 to 3e-6), 1e-5 with LoRA")
     critic_lr: float = arg(1e-5, "critic learning rate (a value head learns from scratch: 10× the actor's)")
     warmup_steps: int = arg(0, "linear learning-rate warm-up of actor and critic, in steps they train")
     weight_decay: float = arg(0.0, "AdamW weight decay")
@@ -87,6 +87,10 @@ class Args:
     micro_batch_size: int = arg(4, "sequences per forward/backward (gradient accumulation)")
     logprob_chunk_size: int = arg(8, "sequences per no-grad scoring pass")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, ~30% slower")
+    # LoRA (peft): train low-rank adapters on the frozen model instead of every weight
+    lora_rank: int = arg(0, "r, rank of the LoRA adapters (Hu et al. 2021); 0 = train every weight")
+    lora_alpha: float = arg(32.0, "α: the adapters' update is scaled by α/r (LoRA Without Regret keeps α = 32)")
+    lora_targets: str = arg("all-linear", "layers with adapters: all-linear (attention, MLP) or names: q_proj,v_proj")
     # the PPO objective
     eps: float = arg(0.2, "ε, clip range of the token ratio, PPO Eq. 7")
     eps_value: float = arg(0.2, "ε_v, clip range of V_φ around V_old in the value loss")
@@ -119,6 +123,7 @@ class Args:
 # Settings a resumed run must share with the run it continues (the reference model, the
 # prompt order and the meaning of a step depend on them).
 SAME_ON_RESUME = ("model", "task", "dataset", "num_problems", "seed", "batch_size", "group_size")
+SAME_ON_RESUME += ("lora_rank", "lora_alpha", "lora_targets")  # the adapters saved must fit the run
 CRITIC_DIR = "critic"  # each checkpoint keeps the critic in this subfolder
 VALUE_HEAD_FILE = "value_head.safetensors"  # the critic's scalar head, beside its backbone
 
@@ -753,15 +758,13 @@ def train(args: Args) -> Path:
     # The task first: a wrong --task or --data_dir stops before any model loads.
     task = load_task(args.task, args.seed, args.num_problems, args.dataset, data_dir=args.data_dir)
     heldout = load_heldout_task(args.task, args.eval_problems, args.data_dir) if args.eval_every else None
-    policy, tokenizer, eos_ids = load_model(
-        args.resume_from or args.model, device, weight_dtype, args.gradient_checkpointing
-    )
+    policy, tokenizer, eos_ids = load_policy(args, device, weight_dtype)  # with --lora_rank: LoRA adapters
     policy.train()
     critic = load_critic(
         str(critic_dir or args.model), device, weight_dtype, args.gradient_checkpointing,
         head=str(critic_dir / VALUE_HEAD_FILE) if critic_dir else "",
     )  # fmt: skip
-    reference = load_reference(args.model, device, weight_dtype) if args.beta > 0 else None
+    reference = load_reference(args, policy, device, weight_dtype) if args.beta > 0 else None
     vocab_size = len(tokenizer)  # ids the tokenizer has; the embedding may have more rows
     optimizer, scheduler = make_optimizer(policy, args.lr, args)  # AdamW, linear warm-up
     critic_optimizer, critic_scheduler = make_optimizer(critic, args.critic_lr, args)

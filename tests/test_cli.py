@@ -69,7 +69,7 @@ def no_model_load(*args, **kwargs):
     ids=lambda v: next(iter(v)) if isinstance(v, dict) else "",
 )
 def test_bad_values_stop_before_any_model_loads(script, bad, message, monkeypatch, tmp_path):
-    monkeypatch.setattr(script, "load_model", no_model_load)
+    monkeypatch.setattr(script, "load_policy", no_model_load)
     monkeypatch.setattr(script, "load_reference", no_model_load)
     with pytest.raises(SystemExit) as stop:
         script.train(tiny_args(script, **bad, output_dir=str(tmp_path)))
@@ -78,7 +78,7 @@ def test_bad_values_stop_before_any_model_loads(script, bad, message, monkeypatc
 
 
 def test_ppo_checks_the_critic_learning_rate(monkeypatch, tmp_path):
-    monkeypatch.setattr(ppo, "load_model", no_model_load)
+    monkeypatch.setattr(ppo, "load_policy", no_model_load)
     with pytest.raises(SystemExit, match=r"--critic_lr must be > 0 \(got -1e-05\)"):
         ppo.train(tiny_args(ppo, critic_lr=-1e-5, output_dir=str(tmp_path)))
 

@@ -12,7 +12,7 @@ from test_train import expected_digit_reward
 from transformers import AutoModelForCausalLM
 
 import dapo
-from common import build_tiny_model, load_model, parse_args, read_jsonl
+from common import FULL_LR, LORA_LR, build_tiny_model, load_model, parse_args, read_jsonl
 from conftest import ROOT, crash_and_resume
 from dapo import (
     Args,
@@ -506,8 +506,9 @@ def test_defaults_are_the_seed_studys_setting():
     # no KL (β = 0: no reference model is loaded).
     args = Args()
     assert (args.model, args.task, args.group_size, args.lr, args.batch_size) == (
-        "Qwen2.5-1.5B-Instruct", "countdown", 8, 1e-6, 32,
+        "Qwen2.5-1.5B-Instruct", "countdown", 8, None, 32,
     )  # fmt: skip
+    assert (FULL_LR, LORA_LR) == (1e-6, 1e-5)  # what an unset --lr becomes: full fine-tuning, LoRA
     assert (args.eps_low, args.eps_high, args.beta, args.dynamic_sampling) == (0.2, 0.28, 0.0, True)
     for field in dataclasses.fields(Args):  # every field explains itself in --help
         assert field.metadata.get("help"), field.name
