@@ -153,23 +153,28 @@ def test_dapo_and_ppo_run_with_lora(script, tmp_path):
 # its embeddings are tiny (std 0.02), so without touching the LM head the best reachable expected
 # reward is ~0.05 (Adam on the reward itself, 30 steps, lr 1e-2: 0.025 -> 0.049). With an adapter
 # on the LM head too (--lora_targets ...,lm_head; tiny-llama, whose LM head is not tied to its
-# embedding), GRPO learns the task as full fine-tuning does. Measured, OMP_NUM_THREADS=1, this
-# CPU (AVX-512), train(LEARN, seed=s):
-#   seed                                    0      1      2
-#   exact expected reward after step 30     0.763  ...    ...
-#   sampled reward/mean, steps 26-30        0.930  ...    ...
+# embedding), GRPO learns the task as full fine-tuning does. β = 0: with β = 0.01, once every
+# group's rewards are equal the KL term's tiny gradient is all Adam sees and it scales it up to
+# full-size steps; in 4 of 5 runs so measured (lr 1e-2 and 5e-3, 30 steps) the sampled reward
+# fell from ≈ 1 to 0.79 or below, down to 0.0, at some step after reaching it.
+# Measured, OMP_NUM_THREADS=1, grpo.train(grpo.Args(**LEARN, seed=s)) for seeds 0-2, each under
+# ATEN_CPU_CAPABILITY=avx512 (this CPU's own) and avx2, 6 runs (the two kernel sets gave the
+# same figures here):
+#   exact expected reward after step 20          1.000 in every run (start 0.02)
+#   sampled reward/mean, mean over steps 16-20   min 0.998
 LEARN = dict(
-    model="tiny-llama", task="digit", lora_rank=8, lr=1e-2, max_new_tokens=8, max_steps=30, save_every=0,
+    model="tiny-llama", task="digit", lora_rank=8, lr=5e-3, beta=0.0, max_new_tokens=8, max_steps=20, save_every=0,
     lora_targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head",
 )  # fmt: skip
 
 
 def test_grpo_with_lora_learns_the_digit_task(tmp_path):
+    # The bars are margins every measured run clears; a policy that does not learn stays near 0.02.
     _, tokenizer, _ = load_model("tiny-llama", CPU)
     start = expected_digit_reward(AutoModelForCausalLM.from_pretrained(build_tiny_model(name="tiny-llama")), tokenizer)
     assert start < 0.1
     run_dir = grpo.train(grpo.Args(**LEARN, output_dir=str(tmp_path)))
     end = expected_digit_reward(AutoModelForCausalLM.from_pretrained(run_dir / "final"), tokenizer)
-    assert end > 0.5, (start, end)
+    assert end > 0.6, (start, end)
     rewards = [row["reward/mean"] for row in read_jsonl(run_dir / "metrics.jsonl")]
-    assert sum(rewards[-5:]) / 5 > 0.5
+    assert len(rewards) == 20 and sum(rewards[-5:]) / 5 > 0.6
