@@ -356,16 +356,21 @@ def load_policy(args, device: torch.device, dtype: torch.dtype):
     adapter/ folder and the frozen weights again from --model."""
     if not args.lora_rank:
         return load_model(args.resume_from or args.model, device, dtype, args.gradient_checkpointing)
+    model, tokenizer, eos_ids = load_model(args.model, device, dtype, args.gradient_checkpointing)
+    saved = Path(args.resume_from) / ADAPTER_DIR if args.resume_from else None
+    return with_adapters(model, args, saved), tokenizer, eos_ids
+
+
+def with_adapters(model, args, saved: Path | None = None):
+    """`model`, frozen, under LoRA adapters (peft): new ones as --lora_rank, --lora_alpha and
+    --lora_targets say (B = 0: the model is unchanged at first), or those saved in `saved`."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    model, tokenizer, eos_ids = load_model(args.model, device, dtype, args.gradient_checkpointing)
-    if args.resume_from:
-        policy = PeftModel.from_pretrained(model, Path(args.resume_from) / ADAPTER_DIR, is_trainable=True)
-    else:
-        targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
-        config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=targets, lora_dropout=0.0)
-        policy = get_peft_model(model, config)
-    return policy, tokenizer, eos_ids
+    if saved is not None:
+        return PeftModel.from_pretrained(model, saved, is_trainable=True)
+    targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
+    config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=targets, lora_dropout=0.0)
+    return get_peft_model(model, config)
 
 
 def load_reference(args, policy, device: torch.device, dtype: torch.dtype):

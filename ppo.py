@@ -42,11 +42,15 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModel
 
 from common import (
+    ADAPTER_DIR,
+    FULL_LR,
+    LORA_LR,
     Run,
     arg,
     autocast,
     check_run_args,
     enable_activation_checkpointing,
+    is_lora,
     load_policy,
     load_reference,
     make_optimizer,
@@ -56,6 +60,7 @@ from common import (
     resolve_model_name,
     resolve_precision,
     seed_everything,
+    with_adapters,
 )
 from rewards import Score, load_heldout_task, load_task
 
@@ -77,7 +82,7 @@ class Args:
     top_p: float = arg(1.0, "nucleus sampling; 1.0 samples the whole distribution")
     # optimisation: actor and critic each have their own AdamW and clip their own gradient norm
     lr: float | None = arg(None, "actor (policy) learning rate; unset: 1e-6 (seed study: 1e-6 to 3e-6), 1e-5 with LoRA")
-    critic_lr: float = arg(1e-5, "critic learning rate (a value head learns from scratch: 10× the actor's)")
+    critic_lr: float | None = arg(None, "critic learning rate; unset: 10× the actor's default (its head starts from 0)")
     warmup_steps: int = arg(0, "linear learning-rate warm-up of actor and critic, in steps they train")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     adam_beta2: float = arg(0.999, "AdamW β2")
@@ -135,7 +140,7 @@ def check_args(args: Args) -> None:
         problems.append("--num_mini_batches must be at least 1 and divide batch_size * group_size.")
     if args.temperature <= 0 or not 0 < args.top_p <= 1:
         problems.append("Training needs --temperature > 0 and 0 < --top_p <= 1.")
-    if not args.critic_lr > 0:
+    if args.critic_lr is not None and not args.critic_lr > 0:
         problems.append(f"--critic_lr must be > 0 (got {args.critic_lr}); the critic learns from scratch: ~10× --lr.")
     if args.dual_clip and args.dual_clip <= 1:
         problems.append("--dual_clip must be > 1 (e.g. 3), or 0 to disable it.")
@@ -416,9 +421,13 @@ class Critic(torch.nn.Module):
             return self.value_head(hidden.float()).squeeze(-1)
 
 
-def load_critic(name: str, device: torch.device, dtype: torch.dtype, gradient_checkpointing: bool, head: str = ""):
-    """The critic, with its backbone from `name` (--model, or a checkpoint's critic/ folder).
-    head: a value-head file to load (resuming); '' starts the head at zero (a new run)."""
+def load_critic(args, device: torch.device, dtype: torch.dtype) -> Critic:
+    """The critic: its backbone from --model (or from --resume_from's critic/ folder), and its
+    head from zero (or from the checkpoint's value_head.safetensors). With --lora_rank the
+    backbone is --model's, frozen, under LoRA adapters of its own (new, or the checkpoint's
+    critic/adapter/), and the head trains in full."""
+    saved = Path(args.resume_from) / CRITIC_DIR if args.resume_from else None
+    name = str(saved) if saved and not args.lora_rank else args.model
     path = resolve_model_name(name)
     try:
         backbone = AutoModel.from_pretrained(path, dtype=dtype)  # drops the LM head's weights
@@ -426,21 +435,25 @@ def load_critic(name: str, device: torch.device, dtype: torch.dtype, gradient_ch
         raise SystemExit(
             f"Could not load the critic's backbone from {name!r} (resolved to {path!r}): {error}"
         ) from error
+    if args.gradient_checkpointing:
+        enable_activation_checkpointing(backbone)
+    if args.lora_rank:
+        backbone = with_adapters(backbone, args, saved / ADAPTER_DIR if saved else None)
     critic = Critic(backbone).to(device=device, dtype=dtype)
     critic.value_head.float()  # fp32 always (see Critic.forward)
-    if head:
-        critic.value_head.load_state_dict(load_file(head, device=str(device)))
-    if gradient_checkpointing:
-        enable_activation_checkpointing(critic.backbone)
+    if saved:
+        critic.value_head.load_state_dict(load_file(saved / VALUE_HEAD_FILE, device=str(device)))
     return critic.train()
 
 
 def save_critic(critic: Critic, directory: Path) -> None:
     """Writes the critic into a checkpoint's critic/ folder: the backbone by save_pretrained
-    (AutoModel loads it) and the head in value_head.safetensors. common.Run calls it on the
-    checkpoint's staging directory, so policy and critic are renamed into place together: a
-    crash mid-save leaves the previous checkpoint whole, never a policy without its critic."""
-    critic.backbone.save_pretrained(Path(directory) / CRITIC_DIR, safe_serialization=True)
+    (AutoModel loads it; with LoRA its adapters, in critic/adapter/) and the head in
+    value_head.safetensors. common.Run calls it on the checkpoint's staging directory, so
+    policy and critic are renamed into place together: a crash mid-save leaves the previous
+    checkpoint whole, never a policy without its critic."""
+    backbone_dir = Path(directory) / CRITIC_DIR / (ADAPTER_DIR if is_lora(critic.backbone) else "")
+    critic.backbone.save_pretrained(backbone_dir, safe_serialization=True)
     head = {k: v.contiguous() for k, v in critic.value_head.state_dict().items()}
     save_file(head, Path(directory) / CRITIC_DIR / VALUE_HEAD_FILE)
 
@@ -750,7 +763,6 @@ def optimizer_step(model, optimizer, max_grad_norm: float) -> float:
 def train(args: Args) -> Path:
     """Runs PPO and returns the run directory."""
     check_args(args)
-    critic_dir = Path(args.resume_from) / CRITIC_DIR if args.resume_from else None
     device = resolve_device(args.device)
     weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
     amp = functools.partial(autocast, device, compute_dtype)  # bf16 autocast on a GPU, nothing on the CPU
@@ -760,14 +772,12 @@ def train(args: Args) -> Path:
     heldout = load_heldout_task(args.task, args.eval_problems, args.data_dir) if args.eval_every else None
     policy, tokenizer, eos_ids = load_policy(args, device, weight_dtype)  # with --lora_rank: LoRA adapters
     policy.train()
-    critic = load_critic(
-        str(critic_dir or args.model), device, weight_dtype, args.gradient_checkpointing,
-        head=str(critic_dir / VALUE_HEAD_FILE) if critic_dir else "",
-    )  # fmt: skip
+    critic = load_critic(args, device, weight_dtype)  # with --lora_rank: adapters of its own
     reference = load_reference(args, policy, device, weight_dtype) if args.beta > 0 else None
     vocab_size = len(tokenizer)  # ids the tokenizer has; the embedding may have more rows
     optimizer, scheduler = make_optimizer(policy, args.lr, args)  # AdamW, linear warm-up
-    critic_optimizer, critic_scheduler = make_optimizer(critic, args.critic_lr, args)
+    critic_lr = args.critic_lr or 10 * (LORA_LR if args.lora_rank else FULL_LR)  # unset: 10× the actor's default
+    critic_optimizer, critic_scheduler = make_optimizer(critic, critic_lr, args)
     evaluate = functools.partial(  # run.end_step calls it every eval_every steps and at the end
         evaluate_heldout, policy, tokenizer, eos_ids, heldout, args.max_new_tokens, args.eval_batch_size, amp
     )

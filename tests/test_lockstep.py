@@ -101,12 +101,13 @@ def test_every_difference_by_design_is_a_real_difference():
 
 
 def test_the_scripts_share_their_imports_from_common():
-    # What a script takes from common.py is the same list in all three, less PPO's critic
-    # loading helpers: the run harness, model loading and seeding are not the algorithm.
+    # What a script takes from common.py is the same list in all three, less what PPO's critic
+    # loads and saves with: the run harness, model loading and seeding are not the algorithm.
     imported = {}
     for script in SCRIPTS:
         tree = ast.parse((ROOT / script).read_text())
         (node,) = [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == "common"]
         imported[script] = {alias.name for alias in node.names}
-    ppo_only = {"enable_activation_checkpointing", "resolve_model_name"}
+    ppo_only = {"enable_activation_checkpointing", "resolve_model_name", "with_adapters", "is_lora", "ADAPTER_DIR"}
+    ppo_only |= {"FULL_LR", "LORA_LR"}  # the critic's default learning rate is 10× the actor's
     assert imported["grpo.py"] == imported["dapo.py"] == imported["ppo.py"] - ppo_only

@@ -144,8 +144,25 @@ def test_dapo_and_ppo_run_with_lora(script, tmp_path):
     assert [row["step"] for row in rows] == [1, 2] and all("kl/mean" in row for row in rows)
     assert (run_dir / "final" / "adapter" / "adapter_config.json").exists()
     assert AutoModelForCausalLM.from_pretrained(run_dir / "final").config.model_type == "qwen2"
-    if script is ppo:
-        assert (run_dir / "final" / "critic" / "value_head.safetensors").exists()
+    if script is ppo:  # the critic's backbone has adapters of its own; its head trains in full
+        critic = sorted(p.name for p in (run_dir / "final" / "critic").iterdir())
+        assert critic == ["adapter", "value_head.safetensors"]
+        resumed = ppo.load_critic(ppo.Args(**{**vars(args), "resume_from": str(run_dir / "final")}), CPU, torch.float32)
+        trainable = [name for name, p in resumed.named_parameters() if p.requires_grad]
+        assert all("lora_" in name or name.startswith("value_head") for name in trainable)
+        saved_head = load_file(run_dir / "final" / "critic" / "value_head.safetensors")
+        assert all(torch.equal(resumed.value_head.state_dict()[k], saved_head[k]) for k in saved_head)
+
+
+def test_ppo_resume_with_lora_continues_exactly(tmp_path, monkeypatch):
+    # Policy adapters, critic adapters and value head of the resumed run equal the straight run's.
+    settings = dict(model="tiny", task="digit", lora_rank=4, lr=1e-2, critic_lr=1e-2, max_new_tokens=2)
+    settings |= dict(batch_size=8, group_size=4, max_steps=3)
+    straight, resumed = crash_and_resume(ppo, tmp_path, monkeypatch, **settings)
+    names = ("adapter/adapter_model.safetensors", "critic/adapter/adapter_model.safetensors")
+    for name in (*names, "critic/value_head.safetensors", "model.safetensors"):
+        a, b = load_file(straight / "final" / name), load_file(resumed / "final" / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
 
 
 # The learning run with LoRA. On the random tiny model the adapters of "all-linear" (attention

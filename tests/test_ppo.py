@@ -233,7 +233,7 @@ def sampled():
     task = load_task("countdown", seed=0, num_problems=3)
     prompt_ids, prompt_mask = encode_prompts(tokenizer, [task.messages(p) for p in task.problems], 4, "cpu")
     ids, mask, _, _ = generate(model, prompt_ids, prompt_mask, 12, eos_ids, tokenizer.pad_token_id, len(tokenizer))
-    critic = load_critic("tiny", torch.device("cpu"), torch.float32, False)
+    critic = load_critic(Args(model="tiny"), torch.device("cpu"), torch.float32)
     torch.nn.init.normal_(critic.value_head.weight, std=0.1)
     with torch.no_grad():
         logp, _ = sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, 1.0, len(tokenizer), 4)
@@ -378,7 +378,7 @@ def test_train_wires_gae_whitening_and_adaptive_lambda(tmp_path, monkeypatch):
 def test_value_head_stays_fp32_when_the_backbone_is_bf16():
     # --dtype bfloat16 stores the backbone in bf16; the head must stay fp32: bf16 would store
     # 0.99 as 0.98828125 and round a 1e-5-sized update of it away.
-    critic = load_critic("tiny", torch.device("cpu"), torch.bfloat16, gradient_checkpointing=False)
+    critic = load_critic(Args(model="tiny"), torch.device("cpu"), torch.bfloat16)
     assert next(critic.backbone.parameters()).dtype == torch.bfloat16
     assert critic.value_head.weight.dtype == critic.value_head.bias.dtype == torch.float32
     ids = torch.tensor([[5, 6, 7]])
@@ -390,7 +390,7 @@ def test_a_crash_while_saving_the_critic_leaves_the_previous_checkpoint_whole(tm
     # Save "final" once; save it again with a critic whose save raises halfway. The first save
     # must still be there, policy and critic/, and no second policy without a critic.
     policy, tokenizer, _ = load_model("tiny", torch.device("cpu"))
-    critic = load_critic("tiny", torch.device("cpu"), torch.float32, gradient_checkpointing=False)
+    critic = load_critic(Args(model="tiny"), torch.device("cpu"), torch.float32)
     write_critic = functools.partial(ppo.save_critic, critic)
     save_checkpoint(tmp_path / "final", policy, tokenizer, {"step": 1}, extra=write_critic)
 
@@ -507,10 +507,8 @@ def test_smoke_run_writes_metrics_and_loadable_checkpoints(tmp_path):
         model = AutoModelForCausalLM.from_pretrained(run_dir / checkpoint)
         tokenizer = AutoTokenizer.from_pretrained(run_dir / checkpoint)
         assert model.config.model_type == "qwen2" and tokenizer.chat_template
-        critic_dir = run_dir / checkpoint / CRITIC_DIR
-        critic = load_critic(
-            str(critic_dir), torch.device("cpu"), torch.float32, False, head=str(critic_dir / VALUE_HEAD_FILE)
-        )
+        args = Args(model="tiny", resume_from=str(run_dir / checkpoint))  # as a resumed run loads it
+        critic = load_critic(args, torch.device("cpu"), torch.float32)
         assert critic.backbone.config.model_type == "qwen2" and critic.value_head.weight.shape == (1, 96)
 
 
