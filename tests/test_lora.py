@@ -128,6 +128,25 @@ def test_resume_with_lora_continues_exactly_and_final_holds_a_merged_model(tmp_p
     assert (adapted_logp - base_logp).abs().max() > 1e-4  # the adapters learned something to merge
     reloaded, _, _ = load_model(str(straight / "final"), CPU)  # as evaluate.py --model loads it
     assert reloaded.config.model_type == "qwen2"
+    with pytest.raises(SystemExit, match="is a LoRA checkpoint: it holds adapters"):
+        load_model(str(resumed / "step-000002"), CPU)  # no merged model before the end: a message, not a traceback
+
+
+def test_gradient_checkpointing_gives_the_same_adapter_gradient():
+    # Activation checkpointing recomputes the forward pass in backward; with frozen base weights
+    # and adapters in between, the adapters' gradient must not change.
+    gradients = []
+    for checkpointing in (False, True):
+        args = lora_args(gradient_checkpointing=checkpointing, num_iterations=2)
+        policy, tokenizer, eos_ids = load_policy(args, CPU, torch.float32)
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(sum(map(ord, name))))
+        batch = sampled_batch(policy, tokenizer, eos_ids)
+        grpo.policy_backward(policy, batch, args, len(tokenizer))
+        gradients.append(torch.cat([p.grad.flatten() for p in policy.parameters() if p.requires_grad]))
+    assert gradients[0].abs().max() > 0
+    assert torch.allclose(gradients[1], gradients[0], rtol=1e-4, atol=1e-7)
 
 
 @pytest.mark.parametrize("script", [dapo, ppo], ids=["dapo", "ppo"])
