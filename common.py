@@ -368,7 +368,8 @@ def with_adapters(model, args, saved: Path | None = None):
 
     if saved is not None:
         return PeftModel.from_pretrained(model, saved, is_trainable=True)
-    targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
+    names = [name.strip() for name in args.lora_targets.split(",") if name.strip()]
+    targets = "all-linear" if names == ["all-linear"] else names
     config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=targets, lora_dropout=0.0)
     return get_peft_model(model, config)
 
@@ -404,8 +405,9 @@ def is_lora(model) -> bool:
 
 def save_merged(policy, directory: Path) -> None:
     """A LoRA policy as one full model, save_pretrained's format (transformers, vLLM, lm-eval and
-    evaluate.py load it): every adapted weight W + (α/r)·B·A, computed beside the policy, one
-    layer at a time on the CPU, so the policy's own weights stay bit for bit what they were."""
+    evaluate.py load it): every adapted weight W + (α/r)·B·A, computed beside the policy one
+    layer at a time (in fp32, stored in the model's dtype) and gathered on the CPU, so the
+    policy's own weights stay bit for bit what they were."""
     from peft.tuners.lora import LoraLayer
 
     base = policy.get_base_model()
@@ -413,8 +415,11 @@ def save_merged(policy, directory: Path) -> None:
     with torch.no_grad():
         for name, module in base.named_modules():
             if isinstance(module, LoraLayer):
-                merged = module.base_layer.weight + module.get_delta_weight(module.active_adapters[0])
-                state[f"{name}.weight"] = merged.cpu()
+                weight = module.base_layer.weight  # the sum in fp32, stored in the model's own dtype
+                merged = weight.float() + module.get_delta_weight(module.active_adapters[0]).float()
+                state[f"{name}.weight"] = merged.to(weight.dtype).cpu()
+                if name.endswith("lm_head"):  # an adapted LM head is no longer its embedding's tie
+                    base.config.tie_word_embeddings = False
     base.save_pretrained(directory, state_dict=state, safe_serialization=True)
 
 

@@ -437,10 +437,11 @@ def load_critic(args, device: torch.device, dtype: torch.dtype) -> Critic:
         ) from error
     if args.gradient_checkpointing:
         enable_activation_checkpointing(backbone)
-    if args.lora_rank:
+    backbone.to(device=device, dtype=dtype)
+    if args.lora_rank:  # after the cast: peft keeps the adapters of a bf16 backbone in fp32
         backbone = with_adapters(backbone, args, saved / ADAPTER_DIR if saved else None)
-    critic = Critic(backbone).to(device=device, dtype=dtype)
-    critic.value_head.float()  # fp32 always (see Critic.forward)
+    critic = Critic(backbone)
+    critic.value_head.to(device=device, dtype=torch.float32)  # fp32 always (see Critic.forward)
     if saved:
         critic.value_head.load_state_dict(load_file(saved / VALUE_HEAD_FILE, device=str(device)))
     return critic.train()
