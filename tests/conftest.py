@@ -18,17 +18,14 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-@pytest.fixture(scope="module")
-def sampled():
-    """A real batch from the tiny model for the loss and gradient tests of grpo.py and dapo.py:
-    3 prompts × 4 completions of unequal lengths, some truncated at 12 tokens. Returns
-    (model, tokenizer, batch) with batch in the layout policy_backward takes."""
-    from common import load_model
+def sample_batch(model, tokenizer, eos_ids) -> dict:
+    """3 Countdown prompts × 4 completions of up to 12 tokens from `model` (unequal lengths,
+    some truncated), in the layout policy_backward takes, with old and reference log-probs
+    moved away from the model's own (ratios ≠ 1, some tokens clipped, a KL gradient).
+    Draws from torch's global RNG: seed it first."""
     from grpo import encode_prompts, generate, sequence_logprobs
     from rewards import load_task
 
-    torch.manual_seed(0)
-    model, tokenizer, eos_ids = load_model("tiny", torch.device("cpu"))
     task = load_task("countdown", seed=0, num_problems=3)
     prompt_ids, prompt_mask = encode_prompts(tokenizer, [task.messages(p) for p in task.problems], 4, "cpu")
     ids, mask, truncated, _ = generate(
@@ -36,19 +33,27 @@ def sampled():
     )
     with torch.no_grad():
         logp, _ = sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, 1.0, len(tokenizer), 4)
-    batch = {
+    return {
         "prompt_ids": prompt_ids,
         "prompt_mask": prompt_mask,
         "completion_ids": ids,
         "completion_mask": mask,
         "truncated": truncated,
-        # old and reference log-probs away from the current ones, so that ratios ≠ 1, some
-        # tokens are clipped, and the KL term has a gradient
         "old_logp": (logp + 0.3 * torch.randn_like(logp)) * mask,
         "ref_logp": (logp + 0.2 * torch.randn_like(logp)) * mask,
         "advantages": torch.randn(ids.shape[0]),
     }
-    return model, tokenizer, batch
+
+
+@pytest.fixture(scope="module")
+def sampled():
+    """A real batch from the tiny model for the loss and gradient tests of grpo.py and dapo.py
+    (sample_batch). Returns (model, tokenizer, batch)."""
+    from common import load_model
+
+    torch.manual_seed(0)
+    model, tokenizer, eos_ids = load_model("tiny", torch.device("cpu"))
+    return model, tokenizer, sample_batch(model, tokenizer, eos_ids)
 
 
 def crash_and_resume(script, tmp_path, monkeypatch, **settings):

@@ -13,9 +13,8 @@ import dapo
 import grpo
 import ppo
 from common import LORA_LR, build_tiny_model, load_model, load_policy, load_reference, make_optimizer, read_jsonl
-from conftest import crash_and_resume
-from grpo import encode_prompts, generate, sequence_logprobs
-from rewards import load_task
+from conftest import crash_and_resume, sample_batch
+from grpo import sequence_logprobs
 
 CPU = torch.device("cpu")
 
@@ -25,26 +24,9 @@ def lora_args(script=grpo, **overrides):
 
 
 def sampled_batch(policy, tokenizer, eos_ids) -> dict:
-    """3 prompts × 4 completions from the policy, as policy_backward takes them, with
-    old and reference log-probs away from the current ones (ratios ≠ 1, a KL gradient)."""
+    """conftest.sample_batch from the policy, with the RNG seeded: the same tokens each call."""
     torch.manual_seed(0)
-    task = load_task("countdown", seed=0, num_problems=3)
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, [task.messages(p) for p in task.problems], 4, CPU)
-    ids, mask, truncated, _ = generate(
-        policy, prompt_ids, prompt_mask, 12, eos_ids, tokenizer.pad_token_id, len(tokenizer)
-    )
-    with torch.no_grad():
-        logp, _ = sequence_logprobs(policy, prompt_ids, prompt_mask, ids, mask, 1.0, len(tokenizer), 4)
-    return {
-        "prompt_ids": prompt_ids,
-        "prompt_mask": prompt_mask,
-        "completion_ids": ids,
-        "completion_mask": mask,
-        "truncated": truncated,
-        "old_logp": (logp + 0.3 * torch.randn_like(logp)) * mask,
-        "ref_logp": (logp + 0.2 * torch.randn_like(logp)) * mask,
-        "advantages": torch.randn(ids.shape[0]),
-    }
+    return sample_batch(policy, tokenizer, eos_ids)
 
 
 def test_only_the_adapters_learn_and_the_reference_is_the_base_model():
