@@ -83,13 +83,16 @@ class Args:
     lora_alpha: float = arg(32.0, "α: the adapters' update is scaled by α/r (LoRA Without Regret keeps α = 32)")
     lora_targets: str = arg("all-linear", "layers with adapters: all-linear (attention, MLP) or names: q_proj,v_proj")
     # the GRPO objective
-    loss_type: str = arg("grpo", "grpo (sample-level mean), dr_grpo (Dr. GRPO) or gspo (GSPO)")
+    loss_type: str = arg("grpo", "grpo (sample-level mean), dr_grpo (Dr. GRPO), gspo (GSPO) or gpg (GPG)")
     eps: float = arg(0.2, "ε, clip range of the token ratio, DAPO Eq. 5 (grpo, dr_grpo)")
     gspo_eps_low: float = arg(3e-4, "ε_low of GSPO's sequence ratio, GSPO Eq. 5")
     gspo_eps_high: float = arg(4e-4, "ε_high of GSPO's sequence ratio, GSPO Eq. 5")
     beta: float = arg(0.01, "β, KL coefficient, DAPO Eq. 5 (seed study optimum ~0.0075-0.01); 0 = no reference")
     adv_eps: float = arg(1e-6, "added to the group std in Â, DAPO Eq. 6 (verl's value; TRL uses 1e-4)")
     dual_clip: float = arg(0.0, "c of dual-clip PPO (Ye et al. Eq. 4), > 1 to enable (verl: 3); 0 = off")
+    entropy_coef: float = arg(0.0, "c_H, T1's entropy bonus: the loss minus c_H·H(π_θ) per token; 0 = off")
+    ref_ema_decay: float = arg(0.0, "λ, T1's moving π_ref ← λ·π_ref + (1−λ)·π_θ after each optimizer step; 0 = frozen")
+    tis_cap: float = arg(0.0, "C, truncated IS: each token's loss × min(π_θold/π_sampler, C) (Yao et al.: 2); 0 = off")
     # run
     max_steps: int = arg(500, "training steps (one batch of B·G completions each)")
     seed: int = arg(0, "seeds prompts order, sampling and initialisation")
@@ -110,6 +113,7 @@ class Args:
 # prompt order and the meaning of a step depend on them).
 SAME_ON_RESUME = ("model", "task", "dataset", "num_problems", "seed", "batch_size", "group_size")
 SAME_ON_RESUME += ("lora_rank", "lora_alpha", "lora_targets")  # the adapters saved must fit the run
+SAME_ON_RESUME += ("ref_ema_decay",)  # with it, the trainer state holds the moving reference
 
 
 def check_args(args: Args) -> None:
@@ -117,8 +121,12 @@ def check_args(args: Args) -> None:
     problems = check_run_args(args)
     if args.group_size < 2:
         problems.append("--group_size must be at least 2: a group of one has no relative advantage.")
-    if args.loss_type not in ("grpo", "dr_grpo", "gspo"):
-        problems.append(f"--loss_type {args.loss_type!r} is not one of: grpo, dr_grpo, gspo.")
+    if args.loss_type not in ("grpo", "dr_grpo", "gspo", "gpg"):
+        problems.append(f"--loss_type {args.loss_type!r} is not one of: grpo, dr_grpo, gspo, gpg.")
+    if args.loss_type == "gpg" and (args.beta or args.dual_clip):
+        problems.append("--loss_type gpg has no reference model and no ratio to clip: add --beta 0 --dual_clip 0.")
+    if args.loss_type == "gpg" and (args.num_iterations > 1 or args.num_mini_batches > 1):
+        problems.append("--loss_type gpg is the on-policy gradient: use --num_iterations 1 --num_mini_batches 1.")
     if args.num_mini_batches < 1 or (args.batch_size * args.group_size) % args.num_mini_batches:
         problems.append("--num_mini_batches must be at least 1 and divide batch_size * group_size.")
     if args.temperature <= 0 or not 0 < args.top_p <= 1:
@@ -131,6 +139,7 @@ def check_args(args: Args) -> None:
             problems.append(f"--{name} must be >= 0 (got {getattr(args, name)}).")
     if args.dual_clip and args.dual_clip <= 1:
         problems.append("--dual_clip must be > 1 (e.g. 3), or 0 to disable it.")
+    problems += check_technique_args(args)
     if args.eval_every < 0 or (args.eval_every and (args.eval_problems < 1 or args.eval_batch_size < 1)):
         problems.append("--eval_every must be >= 0, and with it --eval_problems and --eval_batch_size >= 1.")
     for name in ("batch_size", "max_new_tokens", "micro_batch_size", "logprob_chunk_size", "num_iterations"):
@@ -138,6 +147,20 @@ def check_args(args: Args) -> None:
             problems.append(f"--{name} must be at least 1.")
     if problems:
         raise SystemExit("Invalid arguments:\n  " + "\n  ".join(problems))
+
+
+def check_technique_args(args: Args) -> list[str]:
+    """The ranges of the entropy bonus, the moving reference and truncated IS (grpo.py, dapo.py)."""
+    problems = []
+    if args.entropy_coef < 0:
+        problems.append(f"--entropy_coef must be >= 0 (got {args.entropy_coef}); T1 adds a small bonus, e.g. 0.001.")
+    if not 0 <= args.ref_ema_decay < 1:
+        problems.append(f"--ref_ema_decay must be in [0, 1) (got {args.ref_ema_decay}), e.g. 0.99; 0 = frozen.")
+    elif args.ref_ema_decay and (args.beta == 0 or args.lora_rank):
+        problems.append("--ref_ema_decay moves the reference of the KL term: it needs --beta > 0 and --lora_rank 0.")
+    if args.tis_cap and args.tis_cap < 1:
+        problems.append(f"--tis_cap must be >= 1, or 0 to disable it (got {args.tis_cap}); Yao et al. use 2.")
+    return problems
 
 
 # ----------------------------------------------------------------------------------------
@@ -382,6 +405,32 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool 
     return centered.flatten()
 
 
+def gpg_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """GPG's corrected advantage (Chu et al. 2025, arXiv 2504.02546, Sec. 3; its best setting):
+        Â_i = α · (R_i − mean(R_1..R_G)),   α = B / (B − M)
+    with F_norm = 1 (no division by the std) and α over the whole batch: B completions, M of
+    them in groups whose rewards are all equal. Those groups have Â = 0 and add nothing to the
+    gradient, yet the token-mean loss still divides by their tokens; α scales the rest back up
+    so the gradient's size does not shrink as more groups become all-right or all-wrong.
+    rewards (N,) with groups in consecutive rows -> advantages (N,)."""
+    grouped = rewards.view(-1, group_size)  # (B/G groups, G)
+    informative = grouped.max(-1).values != grouped.min(-1).values  # (groups,)
+    alpha = len(informative) / max(informative.sum().item(), 1)  # B / (B − M); groups are of equal size
+    return (alpha * (grouped - grouped.mean(dim=-1, keepdim=True))).flatten()
+
+
+def tis_weights(old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_mask: torch.Tensor, cap: float):
+    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you
+    off-policy RL training"): the sampler (generate, in its kernels and precision) and the trainer
+    (sequence_logprobs) give the same token different probabilities, so a batch sampled from
+    π_sampler is slightly off-policy for π_θold. Each token's policy-gradient term is weighted by
+        w_t = min(π_θold(y_t) / π_sampler(y_t), C)
+    the importance ratio that corrects for it, truncated at C to bound its variance. A constant,
+    no gradient. old_logp, sample_logp, completion_mask (n, T) -> w (n, T), 1 where masked."""
+    log_ratio = ((old_logp - sample_logp) * completion_mask).clamp(max=20.0)  # e^20: finite, as in kl_k3
+    return torch.exp(log_ratio).clamp(max=cap).detach()
+
+
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k3 estimator of KL(π_θ ‖ π_ref) per token (Schulman 2020; DeepSeekMath Eq. 4):
         π_ref/π_θ − log(π_ref/π_θ) − 1, unbiased under samples of π_θ and never negative.
@@ -403,6 +452,10 @@ def grpo_loss(
     dual_clip: float,
     num_sequences: int,
     max_new_tokens: int,
+    entropy: torch.Tensor | None = None,  # (n, T) H(π_θ(·|s_t)) with grad; None when entropy_coef = 0
+    entropy_coef: float = 0.0,
+    is_weight: torch.Tensor | None = None,  # (n, T) truncated IS weights (tis_weights); None = off
+    num_tokens: int = 0,  # valid tokens of the whole mini-batch (gpg's normaliser)
 ):
     """The negative GRPO objective of one micro-batch, DAPO Eq. 5:
         J = 1/G Σ_i 1/|o_i| Σ_t [ min(r_it Â_i, clip(r_it, 1−ε, 1+ε) Â_i) − β D_KL,it ]
@@ -416,8 +469,15 @@ def grpo_loss(
                so long wrong answers are not penalised less per token (Dr. GRPO Sec. 3.1).
       gspo     one ratio per completion, s_i = exp(mean_t log r_it) (GSPO Eq. 7), clipped
                with its own tiny ε (GSPO Eq. 5) and applied to every token of o_i.
+      gpg      the plain policy gradient of GPG (arXiv 2504.02546), no ratio, no clip, no KL:
+                   J = 1/Σ_i |o_i| · Σ_i Σ_t Â_i · log π_θ(o_i,t)
+               over the mini-batch's num_tokens, with gpg_advantages. On-policy only (check_args).
     dual_clip c > 1 bounds the objective of a negative-advantage token below by c·Â
     (Ye et al. Eq. 4), so a token whose ratio exploded cannot dominate the batch.
+    entropy_coef c_H adds T1's entropy bonus c_H·H_t to every token's objective (Hou et al.
+    2025, arXiv 2501.11651): exploration is rewarded directly, with the same normaliser.
+    is_weight w_t multiplies each token's policy-gradient term, not its KL or entropy term
+    (truncated importance sampling, tis_weights).
     Returns (loss, stats): stats are sums over valid tokens, for batch-level metrics.
     """
     mask = completion_mask.to(logp.dtype)
@@ -428,17 +488,26 @@ def grpo_loss(
         ratio = torch.exp(log_ratio.sum(-1, keepdim=True) / lengths[:, None]).expand_as(logp)  # (n, T)
     else:
         ratio = torch.exp(log_ratio)  # (n, T)
-    objective = torch.min(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)  # (n, T)
+    if loss_type == "gpg":
+        objective = logp * adv  # (n, T) ∇ = Â·∇log π_θ, REINFORCE with the group baseline
+    else:
+        objective = torch.min(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)  # (n, T)
     if dual_clip > 0:
         dual_bound = dual_clip * adv.expand_as(objective)
         dual_active = (adv < 0) & (objective < dual_bound)
         objective = torch.where(dual_active, dual_bound, objective)
+    if is_weight is not None:
+        objective = is_weight * objective
+    if entropy_coef > 0:
+        objective = objective + entropy_coef * entropy
     per_token = -objective
     kl = kl_k3(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
     if beta > 0:
         per_token = per_token + beta * kl
     if loss_type == "dr_grpo":
         loss = (per_token * mask).sum() / (num_sequences * max_new_tokens)
+    elif loss_type == "gpg":
+        loss = (per_token * mask).sum() / num_tokens
     else:
         loss = ((per_token * mask).sum(-1) / lengths).sum() / num_sequences
     with torch.no_grad():
@@ -451,14 +520,25 @@ def grpo_loss(
             "kl": (kl * mask).sum().item(),
             "ratio_max": ratio[valid].max().item() if valid.any() else 1.0,
         }
+        if is_weight is not None:
+            stats |= tis_stats(is_weight, valid)
     return loss, stats
+
+
+def tis_stats(is_weight: torch.Tensor, valid: torch.Tensor) -> dict:
+    """Sums and the max of the truncated IS weights over the valid tokens, for update_metrics."""
+    weights = is_weight[valid]
+    return {
+        "tis_weight": weights.sum().item(),
+        "tis_weight_max": weights.max().item() if weights.numel() else 1.0,  # C when any token was capped
+    }
 
 
 def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contextlib.nullcontext) -> dict:
     """Forward and backward over one mini-batch, micro_batch_size sequences at a time;
     gradients accumulate in .grad. batch holds (n, …) tensors: prompt_ids, prompt_mask,
-    completion_ids, completion_mask, old_logp, ref_logp (or None), advantages. amp() is the
-    autocast context of the forward pass (backward runs outside it, as PyTorch advises).
+    completion_ids, completion_mask, sample_logp, old_logp, ref_logp (or None), advantages. amp()
+    is the autocast context of the forward pass (backward runs outside it, as PyTorch advises).
     Returns the summed loss and token statistics of the whole mini-batch.
 
     On-policy (μ = 1 and one mini-batch) π_θold is π_θ itself, so the ratio is set to exactly
@@ -466,13 +546,14 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
     differ by noise, which GSPO's ε ≈ 3e-4 would clip. The gradient is the same either way.
     """
     num_sequences = batch["completion_ids"].shape[0]
+    num_tokens = batch["completion_mask"].sum().item()  # the whole mini-batch's, for every micro-batch
     on_policy = args.num_iterations == 1 and args.num_mini_batches == 1
     eps_low, eps_high = (args.gspo_eps_low, args.gspo_eps_high) if args.loss_type == "gspo" else (args.eps, args.eps)
     totals = {}
     for start in range(0, num_sequences, args.micro_batch_size):
         micro = {k: (v[start : start + args.micro_batch_size] if v is not None else None) for k, v in batch.items()}
         with amp():
-            logp, _ = sequence_logprobs(
+            logp, entropy = sequence_logprobs(
                 policy,
                 micro["prompt_ids"],
                 micro["prompt_mask"],
@@ -481,10 +562,15 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
                 args.temperature,
                 vocab_size,
                 chunk_size=args.micro_batch_size,
+                with_entropy=args.entropy_coef > 0,
             )
+            old_logp = logp.detach() if on_policy else micro["old_logp"]
+            is_weight = None
+            if args.tis_cap:
+                is_weight = tis_weights(old_logp, micro["sample_logp"], micro["completion_mask"], args.tis_cap)
             loss, stats = grpo_loss(
                 logp,
-                logp.detach() if on_policy else micro["old_logp"],
+                old_logp,
                 micro["ref_logp"],
                 micro["advantages"],
                 micro["completion_mask"],
@@ -495,16 +581,47 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
                 args.dual_clip,
                 num_sequences,
                 args.max_new_tokens,
+                entropy,
+                args.entropy_coef,
+                is_weight,
+                num_tokens,
             )
         loss.backward()
         accumulate(totals, {"loss": loss.item(), **stats})
     return totals
 
 
+def optimizer_step(model, optimizer, max_grad_norm: float, skip: bool = False) -> float:
+    """Clips the gradient norm, steps, and frees the gradients (set to None, not zeros), so
+    that actor and critic gradients never exist at the same time, nor one step's during the
+    next generation. skip: no step, where a mini-batch had no token to learn from (momentum
+    alone must not move θ). Returns the norm before clipping."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item()
+    if not skip:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+@torch.no_grad()
+def ema_update(reference, policy, decay: float) -> None:
+    """T1's moving reference (Hou et al. 2025, arXiv 2501.11651), after each optimizer step:
+        θ_ref ← λ·θ_ref + (1 − λ)·θ
+    parameter by parameter, so the KL term anchors the policy to an average of its recent
+    weights (over about 1/(1 − λ) steps) rather than to the start, and stops holding back
+    progress once the policy has moved far. The copy is the reference model β > 0 already
+    loads, on the policy's device and in its weight dtype: no extra memory. decay 0: frozen."""
+    if not decay:
+        return
+    weights = dict(policy.named_parameters())
+    for name, ref_param in reference.named_parameters():
+        ref_param.lerp_(weights[name].to(ref_param.dtype), 1 - decay)
+
+
 def accumulate(totals: dict, stats: dict) -> None:
-    """Adds one micro-batch's statistics into running totals: sums, except the max ratio."""
+    """Adds one micro-batch's statistics into running totals: sums, except the maxima (*_max)."""
     for key, value in stats.items():
-        totals[key] = max(totals.get(key, value), value) if key == "ratio_max" else totals.get(key, 0) + value
+        totals[key] = max(totals.get(key, value), value) if key.endswith("_max") else totals.get(key, 0) + value
 
 
 # ----------------------------------------------------------------------------------------
@@ -560,6 +677,8 @@ def train(args: Args) -> Path:
         evaluate_heldout, policy, tokenizer, eos_ids, heldout, args.max_new_tokens, args.eval_batch_size, amp
     )
     resumable = {"optimizer": optimizer, "scheduler": scheduler}
+    if args.ref_ema_decay:  # T1's reference moves with the policy: a resumed run needs where it was
+        resumable["reference"] = reference
     run = Run(args, "grpo", policy, tokenizer, resumable=resumable, same_on_resume=SAME_ON_RESUME, evaluate=evaluate)
     num_sequences = args.batch_size * args.group_size  # N
 
@@ -589,9 +708,12 @@ def train(args: Args) -> Path:
             seconds_logprobs = time.perf_counter() - timer
 
             # 5. Group-relative advantages: one number per completion, shared by its tokens.
-            advantages = group_advantages(
-                batch.rewards, args.group_size, scale_by_std=args.loss_type != "dr_grpo", eps=args.adv_eps
-            )  # (N,)
+            if args.loss_type == "gpg":
+                advantages = gpg_advantages(batch.rewards, args.group_size)  # (N,)
+            else:
+                advantages = group_advantages(
+                    batch.rewards, args.group_size, scale_by_std=args.loss_type != "dr_grpo", eps=args.adv_eps
+                )  # (N,)
 
             # 6. μ iterations over shuffled mini-batches; one optimizer step per mini-batch.
             timer = time.perf_counter()
@@ -600,6 +722,7 @@ def train(args: Args) -> Path:
                 "prompt_mask": batch.prompt_mask,
                 "completion_ids": batch.completion_ids,
                 "completion_mask": batch.completion_mask,
+                "sample_logp": batch.sample_logp,
                 "old_logp": old_logp,
                 "ref_logp": ref_logp,
                 "advantages": advantages,
@@ -610,9 +733,8 @@ def train(args: Args) -> Path:
                 for rows in order.tensor_split(args.num_mini_batches):
                     mini = {k: v[rows] if v is not None else None for k, v in tensors.items()}
                     totals = policy_backward(policy, mini, args, vocab_size, amp)
-                    grad_norms.append(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm).item())
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)  # free the gradients before the next generation
+                    grad_norms.append(optimizer_step(policy, optimizer, args.max_grad_norm))
+                    ema_update(reference, policy, args.ref_ema_decay)  # T1's moving π_ref; nothing at 0
                     accumulate(update, totals)
             learning_rate = scheduler.get_last_lr()[0]  # the rate this step trained with
             scheduler.step()
@@ -635,7 +757,7 @@ def update_metrics(update: dict, grad_norms: list[float], learning_rate: float) 
     """Statistics of step 6, from the sums policy_backward collected over every micro-batch
     (never the last micro-batch alone)."""
     tokens = update["tokens"]
-    return {
+    metrics = {
         "loss/policy": update["loss"] / len(grad_norms),  # mean over the optimizer steps
         "kl/mean": update["kl"] / tokens,
         "clip/low": update["clip_low"] / tokens,
@@ -646,6 +768,9 @@ def update_metrics(update: dict, grad_norms: list[float], learning_rate: float) 
         "optim/grad_norm": sum(grad_norms) / len(grad_norms),
         "optim/lr": learning_rate,
     }
+    if "tis_weight" in update:  # --tis_cap: the truncated IS weights the loss used
+        metrics |= {"tis/weight_mean": update["tis_weight"] / tokens, "tis/weight_max": update["tis_weight_max"]}
+    return metrics
 
 
 def step_metrics(batch: Rollout, entropy: torch.Tensor, old_logp: torch.Tensor, group_size: int) -> dict:

@@ -97,7 +97,8 @@ class Args:
     lora_alpha: float = arg(32.0, "α: the adapters' update is scaled by α/r (LoRA Without Regret keeps α = 32)")
     lora_targets: str = arg("all-linear", "layers with adapters: all-linear (attention, MLP) or names: q_proj,v_proj")
     # the PPO objective
-    eps: float = arg(0.2, "ε, clip range of the token ratio, PPO Eq. 7")
+    eps_low: float = arg(0.2, "ε_low, lower clip range of the token ratio, DAPO Eq. 10")
+    eps_high: float = arg(0.2, "ε_high, upper clip range of the token ratio (clip-higher), DAPO Eq. 10 (VAPO: 0.28)")
     eps_value: float = arg(0.2, "ε_v, clip range of V_φ around V_old in the value loss")
     entropy_coef: float = arg(0.0, "c_2 of PPO Eq. 9, entropy bonus (seed study: it hurt accuracy); 0 = off")
     dual_clip: float = arg(0.0, "c of dual-clip PPO (Ye et al. Eq. 4), > 1 to enable (verl: 3); 0 = off")
@@ -109,6 +110,8 @@ class Args:
     lam_alpha: float = arg(0.05, "α of the length-adaptive λ_actor (VAPO)")
     value_warmup_steps: int = arg(0, "VAPO value pretraining: only the critic learns for the first K steps")
     whiten_eps: float = arg(1e-8, "added to the batch variance when whitening Â")
+    pos_lm_coef: float = arg(0.0, "μ, VAPO's positive-example LM loss: + μ·NLL of the correct completions (VAPO: 0.1)")
+    tis_cap: float = arg(0.0, "C, truncated IS: each token's loss × min(π_θold/π_sampler, C) (Yao et al.: 2); 0 = off")
     # run
     max_steps: int = arg(500, "training steps (one batch of B·G completions each)")
     seed: int = arg(0, "seeds prompts order, sampling and initialisation")
@@ -147,7 +150,15 @@ def check_args(args: Args) -> None:
     for name in ("gamma", "lam_actor", "lam_critic"):
         if not 0 <= getattr(args, name) <= 1:
             problems.append(f"--{name} must be between 0 and 1.")
-    for name in ("eps", "eps_value", "lam_alpha", "whiten_eps"):
+    if not 0 <= args.eps_low < 1 or args.eps_high < 0:
+        problems.append(
+            "Clip ranges need 0 <= --eps_low < 1 and --eps_high >= 0 (PPO: 0.2 and 0.2; VAPO: 0.2 and 0.28)."
+        )
+    if args.pos_lm_coef < 0:
+        problems.append(f"--pos_lm_coef must be >= 0 (got {args.pos_lm_coef}); VAPO uses 0.1.")
+    if args.tis_cap and args.tis_cap < 1:
+        problems.append(f"--tis_cap must be >= 1, or 0 to disable it (got {args.tis_cap}); Yao et al. use 2.")
+    for name in ("eps_value", "lam_alpha", "whiten_eps"):
         if getattr(args, name) <= 0:
             problems.append(f"--{name} must be > 0.")
     for name in ("beta", "entropy_coef", "value_warmup_steps"):
@@ -487,6 +498,18 @@ def critic_values(
 # ALGO LOGIC: per-token rewards, GAE, and the PPO losses
 
 
+def tis_weights(old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_mask: torch.Tensor, cap: float):
+    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you
+    off-policy RL training"): the sampler (generate, in its kernels and precision) and the trainer
+    (sequence_logprobs) give the same token different probabilities, so a batch sampled from
+    π_sampler is slightly off-policy for π_θold. Each token's policy-gradient term is weighted by
+        w_t = min(π_θold(y_t) / π_sampler(y_t), C)
+    the importance ratio that corrects for it, truncated at C to bound its variance. A constant,
+    no gradient. old_logp, sample_logp, completion_mask (n, T) -> w (n, T), 1 where masked."""
+    log_ratio = ((old_logp - sample_logp) * completion_mask).clamp(max=20.0)  # e^20: finite, as in kl_k3
+    return torch.exp(log_ratio).clamp(max=cap).detach()
+
+
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k3 estimator of KL(π_θ ‖ π_ref) per token (Schulman 2020; DeepSeekMath Eq. 4):
         π_ref/π_θ − log(π_ref/π_θ) − 1, unbiased under samples of π_θ and never negative.
@@ -578,27 +601,36 @@ def ppo_loss(
     old_logp: torch.Tensor,  # (n, T) log π_θold, recorded before the first update
     advantages: torch.Tensor,  # (n, T) whitened Â_t
     completion_mask: torch.Tensor,  # (n, T)
-    eps: float,
+    eps_low: float,
+    eps_high: float,
     dual_clip: float,
     entropy: torch.Tensor | None,  # (n, T) H(π_θ(·|s_t)) with grad; None when entropy_coef = 0
     entropy_coef: float,
     num_tokens: int,
+    is_weight: torch.Tensor | None = None,  # (n, T) truncated IS weights (tis_weights); None = off
 ):
     """The negative PPO objective of one micro-batch, PPO Eq. 7 (plus Eq. 9's entropy bonus):
-        J = 1/|tokens| Σ_i Σ_t [ min(r_t Â_t, clip(r_t, 1−ε, 1+ε) Â_t) + c_2 H_t ]
-    a mean over the valid tokens of the whole mini-batch: num_tokens counts them all, so the
-    micro-batch losses add up to the mini-batch loss and gradient accumulation gives exactly
-    the big-batch gradient. The value loss is a separate function: actor and
-    critic are separate networks with separate optimizers, so nothing is gained by summing.
+        J = 1/|tokens| Σ_i Σ_t [ min(r_t Â_t, clip(r_t, 1−ε_low, 1+ε_high) Â_t) + c_2 H_t ]
+    a mean over the valid tokens of the whole mini-batch (VAPO's token-level loss, as DAPO
+    Eq. 12): num_tokens counts them all, so the micro-batch losses add up to the mini-batch
+    loss and gradient accumulation gives exactly the big-batch gradient. The value loss is a
+    separate function: actor and critic are separate networks with separate optimizers, so
+    nothing is gained by summing.
+    ε_low = ε_high is PPO's symmetric clip; ε_high > ε_low is clip-higher (DAPO Eq. 10, which
+    VAPO adopts with 0.2 and 0.28): a low-probability token with Â > 0 keeps room to grow.
     dual_clip c > 1 bounds the objective of a negative-advantage token below by c·Â
-    (Ye et al. Eq. 4). Returns (loss, stats): stats are sums over valid tokens."""
+    (Ye et al. Eq. 4). is_weight w_t multiplies each token's clipped term, not its entropy
+    bonus (truncated importance sampling, tis_weights).
+    Returns (loss, stats): stats are sums over valid tokens."""
     mask = completion_mask.to(logp.dtype)
     ratio = torch.exp((logp - old_logp) * mask)  # (n, T)
-    objective = torch.min(ratio * advantages, ratio.clamp(1 - eps, 1 + eps) * advantages)  # (n, T)
+    objective = torch.min(ratio * advantages, ratio.clamp(1 - eps_low, 1 + eps_high) * advantages)  # (n, T)
     if dual_clip > 0:
         dual_bound = dual_clip * advantages
         dual_active = (advantages < 0) & (objective < dual_bound)
         objective = torch.where(dual_active, dual_bound, objective)
+    if is_weight is not None:
+        objective = is_weight * objective
     if entropy_coef > 0:
         objective = objective + entropy_coef * entropy
     loss = -(objective * mask).sum() / num_tokens
@@ -606,12 +638,41 @@ def ppo_loss(
         valid = completion_mask.bool()
         stats = {
             "tokens": valid.sum().item(),
-            "clip_low": (valid & (advantages < 0) & (ratio < 1 - eps)).sum().item(),
-            "clip_high": (valid & (advantages > 0) & (ratio > 1 + eps)).sum().item(),
+            "clip_low": (valid & (advantages < 0) & (ratio < 1 - eps_low)).sum().item(),
+            "clip_high": (valid & (advantages > 0) & (ratio > 1 + eps_high)).sum().item(),
             "clip_dual": (valid & dual_active).sum().item() if dual_clip > 0 else 0,
             "ratio_max": ratio[valid].max().item() if valid.any() else 1.0,
         }
+        if is_weight is not None:
+            stats |= tis_stats(is_weight, valid)
     return loss, stats
+
+
+def tis_stats(is_weight: torch.Tensor, valid: torch.Tensor) -> dict:
+    """Sums and the max of the truncated IS weights over the valid tokens, for update_metrics."""
+    weights = is_weight[valid]
+    return {
+        "tis_weight": weights.sum().item(),
+        "tis_weight_max": weights.max().item() if weights.numel() else 1.0,  # C when any token was capped
+    }
+
+
+def positive_lm_loss(
+    logp: torch.Tensor,  # (n, T) log π_θ, with grad
+    completion_mask: torch.Tensor,  # (n, T)
+    positive: torch.Tensor,  # (n,) True for a completion the task scored correct
+    num_positive_tokens: int,
+):
+    """VAPO's positive-example LM loss (Yue et al. 2025, arXiv 2504.05118, Sec. 3): the negative
+    log-likelihood of the correct completions of the batch, T,
+        L_NLL = −1/Σ_{o_i∈T} |o_i| · Σ_{o_i∈T} Σ_t log π_θ(o_i,t)
+    added to the policy loss with weight μ. Imitating its own correct answers extracts more
+    from each rare success than the policy gradient alone does, where rewards are sparse.
+    "Correct" is the task's verdict (Score.correct), VAPO's choice on its 0/1-reward math data;
+    on Countdown that leaves out the 0.1 format-only reward. num_positive_tokens counts the
+    whole mini-batch, as ppo_loss's num_tokens; none (no correct completion): 0."""
+    positive_mask = completion_mask.to(logp.dtype) * positive[:, None]  # (n, T)
+    return -(logp * positive_mask).sum() / max(num_positive_tokens, 1)
 
 
 def value_loss(
@@ -644,9 +705,9 @@ def value_loss(
 def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contextlib.nullcontext) -> dict:
     """Forward and backward of the policy over one mini-batch, micro_batch_size sequences at a
     time; gradients accumulate in .grad. batch holds (n, …) tensors: prompt_ids, prompt_mask,
-    completion_ids, completion_mask, old_logp, advantages (and the critic's old_values and
-    returns, unused here). amp() is the autocast context of the forward pass. Returns the
-    summed loss and token statistics of the whole mini-batch.
+    completion_ids, completion_mask, sample_logp, old_logp, advantages, positive (and the
+    critic's old_values and returns, unused here). amp() is the autocast context of the forward
+    pass. Returns the summed loss and token statistics of the whole mini-batch.
 
     On-policy (one epoch, one mini-batch) π_θold is π_θ itself, so the ratio is set to exactly
     1 with old = logp.detach(), as in grpo.py: the gradient is the same, kernel noise is gone.
@@ -654,6 +715,8 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
     num_sequences = batch["completion_ids"].shape[0]
     num_tokens = batch["completion_mask"].sum().item()  # the whole mini-batch's, for every micro-batch
     on_policy = args.ppo_epochs == 1 and args.num_mini_batches == 1
+    if args.pos_lm_coef > 0:  # VAPO's Σ_{o_i∈T} |o_i| over the whole mini-batch
+        num_positive_tokens = (batch["completion_mask"] * batch["positive"][:, None]).sum().item()
     totals = {}
     for start in range(0, num_sequences, args.micro_batch_size):
         micro = {k: v[start : start + args.micro_batch_size] for k, v in batch.items()}
@@ -669,17 +732,30 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
                 chunk_size=args.micro_batch_size,
                 with_entropy=args.entropy_coef > 0,
             )
+            old_logp = logp.detach() if on_policy else micro["old_logp"]
+            is_weight = None
+            if args.tis_cap:
+                is_weight = tis_weights(old_logp, micro["sample_logp"], micro["completion_mask"], args.tis_cap)
             loss, stats = ppo_loss(
                 logp,
-                logp.detach() if on_policy else micro["old_logp"],
+                old_logp,
                 micro["advantages"],
                 micro["completion_mask"],
-                args.eps,
+                args.eps_low,
+                args.eps_high,
                 args.dual_clip,
                 entropy,
                 args.entropy_coef,
                 num_tokens,
+                is_weight,
             )
+            if args.pos_lm_coef > 0:
+                nll = positive_lm_loss(logp, micro["completion_mask"], micro["positive"], num_positive_tokens)
+                loss = loss + args.pos_lm_coef * nll
+                stats |= {
+                    "pos_nll": nll.item(),
+                    "pos_tokens": (micro["completion_mask"] * micro["positive"][:, None]).sum().item(),
+                }
         loss.backward()
         accumulate(totals, {"loss": loss.item(), **stats})
     return totals
@@ -712,9 +788,9 @@ def critic_backward(critic: Critic, batch: dict, args: Args, amp=contextlib.null
 
 
 def accumulate(totals: dict, stats: dict) -> None:
-    """Adds one micro-batch's statistics into running totals: sums, except the max ratio."""
+    """Adds one micro-batch's statistics into running totals: sums, except the maxima (*_max)."""
     for key, value in stats.items():
-        totals[key] = max(totals.get(key, value), value) if key == "ratio_max" else totals.get(key, 0) + value
+        totals[key] = max(totals.get(key, value), value) if key.endswith("_max") else totals.get(key, 0) + value
 
 
 # ----------------------------------------------------------------------------------------
@@ -751,12 +827,14 @@ def evaluate_heldout(
 # Training
 
 
-def optimizer_step(model, optimizer, max_grad_norm: float) -> float:
+def optimizer_step(model, optimizer, max_grad_norm: float, skip: bool = False) -> float:
     """Clips the gradient norm, steps, and frees the gradients (set to None, not zeros), so
-    that actor and critic gradients never exist at the same time. Returns the norm before
-    clipping."""
+    that actor and critic gradients never exist at the same time, nor one step's during the
+    next generation. skip: no step, where a mini-batch had no token to learn from (momentum
+    alone must not move θ). Returns the norm before clipping."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item()
-    optimizer.step()
+    if not skip:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
 
@@ -837,8 +915,10 @@ def train(args: Args) -> Path:
                 "prompt_mask": batch.prompt_mask,
                 "completion_ids": batch.completion_ids,
                 "completion_mask": batch.completion_mask,
+                "sample_logp": batch.sample_logp,
                 "old_logp": old_logp,
                 "advantages": advantages,
+                "positive": torch.tensor([score.correct for score in batch.scores], device=device),  # VAPO's T
                 "old_values": old_values,
                 "returns": returns,
             }
@@ -891,7 +971,7 @@ def update_metrics(
     if not grad_norms:
         return metrics
     tokens = update["tokens"]
-    return {
+    actor = {
         "loss/policy": update["loss"] / len(grad_norms),
         "clip/low": update["clip_low"] / tokens,
         "clip/high": update["clip_high"] / tokens,
@@ -900,8 +980,15 @@ def update_metrics(
         "clip/ratio_max": update["ratio_max"],
         "optim/grad_norm": sum(grad_norms) / len(grad_norms),
         "optim/lr": learning_rates[0],
-        **metrics,
     }
+    if "tis_weight" in update:  # --tis_cap: the truncated IS weights the loss used
+        actor |= {"tis/weight_mean": update["tis_weight"] / tokens, "tis/weight_max": update["tis_weight_max"]}
+    if "pos_nll" in update:  # --pos_lm_coef: VAPO's NLL of the correct completions, and their token share
+        actor |= {
+            "loss/pos_nll": update["pos_nll"] / len(grad_norms),
+            "pos/token_fraction": update["pos_tokens"] / tokens,
+        }
+    return {**actor, **metrics}
 
 
 def rollout_value_metrics(old_logp, ref_logp, completion_mask, beta, advantages, returns, old_values) -> dict:

@@ -45,7 +45,8 @@ DIFFERS_BY_DESIGN = {
 # Args fields that two scripts share with a different default or help, and why.
 ARGS_DIFFER_BY_DESIGN = {
     "beta": "the KL term differs: k3 in GRPO's loss (β 0.01), none in DAPO (β 0), k1 in PPO's per-token reward",
-    "eps": "GRPO's ε is DAPO Eq. 5's and its variants'; PPO's is PPO Eq. 7's",
+    "eps_high": "DAPO's clip-higher default (0.28); PPO's is symmetric (0.2) unless the VAPO recipe raises it",
+    "entropy_coef": "GRPO's and DAPO's bonus is T1's; PPO's is PPO Eq. 9's c_2",
     "group_size": "PPO allows G = 1: its critic, not the group, is the baseline",
     "lr": "PPO's --lr is the actor's; its critic has --critic_lr",
     "warmup_steps": "PPO's actor warms up over the steps it trains, which the value warm-up delays",

@@ -156,7 +156,7 @@ ADVANTAGES = torch.tensor([[1.0, 1.0, -2.0], [-1.0, 0.5, 7.0]])
 def surrogate(ratios, advantages, mask, num_tokens, eps=0.2, dual_clip=0.0, entropy=None, entropy_coef=0.0):
     logp = torch.log(ratios).clone().requires_grad_(True)
     loss, stats = ppo_loss(
-        logp, torch.zeros_like(logp), advantages, mask, eps, dual_clip, entropy, entropy_coef, num_tokens
+        logp, torch.zeros_like(logp), advantages, mask, eps, eps, dual_clip, entropy, entropy_coef, num_tokens
     )
     loss.backward()
     return loss.item(), logp.grad, stats
