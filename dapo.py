@@ -21,6 +21,10 @@ Papers (equation numbers as cited in the code):
   GRPO      Shao et al. 2024, DeepSeekMath, arXiv 2402.03300, Eq. 3 and 4; the objective as
             restated in the DAPO paper (Yu et al. 2025, arXiv 2503.14476), Eq. 4-6.
   Dual-clip Ye et al. 2020, arXiv 1912.09729, Eq. 4.
+  T1        Hou et al. 2025, arXiv 2501.11651: the entropy bonus and the moving (EMA)
+            reference of --entropy_coef and --ref_ema_decay.
+  TIS       Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
+            training" (blog; in verl, TRL, OpenRLHF): truncated importance sampling, --tis_cap.
   Defaults  marked "seed study": the comparison of PPO, GRPO and DAPO on Countdown with
             Qwen2.5-1.5B-Instruct, arXiv 2512.07611.
 

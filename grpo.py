@@ -11,6 +11,12 @@ Papers (equation numbers as cited in the code):
   Dr. GRPO  Liu et al. 2025, arXiv 2503.20783, Sec. 3.1 (no std, constant normaliser).
   GSPO      Zheng et al. 2025, arXiv 2507.18071, Eq. 5-7 (sequence-level ratio).
   Dual-clip Ye et al. 2020, arXiv 1912.09729, Eq. 4.
+  GPG       Chu et al. 2025, arXiv 2504.02546: the plain policy gradient, Â = α·(R − mean),
+            α = B/(B − M), F_norm = 1 (the paper's best ablation), --loss_type gpg.
+  T1        Hou et al. 2025, arXiv 2501.11651: the entropy bonus and the moving (EMA)
+            reference of --entropy_coef and --ref_ema_decay.
+  TIS       Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
+            training" (blog; in verl, TRL, OpenRLHF): truncated importance sampling, --tis_cap.
   Defaults  marked "seed study": the comparison of PPO, GRPO and DAPO on Countdown with
             Qwen2.5-1.5B-Instruct, arXiv 2512.07611.
 

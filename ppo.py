@@ -14,8 +14,11 @@ Papers (equation numbers as cited in the code):
   KL reward  Ouyang et al. 2022 (InstructGPT), arXiv 2203.02155, Eq. 2: the reward minus
              β·log(π/π_ref), here as one k1 term per token (Ziegler et al. 2019, 1909.08593).
   VAPO       Yue et al. 2025, arXiv 2504.05118, Sec. 3 (value pretraining, decoupled GAE,
-             length-adaptive GAE); the background equations as in the DAPO paper, Eq. 2-3.
+             length-adaptive GAE, the token-level loss, clip-higher as DAPO Eq. 10, the
+             positive-example LM loss); the background equations as in the DAPO paper, Eq. 2-3.
   Dual-clip  Ye et al. 2020, arXiv 1912.09729, Eq. 4.
+  TIS        Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
+             training" (blog; in verl, TRL, OpenRLHF): truncated importance sampling, --tis_cap.
   Defaults   marked "seed study": the comparison of PPO, GRPO and DAPO on Countdown with
              Qwen2.5-1.5B-Instruct, arXiv 2512.07611.
 

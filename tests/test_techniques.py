@@ -3,6 +3,7 @@ loss, and truncated importance sampling: each against values computed by hand (d
 inline), then through a short run of the script that has it."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -12,7 +13,14 @@ import dapo
 import grpo
 import ppo
 from common import build_tiny_model, read_jsonl
-from conftest import crash_and_resume
+from conftest import ROOT, crash_and_resume
+
+
+def assert_documented(rows: list[dict]) -> None:
+    """Every key the run logged has its row in docs/metrics.md."""
+    documented = set(re.findall(r"^\| `([\w/]+)` \|", (ROOT / "docs" / "metrics.md").read_text(), flags=re.M))
+    assert set().union(*rows) - documented == set(), "metrics missing from docs/metrics.md"
+
 
 # ----------------------------------------------------------------------------------------
 # GPG (grpo.py --loss_type gpg)
@@ -242,6 +250,7 @@ def test_gpg_run_with_tis_and_entropy_bonus_logs_the_weights(tmp_path):
     )  # fmt: skip
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [row["step"] for row in rows] == [1, 2]
+    assert_documented(rows)
     for row in rows:
         assert row["tis/weight_mean"] == pytest.approx(1.0, abs=1e-3)
         assert 1.0 <= row["tis/weight_max"] <= 1.0 + 1e-3
@@ -279,7 +288,8 @@ def test_vapo_recipe_runs_and_logs_its_terms(tmp_path):
         )
     )  # fmt: skip
     rows = read_jsonl(run_dir / "metrics.jsonl")
-    assert "loss/pos_nll" not in rows[0]  # step 1 trains the critic alone
+    assert "loss/pos_nll" not in rows[0]
+    assert_documented(rows)  # step 1 trains the critic alone
     for row in rows[1:]:
         # pos/token_fraction: the share of the batch's tokens in correct completions (a digit first)
         assert 0 <= row["pos/token_fraction"] <= 1
