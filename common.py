@@ -662,6 +662,10 @@ class Run:
             return
         saved = load_trainer_state(args.resume_from, vars(args), same_on_resume)
         for name, thing in resumable.items():
+            if name not in saved:  # e.g. the moving reference of --ref_ema_decay, in a run saved without it
+                raise SystemExit(
+                    f"{args.resume_from} holds no saved {name}: resume with the settings it was saved with."
+                )
             thing.load_state_dict(saved[name])
         self.state = {name: saved[name] for name in self.state}  # KeyError: a checkpoint of another script
         set_rng_states(saved["rng"])

@@ -116,7 +116,7 @@ class Args:
     dual_clip: float = arg(0.0, "c of dual-clip PPO (Ye et al. Eq. 4), > 1 to enable (verl: 3); 0 = off")
     entropy_coef: float = arg(0.0, "c_H, T1's entropy bonus: the loss minus c_H·H(π_θ) per token; 0 = off")
     ref_ema_decay: float = arg(0.0, "λ, T1's moving π_ref ← λ·π_ref + (1−λ)·π_θ after each optimizer step; 0 = frozen")
-    tis_cap: float = arg(0.0, "C, truncated IS: each token's loss × min(π_θold/π_sampler, C) (Yao et al.: 2); 0 = off")
+    tis_cap: float = arg(0.0, "C, truncated IS: each token's policy-gradient term × min(π_θold/π_sampler, C); 0 = off")
     # run
     max_steps: int = arg(500, "training steps (one batch of at most B·G completions each)")
     seed: int = arg(0, "seeds prompts order, sampling and initialisation")
@@ -186,6 +186,8 @@ def check_technique_args(args: Args) -> list[str]:
         problems.append(f"--ref_ema_decay must be in [0, 1) (got {args.ref_ema_decay}), e.g. 0.99; 0 = frozen.")
     elif args.ref_ema_decay and (args.beta == 0 or args.lora_rank):
         problems.append("--ref_ema_decay moves the reference of the KL term: it needs --beta > 0 and --lora_rank 0.")
+    elif args.ref_ema_decay and args.dtype == "bfloat16":  # 8 significant bits: a step of (1−λ)·gap rounds away
+        problems.append("--ref_ema_decay needs fp32 weights: with --dtype bfloat16 the reference would never move.")
     if args.tis_cap and args.tis_cap < 1:
         problems.append(f"--tis_cap must be >= 1, or 0 to disable it (got {args.tis_cap}); Yao et al. use 2.")
     return problems
@@ -502,8 +504,10 @@ def tis_weights(old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_ma
     (sequence_logprobs) give the same token different probabilities, so a batch sampled from
     π_sampler is slightly off-policy for π_θold. Each token's policy-gradient term is weighted by
         w_t = min(π_θold(y_t) / π_sampler(y_t), C)
-    the importance ratio that corrects for it, truncated at C to bound its variance. A constant,
-    no gradient. old_logp, sample_logp, completion_mask (n, T) -> w (n, T), 1 where masked."""
+    the importance ratio that corrects for it, truncated at C to bound its variance (Yao et al.
+    use C = 2). A constant, no gradient. π_sampler is sample_logp, recorded before top-p (as
+    verl's and vLLM's raw log-probs): with --top_p < 1 the weight leaves the truncation of the
+    distribution uncorrected. old_logp, sample_logp, completion_mask (n, T) -> w (n, T), 1 where masked."""
     log_ratio = ((old_logp - sample_logp) * completion_mask).clamp(max=20.0)  # e^20: finite, as in kl_k3
     return torch.exp(log_ratio).clamp(max=cap).detach()
 
@@ -885,7 +889,7 @@ def update_metrics(update: dict, grad_norms: list[float], learning_rate: float) 
         "optim/grad_norm": sum(grad_norms) / len(grad_norms),
         "optim/lr": learning_rate,
     }
-    if "tis_weight" in update:  # --tis_cap: the truncated IS weights the loss used
+    if "tis_weight" in update and update["tokens"]:  # --tis_cap: the truncated IS weights the loss used
         metrics |= {"tis/weight_mean": update["tis_weight"] / tokens, "tis/weight_max": update["tis_weight_max"]}
     return metrics
 

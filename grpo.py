@@ -98,7 +98,7 @@ class Args:
     dual_clip: float = arg(0.0, "c of dual-clip PPO (Ye et al. Eq. 4), > 1 to enable (verl: 3); 0 = off")
     entropy_coef: float = arg(0.0, "c_H, T1's entropy bonus: the loss minus c_H·H(π_θ) per token; 0 = off")
     ref_ema_decay: float = arg(0.0, "λ, T1's moving π_ref ← λ·π_ref + (1−λ)·π_θ after each optimizer step; 0 = frozen")
-    tis_cap: float = arg(0.0, "C, truncated IS: each token's loss × min(π_θold/π_sampler, C) (Yao et al.: 2); 0 = off")
+    tis_cap: float = arg(0.0, "C, truncated IS: each token's policy-gradient term × min(π_θold/π_sampler, C); 0 = off")
     # run
     max_steps: int = arg(500, "training steps (one batch of B·G completions each)")
     seed: int = arg(0, "seeds prompts order, sampling and initialisation")
@@ -131,6 +131,8 @@ def check_args(args: Args) -> None:
         problems.append(f"--loss_type {args.loss_type!r} is not one of: grpo, dr_grpo, gspo, gpg.")
     if args.loss_type == "gpg" and (args.beta or args.dual_clip):
         problems.append("--loss_type gpg has no reference model and no ratio to clip: add --beta 0 --dual_clip 0.")
+    if args.loss_type == "gspo" and args.tis_cap:
+        problems.append("--tis_cap weights tokens, and GSPO's ratio is one per sequence: use --tis_cap 0 with gspo.")
     if args.loss_type == "gpg" and (args.num_iterations > 1 or args.num_mini_batches > 1):
         problems.append("--loss_type gpg is the on-policy gradient: use --num_iterations 1 --num_mini_batches 1.")
     if args.num_mini_batches < 1 or (args.batch_size * args.group_size) % args.num_mini_batches:
@@ -164,6 +166,8 @@ def check_technique_args(args: Args) -> list[str]:
         problems.append(f"--ref_ema_decay must be in [0, 1) (got {args.ref_ema_decay}), e.g. 0.99; 0 = frozen.")
     elif args.ref_ema_decay and (args.beta == 0 or args.lora_rank):
         problems.append("--ref_ema_decay moves the reference of the KL term: it needs --beta > 0 and --lora_rank 0.")
+    elif args.ref_ema_decay and args.dtype == "bfloat16":  # 8 significant bits: a step of (1−λ)·gap rounds away
+        problems.append("--ref_ema_decay needs fp32 weights: with --dtype bfloat16 the reference would never move.")
     if args.tis_cap and args.tis_cap < 1:
         problems.append(f"--tis_cap must be >= 1, or 0 to disable it (got {args.tis_cap}); Yao et al. use 2.")
     return problems
@@ -412,7 +416,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool 
 
 
 def gpg_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """GPG's corrected advantage (Chu et al. 2025, arXiv 2504.02546, Sec. 3; its best setting):
+    """GPG's corrected advantage (Chu et al. 2025, arXiv 2504.02546; the α and F_norm of its best ablation):
         Â_i = α · (R_i − mean(R_1..R_G)),   α = B / (B − M)
     with F_norm = 1 (no division by the std) and α over the whole batch: B completions, M of
     them in groups whose rewards are all equal. Those groups have Â = 0 and add nothing to the
@@ -421,7 +425,10 @@ def gpg_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     rewards (N,) with groups in consecutive rows -> advantages (N,)."""
     grouped = rewards.view(-1, group_size)  # (B/G groups, G)
     informative = grouped.max(-1).values != grouped.min(-1).values  # (groups,)
-    alpha = len(informative) / max(informative.sum().item(), 1)  # B / (B − M); groups are of equal size
+    # B / (B − M), groups being of equal size. Unbounded: one informative group of 32 gives α = 32 (then
+    # gradient clipping bounds the step). The authors' code resampled until half the groups carried
+    # signal (α ≤ 2); dapo.py's dynamic sampling is that idea.
+    alpha = len(informative) / max(informative.sum().item(), 1)
     return (alpha * (grouped - grouped.mean(dim=-1, keepdim=True))).flatten()
 
 
@@ -431,8 +438,10 @@ def tis_weights(old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_ma
     (sequence_logprobs) give the same token different probabilities, so a batch sampled from
     π_sampler is slightly off-policy for π_θold. Each token's policy-gradient term is weighted by
         w_t = min(π_θold(y_t) / π_sampler(y_t), C)
-    the importance ratio that corrects for it, truncated at C to bound its variance. A constant,
-    no gradient. old_logp, sample_logp, completion_mask (n, T) -> w (n, T), 1 where masked."""
+    the importance ratio that corrects for it, truncated at C to bound its variance (Yao et al.
+    use C = 2). A constant, no gradient. π_sampler is sample_logp, recorded before top-p (as
+    verl's and vLLM's raw log-probs): with --top_p < 1 the weight leaves the truncation of the
+    distribution uncorrected. old_logp, sample_logp, completion_mask (n, T) -> w (n, T), 1 where masked."""
     log_ratio = ((old_logp - sample_logp) * completion_mask).clamp(max=20.0)  # e^20: finite, as in kl_k3
     return torch.exp(log_ratio).clamp(max=cap).detach()
 
@@ -513,6 +522,8 @@ def grpo_loss(
     if loss_type == "dr_grpo":
         loss = (per_token * mask).sum() / (num_sequences * max_new_tokens)
     elif loss_type == "gpg":
+        if num_tokens < 1:
+            raise ValueError("loss_type gpg needs num_tokens, the valid tokens of the whole mini-batch")
         loss = (per_token * mask).sum() / num_tokens
     else:
         loss = ((per_token * mask).sum(-1) / lengths).sum() / num_sequences

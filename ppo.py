@@ -114,7 +114,7 @@ class Args:
     value_warmup_steps: int = arg(0, "VAPO value pretraining: only the critic learns for the first K steps")
     whiten_eps: float = arg(1e-8, "added to the batch variance when whitening Â")
     pos_lm_coef: float = arg(0.0, "μ, VAPO's positive-example LM loss: + μ·NLL of the correct completions (VAPO: 0.1)")
-    tis_cap: float = arg(0.0, "C, truncated IS: each token's loss × min(π_θold/π_sampler, C) (Yao et al.: 2); 0 = off")
+    tis_cap: float = arg(0.0, "C, truncated IS: each token's policy-gradient term × min(π_θold/π_sampler, C); 0 = off")
     # run
     max_steps: int = arg(500, "training steps (one batch of B·G completions each)")
     seed: int = arg(0, "seeds prompts order, sampling and initialisation")
@@ -507,8 +507,10 @@ def tis_weights(old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_ma
     (sequence_logprobs) give the same token different probabilities, so a batch sampled from
     π_sampler is slightly off-policy for π_θold. Each token's policy-gradient term is weighted by
         w_t = min(π_θold(y_t) / π_sampler(y_t), C)
-    the importance ratio that corrects for it, truncated at C to bound its variance. A constant,
-    no gradient. old_logp, sample_logp, completion_mask (n, T) -> w (n, T), 1 where masked."""
+    the importance ratio that corrects for it, truncated at C to bound its variance (Yao et al.
+    use C = 2). A constant, no gradient. π_sampler is sample_logp, recorded before top-p (as
+    verl's and vLLM's raw log-probs): with --top_p < 1 the weight leaves the truncation of the
+    distribution uncorrected. old_logp, sample_logp, completion_mask (n, T) -> w (n, T), 1 where masked."""
     log_ratio = ((old_logp - sample_logp) * completion_mask).clamp(max=20.0)  # e^20: finite, as in kl_k3
     return torch.exp(log_ratio).clamp(max=cap).detach()
 

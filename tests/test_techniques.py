@@ -149,6 +149,26 @@ def test_tis_weight_scales_the_policy_gradient_not_the_kl():
     weighted, _, _ = grpo_loss(LOGP, "grpo", torch.zeros(2), beta=1.0, ref_logp=ref, is_weight=weights)
     assert weighted == pytest.approx(plain)
     assert plain == pytest.approx(math.exp(0.5) - 0.5 - 1)  # k3 of a constant log-ratio 0.5, every token
+    # Nor the entropy bonus: with Â = 0 the loss is −c_H·H (−0.125, test_entropy_bonus_by_hand), w or not.
+    entropy = torch.tensor([[1.0, 2.0, 7.0], [0.5, 0.5, 2.0]])
+    bonus, _, _ = grpo_loss(LOGP, "grpo", torch.zeros(2), entropy=entropy, entropy_coef=0.1, is_weight=weights)
+    assert bonus == pytest.approx(-0.125)
+
+
+def test_tis_weight_in_the_dapo_loss_by_hand():
+    # Token-level mean over the 5 valid tokens, r = 1, Â = [1, −1], the weights above:
+    #   Σ w·Â = (1.5 + 0.5)·1 + (1 + 1 + 2)·(−1) = −2;  J = −2/5 = −0.4; loss 0.4
+    # d loss / d log π = −w·Â/5: row 0 [−0.3, −0.1], row 1 [0.2, 0.2, 0.4]
+    logp = LOGP.clone().requires_grad_(True)
+    weights = torch.tensor([[1.5, 0.5, 1.0], [1.0, 1.0, 2.0]])
+    loss, stats = dapo.dapo_loss(
+        logp, logp.detach(), None, torch.tensor([1.0, -1.0]), MASK, 0.2, 0.28, 0.0, 0.0, num_tokens=5,
+        is_weight=weights,
+    )  # fmt: skip
+    loss.backward()
+    assert loss.item() == pytest.approx(0.4)
+    assert logp.grad.flatten().tolist() == pytest.approx([-0.3, -0.1, 0.0, 0.2, 0.2, 0.4])
+    assert (stats["tis_weight"], stats["tis_weight_max"]) == (6.0, 2.0)
 
 
 # ----------------------------------------------------------------------------------------
@@ -223,6 +243,10 @@ def test_positive_lm_loss_by_hand():
         (dapo, dict(ref_ema_decay=-0.5), "--ref_ema_decay must be in [0, 1) (got -0.5)"),
         (dapo, dict(ref_ema_decay=0.99), "--ref_ema_decay moves the reference of the KL term: it needs --beta > 0"),
         (grpo, dict(ref_ema_decay=0.99, lora_rank=4), "it needs --beta > 0 and --lora_rank 0"),
+        (grpo, dict(ref_ema_decay=0.99, dtype="bfloat16"), "--ref_ema_decay needs fp32 weights"),
+        (grpo, dict(loss_type="gpg", beta=0.0, num_mini_batches=2), "--loss_type gpg is the on-policy gradient"),
+        (grpo, dict(loss_type="gpg", beta=0.0, dual_clip=3.0), "--loss_type gpg has no reference model and no ratio"),
+        (grpo, dict(loss_type="gspo", tis_cap=2.0), "GSPO's ratio is one per sequence: use --tis_cap 0 with gspo"),
         (grpo, dict(tis_cap=0.5), "--tis_cap must be >= 1, or 0 to disable it (got 0.5)"),
         (dapo, dict(tis_cap=-2.0), "--tis_cap must be >= 1, or 0 to disable it (got -2.0)"),
         (ppo, dict(tis_cap=0.9), "--tis_cap must be >= 1, or 0 to disable it (got 0.9)"),
@@ -240,14 +264,17 @@ def test_bad_technique_settings_stop_with_a_message(script, settings, message):
 # Through the scripts
 
 
-def test_gpg_run_with_tis_and_entropy_bonus_logs_the_weights(tmp_path):
+def test_gpg_run_with_tis_and_entropy_bonus_logs_the_weights(tmp_path, monkeypatch):
     # fp32 on the CPU: generate and sequence_logprobs agree to ~1e-6, so every weight is ~1.
+    calls = []
+    monkeypatch.setattr(grpo, "gpg_advantages", lambda *a: calls.append(a) or grpo.group_advantages(*a))
     run_dir = grpo.train(
         grpo.Args(
             model="tiny", task="digit", loss_type="gpg", beta=0.0, tis_cap=2.0, entropy_coef=0.01, lr=3e-3,
             max_new_tokens=4, batch_size=4, group_size=4, max_steps=2, save_every=0, output_dir=str(tmp_path),
         )
     )  # fmt: skip
+    assert len(calls) == 2  # step 5 took GPG's advantage, once a step
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [row["step"] for row in rows] == [1, 2]
     assert_documented(rows)
@@ -295,3 +322,16 @@ def test_vapo_recipe_runs_and_logs_its_terms(tmp_path):
         assert 0 <= row["pos/token_fraction"] <= 1
         assert (row["pos/token_fraction"] > 0) == (row["reward/accuracy"] > 0)
         assert row["loss/pos_nll"] >= 0 and row["tis/weight_mean"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_resuming_without_the_saved_reference_stops_with_a_message(tmp_path):
+    # A checkpoint saved before --ref_ema_decay existed (its args lack the key, so the
+    # same-on-resume check cannot compare): resuming it with the flag names what is missing.
+    settings = dict(model="tiny", task="digit", max_new_tokens=2, batch_size=2, group_size=2, output_dir=str(tmp_path))
+    run_dir = grpo.train(grpo.Args(max_steps=1, **settings))
+    state_file = run_dir / "final" / "trainer_state.pt"
+    state = torch.load(state_file, weights_only=False)
+    del state["args"]["ref_ema_decay"]
+    torch.save(state, state_file)
+    with pytest.raises(SystemExit, match="holds no saved reference: resume with the settings it was saved with"):
+        grpo.train(grpo.Args(max_steps=2, ref_ema_decay=0.5, resume_from=str(run_dir / "final"), **settings))
