@@ -26,6 +26,8 @@ SHARED = [
     "prompt_indices",
     "encode_prompts",
     "top_p_filter",
+    "KVCache",
+    "cuda_graph",
     "generate",
     "Rollout",
     "rollout",
