@@ -464,12 +464,15 @@ def sequence_logprobs(
     vocab_size: int,
     chunk_size: int,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ):
     """log π(o_t | q, o_<t) of every completion token, from logits / temperature restricted to
     the tokenizer's vocabulary, exactly as `generate` sampled them. Rows go through the model
     chunk_size at a time, so at most a (chunk_size, T, V) fp32 tensor exists, never (N, T, V).
     Returns logp (N, T) and, with with_entropy, the entropy of π at each position (N, T);
-    both 0 where completion_mask is 0. Differentiable when called with grad enabled.
+    both 0 where completion_mask is 0. logp is differentiable when called with grad enabled;
+    the entropy only with entropy_grad too (PPO's entropy bonus): otherwise no (n, T, V)
+    softmax is kept for a backward pass that does not need it.
     """
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (N, P+T)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (N, P+T)
@@ -493,10 +496,40 @@ def sequence_logprobs(
         token_logits = logits.gather(-1, completion_ids[rows, :, None]).squeeze(-1)  # (n, T)
         logps.append(token_logits - log_normaliser)
         if with_entropy:  # H = log Z - Σ_v p_v · logit_v
-            entropies.append(log_normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1))
+            with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+                entropies.append(log_normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1))
     mask = completion_mask.to(logits.dtype)
     logp = torch.cat(logps) * mask  # (N, T)
     return (logp, torch.cat(entropies) * mask) if with_entropy else (logp, None)
+
+
+def old_and_ref_logprobs(policy, reference, batch: Rollout, args, vocab_size: int, amp, score_policy: bool):
+    """Step 4, no grad: log π_θold and log π_ref of every sampled token, from logits / temperature,
+    logprob_chunk_size sequences at a time (sequence_logprobs), and the entropy of π_θold.
+    Returns old_logp, entropy, ref_logp, (N, T) each; ref_logp is None without a reference.
+
+    score_policy False skips the policy's pass and returns None for old_logp and entropy. That
+    is exact on-policy (one update over one mini-batch, μ = 1): π_θold is then the π_θ of the
+    update's own forward pass, before its optimizer step, and that pass computes log π_θ anyway.
+    The loss never read this pass's old_logp there (the ratio is exp(logp − logp.detach()) = 1,
+    see policy_backward); only the metrics did, and policy_backward hands them its log-probs,
+    detached, and the entropy of the same logits. One no-grad forward pass over N sequences
+    less: about half of step 4. With μ > 1 or several mini-batches θ moves between the updates,
+    and the ratios need the log-probs of θ as it sampled: the pass runs."""
+    sequences = batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
+    old_logp, entropy, ref_logp = None, None, None
+    policy.eval()  # same mode as sampling (matters for models with dropout)
+    with torch.no_grad(), amp():
+        if score_policy:
+            old_logp, entropy = sequence_logprobs(
+                policy, *sequences, args.temperature, vocab_size, args.logprob_chunk_size, with_entropy=True
+            )  # (N, T), (N, T)
+        if reference is not None:
+            ref_logp, _ = sequence_logprobs(
+                reference, *sequences, args.temperature, vocab_size, args.logprob_chunk_size
+            )  # (N, T)
+    policy.train()
+    return old_logp, entropy, ref_logp
 
 
 # ----------------------------------------------------------------------------------------
@@ -685,9 +718,13 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
     On-policy (μ = 1 and one mini-batch) π_θold is π_θ itself, so the ratio is set to exactly
     1 with old = logp.detach(): the recorded old_logp come from other kernel shapes and in bf16
     differ by noise, which would show as clipped tokens. The gradient is the same either way.
+    When step 4 skipped the policy's pass (old_logp None, on-policy only: old_and_ref_logprobs),
+    the totals also hold old_logp and entropy (n, T), no grad, in the rows of batch.
     """
     num_sequences = batch["completion_ids"].shape[0]
     on_policy = args.num_iterations == 1 and args.num_mini_batches == 1
+    record = batch["old_logp"] is None  # this forward pass stands in for step 4's
+    recorded = {"old_logp": [], "entropy": []}
     loss_mask = batch["completion_mask"]  # (n, T)
     if args.overlong_filter:
         loss_mask = loss_mask * ~batch["truncated"][:, None]
@@ -697,7 +734,7 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
     for start in range(0, num_sequences, args.micro_batch_size):
         micro = {k: (v[start : start + args.micro_batch_size] if v is not None else None) for k, v in batch.items()}
         with amp():
-            logp, _ = sequence_logprobs(
+            logp, entropy = sequence_logprobs(
                 policy,
                 micro["prompt_ids"],
                 micro["prompt_mask"],
@@ -706,6 +743,7 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
                 args.temperature,
                 vocab_size,
                 chunk_size=args.micro_batch_size,
+                with_entropy=record,
             )
             loss, stats = dapo_loss(
                 logp,
@@ -721,7 +759,10 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
             )
         loss.backward()
         accumulate(totals, {"loss": loss.item(), **stats})
-    return totals
+        if record:
+            recorded["old_logp"].append(logp.detach())
+            recorded["entropy"].append(entropy)
+    return totals | ({name: torch.cat(parts) for name, parts in recorded.items()} if record else {})
 
 
 def accumulate(totals: dict, stats: dict) -> None:
@@ -791,6 +832,7 @@ def train(args: Args) -> Path:
     # Without dynamic sampling a step is one round of B prompts, exactly as in grpo.py.
     round_size = (args.gen_batch_size or args.batch_size) if args.dynamic_sampling else args.batch_size
     max_rounds = args.max_gen_rounds if args.dynamic_sampling else 1
+    on_policy = args.num_iterations == 1 and args.num_mini_batches == 1  # π_θold = π_θ of the one update
 
     with run:  # Ctrl-C stops with one line naming the newest checkpoint
         for step in run.steps():
@@ -818,21 +860,13 @@ def train(args: Args) -> Path:
                 continue
             batch = keep_groups(rounds, kept, args.group_size, tokenizer.pad_token_id)
             num_sequences = len(batch.texts)  # N = (groups kept)·G, at most B·G
-            sequences = batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
 
-            # 4. Log-probs of the sampled tokens under π_θold and π_ref, no grad.
+            # 4. Log-probs of the sampled tokens under π_θold and π_ref, no grad. On-policy (μ = 1, one
+            #    mini-batch) the update's forward pass gives π_θold's: only π_ref is scored here.
             timer = time.perf_counter()
-            policy.eval()  # same mode as sampling (matters for models with dropout)
-            with torch.no_grad(), amp():
-                old_logp, entropy = sequence_logprobs(
-                    policy, *sequences, args.temperature, vocab_size, args.logprob_chunk_size, with_entropy=True
-                )  # (N, T), (N, T)
-                ref_logp = None
-                if reference is not None:
-                    ref_logp, _ = sequence_logprobs(
-                        reference, *sequences, args.temperature, vocab_size, args.logprob_chunk_size
-                    )  # (N, T)
-            policy.train()
+            old_logp, entropy, ref_logp = old_and_ref_logprobs(
+                policy, reference, batch, args, vocab_size, amp, score_policy=not on_policy
+            )  # (N, T) each; old_logp and entropy None until step 6 when on-policy
             seconds_logprobs = time.perf_counter() - timer
 
             # 5. Group-relative advantages of the task reward plus the overlong penalty (DAPO Eq. 13).
@@ -860,6 +894,8 @@ def train(args: Args) -> Path:
                 for rows in order.tensor_split(min(args.num_mini_batches, num_sequences)):
                     mini = {k: v[rows] if v is not None else None for k, v in tensors.items()}
                     totals = policy_backward(policy, mini, args, vocab_size, amp)
+                    if old_logp is None:  # on-policy: step 4's log-probs and entropy, from this forward pass
+                        old_logp, entropy = (totals.pop(name)[rows.argsort()] for name in ("old_logp", "entropy"))
                     grad_norms.append(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm).item())
                     if totals["tokens"]:  # overlong filtering may leave no token: momentum alone must not move θ
                         optimizer.step()
@@ -903,7 +939,7 @@ def update_metrics(update: dict, grad_norms: list[float], learning_rate: float) 
 
 def step_metrics(batch: Rollout, entropy: torch.Tensor, old_logp: torch.Tensor, group_size: int) -> dict:
     """Rollout statistics of the batch a step trains on, with the entropy and old_logp (N, T)
-    that step 4 computed for it."""
+    that step 4 computed for it (on-policy: the update's forward pass, see old_and_ref_logprobs)."""
     mask = batch.completion_mask.bool()
     lengths = batch.completion_mask.sum(-1).float()  # (N,)
     rewards, scores = batch.rewards, batch.scores

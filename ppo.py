@@ -464,12 +464,15 @@ def sequence_logprobs(
     vocab_size: int,
     chunk_size: int,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ):
     """log π(o_t | q, o_<t) of every completion token, from logits / temperature restricted to
     the tokenizer's vocabulary, exactly as `generate` sampled them. Rows go through the model
     chunk_size at a time, so at most a (chunk_size, T, V) fp32 tensor exists, never (N, T, V).
     Returns logp (N, T) and, with with_entropy, the entropy of π at each position (N, T);
-    both 0 where completion_mask is 0. Differentiable when called with grad enabled.
+    both 0 where completion_mask is 0. logp is differentiable when called with grad enabled;
+    the entropy only with entropy_grad too (PPO's entropy bonus): otherwise no (n, T, V)
+    softmax is kept for a backward pass that does not need it.
     """
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (N, P+T)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (N, P+T)
@@ -493,10 +496,40 @@ def sequence_logprobs(
         token_logits = logits.gather(-1, completion_ids[rows, :, None]).squeeze(-1)  # (n, T)
         logps.append(token_logits - log_normaliser)
         if with_entropy:  # H = log Z - Σ_v p_v · logit_v
-            entropies.append(log_normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1))
+            with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+                entropies.append(log_normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1))
     mask = completion_mask.to(logits.dtype)
     logp = torch.cat(logps) * mask  # (N, T)
     return (logp, torch.cat(entropies) * mask) if with_entropy else (logp, None)
+
+
+def old_and_ref_logprobs(policy, reference, batch: Rollout, args, vocab_size: int, amp, score_policy: bool):
+    """Step 4, no grad: log π_θold and log π_ref of every sampled token, from logits / temperature,
+    logprob_chunk_size sequences at a time (sequence_logprobs), and the entropy of π_θold.
+    Returns old_logp, entropy, ref_logp, (N, T) each; ref_logp is None without a reference.
+
+    score_policy False skips the policy's pass and returns None for old_logp and entropy. That
+    is exact on-policy (one update over one mini-batch, μ = 1): π_θold is then the π_θ of the
+    update's own forward pass, before its optimizer step, and that pass computes log π_θ anyway.
+    The loss never read this pass's old_logp there (the ratio is exp(logp − logp.detach()) = 1,
+    see policy_backward); only the metrics did, and policy_backward hands them its log-probs,
+    detached, and the entropy of the same logits. One no-grad forward pass over N sequences
+    less: about half of step 4. With μ > 1 or several mini-batches θ moves between the updates,
+    and the ratios need the log-probs of θ as it sampled: the pass runs."""
+    sequences = batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
+    old_logp, entropy, ref_logp = None, None, None
+    policy.eval()  # same mode as sampling (matters for models with dropout)
+    with torch.no_grad(), amp():
+        if score_policy:
+            old_logp, entropy = sequence_logprobs(
+                policy, *sequences, args.temperature, vocab_size, args.logprob_chunk_size, with_entropy=True
+            )  # (N, T), (N, T)
+        if reference is not None:
+            ref_logp, _ = sequence_logprobs(
+                reference, *sequences, args.temperature, vocab_size, args.logprob_chunk_size
+            )  # (N, T)
+    policy.train()
+    return old_logp, entropy, ref_logp
 
 
 # ----------------------------------------------------------------------------------------
@@ -604,7 +637,7 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 def token_rewards(
     rewards: torch.Tensor,  # (N,) task reward R_i
-    old_logp: torch.Tensor,  # (N, T) log π_θold
+    old_logp: torch.Tensor | None,  # (N, T) log π_θold; None when beta = 0 (step 4 may skip it)
     ref_logp: torch.Tensor | None,  # (N, T) log π_ref; None when beta = 0
     completion_mask: torch.Tensor,  # (N, T)
     beta: float,
@@ -615,8 +648,8 @@ def token_rewards(
     KL(π_θold ‖ π_ref) for it. The last token is the EOS, or the last token of a truncated
     completion (generate emits at least one token, so every row has one). Returns (N, T),
     0 where completion_mask is 0."""
-    mask = completion_mask.to(old_logp.dtype)
-    kl = old_logp - ref_logp if ref_logp is not None else torch.zeros_like(old_logp)  # (N, T) k1
+    mask = completion_mask.to(rewards.dtype)
+    kl = old_logp - ref_logp if ref_logp is not None else torch.zeros_like(mask)  # (N, T) k1
     per_token = -beta * kl * mask  # (N, T)
     last = completion_mask.sum(-1, keepdim=True) - 1  # (N, 1) index of the last valid token
     return per_token.scatter_add(1, last, rewards[:, None].to(per_token.dtype))
@@ -757,13 +790,17 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
 
     On-policy (one epoch, one mini-batch) π_θold is π_θ itself, so the ratio is set to exactly
     1 with old = logp.detach(), as in grpo.py: the gradient is the same, kernel noise is gone.
+    When step 4 skipped the policy's pass (old_logp None: on-policy with β = 0, see train), the
+    totals also hold old_logp and entropy (n, T), no grad, in the rows of batch.
     """
     num_sequences = batch["completion_ids"].shape[0]
     num_tokens = batch["completion_mask"].sum().item()  # the whole mini-batch's, for every micro-batch
     on_policy = args.ppo_epochs == 1 and args.num_mini_batches == 1
+    record = batch["old_logp"] is None  # this forward pass stands in for step 4's
+    recorded = {"old_logp": [], "entropy": []}
     totals = {}
     for start in range(0, num_sequences, args.micro_batch_size):
-        micro = {k: v[start : start + args.micro_batch_size] for k, v in batch.items()}
+        micro = {k: (v[start : start + args.micro_batch_size] if v is not None else None) for k, v in batch.items()}
         with amp():
             logp, entropy = sequence_logprobs(
                 policy,
@@ -774,7 +811,8 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
                 args.temperature,
                 vocab_size,
                 chunk_size=args.micro_batch_size,
-                with_entropy=args.entropy_coef > 0,
+                with_entropy=args.entropy_coef > 0 or record,
+                entropy_grad=args.entropy_coef > 0,
             )
             loss, stats = ppo_loss(
                 logp,
@@ -789,7 +827,10 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
             )
         loss.backward()
         accumulate(totals, {"loss": loss.item(), **stats})
-    return totals
+        if record:
+            recorded["old_logp"].append(logp.detach())
+            recorded["entropy"].append(entropy.detach())
+    return totals | ({name: torch.cat(parts) for name, parts in recorded.items()} if record else {})
 
 
 def critic_backward(critic: Critic, batch: dict, args: Args, amp=contextlib.nullcontext) -> dict:
@@ -800,7 +841,7 @@ def critic_backward(critic: Critic, batch: dict, args: Args, amp=contextlib.null
     num_tokens = batch["completion_mask"].sum().item()
     totals = {}
     for start in range(0, num_sequences, args.micro_batch_size):
-        micro = {k: v[start : start + args.micro_batch_size] for k, v in batch.items()}
+        micro = {k: (v[start : start + args.micro_batch_size] if v is not None else None) for k, v in batch.items()}
         with amp():
             values = critic_values(
                 critic,
@@ -897,6 +938,7 @@ def train(args: Args) -> Path:
         write_extra=write_critic,
     )  # fmt: skip
     num_sequences = args.batch_size * args.group_size  # N
+    on_policy = args.ppo_epochs == 1 and args.num_mini_batches == 1  # π_θold = π_θ of the one update
 
     with run:  # Ctrl-C stops with one line naming the newest checkpoint
         for step in run.steps():
@@ -908,23 +950,21 @@ def train(args: Args) -> Path:
             )  # fmt: skip
             sequences = batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
 
-            # 4. Log-probs under π_θold and π_ref, and values V_φ(s_t), no grad.
+            # 4. Log-probs under π_θold and π_ref, and values V_φ(s_t), no grad. On-policy with β = 0,
+            #    in a step that updates the policy, only the metrics read old_logp: the update's forward
+            #    pass gives it (old_and_ref_logprobs). With β > 0 the per-token reward of step 5 needs it.
+            train_policy = step >= args.value_warmup_steps
             timer = time.perf_counter()
-            policy.eval(), critic.eval()  # same mode as sampling (matters for models with dropout)
-            # Separate autocast contexts: autocast keeps the bf16 copy of every trainable weight it
-            # casts until its context ends, so one context would hold policy and critic copies at once.
-            with torch.no_grad(), amp():
-                old_logp, entropy = sequence_logprobs(
-                    policy, *sequences, args.temperature, vocab_size, args.logprob_chunk_size, with_entropy=True
-                )  # (N, T), (N, T)
-                ref_logp = None
-                if reference is not None:
-                    ref_logp, _ = sequence_logprobs(
-                        reference, *sequences, args.temperature, vocab_size, args.logprob_chunk_size
-                    )  # (N, T)
+            skip_policy_pass = on_policy and args.beta == 0 and train_policy
+            old_logp, entropy, ref_logp = old_and_ref_logprobs(
+                policy, reference, batch, args, vocab_size, amp, score_policy=not skip_policy_pass
+            )  # (N, T) each; old_logp and entropy None until step 6 when skipped
+            # Autocast of its own: autocast keeps the bf16 copy of every trainable weight it casts
+            # until its context ends, so one context would hold policy and critic copies at once.
+            critic.eval()  # same mode as sampling (matters for models with dropout)
             with torch.no_grad(), amp():
                 old_values = critic_values(critic, *sequences, args.logprob_chunk_size)  # (N, T)
-            policy.train(), critic.train()
+            critic.train()
             seconds_logprobs = time.perf_counter() - timer
 
             # 5. Per-token rewards; GAE gives the actor's Â (λ_actor, whitened) and the critic's
@@ -949,14 +989,16 @@ def train(args: Args) -> Path:
                 "old_values": old_values,
                 "returns": returns,
             }
-            train_policy = step >= args.value_warmup_steps
             update, grad_norms, critic_update, critic_grad_norms = {}, [], {}, []
             for _ in range(args.ppo_epochs):
                 order = torch.randperm(num_sequences, device=device)
                 for rows in order.tensor_split(args.num_mini_batches):
-                    mini = {k: v[rows] for k, v in tensors.items()}
+                    mini = {k: v[rows] if v is not None else None for k, v in tensors.items()}
                     if train_policy:
-                        accumulate(update, policy_backward(policy, mini, args, vocab_size, amp))
+                        totals = policy_backward(policy, mini, args, vocab_size, amp)
+                        if old_logp is None:  # on-policy: step 4's log-probs and entropy, from this forward pass
+                            old_logp, entropy = (totals.pop(name)[rows.argsort()] for name in ("old_logp", "entropy"))
+                        accumulate(update, totals)
                         grad_norms.append(optimizer_step(policy, optimizer, args.max_grad_norm))
                     accumulate(critic_update, critic_backward(critic, mini, args, amp))
                     critic_grad_norms.append(optimizer_step(critic, critic_optimizer, args.max_grad_norm))
@@ -1032,7 +1074,7 @@ def rollout_value_metrics(old_logp, ref_logp, completion_mask, beta, advantages,
 
 def step_metrics(batch: Rollout, entropy: torch.Tensor, old_logp: torch.Tensor, group_size: int) -> dict:
     """Rollout statistics of the batch a step trains on, with the entropy and old_logp (N, T)
-    that step 4 computed for it."""
+    that step 4 computed for it (on-policy: the update's forward pass, see old_and_ref_logprobs)."""
     mask = batch.completion_mask.bool()
     lengths = batch.completion_mask.sum(-1).float()  # (N,)
     rewards, scores = batch.rewards, batch.scores

@@ -32,6 +32,7 @@ SHARED = [
     "Rollout",
     "rollout",
     "sequence_logprobs",
+    "old_and_ref_logprobs",
     "kl_k3",
     "step_metrics",
     "evaluate_heldout",
