@@ -219,6 +219,57 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
 
 
+class KVCache:
+    """The keys and values of every layer for N rows and S = P + max_new_tokens positions, in
+    buffers allocated once and written in place: generate passes it to the model as
+    past_key_values. transformers' attention layers call update() with the keys and values of
+    the tokens they just computed and attend over what it returns; generate sets the columns
+    they go to (slots) and, with the attention mask, which columns each row may attend to."""
+
+    def __init__(self, rows: int, length: int):
+        self.rows, self.length = rows, length  # N, S
+        self.keys, self.values = [], []  # a (N, kv heads, S, head dim) buffer per layer
+        self.slots = None  # (q,) the columns the next forward pass writes: 0 … P-1, then one per token
+
+    def update(self, keys, values, layer: int, *unused):  # keys, values (n, kv heads, q, head dim)
+        if layer == len(self.keys):  # the first pass allocates, from the shapes and dtype it brings
+            shape = (self.rows, keys.shape[1], self.length, keys.shape[3])
+            self.keys.append(keys.new_zeros(shape))
+            self.values.append(values.new_zeros(shape))
+        rows = keys.shape[0]  # the prefill runs on the distinct prompts only: the first rows
+        self.keys[layer][:rows].index_copy_(2, self.slots, keys)
+        self.values[layer][:rows].index_copy_(2, self.slots, values)
+        return self.keys[layer][:rows], self.values[layer][:rows]
+
+    def repeat_rows(self, counts: torch.Tensor) -> None:
+        """After the prefill: the first len(counts) rows, row i repeated counts[i] times, fill all N."""
+        for buffer in self.keys + self.values:
+            buffer.copy_(buffer[: len(counts)].repeat_interleave(counts, dim=0, output_size=self.rows))
+
+
+def cuda_graph(step):
+    """step(), a function of tensors at fixed addresses, captured once as a CUDA graph: the function
+    returned replays its kernels (no Python, no per-kernel launch cost) and returns the output
+    tensor of the capture, which every replay overwrites. By hand rather than torch.compile's
+    mode="reduce-overhead": these lines are the whole mechanism, nothing traces the transformers
+    model (compiling would take tens of seconds for every new batch shape, and N changes between
+    DAPO's rounds and evaluation), and the static buffers it needs are generate's by design."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture: lazy set-up (cuBLAS, autocast's casts)
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = step()
+
+    def replay():
+        graph.replay()
+        return output
+
+    return replay
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -230,6 +281,7 @@ def generate(
     vocab_size: int,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    check_every: int = 16,
 ):
     """Autoregressive sampling with a KV cache: one forward pass over the prompts, then one
     single-token pass per new token that reuses every earlier key and value.
@@ -243,56 +295,111 @@ def generate(
       truncated       (N,)   True where no EOS came within max_new_tokens
       sample_logp     (N, T) log π(token) under the sampling distribution, before top-p
                              (the one sequence_logprobs scores), 0 where masked
+
+    What makes it fast, none of which changes a number:
+    - the cache (KVCache) and the attention mask are allocated once, for P + max_new_tokens
+      positions, and written in place: nothing grows by torch.cat;
+    - encode_prompts repeats each prompt G times in a row: each distinct prompt is prefilled
+      once and its keys and values copied into the rows of its G completions;
+    - the host learns whether every row has ended only every check_every tokens, so the GPU
+      never waits for it; the tokens drawn past the last EOS are cut off, and the random
+      generator is set back to where it stood after the last token kept;
+    - on CUDA the one-token step is captured once as a CUDA graph and replayed (cuda_graph);
+      on the CPU the same step runs eagerly.
+    The mask is an additive (N, 1, q, S) bias, transformers' 4D format: the model uses it as
+    it is (sdpa and eager attention, its defaults, take it).
     """
     was_training = model.training
     model.eval()  # no dropout, and gradient checkpointing (train-mode only) keeps the cache
-    num_rows = prompt_ids.shape[0]
-    eos = torch.tensor(eos_ids, device=prompt_ids.device)
-    attention_mask = prompt_mask.clone()
+    device = prompt_ids.device
+    cuda = device.type == "cuda"
+    num_rows, prompt_length = prompt_ids.shape  # N, P
+    length = prompt_length + max_new_tokens  # S
+    masked = -1e30  # the bias of a position not attended to: exp() of it is 0, finite in bf16 and fp32
+    eos = torch.tensor(eos_ids, device=device)
+    cache = KVCache(num_rows, length)
+
+    # Prefill each distinct prompt once (B rows), then copy its keys and values G times.
+    distinct, counts = torch.unique_consecutive(torch.cat([prompt_ids, prompt_mask], -1), dim=0, return_counts=True)
+    distinct_ids, distinct_mask = distinct[:, :prompt_length], distinct[:, prompt_length:]  # (B, P)
     # Left padding shifts every prompt; positions count real tokens only, so a prompt
     # scores the same whatever batch it is in.
-    position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # (N, P)
+    position_ids = (distinct_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
+    causal = torch.ones(prompt_length, prompt_length, dtype=torch.bool, device=device).tril()  # (P, P) keys ≤ query
+    visible = torch.zeros(len(counts), prompt_length, length, dtype=torch.bool, device=device)  # (B, P, S)
+    visible[..., :prompt_length] = causal & distinct_mask[:, None, :].bool()  # the rest of S is not written yet
+    cache.slots = torch.arange(prompt_length, device=device)
     out = model(
-        input_ids=prompt_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, logits_to_keep=1
+        input_ids=distinct_ids,
+        attention_mask=torch.where(visible, 0.0, masked)[:, None],  # (B, 1, P, S) causal, padding hidden
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
     )
-    next_position = position_ids[:, -1:] + 1  # (N, 1)
-    finished = torch.zeros(num_rows, dtype=torch.bool, device=prompt_ids.device)
-    tokens, masks, logps = [], [], []
+    cache.repeat_rows(counts)
+    logits = out.logits[:, -1, :vocab_size].float().repeat_interleave(counts, dim=0, output_size=num_rows)  # (N, V)
+
+    # The one-token step reads these buffers, which change only in place.
+    token_in = torch.full((num_rows, 1), pad_id, device=device)  # (N, 1) the token just sampled
+    position = position_ids[:, -1:].repeat_interleave(counts, dim=0, output_size=num_rows) + 1  # (N, 1)
+    cache.slots = torch.tensor([prompt_length], device=device)  # (1,) the column its key and value go to
+    bias = torch.full((num_rows, 1, 1, length), masked, device=device)  # (N, 1, 1, S)
+    bias[:, 0, 0, :prompt_length].masked_fill_(prompt_mask.bool(), 0.0)  # the prompt, not its padding
+
+    def step():
+        out = model(
+            input_ids=token_in, attention_mask=bias, position_ids=position, past_key_values=cache, use_cache=True
+        )
+        return out.logits[:, -1, :vocab_size].float()  # (N, V) ids ≥ vocab_size are cut off
+
+    if cuda:
+        step = cuda_graph(step)
+    completion_ids = torch.full((num_rows, max_new_tokens), pad_id, device=device)  # (N, max_new_tokens)
+    completion_mask = torch.zeros(num_rows, max_new_tokens, dtype=torch.long, device=device)
+    sample_logp = torch.zeros(num_rows, max_new_tokens, device=device)
+    finished = torch.zeros(num_rows, dtype=torch.bool, device=device)
+    rng_states = []  # rng_states[t]: the state of the random generator before token t was drawn
     for t in range(max_new_tokens):
-        logits = out.logits[:, -1, :vocab_size].float()  # (N, V) ids ≥ vocab_size are cut off
-        scaled = logits / (temperature if temperature > 0 else 1.0)  # (N, V)
         # logit − logsumexp, the formula sequence_logprobs scores with, not F.log_softmax: on the
         # CPU that kernel sums exp(x − max) in 16 (AVX-512) or 8 (AVX2) fp32 running sums, and in
         # the one holding the max (exp 0 = 1) every later term below 2^-24 rounds away. A confident
         # model over a 150k vocabulary then gets log π of every token ~1e-5 too high.
-        logp = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)  # (N, V)
         if temperature > 0:
+            rng_states.append(torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state())
+            scaled = logits / temperature  # (N, V)
+            logp = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)  # (N, V)
             token = torch.multinomial(top_p_filter(logp.exp(), top_p), 1).squeeze(-1)  # (N,)
-        else:
+            token_logp = logp.gather(-1, token[:, None]).squeeze(-1)  # (N,)
+        else:  # greedy: the log-probability of the chosen token only, no (N, V) log-softmax
             token = logits.argmax(dim=-1)  # (N,)
-        token_logp = logp.gather(-1, token[:, None]).squeeze(-1)  # (N,)
+            token_logp = logits.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # (N,)
         alive = ~finished
-        token = torch.where(alive, token, pad_id)
-        tokens.append(token)
-        masks.append(alive)
-        logps.append(torch.where(alive, token_logp, 0.0))
+        completion_ids[:, t] = torch.where(alive, token, pad_id)
+        completion_mask[:, t] = alive
+        sample_logp[:, t] = torch.where(alive, token_logp, 0.0)
         finished = finished | (alive & torch.isin(token, eos))
-        if finished.all() or t == max_new_tokens - 1:
+        if t == max_new_tokens - 1 or ((t + 1) % check_every == 0 and finished.all()):  # the only host sync
             break
-        attention_mask = torch.cat([attention_mask, alive[:, None].to(attention_mask.dtype)], dim=-1)
-        out = model(
-            input_ids=token[:, None],
-            attention_mask=attention_mask,
-            position_ids=next_position,
-            past_key_values=out.past_key_values,
-            use_cache=True,
-        )
-        next_position = next_position + 1
+        token_in.copy_(completion_ids[:, t : t + 1])
+        bias.index_fill_(-1, cache.slots, 0.0)  # every later token attends to this one
+        logits = step()  # (N, V)
+        position += 1
+        cache.slots += 1
     model.train(was_training)
-    completion_ids = torch.stack(tokens, dim=1)  # (N, T)
-    completion_mask = torch.stack(masks, dim=1).long()  # (N, T)
-    sample_logp = torch.stack(logps, dim=1)  # (N, T)
-    return completion_ids, completion_mask, ~finished, sample_logp
+    num_tokens = completion_mask.sum(-1).max().item()  # T: the longest completion, its EOS included
+    if num_tokens < len(rng_states):  # tokens were drawn past the last EOS: as if they never were
+        if cuda:
+            torch.cuda.set_rng_state(rng_states[num_tokens], device)
+        else:
+            torch.set_rng_state(rng_states[num_tokens])
+    cut = slice(0, num_tokens)
+    return (
+        completion_ids[:, cut].contiguous(),
+        completion_mask[:, cut].contiguous(),
+        ~finished,
+        sample_logp[:, cut].contiguous(),
+    )
 
 
 @dataclass
@@ -371,12 +478,15 @@ def sequence_logprobs(
     vocab_size: int,
     chunk_size: int,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ):
     """log π(o_t | q, o_<t) of every completion token, from logits / temperature restricted to
     the tokenizer's vocabulary, exactly as `generate` sampled them. Rows go through the model
     chunk_size at a time, so at most a (chunk_size, T, V) fp32 tensor exists, never (N, T, V).
     Returns logp (N, T) and, with with_entropy, the entropy of π at each position (N, T);
-    both 0 where completion_mask is 0. Differentiable when called with grad enabled.
+    both 0 where completion_mask is 0. logp is differentiable when called with grad enabled;
+    the entropy only with entropy_grad too (PPO's entropy bonus): otherwise no (n, T, V)
+    softmax is kept for a backward pass that does not need it.
     """
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (N, P+T)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (N, P+T)
@@ -400,10 +510,40 @@ def sequence_logprobs(
         token_logits = logits.gather(-1, completion_ids[rows, :, None]).squeeze(-1)  # (n, T)
         logps.append(token_logits - log_normaliser)
         if with_entropy:  # H = log Z - Σ_v p_v · logit_v
-            entropies.append(log_normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1))
+            with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+                entropies.append(log_normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1))
     mask = completion_mask.to(logits.dtype)
     logp = torch.cat(logps) * mask  # (N, T)
     return (logp, torch.cat(entropies) * mask) if with_entropy else (logp, None)
+
+
+def old_and_ref_logprobs(policy, reference, batch: Rollout, args, vocab_size: int, amp, score_policy: bool):
+    """Step 4, no grad: log π_θold and log π_ref of every sampled token, from logits / temperature,
+    logprob_chunk_size sequences at a time (sequence_logprobs), and the entropy of π_θold.
+    Returns old_logp, entropy, ref_logp, (N, T) each; ref_logp is None without a reference.
+
+    score_policy False skips the policy's pass and returns None for old_logp and entropy. That
+    is exact on-policy (one update over one mini-batch, μ = 1): π_θold is then the π_θ of the
+    update's own forward pass, before its optimizer step, and that pass computes log π_θ anyway.
+    The loss never read this pass's old_logp there (the ratio is exp(logp − logp.detach()) = 1,
+    see policy_backward); only the metrics did, and policy_backward hands them its log-probs,
+    detached, and the entropy of the same logits. One no-grad forward pass over N sequences
+    less: about half of step 4. With μ > 1 or several mini-batches θ moves between the updates,
+    and the ratios need the log-probs of θ as it sampled: the pass runs."""
+    sequences = batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
+    old_logp, entropy, ref_logp = None, None, None
+    policy.eval()  # same mode as sampling (matters for models with dropout)
+    with torch.no_grad(), amp():
+        if score_policy:
+            old_logp, entropy = sequence_logprobs(
+                policy, *sequences, args.temperature, vocab_size, args.logprob_chunk_size, with_entropy=True
+            )  # (N, T), (N, T)
+        if reference is not None:
+            ref_logp, _ = sequence_logprobs(
+                reference, *sequences, args.temperature, vocab_size, args.logprob_chunk_size
+            )  # (N, T)
+    policy.train()
+    return old_logp, entropy, ref_logp
 
 
 # ----------------------------------------------------------------------------------------
@@ -525,7 +665,7 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 def token_rewards(
     rewards: torch.Tensor,  # (N,) task reward R_i
-    old_logp: torch.Tensor,  # (N, T) log π_θold
+    old_logp: torch.Tensor | None,  # (N, T) log π_θold; None when beta = 0 (step 4 may skip it)
     ref_logp: torch.Tensor | None,  # (N, T) log π_ref; None when beta = 0
     completion_mask: torch.Tensor,  # (N, T)
     beta: float,
@@ -536,8 +676,8 @@ def token_rewards(
     KL(π_θold ‖ π_ref) for it. The last token is the EOS, or the last token of a truncated
     completion (generate emits at least one token, so every row has one). Returns (N, T),
     0 where completion_mask is 0."""
-    mask = completion_mask.to(old_logp.dtype)
-    kl = old_logp - ref_logp if ref_logp is not None else torch.zeros_like(old_logp)  # (N, T) k1
+    mask = completion_mask.to(rewards.dtype)
+    kl = old_logp - ref_logp if ref_logp is not None else torch.zeros_like(mask)  # (N, T) k1
     per_token = -beta * kl * mask  # (N, T)
     last = completion_mask.sum(-1, keepdim=True) - 1  # (N, 1) index of the last valid token
     return per_token.scatter_add(1, last, rewards[:, None].to(per_token.dtype))
@@ -716,15 +856,19 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
 
     On-policy (one epoch, one mini-batch) π_θold is π_θ itself, so the ratio is set to exactly
     1 with old = logp.detach(), as in grpo.py: the gradient is the same, kernel noise is gone.
+    When step 4 skipped the policy's pass (old_logp None: on-policy with β = 0, see train), the
+    totals also hold old_logp and entropy (n, T), no grad, in the rows of batch.
     """
     num_sequences = batch["completion_ids"].shape[0]
     num_tokens = batch["completion_mask"].sum().item()  # the whole mini-batch's, for every micro-batch
     on_policy = args.ppo_epochs == 1 and args.num_mini_batches == 1
     if args.pos_lm_coef > 0:  # VAPO's Σ_{o_i∈T} |o_i| over the whole mini-batch
         num_positive_tokens = (batch["completion_mask"] * batch["positive"][:, None]).sum().item()
+    record = batch["old_logp"] is None  # this forward pass stands in for step 4's
+    recorded = {"old_logp": [], "entropy": []}
     totals = {}
     for start in range(0, num_sequences, args.micro_batch_size):
-        micro = {k: v[start : start + args.micro_batch_size] for k, v in batch.items()}
+        micro = {k: (v[start : start + args.micro_batch_size] if v is not None else None) for k, v in batch.items()}
         with amp():
             logp, entropy = sequence_logprobs(
                 policy,
@@ -735,7 +879,8 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
                 args.temperature,
                 vocab_size,
                 chunk_size=args.micro_batch_size,
-                with_entropy=args.entropy_coef > 0,
+                with_entropy=args.entropy_coef > 0 or record,
+                entropy_grad=args.entropy_coef > 0,
             )
             old_logp = logp.detach() if on_policy else micro["old_logp"]
             is_weight = None
@@ -763,7 +908,10 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
                 }
         loss.backward()
         accumulate(totals, {"loss": loss.item(), **stats})
-    return totals
+        if record:
+            recorded["old_logp"].append(logp.detach())
+            recorded["entropy"].append(entropy.detach())
+    return totals | ({name: torch.cat(parts) for name, parts in recorded.items()} if record else {})
 
 
 def critic_backward(critic: Critic, batch: dict, args: Args, amp=contextlib.nullcontext) -> dict:
@@ -774,7 +922,7 @@ def critic_backward(critic: Critic, batch: dict, args: Args, amp=contextlib.null
     num_tokens = batch["completion_mask"].sum().item()
     totals = {}
     for start in range(0, num_sequences, args.micro_batch_size):
-        micro = {k: v[start : start + args.micro_batch_size] for k, v in batch.items()}
+        micro = {k: (v[start : start + args.micro_batch_size] if v is not None else None) for k, v in batch.items()}
         with amp():
             values = critic_values(
                 critic,
@@ -873,6 +1021,7 @@ def train(args: Args) -> Path:
         write_extra=write_critic,
     )  # fmt: skip
     num_sequences = args.batch_size * args.group_size  # N
+    on_policy = args.ppo_epochs == 1 and args.num_mini_batches == 1  # π_θold = π_θ of the one update
 
     with run:  # Ctrl-C stops with one line naming the newest checkpoint
         for step in run.steps():
@@ -884,23 +1033,21 @@ def train(args: Args) -> Path:
             )  # fmt: skip
             sequences = batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
 
-            # 4. Log-probs under π_θold and π_ref, and values V_φ(s_t), no grad.
+            # 4. Log-probs under π_θold and π_ref, and values V_φ(s_t), no grad. On-policy with β = 0,
+            #    in a step that updates the policy, only the metrics read old_logp: the update's forward
+            #    pass gives it (old_and_ref_logprobs). With β > 0 the per-token reward of step 5 needs it.
+            train_policy = step >= args.value_warmup_steps
             timer = time.perf_counter()
-            policy.eval(), critic.eval()  # same mode as sampling (matters for models with dropout)
-            # Separate autocast contexts: autocast keeps the bf16 copy of every trainable weight it
-            # casts until its context ends, so one context would hold policy and critic copies at once.
-            with torch.no_grad(), amp():
-                old_logp, entropy = sequence_logprobs(
-                    policy, *sequences, args.temperature, vocab_size, args.logprob_chunk_size, with_entropy=True
-                )  # (N, T), (N, T)
-                ref_logp = None
-                if reference is not None:
-                    ref_logp, _ = sequence_logprobs(
-                        reference, *sequences, args.temperature, vocab_size, args.logprob_chunk_size
-                    )  # (N, T)
+            skip_policy_pass = on_policy and args.beta == 0 and train_policy
+            old_logp, entropy, ref_logp = old_and_ref_logprobs(
+                policy, reference, batch, args, vocab_size, amp, score_policy=not skip_policy_pass
+            )  # (N, T) each; old_logp and entropy None until step 6 when skipped
+            # Autocast of its own: autocast keeps the bf16 copy of every trainable weight it casts
+            # until its context ends, so one context would hold policy and critic copies at once.
+            critic.eval()  # same mode as sampling (matters for models with dropout)
             with torch.no_grad(), amp():
                 old_values = critic_values(critic, *sequences, args.logprob_chunk_size)  # (N, T)
-            policy.train(), critic.train()
+            critic.train()
             seconds_logprobs = time.perf_counter() - timer
 
             # 5. Per-token rewards; GAE gives the actor's Â (λ_actor, whitened) and the critic's
@@ -927,14 +1074,16 @@ def train(args: Args) -> Path:
                 "old_values": old_values,
                 "returns": returns,
             }
-            train_policy = step >= args.value_warmup_steps
             update, grad_norms, critic_update, critic_grad_norms = {}, [], {}, []
             for _ in range(args.ppo_epochs):
                 order = torch.randperm(num_sequences, device=device)
                 for rows in order.tensor_split(args.num_mini_batches):
-                    mini = {k: v[rows] for k, v in tensors.items()}
+                    mini = {k: v[rows] if v is not None else None for k, v in tensors.items()}
                     if train_policy:
-                        accumulate(update, policy_backward(policy, mini, args, vocab_size, amp))
+                        totals = policy_backward(policy, mini, args, vocab_size, amp)
+                        if old_logp is None:  # on-policy: step 4's log-probs and entropy, from this forward pass
+                            old_logp, entropy = (totals.pop(name)[rows.argsort()] for name in ("old_logp", "entropy"))
+                        accumulate(update, totals)
                         grad_norms.append(optimizer_step(policy, optimizer, args.max_grad_norm))
                     accumulate(critic_update, critic_backward(critic, mini, args, amp))
                     critic_grad_norms.append(optimizer_step(critic, critic_optimizer, args.max_grad_norm))
@@ -1017,7 +1166,7 @@ def rollout_value_metrics(old_logp, ref_logp, completion_mask, beta, advantages,
 
 def step_metrics(batch: Rollout, entropy: torch.Tensor, old_logp: torch.Tensor, group_size: int) -> dict:
     """Rollout statistics of the batch a step trains on, with the entropy and old_logp (N, T)
-    that step 4 computed for it."""
+    that step 4 computed for it (on-policy: the update's forward pass, see old_and_ref_logprobs)."""
     mask = batch.completion_mask.bool()
     lengths = batch.completion_mask.sum(-1).float()  # (N,)
     rewards, scores = batch.rewards, batch.scores

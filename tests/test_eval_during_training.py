@@ -19,18 +19,20 @@ DATA = ROOT / "tests" / "fixtures" / "data"
 
 
 class ScriptedModel(torch.nn.Module):
-    """Stands in for a causal LM: at generation step k, row r puts all its mass on script[r][k]."""
+    """Stands in for a causal LM: at generation step k, row r puts all its mass on script[r][k].
+    generate calls it once for the prompts (each distinct prompt once: the problems here are
+    distinct), then once per token."""
 
     def __init__(self, script, rows):
         super().__init__()
-        self.script, self.rows = torch.tensor(script), rows
+        self.script, self.rows, self.calls = torch.tensor(script), rows, 0
         self.anchor = torch.nn.Parameter(torch.zeros(1))  # gives the model a device
 
-    def forward(self, input_ids, past_key_values=None, **kwargs):
-        step = 0 if past_key_values is None else past_key_values
+    def forward(self, input_ids, **kwargs):
+        step, self.calls = self.calls, self.calls + 1
         logits = torch.full((input_ids.shape[0], 1, self.rows), -30.0)
         logits[torch.arange(input_ids.shape[0]), 0, self.script[:, step]] = 10.0
-        return SimpleNamespace(logits=logits, past_key_values=step + 1)
+        return SimpleNamespace(logits=logits)
 
 
 def test_evaluate_heldout_by_hand():

@@ -151,31 +151,39 @@ def test_offline_end_to_end_on_every_benchmark(tmp_path, capsys):
 
 
 class AnsweringModel(torch.nn.Module):
-    """Stands in for a causal LM that knows the questions: at the first step it reads each
-    row's prompt, finds which question it asks and which of that question's repeated rows
-    (samples) it is, and then writes answers[question][sample] token by token, then EOS."""
+    """Stands in for a causal LM that knows the questions and writes answers[question][sample]
+    token by token, then EOS. generate prefills each distinct prompt once (one row per
+    question) and samples every completion's first token from that one row's logits, so the
+    samples of a question must share their first token; the model then sees all N rows, the
+    samples of a question in consecutive rows, and writes each row its own answer."""
 
     def __init__(self, tokenizer, eos_id, answers):
         super().__init__()
         self.tokenizer, self.eos_id, self.answers = tokenizer, eos_id, answers
         self.anchor = torch.nn.Parameter(torch.zeros(1))  # gives the model a device
 
-    def forward(self, input_ids, attention_mask, past_key_values=None, **kwargs):
-        if past_key_values is None:  # the prompts: choose every row's script
-            scripts, seen = [], []
-            for ids, mask in zip(input_ids, attention_mask):
-                prompt = self.tokenizer.decode(ids[mask.bool()])
-                (question,) = [q for q in self.answers if q in prompt]
-                text = self.answers[question][seen.count(question)]
-                seen.append(question)
-                scripts.append(self.tokenizer.encode(text, add_special_tokens=False) + [self.eos_id])
+    def encode(self, question: str, sample: int) -> list[int]:
+        return self.tokenizer.encode(self.answers[question][sample], add_special_tokens=False) + [self.eos_id]
+
+    def forward(self, input_ids, attention_mask, **kwargs):
+        rows = input_ids.shape[0]
+        if input_ids.shape[1] > 1:  # the prefill: one row per distinct prompt
+            prompts = [
+                self.tokenizer.decode(ids[mask[0, -1, : len(ids)] == 0]) for ids, mask in zip(input_ids, attention_mask)
+            ]
+            self.questions = [next(q for q in self.answers if q in prompt) for prompt in prompts]
+            self.script, self.step = [self.encode(q, 0)[:1] for q in self.questions], 0
+        elif self.step == 0:  # the first token step: N rows, G samples of each question in a row
+            samples = rows // len(self.questions)
+            scripts = [self.encode(self.questions[r // samples], r % samples) for r in range(rows)]
             width = max(len(script) for script in scripts)
-            script = torch.tensor([s + [self.eos_id] * (width - len(s)) for s in scripts])
-            past_key_values = (script, 0)
-        script, step = past_key_values
-        logits = torch.full((input_ids.shape[0], 1, len(self.tokenizer)), -30.0)
-        logits[torch.arange(input_ids.shape[0]), 0, script[:, step]] = 10.0  # sampling at t = 1 picks it
-        return SimpleNamespace(logits=logits, past_key_values=(script, step + 1))
+            self.script, self.step = [s + [self.eos_id] * (width - len(s)) for s in scripts], 1
+        logits = torch.full((rows, 1, len(self.tokenizer)), -30.0)
+        logits[torch.arange(rows), 0, torch.tensor(self.script)[:, min(self.step, len(self.script[0]) - 1)]] = (
+            10.0  # sampling at t = 1 picks it
+        )
+        self.step += input_ids.shape[1] == 1  # generate checks for EOS every few tokens: EOS until then
+        return SimpleNamespace(logits=logits)
 
 
 def test_end_to_end_grades_each_completion_against_its_own_problem(tmp_path, monkeypatch):
@@ -190,9 +198,9 @@ def test_end_to_end_grades_each_completion_against_its_own_problem(tmp_path, mon
     problems = load_gsm8k("test", str(DATA))
     assert [p["gold"] for p in problems] == ["18", "3", "70000"]
     answers = {
-        problems[0]["question"]: ["So \\boxed{18}.", "It is 9 * 2 = 18"],
+        problems[0]["question"]: ["So \\boxed{18}.", "So 9 * 2 = 18"],  # a question's samples share a first token
         problems[1]["question"]: ["\\boxed{3}", "\\boxed{70000}"],
-        problems[2]["question"]: ["\\boxed{18}", "The answer is 3"],
+        problems[2]["question"]: ["So \\boxed{18}", "So the answer is 3"],
     }
     model = AnsweringModel(tokenizer, eos_ids[0], answers)
     monkeypatch.setattr(evaluate, "load_model", lambda *args, **kwargs: (model, tokenizer, eos_ids))
@@ -216,7 +224,7 @@ def test_end_to_end_grades_each_completion_against_its_own_problem(tmp_path, mon
     assert result["accuracy"] == pytest.approx(0.5) and result["pass@1"] == pytest.approx(0.5)
     assert result["pass@2"] == pytest.approx(2 / 3)
     assert result["strict_accuracy"] == pytest.approx(1 / 3)
-    assert result["formatted"] == pytest.approx(4 / 6)  # all boxed but '9 * 2 = 18' and 'The answer is 3'
+    assert result["formatted"] == pytest.approx(4 / 6)  # all boxed but 'So 9 * 2 = 18' and 'So the answer is 3'
     assert result["truncated"] == 0.0
 
 

@@ -92,18 +92,19 @@ def test_kv_cache_greedy_equals_full_recomputation(tiny):
 class ScriptedModel(torch.nn.Module):
     """Stands in for a causal LM: at generation step k, row r puts all its mass on
     script[r][k], except that an id beyond the tokenizer (embedding row `rows - 1`) always
-    has a far larger logit, which generate must never sample."""
+    has a far larger logit, which generate must never sample. generate calls it once for the
+    prompts (each distinct prompt once: give every row its own prompt), then once per token."""
 
     def __init__(self, script, rows):
         super().__init__()
-        self.script, self.rows = torch.tensor(script), rows
+        self.script, self.rows, self.calls = torch.tensor(script), rows, 0
 
-    def forward(self, input_ids, past_key_values=None, **kwargs):
-        step = 0 if past_key_values is None else past_key_values
+    def forward(self, input_ids, **kwargs):
+        step, self.calls = self.calls, self.calls + 1
         logits = torch.full((input_ids.shape[0], 1, self.rows), -30.0)
         logits[torch.arange(input_ids.shape[0]), 0, self.script[:, step]] = 10.0
         logits[:, 0, self.rows - 1] = 50.0  # out of the tokenizer's vocabulary
-        return SimpleNamespace(logits=logits, past_key_values=step + 1)
+        return SimpleNamespace(logits=logits)
 
 
 EOS_A, EOS_B, PAD, VOCAB, ROWS = 2, 3, 0, 10, 12
@@ -116,7 +117,7 @@ def test_eos_handling_and_truncation_on_crafted_cases(temperature):
         [5, EOS_B, 8, 8, 8, 8],  # ends with the second EOS id at step 1
         [4, 4, 4, 4, 4, 4],  # never ends: truncated
     ]
-    prompt = torch.ones(3, 2, dtype=torch.long)
+    prompt = torch.tensor([[1, 4], [1, 5], [1, 6]])  # a prompt of its own per row
     ids, mask, truncated, logp = generate(
         ScriptedModel(script, ROWS), prompt, torch.ones_like(prompt), 5, [EOS_A, EOS_B], PAD, VOCAB, temperature
     )
@@ -129,7 +130,7 @@ def test_eos_handling_and_truncation_on_crafted_cases(temperature):
 
 def test_generation_stops_when_every_row_has_ended():
     script = [[5, EOS_A, 9, 9, 9, 9], [EOS_B, 9, 9, 9, 9, 9]]
-    prompt = torch.ones(2, 1, dtype=torch.long)
+    prompt = torch.tensor([[1], [4]])
     ids, mask, truncated, _ = generate(
         ScriptedModel(script, ROWS), prompt, torch.ones_like(prompt), 6, [EOS_A, EOS_B], PAD, VOCAB, 0.0
     )
