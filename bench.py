@@ -1,0 +1,276 @@
+"""Speed and memory of nanoPO's generation and training steps, measured in one process.
+
+  python bench.py --model tiny                                   # CPU, seconds
+  python bench.py --model qwen2.5-0.5b-shape --num_layers 4      # the 0.5B shape cut to 4 layers
+  python bench.py --model qwen2.5-1.5b-shape --batch_sizes 256 --max_new_tokens 1024   # one GPU
+
+--model is a local directory, a Hub id or short name, `tiny`, or qwen2.5-0.5b-shape /
+qwen2.5-1.5b-shape: a Qwen2 model of that size with random weights (nothing is downloaded),
+prompted with the tiny model's tokenizer (its ids exist in every vocabulary).
+
+1. Generation, tokens/s: the scripts' generate against transformers' model.generate (default
+   DynamicCache) and against the plain loop generate replaced (kept in tests/test_fast_generation.py),
+   on the same left-padded Countdown prompts (B/G prompts, each repeated G times, as training
+   does), every completion forced to max_new_tokens (no EOS), greedy and sampled (τ = 1, top-p 1).
+   The contenders take turns within each repetition; the table gives the median of --repeats.
+   On CUDA also the fraction of the memory-bandwidth bound of a decode step (bytes of weights
+   and KV cache read per step ÷ measured copy bandwidth), with its arithmetic.
+2. Memory of sequence_logprobs (chunked) against a naive full log-softmax over (N, T, V): on
+   CUDA torch.cuda.max_memory_allocated; on the CPU the sizes of the tensors each materialises,
+   computed, not measured (no CPU allocator statistic sees torch's tensors reliably).
+3. One training step of grpo.py, dapo.py and ppo.py, per phase (the time/* metrics the scripts
+   log), with peak memory: per phase on CUDA; on the CPU the process's peak RSS after the step.
+Prints Markdown tables and writes them to --output (JSON).
+"""
+
+import functools
+import json
+import resource
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+import dapo
+import grpo
+import ppo
+from common import arg, autocast, build_tiny_model, load_model, parse_args, resolve_device, resolve_precision
+from rewards import load_task
+
+# The real Qwen2.5 configurations (config.json of Qwen/Qwen2.5-0.5B-Instruct and -1.5B-Instruct).
+SHAPES = {
+    "qwen2.5-0.5b-shape": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, intermediate_size=4864),
+    "qwen2.5-1.5b-shape": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, intermediate_size=8960),
+}
+QWEN_TOKENIZER_SIZE = 151665  # ids the Qwen2.5 tokenizer has; its embedding has 151936 rows
+
+
+@dataclass
+class Args:
+    model: str = arg("tiny", "tiny, a directory, a Hub id, qwen2.5-0.5b-shape or qwen2.5-1.5b-shape")
+    num_layers: int = arg(0, "keep only the first layers of the model (CPU speed); 0 = all")
+    batch_sizes: str = arg("1,16,64,256", "N, completions generated at once, comma-separated; '' = none")
+    group_size: int = arg(8, "G: each prompt repeated G times in a row (fewer when N < G)")
+    max_new_tokens: int = arg(64, "every completion is forced to this length")
+    repeats: int = arg(3, "repetitions per contender; the median is reported")
+    modes: str = arg("greedy,sampled", "greedy (τ = 0) and/or sampled (τ = 1)")
+    contenders: str = arg("nanopo,hf,loop", "nanopo (generate), hf (model.generate), loop (the old generate)")
+    train_steps: str = arg("grpo,dapo,ppo", "scripts whose training step is timed; '' = none")
+    train_batch_size: int = arg(2, "B of the training step")
+    logprob_rows: int = arg(16, "N of the sequence_logprobs memory comparison; 0 = skip it")
+    device: str = arg("auto", "auto, cpu, cuda")
+    dtype: str = arg("auto", "auto (bf16 autocast on GPU, fp32 on CPU), bfloat16, float32")
+    output: str = arg("bench.json", "where the tables go, as JSON")
+
+
+def load_bench_model(args: Args, device, dtype):
+    """(model, tokenizer, vocab_size, model directory for the training scripts)."""
+    if args.model in SHAPES:
+        torch.manual_seed(0)
+        shape = dict(SHAPES[args.model], num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+        if args.num_layers:
+            shape["num_hidden_layers"] = args.num_layers
+        model = Qwen2ForCausalLM(Qwen2Config(**shape)).to(device, dtype)
+        _, tokenizer, _ = load_model("tiny", torch.device("cpu"))
+        directory = Path(tempfile.mkdtemp(prefix="nanopo-bench-"))  # what train(--model) loads
+        model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        return model.eval(), tokenizer, QWEN_TOKENIZER_SIZE, str(directory)
+    model, tokenizer, _ = load_model(args.model, device, dtype)
+    if args.num_layers:
+        model.model.layers = model.model.layers[: args.num_layers]
+        model.config.num_hidden_layers = args.num_layers
+    directory = build_tiny_model() if args.model == "tiny" else args.model
+    return model.eval(), tokenizer, len(tokenizer), str(directory)
+
+
+def prompts(tokenizer, num_rows: int, group_size: int, device):
+    """Countdown prompts, left padded, each repeated G times: (N, P) ids and mask."""
+    task = load_task("countdown", seed=0, num_problems=max(1, -(-num_rows // group_size)))
+    conversations = [task.messages(problem) for problem in task.problems]
+    ids, mask = grpo.encode_prompts(tokenizer, conversations, group_size, device)
+    return ids[:num_rows], mask[:num_rows]
+
+
+def timed(function, device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    function()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def bench_generation(args, model, tokenizer, vocab_size, device, amp, compute_dtype) -> list[dict]:
+    from tests.test_fast_generation import loop_generate  # the loop generate replaced, kept verbatim
+
+    rows, length = [], args.max_new_tokens
+    pad = tokenizer.pad_token_id
+    for num_rows in [int(n) for n in args.batch_sizes.split(",") if n]:
+        prompt_ids, prompt_mask = prompts(tokenizer, num_rows, args.group_size, device)
+        for mode in args.modes.split(","):
+            temperature = 0.0 if mode == "greedy" else 1.0
+            sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if temperature > 0 else {}
+            hf_config = GenerationConfig(
+                max_new_tokens=length, min_new_tokens=length, eos_token_id=None, pad_token_id=pad, **sampling
+            )
+            inputs = (model, prompt_ids, prompt_mask, length, [], pad, vocab_size, temperature)
+            contenders = {
+                "nanopo": functools.partial(grpo.generate, *inputs),
+                "hf": functools.partial(
+                    model.generate, input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=hf_config
+                ),
+                "loop": functools.partial(loop_generate, *inputs),
+            }
+            chosen = args.contenders.split(",")
+            seconds = {name: [] for name in chosen}
+            with amp():
+                contenders[chosen[0]]()  # warm-up: first-call allocations, kernels picked
+                for _ in range(args.repeats):
+                    for name in chosen:  # interleaved, so a slow spell of a shared machine hits all alike
+                        seconds[name].append(timed(contenders[name], device))
+            row = {"N": num_rows, "P": prompt_ids.shape[1], "mode": mode}
+            for name in chosen:
+                row[f"{name} tok/s"] = num_rows * length / statistics.median(seconds[name])
+            for name in chosen[1:]:
+                row[f"{chosen[0]}/{name}"] = row[f"{chosen[0]} tok/s"] / row[f"{name} tok/s"]
+            if device.type == "cuda" and "nanopo" in chosen:
+                context = prompt_ids.shape[1] + length // 2  # the mean over the decode steps
+                element = 2 if compute_dtype == torch.bfloat16 else next(model.parameters()).element_size()
+                row |= bandwidth_bound(model, num_rows, context, row["nanopo tok/s"], device, element)
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def bandwidth_bound(model, num_rows: int, context: int, tokens_per_s: float, device, element_bytes: int) -> dict:
+    """A decode step reads every weight once and the KV cache of every row: at the mean context,
+    bytes/step = weights + N · context · layers · 2 (K, V) · kv heads · head dim · bytes. At the
+    measured copy bandwidth the fastest possible step takes bytes/step ÷ bandwidth."""
+    config = model.config
+    weights = sum(p.numel() for p in model.parameters()) * element_bytes
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv = num_rows * context * config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * element_bytes
+    source = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    copy_seconds = statistics.median(timed(lambda: target.copy_(source), device) for _ in range(10))
+    bandwidth = 2 * source.numel() / copy_seconds  # bytes read + written per second
+    bound = num_rows * bandwidth / (weights + kv)  # tokens/s
+    arithmetic = (
+        f"({weights / 1e9:.2f} GB weights + {kv / 1e9:.2f} GB KV at context {context}) / "
+        f"{bandwidth / 1e9:.0f} GB/s = {1e3 * (weights + kv) / bandwidth:.2f} ms/step; "
+        f"bound {bound:.0f} tok/s for N = {num_rows}"
+    )
+    print(arithmetic)
+    return {"bound tok/s": bound, "of bound": tokens_per_s / bound, "bound arithmetic": arithmetic}
+
+
+def bench_logprob_memory(args, model, vocab_size, device, amp) -> dict:
+    """Peak memory of sequence_logprobs (logprob_chunk_size 8) against log_softmax over (N, T, V)."""
+    num_rows, length = args.logprob_rows, args.max_new_tokens
+    prompt_ids = torch.randint(0, 300, (num_rows, 32), device=device)
+    prompt_mask = torch.ones_like(prompt_ids)
+    ids = torch.randint(0, 300, (num_rows, length), device=device)
+    mask = torch.ones_like(ids)
+
+    def naive():
+        logits = model(input_ids=torch.cat([prompt_ids, ids], 1)).logits[:, 31:-1, :vocab_size].float()
+        return logits.log_softmax(-1).gather(-1, ids[..., None])
+
+    def chunked():
+        return grpo.sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, 1.0, vocab_size, 8)
+
+    result = {"N": num_rows, "T": length, "V": vocab_size}
+    if device.type == "cuda":
+        for name, function in (("naive GB", naive), ("sequence_logprobs GB", chunked)):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            with torch.no_grad(), amp():
+                function()
+            result[name] = (torch.cuda.max_memory_allocated(device) - base) / 1e9
+        result["how"] = "torch.cuda.max_memory_allocated above the weights, no grad"
+    else:  # fp32 (n, T, V) tensors alive at once: naive: logits and log-softmax; chunked: logits, softmax-free lse
+        result["naive GB"] = 2 * num_rows * length * vocab_size * 4 / 1e9
+        result["sequence_logprobs GB"] = 2 * min(8, num_rows) * length * vocab_size * 4 / 1e9
+        result["how"] = "computed on the CPU: two fp32 (rows, T, V) tensors, rows = N or the chunk of 8; not measured"
+    print(result, flush=True)
+    return result
+
+
+def bench_training(args, directory: str, device) -> list[dict]:
+    """One step of each script with the bench model; its time/* metrics and peak memory."""
+    rows = []
+    for name in [s for s in args.train_steps.split(",") if s]:
+        script = {"grpo": grpo, "dapo": dapo, "ppo": ppo}[name]
+        settings = dict(model=directory, max_steps=1, batch_size=args.train_batch_size, group_size=args.group_size)
+        settings |= dict(max_new_tokens=args.max_new_tokens, device=args.device, dtype=args.dtype, save_every=0)
+        settings |= {"overlong_buffer": 0, "dynamic_sampling": False} if script is dapo else {}
+        settings |= {"num_mini_batches": 1} if script is ppo else {}  # PPO's 4 need B·G ≥ 4
+        peaks, originals = {}, {}
+        for phase, function in (("generate+reward", "rollout"), ("logprobs", "old_and_ref_logprobs"),
+                                ("update", "policy_backward")):  # fmt: skip
+            originals[function] = getattr(script, function)
+
+            def measured(*a, _phase=phase, _function=originals[function], _peaks=peaks, **k):
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                result = _function(*a, **k)
+                if device.type == "cuda":
+                    _peaks[_phase] = max(_peaks.get(_phase, 0), torch.cuda.max_memory_allocated(device) / 1e9)
+                return result
+
+            setattr(script, function, measured)
+        try:
+            with tempfile.TemporaryDirectory() as output:
+                run_dir = script.train(script.Args(output_dir=output, **settings))
+                metrics = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+        finally:
+            for function, original in originals.items():
+                setattr(script, function, original)
+        row = {"script": name, **{k: v for k, v in metrics.items() if k.startswith("time/")}}
+        if device.type == "cuda":
+            row |= {f"peak GB {phase}": value for phase, value in peaks.items()}
+        else:
+            row["peak RSS GB (process)"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    keys = list(dict.fromkeys(k for row in rows for k in row if k != "bound arithmetic"))
+    cell = lambda v: (f"{v:.0f}" if v >= 100 else f"{v:.3g}") if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(cell(row.get(k, "")) for k in keys) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def main(args: Args) -> dict:
+    device = resolve_device(args.device)
+    weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
+    amp = lambda: autocast(device, compute_dtype)  # noqa: E731
+    model, tokenizer, vocab_size, directory = load_bench_model(args, device, weight_dtype)
+    report = {"args": asdict(args), "device": str(device), "threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        report["gpu"] = torch.cuda.get_device_name(device)
+    report["generation"] = bench_generation(args, model, tokenizer, vocab_size, device, amp, compute_dtype)
+    report["logprob_memory"] = [bench_logprob_memory(args, model, vocab_size, device, amp)] if args.logprob_rows else []
+    del model
+    report["training_step"] = bench_training(args, directory, device)
+    for section in ("generation", "logprob_memory", "training_step"):
+        print(f"\n### {section}\n\n{markdown(report[section])}")
+    Path(args.output).write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main(parse_args(Args))
