@@ -316,10 +316,11 @@ def shard_model(model):
         return model
     from torch.distributed.fsdp import fully_shard
 
+    frozen = not any(p.requires_grad for p in model.parameters())  # the reference: no backward will reshard it
     for module in model.modules():
         if type(module).__name__.endswith("DecoderLayer"):
             fully_shard(module)
-    fully_shard(model)
+    fully_shard(model, reshard_after_forward=frozen)  # a trained root stays gathered from forward to backward
     for module in model.modules():
         if hasattr(module, "set_gradient_divide_factor"):  # every FSDP unit
             module.set_gradient_divide_factor(1.0)

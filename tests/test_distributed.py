@@ -60,12 +60,12 @@ def test_one_update_on_two_processes_equals_one(updates, case):
 
 SMOKE = ["--model", "tiny", "--task", "digit", "--batch_size", "4", "--group_size", "2", "--max_new_tokens", "6"]
 SMOKE += ["--save_every", "1", "--sample_every", "1", "--output_dir", "out"]
-EXTRA = {"grpo": [], "dapo": ["--overlong_buffer", "2", "--overlong_filter"], "ppo": []}
+EXTRA = {"grpo": ["--ref_ema_decay", "0.9"], "dapo": ["--overlong_buffer", "2", "--overlong_filter"], "ppo": []}
 
 
 @pytest.mark.parametrize("script", ["grpo", "dapo", "ppo"])
 def test_two_processes_train_save_and_resume(tmp_path, script):
-    # 2 steps on 2 ranks: one metrics row a step (rank 0 writes, the others don't), a final
+    # 2 steps on 2 ranks (GRPO with its sharded reference moving, T1's EMA): one metrics row a step (rank 0 writes, the others don't), a final
     # checkpoint that plain transformers loads with a trainer state for each rank, then a resume
     # from it on 2 ranks runs the third step.
     result = launch([ROOT / f"{script}.py", *SMOKE, *EXTRA[script], "--max_steps", "2"], cwd=tmp_path)
