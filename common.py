@@ -156,7 +156,8 @@ def stop_interrupted(script: str, checkpoint: Path | None, steps_done: int) -> N
             script = sys.argv[0]  # as the user typed it (path/to/grpo.py)
         command = shlex.join(["python", script, *argv, "--resume_from", str(checkpoint)])
         message = f"Interrupted after {steps_done} steps. Newest checkpoint: {checkpoint}. Continue with: {command}"
-    print(message, file=sys.stderr)
+    if rank() == 0:  # under torchrun every rank stops, one prints
+        print(message, file=sys.stderr)
     raise SystemExit(130)
 
 
@@ -341,7 +342,8 @@ def unsharded(model):
     try:
         yield
     finally:
-        model.set_reshard_after_forward(True)
+        model.set_reshard_after_forward(True)  # the layers as shard_model left them, and the root:
+        model.set_reshard_after_forward(not any(p.requires_grad for p in model.parameters()), recurse=False)
         for module in model.modules():
             if hasattr(module, "reshard"):
                 module.reshard()
