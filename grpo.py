@@ -27,6 +27,8 @@ Run:
                                                                # CPU, watch the reward rise
   python grpo.py --model Qwen2.5-1.5B-Instruct --task gsm8k --eval_every 50
                                                                # GSM8K, held-out accuracy logged
+  torchrun --nproc_per_node 8 grpo.py --model Qwen2.5-7B-Instruct
+                                                               # 8 GPUs, FSDP2: docs/distributed.md
 Shape letters in comments:
   B prompts per step · G completions per prompt · N = B·G sequences · n sequences of a
   micro-batch or of one rollout() · P prompt tokens (left padded) · T completion tokens (right padded) ·

@@ -27,6 +27,8 @@ Run:
   python ppo.py --model tiny --max_steps 20                    # CPU smoke run, no download
   python ppo.py --model tiny --task digit --lr 3e-3 --critic_lr 3e-3 --max_new_tokens 8 --max_steps 40
                                                                # CPU, watch the reward rise
+  torchrun --nproc_per_node 8 ppo.py --model Qwen2.5-7B-Instruct
+                                                               # 8 GPUs, FSDP2: docs/distributed.md
 Shape letters in comments:
   B prompts per step · G completions per prompt · N = B·G sequences · n sequences of a
   micro-batch or of one rollout() · P prompt tokens (left padded) · T completion tokens (right padded) ·
