@@ -4,6 +4,7 @@ Every launch runs with a timeout, so a hang fails the test instead of stalling t
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -97,3 +98,19 @@ def test_a_batch_that_does_not_split_stops_every_rank_with_one_message(tmp_path)
     output = result.stdout + result.stderr
     assert output.count("3 prompts a step do not split over 2 processes") == 1, output[-3000:]
     assert not (tmp_path / "out").exists()
+
+
+def test_dapo_keeps_as_many_groups_on_every_rank():
+    # Rank a kept groups 0 and 2 of round 1 and group 1 of round 2 (3 groups); rank b found 2.
+    # Both train on 2, a's first two in order: FSDP pairs each forward pass across ranks.
+    from dapo import first_groups, sampling_metrics
+
+    assert first_groups([[0, 2], [1]], 2) == [[0, 2], []]
+    assert first_groups([[0, 2], [1]], 1) == [[0], []]
+    assert first_groups([[], [3]], 1) == [[], [3]]
+    assert first_groups([[0, 2], [1]], 3) == [[0, 2], [1]]  # one process: the groups themselves
+    # The counts of 2 ranks, each generating 2 groups of G = 2 and keeping 1: 4 generated, 2 kept.
+    batch = SimpleNamespace(rewards=torch.tensor([1.0, 0, 0, 0]), completion_mask=torch.ones(4, 3))
+    batch.truncated = torch.zeros(4, dtype=torch.bool)
+    counts = sampling_metrics([batch], groups_kept=1, group_size=2, ranks=2)
+    assert counts["sampling/groups_generated"] == 4 and counts["sampling/groups_kept"] == 2
