@@ -22,6 +22,7 @@ from typing import NoReturn
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from jinja2 import TemplateError
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, HfArgumentParser
@@ -155,7 +156,8 @@ def stop_interrupted(script: str, checkpoint: Path | None, steps_done: int) -> N
             script = sys.argv[0]  # as the user typed it (path/to/grpo.py)
         command = shlex.join(["python", script, *argv, "--resume_from", str(checkpoint)])
         message = f"Interrupted after {steps_done} steps. Newest checkpoint: {checkpoint}. Continue with: {command}"
-    print(message, file=sys.stderr)
+    if rank() == 0:  # under torchrun every rank stops, one prints
+        print(message, file=sys.stderr)
     raise SystemExit(130)
 
 
@@ -211,6 +213,169 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+# ----------------------------------------------------------------------------------------
+# Several processes (torchrun): data parallel, parameters, gradients and AdamW state sharded by
+# FSDP2. Without torchrun every helper here does nothing, and a script runs as one process.
+
+
+def init_distributed(device: torch.device) -> torch.device:
+    """Joins the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK in the
+    environment): NCCL with one GPU a process (cuda:LOCAL_RANK) on CUDA, gloo on the CPU.
+    Returns the device this process computes on; without torchrun, `device` unchanged."""
+    if "WORLD_SIZE" not in os.environ:
+        return device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def world_size() -> int:
+    """K, the number of processes (1 without torchrun)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    """This process's index, 0 … K−1 (0 without torchrun). Rank 0 alone writes files."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def rank_seed(seed: int) -> int:
+    """The seed of this rank's sampling: --seed on rank 0 (a single process's), --seed + 1000·rank
+    on the others, so that no two ranks sample the same completions."""
+    return seed + 1000 * rank()
+
+
+def my_share(items: list) -> list:
+    """This rank's contiguous 1/K of `items` (B prompts: rank r takes prompts r·B/K … (r+1)·B/K − 1,
+    each with its whole group). check_distributed made sure that K divides the length."""
+    size = len(items) // world_size()
+    return items[rank() * size : (rank() + 1) * size]
+
+
+def all_reduce(value, op: str = "sum"):
+    """A number or a tensor summed ("sum"), or its "max" or "min", over every rank; returned as the
+    same type. The normalisers of the losses go through it, so that K ranks compute the gradient
+    that one process computes over the whole batch. One process: `value` itself, untouched."""
+    if not dist.is_initialized():
+        return value
+    tensor = torch.as_tensor(value, dtype=torch.float64 if not torch.is_tensor(value) else None).clone()
+    if dist.get_backend() == "nccl":
+        tensor = tensor.cuda()
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+    dist.all_reduce(tensor, op=reduce_op)
+    if torch.is_tensor(value):
+        return tensor.to(value.device)
+    return type(value)(tensor.item())
+
+
+def all_reduce_totals(totals: dict) -> dict:
+    """Update statistics summed over ranks (the *_max ones: their maximum), as accumulate adds
+    micro-batches: what one process would have summed over the whole batch."""
+    return {k: all_reduce(v, "max" if k.endswith("_max") else "sum") for k, v in totals.items()}
+
+
+def all_reduce_metrics(metrics: dict) -> dict:
+    """A step's metrics over ranks: the mean of each rank's value (exact for a mean over rows,
+    every rank holding as many rows; a mean over tokens weighs each rank alike), the maximum of
+    the *_max ones."""
+    if not dist.is_initialized():
+        return metrics
+    return {
+        k: all_reduce(v, "max") if "max" in k else all_reduce(v) / world_size() if isinstance(v, (int, float)) else v
+        for k, v in metrics.items()
+    }
+
+
+def check_distributed(args, *prompt_counts: int) -> None:
+    """Stops the launch that cannot work, before anything loads: the B prompts of a step (and
+    DAPO's generation round) must split into K equal shares, a group never spanning two ranks.
+    Every rank stops (no rank waits on the others); rank 0 alone prints the message."""
+    uneven = [count for count in prompt_counts if count % world_size()]
+    if uneven:
+        message = (
+            f"{uneven[0]} prompts a step do not split over {world_size()} processes: under torchrun "
+            f"--batch_size (and dapo.py's --gen_batch_size) must be a multiple of --nproc_per_node × --nnodes."
+        )
+        raise SystemExit(message if rank() == 0 else 1)
+    if world_size() > 1 and args.lora_rank:
+        raise SystemExit(
+            "--lora_rank with torchrun is not supported yet: train LoRA in one process." if rank() == 0 else 1
+        )
+
+
+def shard_model(model):
+    """FSDP2 over K ranks (torch.distributed.fsdp.fully_shard): one unit per decoder layer, then
+    the root (embeddings, final norm, LM head or value head). Each rank keeps 1/K of every weight,
+    gradient and AdamW moment; a layer's full weights exist only while it computes. Gradients are
+    summed over ranks, not averaged: each rank's loss is already its share of the global loss,
+    divided by the global normaliser. One process: the model unchanged."""
+    if not dist.is_initialized():
+        return model
+    from torch.distributed.fsdp import fully_shard
+
+    frozen = not any(p.requires_grad for p in model.parameters())  # the reference: no backward will reshard it
+    for module in model.modules():
+        if type(module).__name__.endswith("DecoderLayer"):
+            fully_shard(module)
+    fully_shard(model, reshard_after_forward=frozen)  # a trained root stays gathered from forward to backward
+    for module in model.modules():
+        if hasattr(module, "set_gradient_divide_factor"):  # every FSDP unit
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-scaled sum)
+    return model
+
+
+@contextlib.contextmanager
+def unsharded(model):
+    """Full weights for a rollout: the first forward pass gathers each layer and the decode loop
+    keeps them (one all-gather a rollout, not one a token), then every unit is sharded again.
+    With full weights no forward pass talks to other ranks, so ranks may decode different
+    numbers of tokens. One process: nothing."""
+    if not dist.is_initialized():
+        yield
+        return
+    model.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        model.set_reshard_after_forward(True)  # the layers as shard_model left them, and the root:
+        model.set_reshard_after_forward(not any(p.requires_grad for p in model.parameters()), recurse=False)
+        for module in model.modules():
+            if hasattr(module, "reshard"):
+                module.reshard()
+
+
+def full_state_dict(model) -> dict | None:
+    """Every rank takes part; rank 0 gets the whole model's weights on the CPU, the others None."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
+    return state if rank() == 0 else None
+
+
+def trainer_state_file() -> str:
+    """trainer_state.pt for rank 0 (a single process's), trainer_state-rank<r>.pt for rank r:
+    each rank saves its own shard of the AdamW state and its own RNG states."""
+    return TRAINER_STATE if rank() == 0 else TRAINER_STATE.replace(".pt", f"-rank{rank()}.pt")
+
+
+def broadcast(value):
+    """Rank 0's `value` (any picklable object) on every rank; one process: `value`."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
 # ----------------------------------------------------------------------------------------
@@ -658,9 +823,14 @@ class Run:
         self.newest_checkpoint: Path | None = None
         self.start_step, self.progress = 0, None
         if not args.resume_from:
-            self.dir = make_run_dir(args, algo)
+            self.dir = broadcast(make_run_dir(args, algo) if rank() == 0 else None)
             return
-        saved = load_trainer_state(args.resume_from, vars(args), same_on_resume)
+        saved = load_trainer_state(args.resume_from, vars(args), same_on_resume, trainer_state_file())
+        if saved.get("world_size", 1) != world_size():  # each rank's AdamW shard fits that many ranks only
+            raise SystemExit(
+                f"--resume_from {args.resume_from} was saved by {saved.get('world_size', 1)} processes: "
+                f"resume with as many (now {world_size()})."
+            )
         for name, thing in resumable.items():
             if name not in saved:  # e.g. the moving reference of --ref_ema_decay, in a run saved without it
                 raise SystemExit(
@@ -672,14 +842,17 @@ class Run:
         self.start_step = saved["step"]
         self.newest_checkpoint = Path(args.resume_from)
         self.dir = self.newest_checkpoint.parent
-        for log in ("metrics.jsonl", "samples.jsonl"):  # drop what ran after the checkpoint
-            truncate_jsonl(self.dir / log, last_step=self.start_step)
-        record_args(self.dir, args, resumed_at=self.start_step)  # the arguments the run goes on with
+        barrier()  # every rank has read the checkpoint before rank 0 writes beside it
+        if rank() == 0:
+            for log in ("metrics.jsonl", "samples.jsonl"):  # drop what ran after the checkpoint
+                truncate_jsonl(self.dir / log, last_step=self.start_step)
+            record_args(self.dir, args, resumed_at=self.start_step)  # the arguments the run goes on with
 
     def steps(self):
         """The steps still to run, 0-based, as a progress bar over all max_steps."""
         total = self.args.max_steps
-        self.progress = tqdm(range(self.start_step, total), initial=self.start_step, total=total, desc=self.algo)
+        steps = range(self.start_step, total)
+        self.progress = tqdm(steps, initial=self.start_step, total=total, desc=self.algo, disable=rank() > 0)
         return self.progress
 
     def end_step(self, step: int, metrics: dict, seconds: dict, batch=None) -> None:
@@ -693,14 +866,16 @@ class Run:
         args, done = self.args, step + 1
         metrics = {"step": done, **metrics, **{f"time/{phase}": value for phase, value in seconds.items()}}
         if args.eval_every and (done % args.eval_every == 0 or done == args.max_steps):
-            metrics |= self.evaluate()
-        append_jsonl(self.dir / "metrics.jsonl", metrics)
+            with unsharded(self.policy):  # under torchrun each rank evaluates every problem
+                metrics |= self.evaluate()
+        if rank() == 0:  # the metrics are every rank's already (all_reduce_metrics)
+            append_jsonl(self.dir / "metrics.jsonl", metrics)
         if self.progress is not None and self.reward_key in metrics:
             shown = {"reward": f"{metrics[self.reward_key]:.3f}"}
             if "completion/length_mean" in metrics:
                 shown["len"] = f"{metrics['completion/length_mean']:.0f}"
             self.progress.set_postfix(shown)
-        if batch is not None and args.sample_every and step % args.sample_every == 0:
+        if batch is not None and args.sample_every and step % args.sample_every == 0 and rank() == 0:
             for i in range(0, min(args.num_samples * args.group_size, len(batch.texts)), args.group_size):
                 prompt = self.tokenizer.decode(batch.prompt_ids[i][batch.prompt_mask[i].bool()])
                 record = {"step": done, "prompt": prompt, "completion": batch.texts[i]}
@@ -716,11 +891,11 @@ class Run:
         files, and the trainer state (step, `state`, each resumable's state_dict, the RNG states,
         the args). The checkpoint before keeps its weights and loses its trainer state."""
         trainer_state = {"step": step, **self.state, **{k: v.state_dict() for k, v in self.resumable.items()}}
-        trainer_state |= {"rng": rng_states(), "args": vars(self.args)}
+        trainer_state |= {"rng": rng_states(), "args": vars(self.args), "world_size": world_size()}
         save_checkpoint(
             self.dir / name, self.policy, self.tokenizer, trainer_state, extra=self.write_extra, final=name == "final"
         )
-        if self.newest_checkpoint is not None and self.newest_checkpoint != self.dir / name:
+        if self.newest_checkpoint is not None and self.newest_checkpoint != self.dir / name and rank() == 0:
             drop_trainer_state(self.newest_checkpoint)
         self.newest_checkpoint = self.dir / name
 
@@ -754,17 +929,22 @@ def save_checkpoint(path: Path, model, tokenizer, trainer_state: dict, extra=Non
     critic) into that temporary directory, so they arrive with the same rename: a checkpoint
     is whole or absent."""
     path = Path(path)
-    staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
+    staging = broadcast(Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-")) if rank() == 0 else None)
     if is_lora(model):
         model.save_pretrained(staging / ADAPTER_DIR, safe_serialization=True)
         if final:
             save_merged(model, staging)
     else:
-        model.save_pretrained(staging, safe_serialization=True)
-    tokenizer.save_pretrained(staging)
-    torch.save(trainer_state, staging / TRAINER_STATE)
+        save_full_model(model, staging)
+    if rank() == 0:
+        tokenizer.save_pretrained(staging)
+    torch.save(trainer_state, staging / trainer_state_file())  # under torchrun, one file a rank
     if extra is not None:
         extra(staging)
+    barrier()  # every rank's files are in before the rename
+    if rank() > 0:
+        barrier()
+        return
     if path.exists():
         old = path.with_name(f".{path.name}-old")
         path.rename(old)
@@ -772,6 +952,22 @@ def save_checkpoint(path: Path, model, tokenizer, trainer_state: dict, extra=Non
         shutil.rmtree(old)
     else:
         staging.rename(path)
+    barrier()
+
+
+def save_full_model(model, directory: Path) -> None:
+    """save_pretrained's format. Under torchrun every rank calls it: the weights are gathered to
+    rank 0 on the CPU (full_state_dict) and rank 0 writes them with the model's own class name
+    in config.json (FSDP2 renames the class to FSDP<name>), so transformers and vLLM load it."""
+    if not dist.is_initialized():
+        model.save_pretrained(directory, safe_serialization=True)
+        return
+    weights = full_state_dict(model)
+    if rank() == 0:
+        model.save_pretrained(directory, state_dict=weights, safe_serialization=True)
+        config = json.loads((Path(directory) / "config.json").read_text())
+        config["architectures"] = [name.removeprefix("FSDP") for name in config.get("architectures") or []]
+        (Path(directory) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def rng_states() -> dict:
@@ -797,10 +993,13 @@ def no_trainer_state(checkpoint) -> str:
     )
 
 
-def load_trainer_state(checkpoint: str, args: dict | None = None, must_match: tuple[str, ...] = ()) -> dict:
-    """The trainer state saved beside a checkpoint's weights. Stops with a message if it is
-    absent, or if `args` differ from the saved run's in any of the `must_match` fields."""
-    path = Path(checkpoint) / TRAINER_STATE
+def load_trainer_state(
+    checkpoint: str, args: dict | None = None, must_match: tuple[str, ...] = (), filename: str = TRAINER_STATE
+) -> dict:
+    """The trainer state saved beside a checkpoint's weights (filename: a rank's own under torchrun).
+    Stops with a message if it is absent, or if `args` differ from the saved run's in any of the
+    `must_match` fields."""
+    path = Path(checkpoint) / filename
     if not path.exists():
         raise SystemExit(no_trainer_state(checkpoint))
     state = torch.load(path, map_location="cpu", weights_only=False)
@@ -815,8 +1014,9 @@ def load_trainer_state(checkpoint: str, args: dict | None = None, must_match: tu
 
 
 def drop_trainer_state(checkpoint: Path) -> None:
-    """Deletes a checkpoint's trainer state, keeping its weights (a newer checkpoint exists)."""
-    (Path(checkpoint) / TRAINER_STATE).unlink(missing_ok=True)
+    """Deletes a checkpoint's trainer state (every rank's), keeping its weights (a newer checkpoint exists)."""
+    for path in Path(checkpoint).glob(TRAINER_STATE.replace(".pt", "*.pt")):
+        path.unlink(missing_ok=True)
 
 
 def truncate_jsonl(path: Path, last_step: int) -> None:

@@ -40,6 +40,8 @@ Run:
                                                                # CPU, watch the reward rise
   python dapo.py --model Qwen2.5-1.5B-Instruct --task gsm8k --eval_every 50
                                                                # GSM8K, held-out accuracy logged
+  torchrun --nproc_per_node 8 dapo.py --model Qwen2.5-7B-Instruct
+                                                               # 8 GPUs, FSDP2: docs/distributed.md
 Shape letters in comments:
   B prompts per step · G completions per prompt · N = B·G sequences (fewer when dynamic
   sampling ran out of rounds) · n sequences of a micro-batch or of one rollout() ·
@@ -59,17 +61,27 @@ import torch.nn.functional as F
 
 from common import (
     Run,
+    all_reduce,
+    all_reduce_metrics,
+    all_reduce_totals,
     arg,
     autocast,
+    check_distributed,
     check_run_args,
+    init_distributed,
     load_policy,
     load_reference,
     make_optimizer,
+    my_share,
     parse_args,
+    rank_seed,
     render_chat,
     resolve_device,
     resolve_precision,
     seed_everything,
+    shard_model,
+    unsharded,
+    world_size,
 )
 from rewards import Score, load_heldout_task, load_task
 
@@ -603,17 +615,29 @@ def keep_groups(rounds: list[Rollout], kept: list[list[int]], group_size: int, p
     )
 
 
-def sampling_metrics(rounds: list[Rollout], groups_kept: int, group_size: int) -> dict:
+def first_groups(kept: list[list[int]], limit: int) -> list[list[int]]:
+    """The first `limit` of the groups kept (kept[r]: round r's), in order. Under torchrun each rank
+    trains on as many groups as the rank that found the fewest: FSDP pairs every forward pass of
+    one rank with one of each other rank. One process: kept itself."""
+    cut, taken = [], 0
+    for groups in kept:
+        cut.append(groups[: max(limit - taken, 0)])
+        taken += len(cut[-1])
+    return cut
+
+
+def sampling_metrics(rounds: list[Rollout], groups_kept: int, group_size: int, ranks: int = 1) -> dict:
     """Dynamic sampling's record of one step, over every completion generated, kept or not:
     the mean reward is the policy's own score (the kept groups, chosen for having mixed
     rewards, would bias it), and a step whose completions all hit the length cap keeps no
-    group (all rewards 0) yet must still show its lengths and truncations."""
+    group (all rewards 0) yet must still show its lengths and truncations. The counts are of all
+    `ranks` ranks (under torchrun each generates and keeps as many groups)."""
     rewards = torch.cat([batch.rewards for batch in rounds])  # (every completion,)
     lengths = torch.cat([batch.completion_mask.sum(-1) for batch in rounds]).float()
     return {
         "sampling/rounds": len(rounds),
-        "sampling/groups_generated": rewards.numel() // group_size,
-        "sampling/groups_kept": groups_kept,
+        "sampling/groups_generated": ranks * rewards.numel() // group_size,
+        "sampling/groups_kept": ranks * groups_kept,
         "sampling/reward_mean": rewards.mean().item(),
         "sampling/length_mean": lengths.mean().item(),
         "sampling/truncated": torch.cat([batch.truncated for batch in rounds]).float().mean().item(),
@@ -788,7 +812,8 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
     loss_mask = batch["completion_mask"]  # (n, T)
     if args.overlong_filter:
         loss_mask = loss_mask * ~batch["truncated"][:, None]
-    num_tokens = max(loss_mask.sum().item(), 1)  # every completion filtered out: loss 0, not NaN
+    # Under torchrun every rank's tokens (FSDP sums the ranks' gradients): one process's normaliser.
+    num_tokens = max(all_reduce(loss_mask.sum().item()), 1)  # every completion filtered out: loss 0, not NaN
     batch = {**batch, "loss_mask": loss_mask}
     totals = {}
     for start in range(0, num_sequences, args.micro_batch_size):
@@ -903,16 +928,17 @@ def evaluate_heldout(
 def train(args: Args) -> Path:
     """Runs DAPO and returns the run directory."""
     check_args(args)
-    device = resolve_device(args.device)
+    device = init_distributed(resolve_device(args.device))  # under torchrun: this rank's device
+    check_distributed(args, args.batch_size, args.gen_batch_size)  # prompts split over K ranks, groups whole
     weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
     amp = functools.partial(autocast, device, compute_dtype)  # bf16 autocast on a GPU, nothing on the CPU
-    seed_everything(args.seed)
+    seed_everything(rank_seed(args.seed))  # --seed itself in one process
     # The task first: a wrong --task or --data_dir stops before any model loads.
     task = load_task(args.task, args.seed, args.num_problems, args.dataset, data_dir=args.data_dir)
     heldout = load_heldout_task(args.task, args.eval_problems, args.data_dir) if args.eval_every else None
     policy, tokenizer, eos_ids = load_policy(args, device, weight_dtype)  # with --lora_rank: LoRA adapters
-    policy.train()
-    reference = load_reference(args, policy, device, weight_dtype) if args.beta > 0 else None
+    shard_model(policy).train()  # FSDP2 under torchrun, one unit per decoder layer; else unchanged
+    reference = shard_model(load_reference(args, policy, device, weight_dtype)) if args.beta > 0 else None
     vocab_size = len(tokenizer)  # ids the tokenizer has; the embedding may have more rows
     optimizer, scheduler = make_optimizer(policy, args.lr, args)  # AdamW, linear warm-up
     evaluate = functools.partial(  # run.end_step calls it every eval_every steps and at the end
@@ -921,36 +947,35 @@ def train(args: Args) -> Path:
     resumable = {"optimizer": optimizer, "scheduler": scheduler}
     if args.ref_ema_decay:  # T1's reference moves with the policy: a resumed run needs where it was
         resumable["reference"] = reference
-    # run.state["rounds"]: generation rounds since the start, the position in the prompt stream
     run = Run(
         args, "dapo", policy, tokenizer, resumable=resumable, same_on_resume=SAME_ON_RESUME, evaluate=evaluate,
-        state={"rounds": 0}, reward_key="sampling/reward_mean",
+        state={"rounds": 0}, reward_key="sampling/reward_mean",  # rounds generated: the place in the prompt stream
     )  # fmt: skip
     # Without dynamic sampling a step is one round of B prompts, exactly as in grpo.py.
     round_size = (args.gen_batch_size or args.batch_size) if args.dynamic_sampling else args.batch_size
-    max_rounds = args.max_gen_rounds if args.dynamic_sampling else 1
+    max_rounds, share = (args.max_gen_rounds if args.dynamic_sampling else 1), args.batch_size // world_size()
     on_policy = args.num_iterations == 1 and args.num_mini_batches == 1  # π_θold = π_θ of the one update
 
     with run:  # Ctrl-C stops with one line naming the newest checkpoint
         for step in run.steps():
-            # 1-3. Dynamic sampling (DAPO Eq. 11, Algorithm 1): rounds of fresh prompts, G completions each
-            #      from π_θold, all scored, until B groups have task rewards that are not all equal or
-            #      max_rounds rounds ran. Without dynamic sampling: one round, every group kept.
-            rounds, kept, groups_kept = [], [], 0  # every round's Rollout; the groups kept of each
-            while groups_kept < args.batch_size and len(rounds) < max_rounds:
+            # 1-3. Dynamic sampling (DAPO Eq. 11, Algorithm 1): rounds of fresh prompts, G completions each from π_θold,
+            #      all scored, until B groups (B/K a rank) have rewards not all equal or max_rounds ran; else one round.
+            rounds, kept = [], []  # every round's Rollout; the groups kept of each
+            while all_reduce(sum(map(len, kept)), "min") < share and len(rounds) < max_rounds:  # ranks in step
                 stream = run.state["rounds"] + len(rounds)  # this round's place in the prompt stream
                 problems = [task.problems[i] for i in prompt_indices(stream, round_size, len(task.problems), args.seed)]
-                sampled = rollout(
-                    policy, tokenizer, eos_ids, task, problems, args.group_size, args.max_new_tokens,
-                    args.temperature, args.top_p, amp,
-                )  # fmt: skip
+                with unsharded(policy):  # under torchrun: full weights for the decode loop, 1/K of the prompts
+                    sampled = rollout(
+                        policy, tokenizer, eos_ids, task, my_share(problems), args.group_size, args.max_new_tokens,
+                        args.temperature, args.top_p, amp,
+                    )  # fmt: skip
                 informative = informative_groups(sampled.rewards, args.group_size).tolist()  # a bool per group
                 groups = [g for g, keep in enumerate(informative) if keep or not args.dynamic_sampling]
                 rounds.append(sampled)
-                kept.append(groups[: args.batch_size - groups_kept])  # B groups at most in all
-                groups_kept += len(kept[-1])
-            run.state["rounds"] += len(rounds)  # saved with every checkpoint
-            sampling = sampling_metrics(rounds, groups_kept, args.group_size)
+                kept.append(groups[: share - sum(map(len, kept))])  # B groups at most in all
+            kept = first_groups(kept, all_reduce(sum(map(len, kept)), "min"))  # as many on every rank: FSDP pairs
+            groups_kept, run.state["rounds"] = sum(map(len, kept)), run.state["rounds"] + len(rounds)  # state: saved
+            sampling = all_reduce_metrics(sampling_metrics(rounds, groups_kept, args.group_size, world_size()))
             seconds = {phase: sum(sampled.seconds[phase] for sampled in rounds) for phase in ("generate", "reward")}
             if not groups_kept:  # max_rounds rounds without one informative group: no update this step
                 run.end_step(step, sampling, seconds)
@@ -994,23 +1019,23 @@ def train(args: Args) -> Path:
                     totals = policy_backward(policy, mini, args, vocab_size, amp)
                     if old_logp is None:  # on-policy: step 4's log-probs and entropy, from this forward pass
                         old_logp, entropy = (totals.pop(name)[rows.argsort()] for name in ("old_logp", "entropy"))
-                    # Overlong filtering may leave no token: then no step, and the reference stays.
-                    grad_norms.append(optimizer_step(policy, optimizer, args.max_grad_norm, skip=not totals["tokens"]))
-                    ema_update(reference, policy, args.ref_ema_decay if totals["tokens"] else 0.0)  # T1; 0: none
+                    none = not all_reduce(totals["tokens"])  # overlong filtering left no token: no step, π_ref stays
+                    grad_norms.append(optimizer_step(policy, optimizer, args.max_grad_norm, skip=none))
+                    ema_update(reference, policy, 0.0 if none else args.ref_ema_decay)  # T1; 0: none
                     accumulate(update, totals)
             learning_rate = scheduler.get_last_lr()[0]  # the rate this step trained with
             scheduler.step()
             seconds |= {"logprobs": seconds_logprobs, "update": time.perf_counter() - timer}
 
-            # 7-9. Every metric from the tensors the loss used, masked, over the whole batch; then
-            #      Run.end_step: the held-out evaluation when due, the metrics row and samples, a
-            #      checkpoint when due.
+            # 7-9. Every metric from the tensors the loss used, masked, over the whole batch (every rank's); then
+            #      Run.end_step: the held-out evaluation when due, the metrics row and samples, a checkpoint when due.
             metrics = {
-                **step_metrics(batch, entropy, old_logp, args.group_size),
+                **all_reduce_metrics(step_metrics(batch, entropy, old_logp, args.group_size)),
                 **sampling,
-                "reward/overlong_penalty": length_penalty.mean().item(),
-                **update_metrics(update, grad_norms, learning_rate),
-                "throughput/tokens_per_s": sum(r.completion_mask.sum().item() for r in rounds) / seconds["generate"],
+                "reward/overlong_penalty": all_reduce(length_penalty.mean().item()) / world_size(),
+                **update_metrics(all_reduce_totals(update), grad_norms, learning_rate),
+                "throughput/tokens_per_s": all_reduce(sum(r.completion_mask.sum() for r in rounds).item())
+                / seconds["generate"],
             }
             run.end_step(step, metrics, seconds, batch)
         run.save_final()

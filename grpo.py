@@ -27,6 +27,8 @@ Run:
                                                                # CPU, watch the reward rise
   python grpo.py --model Qwen2.5-1.5B-Instruct --task gsm8k --eval_every 50
                                                                # GSM8K, held-out accuracy logged
+  torchrun --nproc_per_node 8 grpo.py --model Qwen2.5-7B-Instruct
+                                                               # 8 GPUs, FSDP2: docs/distributed.md
 Shape letters in comments:
   B prompts per step · G completions per prompt · N = B·G sequences · n sequences of a
   micro-batch or of one rollout() · P prompt tokens (left padded) · T completion tokens (right padded) ·
@@ -44,17 +46,27 @@ import torch
 
 from common import (
     Run,
+    all_reduce,
+    all_reduce_metrics,
+    all_reduce_totals,
     arg,
     autocast,
+    check_distributed,
     check_run_args,
+    init_distributed,
     load_policy,
     load_reference,
     make_optimizer,
+    my_share,
     parse_args,
+    rank_seed,
     render_chat,
     resolve_device,
     resolve_precision,
     seed_everything,
+    shard_model,
+    unsharded,
+    world_size,
 )
 from rewards import Score, load_heldout_task, load_task
 
@@ -555,20 +567,21 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool 
     return centered.flatten()
 
 
-def gpg_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+def gpg_advantages(rewards: torch.Tensor, group_size: int, total=lambda count: count) -> torch.Tensor:
     """GPG's corrected advantage (Chu et al. 2025, arXiv 2504.02546; the α and F_norm of its best ablation):
         Â_i = α · (R_i − mean(R_1..R_G)),   α = B / (B − M)
     with F_norm = 1 (no division by the std) and α over the whole batch: B completions, M of
     them in groups whose rewards are all equal. Those groups have Â = 0 and add nothing to the
     gradient, yet the token-mean loss still divides by their tokens; α scales the rest back up
     so the gradient's size does not shrink as more groups become all-right or all-wrong.
-    rewards (N,) with groups in consecutive rows -> advantages (N,)."""
+    total(count): the count over the whole batch (under torchrun common.all_reduce, as this
+    rank holds only its share). rewards (N,) with groups in consecutive rows -> advantages (N,)."""
     grouped = rewards.view(-1, group_size)  # (B/G groups, G)
     informative = grouped.max(-1).values != grouped.min(-1).values  # (groups,)
     # B / (B − M), groups being of equal size. Unbounded: one informative group of 32 gives α = 32 (then
     # gradient clipping bounds the step). The authors' code resampled until half the groups carried
     # signal (α ≤ 2); dapo.py's dynamic sampling is that idea.
-    alpha = len(informative) / max(informative.sum().item(), 1)
+    alpha = total(len(informative)) / max(total(informative.sum().item()), 1)
     return (alpha * (grouped - grouped.mean(dim=-1, keepdim=True))).flatten()
 
 
@@ -705,7 +718,9 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
     the totals also hold old_logp and entropy (n, T), no grad, in the rows of batch.
     """
     num_sequences = batch["completion_ids"].shape[0]
-    num_tokens = batch["completion_mask"].sum().item()  # the whole mini-batch's, for every micro-batch
+    # The whole mini-batch's sequences and tokens, for every micro-batch; under torchrun every
+    # rank's (FSDP sums the ranks' gradients): the normalisers of one process's loss.
+    total_sequences, num_tokens = all_reduce(num_sequences), all_reduce(batch["completion_mask"].sum().item())
     on_policy = args.num_iterations == 1 and args.num_mini_batches == 1
     record = batch["old_logp"] is None  # this forward pass stands in for step 4's
     recorded = {"old_logp": [], "entropy": []}
@@ -741,7 +756,7 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
                 eps_high,
                 args.beta,
                 args.dual_clip,
-                num_sequences,
+                total_sequences,
                 args.max_new_tokens,
                 entropy,
                 args.entropy_coef,
@@ -826,16 +841,17 @@ def evaluate_heldout(
 def train(args: Args) -> Path:
     """Runs GRPO and returns the run directory."""
     check_args(args)
-    device = resolve_device(args.device)
+    device = init_distributed(resolve_device(args.device))  # under torchrun: this rank's device
+    check_distributed(args, args.batch_size)  # B prompts split over K ranks, a group never spans two
     weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
     amp = functools.partial(autocast, device, compute_dtype)  # bf16 autocast on a GPU, nothing on the CPU
-    seed_everything(args.seed)
+    seed_everything(rank_seed(args.seed))  # --seed itself in one process
     # The task first: a wrong --task or --data_dir stops before any model loads.
     task = load_task(args.task, args.seed, args.num_problems, args.dataset, data_dir=args.data_dir)
     heldout = load_heldout_task(args.task, args.eval_problems, args.data_dir) if args.eval_every else None
     policy, tokenizer, eos_ids = load_policy(args, device, weight_dtype)  # with --lora_rank: LoRA adapters
-    policy.train()
-    reference = load_reference(args, policy, device, weight_dtype) if args.beta > 0 else None
+    shard_model(policy).train()  # FSDP2 under torchrun, one unit per decoder layer; else unchanged
+    reference = shard_model(load_reference(args, policy, device, weight_dtype)) if args.beta > 0 else None
     vocab_size = len(tokenizer)  # ids the tokenizer has; the embedding may have more rows
     optimizer, scheduler = make_optimizer(policy, args.lr, args)  # AdamW, linear warm-up
     evaluate = functools.partial(  # run.end_step calls it every eval_every steps and at the end
@@ -845,17 +861,18 @@ def train(args: Args) -> Path:
     if args.ref_ema_decay:  # T1's reference moves with the policy: a resumed run needs where it was
         resumable["reference"] = reference
     run = Run(args, "grpo", policy, tokenizer, resumable=resumable, same_on_resume=SAME_ON_RESUME, evaluate=evaluate)
-    num_sequences = args.batch_size * args.group_size  # N
+    num_sequences = args.batch_size * args.group_size // world_size()  # N, or this rank's N/K under torchrun
     on_policy = args.num_iterations == 1 and args.num_mini_batches == 1  # π_θold = π_θ of the one update
 
     with run:  # Ctrl-C stops with one line naming the newest checkpoint
         for step in run.steps():
             # 1-3. Sample B prompts, G completions of each from π_θold, every completion scored.
             problems = [task.problems[i] for i in prompt_indices(step, args.batch_size, len(task.problems), args.seed)]
-            batch = rollout(
-                policy, tokenizer, eos_ids, task, problems, args.group_size, args.max_new_tokens,
-                args.temperature, args.top_p, amp,
-            )  # fmt: skip
+            with unsharded(policy):  # under torchrun: full weights for the decode loop, B/K prompts a rank
+                batch = rollout(
+                    policy, tokenizer, eos_ids, task, my_share(problems), args.group_size, args.max_new_tokens,
+                    args.temperature, args.top_p, amp,
+                )  # fmt: skip
 
             # 4. Log-probs of the sampled tokens under π_θold and π_ref, no grad. On-policy (μ = 1, one
             #    mini-batch) the update's forward pass gives π_θold's: only π_ref is scored here.
@@ -867,7 +884,7 @@ def train(args: Args) -> Path:
 
             # 5. Group-relative advantages: one number per completion, shared by its tokens.
             if args.loss_type == "gpg":
-                advantages = gpg_advantages(batch.rewards, args.group_size)  # (N,)
+                advantages = gpg_advantages(batch.rewards, args.group_size, total=all_reduce)  # (N,)
             else:
                 advantages = group_advantages(
                     batch.rewards, args.group_size, scale_by_std=args.loss_type != "dr_grpo", eps=args.adv_eps
@@ -903,10 +920,10 @@ def train(args: Args) -> Path:
             # 7-9. Every metric from the tensors the loss used, masked, over the whole batch; then
             #      Run.end_step: the held-out evaluation when due, the metrics row and samples, a
             #      checkpoint when due.
-            metrics = {
-                **step_metrics(batch, entropy, old_logp, args.group_size),
-                **update_metrics(update, grad_norms, learning_rate),
-                "throughput/tokens_per_s": batch.completion_mask.sum().item() / seconds["generate"],
+            metrics = {  # under torchrun, over every rank's share of the batch
+                **all_reduce_metrics(step_metrics(batch, entropy, old_logp, args.group_size)),
+                **update_metrics(all_reduce_totals(update), grad_norms, learning_rate),
+                "throughput/tokens_per_s": all_reduce(batch.completion_mask.sum().item()) / seconds["generate"],
             }
             run.end_step(step, metrics, seconds, batch)
         run.save_final()

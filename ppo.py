@@ -27,6 +27,8 @@ Run:
   python ppo.py --model tiny --max_steps 20                    # CPU smoke run, no download
   python ppo.py --model tiny --task digit --lr 3e-3 --critic_lr 3e-3 --max_new_tokens 8 --max_steps 40
                                                                # CPU, watch the reward rise
+  torchrun --nproc_per_node 8 ppo.py --model Qwen2.5-7B-Instruct
+                                                               # 8 GPUs, FSDP2: docs/distributed.md
 Shape letters in comments:
   B prompts per step · G completions per prompt · N = B·G sequences · n sequences of a
   micro-batch or of one rollout() · P prompt tokens (left padded) · T completion tokens (right padded) ·
@@ -49,21 +51,33 @@ from common import (
     FULL_LR,
     LORA_LR,
     Run,
+    all_reduce,
+    all_reduce_metrics,
+    all_reduce_totals,
     arg,
     autocast,
+    check_distributed,
     check_run_args,
     enable_activation_checkpointing,
+    full_state_dict,
+    init_distributed,
     is_lora,
     load_policy,
     load_reference,
     make_optimizer,
+    my_share,
     parse_args,
+    rank,
+    rank_seed,
     render_chat,
     resolve_device,
     resolve_model_name,
     resolve_precision,
     seed_everything,
+    shard_model,
+    unsharded,
     with_adapters,
+    world_size,
 )
 from rewards import Score, load_heldout_task, load_task
 
@@ -608,6 +622,14 @@ def save_critic(critic: Critic, directory: Path) -> None:
     policy and critic are renamed into place together: a crash mid-save leaves the previous
     checkpoint whole, never a policy without its critic."""
     backbone_dir = Path(directory) / CRITIC_DIR / (ADAPTER_DIR if is_lora(critic.backbone) else "")
+    if world_size() > 1:  # torchrun: every rank gathers, rank 0 writes the full weights
+        state = full_state_dict(critic)
+        if rank() == 0:
+            backbone = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
+            critic.backbone.save_pretrained(backbone_dir, state_dict=backbone, safe_serialization=True)
+            head = {k.removeprefix("value_head."): v.contiguous() for k, v in state.items() if "value_head." in k}
+            save_file(head, Path(directory) / CRITIC_DIR / VALUE_HEAD_FILE)
+        return
     critic.backbone.save_pretrained(backbone_dir, safe_serialization=True)
     head = {k: v.contiguous() for k, v in critic.value_head.state_dict().items()}
     save_file(head, Path(directory) / CRITIC_DIR / VALUE_HEAD_FILE)
@@ -718,14 +740,15 @@ def adaptive_lambda(lengths: torch.Tensor, alpha: float) -> torch.Tensor:
     return (1 - 1 / (alpha * lengths.to(torch.float32))).clamp(min=0.0)
 
 
-def masked_whiten(x: torch.Tensor, completion_mask: torch.Tensor, eps: float) -> torch.Tensor:
+def masked_whiten(x: torch.Tensor, completion_mask: torch.Tensor, eps: float, total=lambda sum_: sum_) -> torch.Tensor:
     """(x − mean) / sqrt(var + eps), mean and variance over the valid tokens of the whole batch
-    (not per sequence, not per micro-batch), the population variance. x, mask (N, T) -> (N, T),
-    0 where masked."""
+    (not per sequence, not per micro-batch), the population variance. total(sum): the sum over
+    the whole batch (under torchrun common.all_reduce, as this rank holds only its share).
+    x, mask (N, T) -> (N, T), 0 where masked."""
     mask = completion_mask.to(x.dtype)
-    count = mask.sum()
-    mean = (x * mask).sum() / count
-    variance = ((x - mean) ** 2 * mask).sum() / count
+    count = total(mask.sum())
+    mean = total((x * mask).sum()) / count
+    variance = total(((x - mean) ** 2 * mask).sum()) / count
     return (x - mean) * torch.rsqrt(variance + eps) * mask
 
 
@@ -860,10 +883,12 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
     totals also hold old_logp and entropy (n, T), no grad, in the rows of batch.
     """
     num_sequences = batch["completion_ids"].shape[0]
-    num_tokens = batch["completion_mask"].sum().item()  # the whole mini-batch's, for every micro-batch
+    # The whole mini-batch's tokens, for every micro-batch; under torchrun every rank's (FSDP sums
+    # the ranks' gradients): the normalisers of one process's loss.
+    num_tokens = all_reduce(batch["completion_mask"].sum().item())
     on_policy = args.ppo_epochs == 1 and args.num_mini_batches == 1
     if args.pos_lm_coef > 0:  # VAPO's Σ_{o_i∈T} |o_i| over the whole mini-batch
-        num_positive_tokens = (batch["completion_mask"] * batch["positive"][:, None]).sum().item()
+        num_positive_tokens = all_reduce((batch["completion_mask"] * batch["positive"][:, None]).sum().item())
     record = batch["old_logp"] is None  # this forward pass stands in for step 4's
     recorded = {"old_logp": [], "entropy": []}
     totals = {}
@@ -919,7 +944,7 @@ def critic_backward(critic: Critic, batch: dict, args: Args, amp=contextlib.null
     trained on), micro_batch_size sequences at a time, the value loss normalised by the
     mini-batch's token count. Returns the summed loss and statistics of the whole mini-batch."""
     num_sequences = batch["completion_ids"].shape[0]
-    num_tokens = batch["completion_mask"].sum().item()
+    num_tokens = all_reduce(batch["completion_mask"].sum().item())  # under torchrun every rank's
     totals = {}
     for start in range(0, num_sequences, args.micro_batch_size):
         micro = {k: (v[start : start + args.micro_batch_size] if v is not None else None) for k, v in batch.items()}
@@ -995,17 +1020,18 @@ def optimizer_step(model, optimizer, max_grad_norm: float, skip: bool = False) -
 def train(args: Args) -> Path:
     """Runs PPO and returns the run directory."""
     check_args(args)
-    device = resolve_device(args.device)
+    device = init_distributed(resolve_device(args.device))  # under torchrun: this rank's device
+    check_distributed(args, args.batch_size)  # B prompts split over K ranks, a group never spans two
     weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
     amp = functools.partial(autocast, device, compute_dtype)  # bf16 autocast on a GPU, nothing on the CPU
-    seed_everything(args.seed)
+    seed_everything(rank_seed(args.seed))  # --seed itself in one process
     # The task first: a wrong --task or --data_dir stops before any model loads.
     task = load_task(args.task, args.seed, args.num_problems, args.dataset, data_dir=args.data_dir)
     heldout = load_heldout_task(args.task, args.eval_problems, args.data_dir) if args.eval_every else None
     policy, tokenizer, eos_ids = load_policy(args, device, weight_dtype)  # with --lora_rank: LoRA adapters
-    policy.train()
-    critic = load_critic(args, device, weight_dtype)  # with --lora_rank: adapters of its own
-    reference = load_reference(args, policy, device, weight_dtype) if args.beta > 0 else None
+    shard_model(policy).train()  # FSDP2 under torchrun, one unit per decoder layer; else unchanged
+    critic = shard_model(load_critic(args, device, weight_dtype))  # with --lora_rank: adapters of its own
+    reference = shard_model(load_reference(args, policy, device, weight_dtype)) if args.beta > 0 else None
     vocab_size = len(tokenizer)  # ids the tokenizer has; the embedding may have more rows
     optimizer, scheduler = make_optimizer(policy, args.lr, args)  # AdamW, linear warm-up
     critic_lr = args.critic_lr or 10 * (LORA_LR if args.lora_rank else FULL_LR)  # unset: 10× the actor's default
@@ -1020,17 +1046,18 @@ def train(args: Args) -> Path:
         args, "ppo", policy, tokenizer, resumable=resumable, same_on_resume=SAME_ON_RESUME, evaluate=evaluate,
         write_extra=write_critic,
     )  # fmt: skip
-    num_sequences = args.batch_size * args.group_size  # N
+    num_sequences = args.batch_size * args.group_size // world_size()  # N, or this rank's N/K under torchrun
     on_policy = args.ppo_epochs == 1 and args.num_mini_batches == 1  # π_θold = π_θ of the one update
 
     with run:  # Ctrl-C stops with one line naming the newest checkpoint
         for step in run.steps():
             # 1-3. Sample B prompts, G completions of each from π_θold, every completion scored.
             problems = [task.problems[i] for i in prompt_indices(step, args.batch_size, len(task.problems), args.seed)]
-            batch = rollout(
-                policy, tokenizer, eos_ids, task, problems, args.group_size, args.max_new_tokens,
-                args.temperature, args.top_p, amp,
-            )  # fmt: skip
+            with unsharded(policy):  # under torchrun: full weights for the decode loop, B/K prompts a rank
+                batch = rollout(
+                    policy, tokenizer, eos_ids, task, my_share(problems), args.group_size, args.max_new_tokens,
+                    args.temperature, args.top_p, amp,
+                )  # fmt: skip
             sequences = batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
 
             # 4. Log-probs under π_θold and π_ref, and values V_φ(s_t), no grad. On-policy with β = 0,
@@ -1057,7 +1084,7 @@ def train(args: Args) -> Path:
             lam_actor = adaptive_lambda(lengths, args.lam_alpha) if args.length_adaptive_lam else args.lam_actor
             raw_advantages, _ = gae(per_token_reward, old_values, batch.completion_mask, args.gamma, lam_actor)
             _, returns = gae(per_token_reward, old_values, batch.completion_mask, args.gamma, args.lam_critic)
-            advantages = masked_whiten(raw_advantages, batch.completion_mask, args.whiten_eps)  # (N, T)
+            advantages = masked_whiten(raw_advantages, batch.completion_mask, args.whiten_eps, all_reduce)  # (N, T)
 
             # 6. PPO epochs over shuffled mini-batches: one actor step (none during the value
             #    warm-up) and one critic step per mini-batch.
@@ -1096,13 +1123,16 @@ def train(args: Args) -> Path:
             # 7-9. Every metric from the tensors the losses used, masked, over the whole batch; then
             #      Run.end_step: the held-out evaluation when due, the metrics row and samples, a
             #      checkpoint when due.
-            metrics = {
-                **step_metrics(batch, entropy, old_logp, args.group_size),
-                **rollout_value_metrics(
+            metrics = all_reduce_metrics(  # under torchrun, over every rank's share of the batch
+                step_metrics(batch, entropy, old_logp, args.group_size)
+                | rollout_value_metrics(
                     old_logp, ref_logp, batch.completion_mask, args.beta, raw_advantages, returns, old_values
-                ),
+                )
+            )
+            update, critic_update = all_reduce_totals(update), all_reduce_totals(critic_update)
+            metrics |= {
                 **update_metrics(update, grad_norms, critic_update, critic_grad_norms, learning_rates),
-                "throughput/tokens_per_s": batch.completion_mask.sum().item() / seconds["generate"],
+                "throughput/tokens_per_s": all_reduce(batch.completion_mask.sum().item()) / seconds["generate"],
             }
             run.end_step(step, metrics, seconds, batch)
         run.save_final()

@@ -267,7 +267,7 @@ def test_bad_technique_settings_stop_with_a_message(script, settings, message):
 def test_gpg_run_with_tis_and_entropy_bonus_logs_the_weights(tmp_path, monkeypatch):
     # fp32 on the CPU: generate and sequence_logprobs agree to ~1e-6, so every weight is ~1.
     calls = []
-    monkeypatch.setattr(grpo, "gpg_advantages", lambda *a: calls.append(a) or grpo.group_advantages(*a))
+    monkeypatch.setattr(grpo, "gpg_advantages", lambda *a, **_: calls.append(a) or grpo.group_advantages(*a))
     run_dir = grpo.train(
         grpo.Args(
             model="tiny", task="digit", loss_type="gpg", beta=0.0, tis_cap=2.0, entropy_coef=0.01, lr=3e-3,

@@ -1,0 +1,116 @@
+"""The scripts under torchrun on the CPU: 2 processes (gloo), the tiny model sharded by FSDP2.
+Every launch runs with a timeout, so a hang fails the test instead of stalling the suite."""
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from common import TRAINER_STATE, read_jsonl
+from conftest import ROOT
+
+TIMEOUT = 300  # seconds; a 2-process launch of the tiny model takes ~10-20 on 2 busy cores
+CASES = ["grpo-grpo", "grpo-dr_grpo", "grpo-gspo", "grpo-gpg", "dapo-overlong_filter", "ppo-actor", "ppo-critic"]
+
+
+def launch(args: list, cwd, processes: int | None = 2) -> subprocess.CompletedProcess:
+    """`python -m torch.distributed.run --standalone --nproc_per_node 2 …` (processes None: plain python)."""
+    torchrun = (
+        [] if processes is None else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, *torchrun, *map(str, args)]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def updates(tmp_path_factory):
+    """tests/distributed_update.py in one process and in two: {launch: {case: result}}."""
+    results = {}
+    for name, processes in (("one", None), ("two", 2)):
+        out = tmp_path_factory.mktemp(name)
+        done = launch([ROOT / "tests" / "distributed_update.py", out], cwd=out, processes=processes)
+        assert done.returncode == 0, done.stderr[-3000:]
+        results[name] = {case: torch.load(out / f"{case}.pt", weights_only=False) for case in CASES}
+    return results
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_one_update_on_two_processes_equals_one(updates, case):
+    # The same 16 rows (4 groups of 4, rewards and log-probs given) as one batch in one process,
+    # or as two shares of 2 groups, one a rank, FSDP summing the gradients: every normaliser
+    # (GRPO's N, Dr. GRPO's N·L_max, GPG's α and token count, DAPO's tokens after overlong
+    # filtering, PPO's whitening sums and token counts, VAPO's positive tokens) is all-reduced,
+    # so the gradient is the same up to float32 summation order (measured: ≤ 9e-8 absolute, the
+    # largest entries 0.03-0.5) and the weights after one AdamW step agree to 1e-6 (measured:
+    # ≤ 2.5e-7 at lr 3e-5).
+    one, two = updates["one"][case], updates["two"][case]
+    assert set(one["weights"]) == set(two["weights"])
+    for name, gradient in one["gradient"].items():
+        torch.testing.assert_close(two["gradient"][name], gradient, rtol=1e-4, atol=1e-7)
+    assert max(g.abs().max().item() for g in one["gradient"].values()) > 1e-2  # a gradient worth comparing
+    for name, weight in one["weights"].items():
+        assert (two["weights"][name] - weight).abs().max().item() <= 1e-6, name
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+
+
+SMOKE = ["--model", "tiny", "--task", "digit", "--batch_size", "4", "--group_size", "2", "--max_new_tokens", "6"]
+SMOKE += ["--save_every", "1", "--sample_every", "1", "--output_dir", "out"]
+EXTRA = {"grpo": ["--ref_ema_decay", "0.9"], "dapo": ["--overlong_buffer", "2", "--overlong_filter"], "ppo": []}
+
+
+@pytest.mark.parametrize("script", ["grpo", "dapo", "ppo"])
+def test_two_processes_train_save_and_resume(tmp_path, script):
+    # 2 steps on 2 ranks (GRPO with its sharded reference moving, T1's EMA): one metrics row a step (rank 0 writes, the others don't), a final
+    # checkpoint that plain transformers loads with a trainer state for each rank, then a resume
+    # from it on 2 ranks runs the third step.
+    result = launch([ROOT / f"{script}.py", *SMOKE, *EXTRA[script], "--max_steps", "2"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = (tmp_path / "out").iterdir()
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2]
+    samples = [s["step"] for s in read_jsonl(run_dir / "samples.jsonl")]  # rank 0's: 2 prompts a step
+    assert samples == [1, 1, 2, 2] if script != "dapo" else set(samples) <= {1, 2} and len(samples) <= 4  # kept groups
+    final = run_dir / "final"
+    assert (final / TRAINER_STATE).exists() and (final / "trainer_state-rank1.pt").exists()
+    assert not list((run_dir / "step-000001").glob("trainer_state*"))  # only the newest keeps it
+    model = AutoModelForCausalLM.from_pretrained(final)
+    assert model.config.architectures == ["Qwen2ForCausalLM"]
+    if script == "ppo":
+        assert (final / "critic" / "value_head.safetensors").exists()
+    resumed = launch(
+        [ROOT / f"{script}.py", *SMOKE, *EXTRA[script], "--max_steps", "3", "--resume_from", final], cwd=tmp_path
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]
+    assert (run_dir / "final" / "trainer_state-rank1.pt").exists()
+
+
+def test_a_batch_that_does_not_split_stops_every_rank_with_one_message(tmp_path):
+    # B = 3 prompts over 2 ranks: a group would span ranks. Every rank stops before loading a
+    # model; rank 0 alone prints the message; nothing waits, so the launch ends long before its timeout.
+    result = launch([ROOT / "grpo.py", *SMOKE, "--batch_size", "3", "--max_steps", "1"], cwd=tmp_path)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert output.count("3 prompts a step do not split over 2 processes") == 1, output[-3000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_dapo_keeps_as_many_groups_on_every_rank():
+    # Rank a kept groups 0 and 2 of round 1 and group 1 of round 2 (3 groups); rank b found 2.
+    # Both train on 2, a's first two in order: FSDP pairs each forward pass across ranks.
+    from dapo import first_groups, sampling_metrics
+
+    assert first_groups([[0, 2], [1]], 2) == [[0, 2], []]
+    assert first_groups([[0, 2], [1]], 1) == [[0], []]
+    assert first_groups([[], [3]], 1) == [[], [3]]
+    assert first_groups([[0, 2], [1]], 3) == [[0, 2], [1]]  # one process: the groups themselves
+    # The counts of 2 ranks, each generating 2 groups of G = 2 and keeping 1: 4 generated, 2 kept.
+    batch = SimpleNamespace(rewards=torch.tensor([1.0, 0, 0, 0]), completion_mask=torch.ones(4, 3))
+    batch.truncated = torch.zeros(4, dtype=torch.bool)
+    counts = sampling_metrics([batch], groups_kept=1, group_size=2, ranks=2)
+    assert counts["sampling/groups_generated"] == 4 and counts["sampling/groups_kept"] == 2
