@@ -45,6 +45,21 @@ def sample_batch(model, tokenizer, eos_ids) -> dict:
     }
 
 
+@torch.no_grad()
+def greedy_by_recomputation(model, prompt_ids, prompt_mask, steps: int, vocab_size: int) -> torch.Tensor:
+    """Greedy tokens with no cache at all: the whole sequence (prompt + tokens so far) through
+    the model at every step, the reference a cached generate must match. (N, steps)"""
+    ids, attention, tokens = prompt_ids, prompt_mask, []
+    for _ in range(steps):
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits
+        token = logits[:, -1, :vocab_size].argmax(-1)
+        tokens.append(token)
+        ids = torch.cat([ids, token[:, None]], dim=1)
+        attention = torch.cat([attention, torch.ones_like(token)[:, None]], dim=1)
+    return torch.stack(tokens, dim=1)
+
+
 @pytest.fixture(scope="module")
 def sampled():
     """A real batch from the tiny model for the loss and gradient tests of grpo.py and dapo.py

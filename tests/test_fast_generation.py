@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from common import load_model
+from conftest import greedy_by_recomputation
 from grpo import encode_prompts, generate, top_p_filter
 
 PROMPTS = [  # very different lengths, so the batch is heavily left padded
@@ -188,17 +189,7 @@ def test_greedy_equals_the_loop_and_full_recomputation_with_groups_and_eos():
     assert mask.sum(-1).min() < mask.shape[1], "some row must end before the longest"
     assert torch.equal(cached, expected[0]) and torch.equal(mask, expected[1]) and torch.equal(truncated, expected[2])
     assert (logp - expected[3]).abs().max().item() <= 1e-5
-    ids, attention = prompt_ids, prompt_mask
-    recomputed = []
-    with torch.no_grad():
-        for _ in range(cached.shape[1]):
-            positions = (attention.cumsum(-1) - 1).clamp(min=0)
-            logits = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits
-            token = logits[:, -1, :vocab].argmax(-1)
-            recomputed.append(token)
-            ids = torch.cat([ids, token[:, None]], dim=1)
-            attention = torch.cat([attention, torch.ones_like(token)[:, None]], dim=1)
-    recomputed = torch.stack(recomputed, dim=1)
+    recomputed = greedy_by_recomputation(model, prompt_ids, prompt_mask, cached.shape[1], vocab)
     assert torch.equal(cached[mask.bool()], recomputed[mask.bool()])
 
 

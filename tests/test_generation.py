@@ -7,6 +7,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from common import load_model
+from conftest import greedy_by_recomputation
 from grpo import encode_prompts, generate, sequence_logprobs, top_p_filter
 
 PROMPTS = [  # very different lengths, so the batch is heavily left padded
@@ -75,17 +76,7 @@ def test_kv_cache_greedy_equals_full_recomputation(tiny):
     cached, mask, _, _ = generate(
         model, prompt_ids, prompt_mask, steps, eos_ids, tokenizer.pad_token_id, vocab, temperature=0.0
     )
-    ids, attention = prompt_ids, prompt_mask
-    expected = []
-    with torch.no_grad():
-        for _ in range(cached.shape[1]):
-            positions = (attention.cumsum(-1) - 1).clamp(min=0)
-            logits = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits
-            token = logits[:, -1, :vocab].argmax(-1)
-            expected.append(token)
-            ids = torch.cat([ids, token[:, None]], dim=1)
-            attention = torch.cat([attention, torch.ones_like(token)[:, None]], dim=1)
-    expected = torch.stack(expected, dim=1)
+    expected = greedy_by_recomputation(model, prompt_ids, prompt_mask, cached.shape[1], vocab)
     assert torch.equal(cached[mask.bool()], expected[mask.bool()])
 
 
