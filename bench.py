@@ -6,7 +6,8 @@
 
 --model is a local directory, a Hub id or short name, `tiny`, or qwen2.5-0.5b-shape /
 qwen2.5-1.5b-shape: a Qwen2 model of that size with random weights (nothing is downloaded),
-prompted with the tiny model's tokenizer (its ids exist in every vocabulary).
+with a tokenizer of Qwen2.5's size built in code (qwen_sized_tokenizer: 151,665 ids, ChatML),
+so that the LM head, the sampler and the log-softmax run at the real vocabulary's width.
 
 1. Generation, tokens/s: the scripts' generate against transformers' model.generate (default
    DynamicCache) and against the plain loop generate replaced (kept in tests/test_fast_generation.py),
@@ -38,7 +39,17 @@ from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 import dapo
 import grpo
 import ppo
-from common import arg, autocast, build_tiny_model, load_model, parse_args, resolve_device, resolve_precision
+from common import (
+    CHATML_TEMPLATE,
+    arg,
+    autocast,
+    build_tiny_model,
+    load_model,
+    parse_args,
+    resolve_device,
+    resolve_precision,
+    use_device,
+)
 from rewards import load_task
 
 # The real Qwen2.5 configurations (config.json of Qwen/Qwen2.5-0.5B-Instruct and -1.5B-Instruct).
@@ -67,19 +78,52 @@ class Args:
     output: str = arg("bench.json", "where the tables go, as JSON")
 
 
+def qwen_sized_tokenizer(size: int = QWEN_TOKENIZER_SIZE):
+    """A byte-level BPE tokenizer with as many ids as Qwen2.5's and its ChatML special tokens,
+    built in a second with no download: the 256 byte symbols, then every pair of them, then byte
+    triples as merges, until there are `size` ids. It splits text differently from Qwen's; what a
+    benchmark needs from it is the width of the vocabulary (the LM head's rows that are sampled
+    and the log-softmax's columns), and prompts that encode to real ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab, merges = {symbol: i for i, symbol in enumerate(alphabet)}, []
+    pairs = [(a, b) for a in alphabet for b in alphabet]
+    for left, right in pairs + [(a + b, c) for a, b in pairs for c in alphabet]:
+        if len(vocab) == size - len(special):
+            break
+        vocab[left + right] = len(vocab)
+        merges.append((left, right))
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.add_special_tokens(special)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHATML_TEMPLATE
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
 def load_bench_model(args: Args, device, dtype):
     """(model, tokenizer, vocab_size, model directory for the training scripts)."""
     if args.model in SHAPES:
         torch.manual_seed(0)
+        tokenizer = qwen_sized_tokenizer()
+        stop = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
         shape = dict(SHAPES[args.model], num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+        shape |= dict(eos_token_id=stop[0], pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
         if args.num_layers:
             shape["num_hidden_layers"] = args.num_layers
         model = Qwen2ForCausalLM(Qwen2Config(**shape)).to(device, dtype)
-        _, tokenizer, _ = load_model("tiny", torch.device("cpu"))
         directory = Path(tempfile.mkdtemp(prefix="nanopo-bench-"))  # what train(--model) loads
         model.save_pretrained(directory)
         tokenizer.save_pretrained(directory)
-        return model.eval(), tokenizer, QWEN_TOKENIZER_SIZE, str(directory)
+        GenerationConfig(eos_token_id=stop, pad_token_id=tokenizer.pad_token_id).save_pretrained(directory)
+        return model.eval(), tokenizer, len(tokenizer), str(directory)
     model, tokenizer, _ = load_model(args.model, device, dtype)
     if args.num_layers:
         model.model.layers = model.model.layers[: args.num_layers]
@@ -255,7 +299,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(args: Args) -> dict:
-    device = resolve_device(args.device)
+    device = use_device(resolve_device(args.device))  # a GPU named by --device becomes the current one
     weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
     amp = lambda: autocast(device, compute_dtype)  # noqa: E731
     model, tokenizer, vocab_size, directory = load_bench_model(args, device, weight_dtype)

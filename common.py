@@ -29,6 +29,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from transformers.utils import logging as hf_logging
 
 hf_logging.disable_progress_bar()  # per-shard load/save bars would drown the training bar
+# CUDA memory in segments that grow instead of blocks of fixed sizes: the KV cache, the logits and
+# the activations change size from step to step, and fixed blocks leave them gaps they cannot
+# reuse (fragmentation). Read at the first CUDA allocation, so setting it here, before any, is in
+# time; a user's own PYTORCH_CUDA_ALLOC_CONF wins.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 # Short names a user may type for --model, resolved to their Hugging Face Hub ids.
 # Anything else is a local directory, a Hub id ("org/name"), or "tiny".
@@ -175,12 +180,37 @@ def record_args(run_dir: Path, args, resumed_at: int | None = None) -> None:
 
 
 def resolve_device(device: str) -> torch.device:
-    """'auto' picks CUDA when there is a GPU, else the CPU."""
+    """'auto' picks CUDA when there is a GPU, else the CPU. A GPU is named with its index
+    (cuda → cuda:0), so that every tensor, stream and graph of the run agrees on one device;
+    use_device (through init_distributed) makes it the current one."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"--device {device} was asked for, but torch sees no CUDA GPU. Use --device cpu.")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as error:
+        raise SystemExit(
+            f"--device {device!r} is not a device torch knows ({error}): use cpu, cuda or cuda:<i>."
+        ) from error
+    if resolved.type == "cuda":
+        index = resolved.index or 0
+        if index >= torch.cuda.device_count():
+            raise SystemExit(
+                f"--device {device}: torch sees {torch.cuda.device_count()} GPU(s), cuda:0 … "
+                f"cuda:{torch.cuda.device_count() - 1} (CUDA_VISIBLE_DEVICES renumbers them from 0)."
+            )
+        resolved = torch.device("cuda", index)
+    return resolved
+
+
+def use_device(device: torch.device) -> torch.device:
+    """Makes a CUDA device the current one: new streams (cuda_graph's), CUDA graphs, NCCL and
+    every `.cuda()` go to the current device, not to the tensors' own, so a run on cuda:1 whose
+    current device stayed cuda:0 would capture its decode step on the wrong GPU. Returns it."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
 
 
 def resolve_precision(dtype: str, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
@@ -223,12 +253,12 @@ def seed_everything(seed: int) -> None:
 def init_distributed(device: torch.device) -> torch.device:
     """Joins the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK in the
     environment): NCCL with one GPU a process (cuda:LOCAL_RANK) on CUDA, gloo on the CPU.
-    Returns the device this process computes on; without torchrun, `device` unchanged."""
+    Returns the device this process computes on, made the current one (use_device); without
+    torchrun, `device`."""
     if "WORLD_SIZE" not in os.environ:
-        return device
+        return use_device(device)
     if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
+        device = use_device(torch.device("cuda", int(os.environ["LOCAL_RANK"])))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return device
 
@@ -307,21 +337,31 @@ def check_distributed(args, *prompt_counts: int) -> None:
         )
 
 
-def shard_model(model):
+def shard_model(model, compute_dtype: torch.dtype | None = None, fp32_modules: tuple[str, ...] = ()):
     """FSDP2 over K ranks (torch.distributed.fsdp.fully_shard): one unit per decoder layer, then
     the root (embeddings, final norm, LM head or value head). Each rank keeps 1/K of every weight,
     gradient and AdamW moment; a layer's full weights exist only while it computes. Gradients are
     summed over ranks, not averaged: each rank's loss is already its share of the global loss,
-    divided by the global normaliser. One process: the model unchanged."""
+    divided by the global normaliser. One process: the model unchanged.
+
+    compute_dtype (bf16 on a GPU): FSDP2's mixed precision. A layer is gathered in bf16 (half the
+    traffic of fp32) and computes in it, and its gradients are reduced in fp32 into the fp32
+    master shards AdamW steps. Without it, the gathered fp32 layer would be cast to bf16 by
+    autocast, and autocast keeps every such copy until backward: a bf16 copy of the whole model
+    on every GPU (~15 GB for 7B). fp32_modules: the names of submodules that compute in fp32
+    whatever compute_dtype is (ppo.py's value head), each sharded as a unit of its own."""
     if not dist.is_initialized():
         return model
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    precision = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32 if compute_dtype else None)
     frozen = not any(p.requires_grad for p in model.parameters())  # the reference: no backward will reshard it
-    for module in model.modules():
+    for name, module in model.named_modules():
         if type(module).__name__.endswith("DecoderLayer"):
-            fully_shard(module)
-    fully_shard(model, reshard_after_forward=frozen)  # a trained root stays gathered from forward to backward
+            fully_shard(module, mp_policy=precision)
+        elif name in fp32_modules:
+            fully_shard(module, reshard_after_forward=frozen, mp_policy=MixedPrecisionPolicy())
+    fully_shard(model, reshard_after_forward=frozen, mp_policy=precision)  # a trained root stays gathered
     for module in model.modules():
         if hasattr(module, "set_gradient_divide_factor"):  # every FSDP unit
             module.set_gradient_divide_factor(1.0)
@@ -794,14 +834,21 @@ class Run:
     schedulers: anything with state_dict/load_state_dict), `state` and the RNG states come
     back, and metrics.jsonl and samples.jsonl lose the steps after the checkpoint, which run
     again. Checkpoints are step-<k>/ every save_every steps and final/ at the end; only the
-    newest keeps the trainer state (AdamW's moments are twice the weights).
+    newest keeps what resuming alone needs: the trainer state (AdamW's moments are twice the
+    weights) and the resume_only folders (ppo.py's critic/).
+
+    compute_dtype (bf16 on a GPU, None on the CPU): the dtype the checkpoints' weights are
+    written in, the one the model computes in and users load (Qwen2.5's own files are bf16).
+    When it is not the weights' own (fp32 masters under autocast), the newest checkpoint's
+    trainer state also keeps the fp32 weights, so that a resumed run continues exactly.
 
     same_on_resume: the Args fields a resumed run must share with the run it continues.
     evaluate(): the held-out eval/ metrics, called every eval_every steps and at the end
     (never with --eval_every 0). state: more trainer state that the script updates as it goes
     (dapo.py's position in the prompt stream), saved with every checkpoint and restored on
     resume. write_extra(directory): more files for each checkpoint (ppo.py's critic), written
-    before the checkpoint is renamed into place. reward_key: the metric the progress bar shows."""
+    before the checkpoint is renamed into place; resume_only: those of them (names inside a
+    checkpoint) that an older checkpoint drops. reward_key: the metric the progress bar shows."""
 
     def __init__(
         self,
@@ -815,10 +862,15 @@ class Run:
         evaluate,
         state: dict | None = None,
         write_extra=None,
+        resume_only: tuple[str, ...] = (),
+        compute_dtype: torch.dtype | None = None,
         reward_key: str = "reward/mean",
     ):
         self.args, self.algo, self.policy, self.tokenizer = args, algo, policy, tokenizer
         self.resumable, self.evaluate, self.write_extra = resumable, evaluate, write_extra
+        self.resume_only, self.save_dtype = resume_only, compute_dtype or next(policy.parameters()).dtype
+        # fp32 masters under bf16 autocast: the checkpoint's bf16 weights alone would not resume exactly
+        self.keep_masters = not is_lora(policy) and self.save_dtype != next(policy.parameters()).dtype
         self.state, self.reward_key = dict(state or {}), reward_key
         self.newest_checkpoint: Path | None = None
         self.start_step, self.progress = 0, None
@@ -838,6 +890,12 @@ class Run:
                 )
             thing.load_state_dict(saved[name])
         self.state = {name: saved[name] for name in self.state}  # KeyError: a checkpoint of another script
+        if self.keep_masters:  # the fp32 weights, over the bf16 ones the policy was loaded from
+            if "master_weights" not in saved:
+                raise SystemExit(
+                    f"{args.resume_from} holds no fp32 master weights: resume with the --dtype it ran with."
+                )
+            set_master_weights(policy, saved["master_weights"])
         set_rng_states(saved["rng"])
         self.start_step = saved["step"]
         self.newest_checkpoint = Path(args.resume_from)
@@ -887,16 +945,20 @@ class Run:
         self.save("final", self.args.max_steps)
 
     def save(self, name: str, step: int) -> None:
-        """A checkpoint: the policy as save_pretrained writes it, the tokenizer, write_extra's
-        files, and the trainer state (step, `state`, each resumable's state_dict, the RNG states,
-        the args). The checkpoint before keeps its weights and loses its trainer state."""
+        """A checkpoint: the policy as save_pretrained writes it (in save_dtype), the tokenizer,
+        write_extra's files, and the trainer state (step, `state`, each resumable's state_dict, the
+        RNG states, the args; the fp32 master weights where the saved ones are bf16). The
+        checkpoint before keeps its weights and loses its trainer state and resume_only files."""
         trainer_state = {"step": step, **self.state, **{k: v.state_dict() for k, v in self.resumable.items()}}
         trainer_state |= {"rng": rng_states(), "args": vars(self.args), "world_size": world_size()}
+        if self.keep_masters:
+            trainer_state["master_weights"] = master_weights(self.policy)
         save_checkpoint(
-            self.dir / name, self.policy, self.tokenizer, trainer_state, extra=self.write_extra, final=name == "final"
-        )
+            self.dir / name, self.policy, self.tokenizer, trainer_state, extra=self.write_extra,
+            final=name == "final", dtype=self.save_dtype,
+        )  # fmt: skip
         if self.newest_checkpoint is not None and self.newest_checkpoint != self.dir / name and rank() == 0:
-            drop_trainer_state(self.newest_checkpoint)
+            drop_trainer_state(self.newest_checkpoint, self.resume_only)
         self.newest_checkpoint = self.dir / name
 
     def __enter__(self):
@@ -920,14 +982,16 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def save_checkpoint(path: Path, model, tokenizer, trainer_state: dict, extra=None, final: bool = False) -> None:
+def save_checkpoint(
+    path: Path, model, tokenizer, trainer_state: dict, extra=None, final: bool = False, dtype: torch.dtype | None = None
+) -> None:
     """save_pretrained (safetensors; loadable by transformers, vLLM, lm-eval) plus the trainer
     state needed to resume. A LoRA policy saves its adapters in peft's format in adapter/,
     and, when final, the merged full model beside them. Written to a sibling temporary
     directory and renamed into place, so an interrupted save never destroys the previous
     checkpoint of the same name. extra(directory), if given, writes more files (ppo.py's
     critic) into that temporary directory, so they arrive with the same rename: a checkpoint
-    is whole or absent."""
+    is whole or absent. dtype: the weights' dtype on disk (None: the model's own)."""
     path = Path(path)
     staging = broadcast(Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-")) if rank() == 0 else None)
     if is_lora(model):
@@ -935,7 +999,7 @@ def save_checkpoint(path: Path, model, tokenizer, trainer_state: dict, extra=Non
         if final:
             save_merged(model, staging)
     else:
-        save_full_model(model, staging)
+        save_full_model(model, staging, dtype)
     if rank() == 0:
         tokenizer.save_pretrained(staging)
     torch.save(trainer_state, staging / trainer_state_file())  # under torchrun, one file a rank
@@ -955,19 +1019,40 @@ def save_checkpoint(path: Path, model, tokenizer, trainer_state: dict, extra=Non
     barrier()
 
 
-def save_full_model(model, directory: Path) -> None:
-    """save_pretrained's format. Under torchrun every rank calls it: the weights are gathered to
-    rank 0 on the CPU (full_state_dict) and rank 0 writes them with the model's own class name
-    in config.json (FSDP2 renames the class to FSDP<name>), so transformers and vLLM load it."""
-    if not dist.is_initialized():
+def save_full_model(model, directory: Path, dtype: torch.dtype | None = None) -> None:
+    """save_pretrained's format, the weights in `dtype` (None: the model's own). Under torchrun
+    every rank calls it: the weights are gathered to rank 0 on the CPU (full_state_dict) and
+    rank 0 writes them with the model's own class name in config.json (FSDP2 renames the class
+    to FSDP<name>), so transformers and vLLM load it."""
+    own = next(model.parameters()).dtype
+    if not dist.is_initialized() and dtype in (None, own):
         model.save_pretrained(directory, safe_serialization=True)
         return
-    weights = full_state_dict(model)
-    if rank() == 0:
-        model.save_pretrained(directory, state_dict=weights, safe_serialization=True)
-        config = json.loads((Path(directory) / "config.json").read_text())
-        config["architectures"] = [name.removeprefix("FSDP") for name in config.get("architectures") or []]
-        (Path(directory) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    weights = full_state_dict(model) if dist.is_initialized() else model.state_dict()
+    if rank() > 0:
+        return
+    if dtype not in (None, own):  # one tensor at a time, so a GPU holds one bf16 copy of a weight at most
+        weights = {k: (v.to(dtype) if v.is_floating_point() else v).cpu() for k, v in weights.items()}
+    model.save_pretrained(directory, state_dict=weights, safe_serialization=True)
+    config = json.loads((Path(directory) / "config.json").read_text())
+    config["architectures"] = [name.removeprefix("FSDP") for name in config.get("architectures") or []]
+    if dtype not in (None, own):
+        config["dtype"] = str(dtype).removeprefix("torch.")
+    (Path(directory) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def master_weights(model) -> dict:
+    """The trained weights as they are (fp32), this rank's shards under torchrun, on the CPU."""
+    local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # noqa: E731  (an FSDP2 DTensor: its shard)
+    return {name: local(p).detach().cpu() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def set_master_weights(model, weights: dict) -> None:
+    """Writes master_weights' tensors back into the model (the same ranks' shards)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in weights:
+                (p.to_local() if hasattr(p, "to_local") else p).copy_(weights[name])
 
 
 def rng_states() -> dict:
@@ -1013,10 +1098,14 @@ def load_trainer_state(
     return state
 
 
-def drop_trainer_state(checkpoint: Path) -> None:
-    """Deletes a checkpoint's trainer state (every rank's), keeping its weights (a newer checkpoint exists)."""
+def drop_trainer_state(checkpoint: Path, resume_only: tuple[str, ...] = ()) -> None:
+    """Deletes a checkpoint's trainer state (every rank's) and its resume_only files or folders,
+    keeping its weights (a newer checkpoint exists)."""
     for path in Path(checkpoint).glob(TRAINER_STATE.replace(".pt", "*.pt")):
         path.unlink(missing_ok=True)
+    for name in resume_only:
+        target = Path(checkpoint) / name
+        shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
 
 
 def truncate_jsonl(path: Path, last_step: int) -> None:

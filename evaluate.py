@@ -57,6 +57,7 @@ from common import (
     resolve_device,
     resolve_precision,
     seed_everything,
+    use_device,
 )
 from grpo import encode_prompts, generate
 from rewards import BENCHMARKS, REWARD_NONE, Score, load_benchmark
@@ -452,7 +453,7 @@ def main(args: Args) -> Path | None:
     names = check_args(args)
     # Data first: a missing file or column stops the run before the model is loaded.
     tasks = {name: load_benchmark(name, args.data_dir, args.countdown_problems) for name in names}
-    device = resolve_device(args.device)
+    device = use_device(resolve_device(args.device))  # a GPU named by --device becomes the current one
     weight_dtype, _ = resolve_precision(args.dtype, device)
     seed_everything(args.seed)
     model, tokenizer, eos_ids = load_model(args.model, device, weight_dtype)

@@ -308,7 +308,8 @@ def generate(
       never waits for it; the tokens drawn past the last EOS are cut off, and the random
       generator is set back to where it stood after the last token kept;
     - on CUDA the one-token step is captured once as a CUDA graph and replayed (cuda_graph);
-      on the CPU the same step runs eagerly.
+      on the CPU, and under torchrun, the same step runs eagerly: FSDP2's root pre-forward hook
+      makes its all-gather streams wait on the current stream, which a capture cannot join.
     The mask is an additive (N, 1, q, S) bias, transformers' 4D format: the model uses it as
     it is (sdpa and eager attention, its defaults, take it).
     """
@@ -316,6 +317,8 @@ def generate(
     model.eval()  # no dropout, and gradient checkpointing (train-mode only) keeps the cache
     device = prompt_ids.device
     cuda = device.type == "cuda"
+    if cuda and device.index != torch.cuda.current_device():  # streams and graphs go to the current device
+        raise ValueError(f"generate on {device} while cuda:{torch.cuda.current_device()} is current: set_device first")
     num_rows, prompt_length = prompt_ids.shape  # N, P
     length = prompt_length + max_new_tokens  # S
     masked = -1e30  # the bias of a position not attended to: exp() of it is 0, finite in bf16 and fp32
@@ -356,7 +359,7 @@ def generate(
         )
         return out.logits[:, -1, :vocab_size].float()  # (N, V) ids ≥ vocab_size are cut off
 
-    if cuda:
+    if cuda and not torch.distributed.is_initialized():
         step = cuda_graph(step)
     completion_ids = torch.full((num_rows, max_new_tokens), pad_id, device=device)  # (N, max_new_tokens)
     completion_mask = torch.zeros(num_rows, max_new_tokens, dtype=torch.long, device=device)
@@ -850,8 +853,10 @@ def train(args: Args) -> Path:
     task = load_task(args.task, args.seed, args.num_problems, args.dataset, data_dir=args.data_dir)
     heldout = load_heldout_task(args.task, args.eval_problems, args.data_dir) if args.eval_every else None
     policy, tokenizer, eos_ids = load_policy(args, device, weight_dtype)  # with --lora_rank: LoRA adapters
-    shard_model(policy).train()  # FSDP2 under torchrun, one unit per decoder layer; else unchanged
-    reference = shard_model(load_reference(args, policy, device, weight_dtype)) if args.beta > 0 else None
+    shard_model(policy, compute_dtype).train()  # FSDP2 under torchrun, one unit per decoder layer; else unchanged
+    reference = (
+        shard_model(load_reference(args, policy, device, weight_dtype), compute_dtype) if args.beta > 0 else None
+    )
     vocab_size = len(tokenizer)  # ids the tokenizer has; the embedding may have more rows
     optimizer, scheduler = make_optimizer(policy, args.lr, args)  # AdamW, linear warm-up
     evaluate = functools.partial(  # run.end_step calls it every eval_every steps and at the end
@@ -860,7 +865,10 @@ def train(args: Args) -> Path:
     resumable = {"optimizer": optimizer, "scheduler": scheduler}
     if args.ref_ema_decay:  # T1's reference moves with the policy: a resumed run needs where it was
         resumable["reference"] = reference
-    run = Run(args, "grpo", policy, tokenizer, resumable=resumable, same_on_resume=SAME_ON_RESUME, evaluate=evaluate)
+    run = Run(
+        args, "grpo", policy, tokenizer, resumable=resumable, same_on_resume=SAME_ON_RESUME, evaluate=evaluate,
+        compute_dtype=compute_dtype,  # checkpoints in bf16 on a GPU, the fp32 masters in the newest's trainer state
+    )  # fmt: skip
     num_sequences = args.batch_size * args.group_size // world_size()  # N, or this rank's N/K under torchrun
     on_policy = args.num_iterations == 1 and args.num_mini_batches == 1  # π_θold = π_θ of the one update
 

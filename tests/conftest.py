@@ -1,5 +1,12 @@
-"""Tests run offline on the CPU: the tiny model is built into a per-session cache and
-nothing may reach the Hugging Face Hub."""
+"""Tests run offline: the tiny model is built into a per-session cache and nothing may reach
+the Hugging Face Hub.
+
+Two tiers. The CPU tier (every test not marked `cuda`) runs on the CPU whatever the machine
+has: its exact values and bit-identical runs are fp32 CPU arithmetic, and its torchrun tests
+use gloo with two processes. On a GPU machine `--device auto` would pick CUDA, so for these
+tests torch.cuda.is_available() answers False, and every process they start sees no GPU
+(CUDA_VISIBLE_DEVICES=""). The CUDA tier (tests/test_cuda.py, marked `cuda`) runs where a GPU
+is and is skipped elsewhere: `python -m pytest -m cuda`."""
 
 import json
 import os
@@ -16,6 +23,26 @@ os.environ.setdefault("NANOPO_CACHE", os.path.join(tempfile.gettempdir(), "nanop
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Asked before CUDA_VISIBLE_DEVICES is cleared: the CUDA driver reads that variable once, at
+# this first question, so this process keeps its GPUs for the CUDA tier, and the processes the
+# CPU tier starts from here on (torchrun, smoke runs) inherit a machine without one.
+CUDA = torch.cuda.is_available()
+GPU_ENV = {k: v for k, v in os.environ.items()}  # the environment a CUDA-tier subprocess gets
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: the CUDA tier, run where a GPU is (python -m pytest -m cuda)")
+
+
+@pytest.fixture(autouse=True)
+def device_tier(request, monkeypatch):
+    """The CPU tier on the CPU; the CUDA tier skipped without a GPU."""
+    if request.node.get_closest_marker("cuda"):
+        if not CUDA:
+            pytest.skip("the CUDA tier needs a GPU")
+        return
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # --device auto -> cpu
 
 
 def sample_batch(model, tokenizer, eos_ids) -> dict:

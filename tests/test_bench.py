@@ -27,3 +27,34 @@ def test_bench_smoke(tmp_path):
     assert [row["script"] for row in report["training_step"]] == ["grpo", "dapo", "ppo"]
     assert all(row["time/generate"] > 0 and row["time/update"] > 0 for row in report["training_step"])
     assert "| N | P | mode |" in done.stdout
+
+
+def test_qwen_sized_tokenizer():
+    # The shapes' tokenizer has Qwen2.5's 151,665 ids (151,662 byte-level BPE pieces + 3 ChatML
+    # special tokens), renders the chat template and decodes what it encodes.
+    from bench import QWEN_TOKENIZER_SIZE, qwen_sized_tokenizer
+
+    tokenizer = qwen_sized_tokenizer()
+    assert len(tokenizer) == QWEN_TOKENIZER_SIZE == 151665
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") == 151664 and tokenizer.eos_token == "<|im_end|>"
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Using [3, 5], make 8."}], tokenize=False, add_generation_prompt=True
+    )
+    assert text.endswith("<|im_start|>assistant\n")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == text and max(ids) < QWEN_TOKENIZER_SIZE
+
+
+def test_bench_at_the_real_vocabulary(tmp_path):
+    # The 0.5B shape cut to one layer: generation and a GRPO step sample and score over all
+    # 151,665 ids of the shapes' tokenizer (the embedding has 151,936 rows).
+    output = tmp_path / "bench.json"
+    command = [sys.executable, "bench.py", "--model", "qwen2.5-0.5b-shape", "--num_layers", "1", "--batch_sizes", "2"]
+    command += ["--max_new_tokens", "3", "--repeats", "1", "--group_size", "2", "--train_batch_size", "1"]
+    command += ["--modes", "sampled", "--contenders", "nanopo,hf", "--train_steps", "grpo", "--logprob_rows", "0"]
+    command += ["--output", str(output)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(output.read_text())
+    assert report["generation"][0]["nanopo tok/s"] > 0
+    assert report["training_step"][0]["time/update"] > 0

@@ -1,6 +1,7 @@
 """Model loading, the tiny model, run directories and checkpoints."""
 
 import json
+import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -21,10 +22,12 @@ from common import (
     make_run_dir,
     read_jsonl,
     render_chat,
+    resolve_device,
     resolve_model_name,
     resolve_precision,
     save_checkpoint,
     set_pad_token,
+    use_device,
 )
 
 
@@ -286,3 +289,18 @@ def test_ctrl_c_in_a_run_stops_with_the_newest_checkpoint(tiny, tmp_path, capsys
     message = capsys.readouterr().err
     assert f"Interrupted after 2 steps. Newest checkpoint: {run.dir / 'step-000002'}." in message
     assert f"--resume_from {run.dir / 'step-000002'}" in message
+
+
+def test_the_cpu_tier_runs_on_the_cpu():
+    # conftest: on a GPU machine too, --device auto resolves to the CPU in this tier, and the
+    # processes it starts (torchrun, smoke runs) see no GPU.
+    assert resolve_device("auto") == torch.device("cpu")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_device_names_are_checked():
+    with pytest.raises(SystemExit, match="not a device torch knows"):
+        resolve_device("gpu0")
+    with pytest.raises(SystemExit, match="sees no CUDA GPU"):
+        resolve_device("cuda:1")
+    assert use_device(torch.device("cpu")) == torch.device("cpu")  # the CPU has no current device to set

@@ -324,8 +324,9 @@ def test_value_warmup_trains_only_the_critic(tmp_path):
     final = AutoModelForCausalLM.from_pretrained(run_dir / "final").state_dict()
     assert all(torch.equal(warmed[k], v) for k, v in start.state_dict().items())
     assert not all(torch.equal(final[k], v) for k, v in start.state_dict().items())
-    head = load_file(run_dir / "step-000002" / CRITIC_DIR / VALUE_HEAD_FILE)
+    head = load_file(run_dir / "final" / CRITIC_DIR / VALUE_HEAD_FILE)  # the newest checkpoint alone keeps it
     assert head["weight"].abs().max() > 0  # it started at zero: the critic did learn
+    assert not (run_dir / "step-000002" / CRITIC_DIR).exists()
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert ["loss/policy" in r for r in rows] == [False, False, True]
     assert all("loss/value" in r for r in rows)
@@ -481,7 +482,8 @@ def test_resume_after_a_crash_continues_exactly(tmp_path, monkeypatch):
     assert not all(torch.equal(start[k], final[k]) for k in start)
     assert (resumed / "final" / "trainer_state.pt").exists()
     assert not (resumed / "step-000002" / "trainer_state.pt").exists()
-    assert (resumed / "step-000002" / CRITIC_DIR / VALUE_HEAD_FILE).exists()  # older critics stay
+    assert not (resumed / "step-000002" / CRITIC_DIR).exists()  # the critic only resumes: the newest keeps it
+    assert (resumed / "final" / CRITIC_DIR / VALUE_HEAD_FILE).exists()
 
 
 def run_cli(*arguments, cwd):
@@ -507,9 +509,10 @@ def test_smoke_run_writes_metrics_and_loadable_checkpoints(tmp_path):
         model = AutoModelForCausalLM.from_pretrained(run_dir / checkpoint)
         tokenizer = AutoTokenizer.from_pretrained(run_dir / checkpoint)
         assert model.config.model_type == "qwen2" and tokenizer.chat_template
-        args = Args(model="tiny", resume_from=str(run_dir / checkpoint))  # as a resumed run loads it
-        critic = load_critic(args, torch.device("cpu"), torch.float32)
-        assert critic.backbone.config.model_type == "qwen2" and critic.value_head.weight.shape == (1, 96)
+    assert not (run_dir / "step-000002" / CRITIC_DIR).exists()  # the newest checkpoint alone keeps the critic
+    args = Args(model="tiny", resume_from=str(run_dir / "final"))  # as a resumed run loads it
+    critic = load_critic(args, torch.device("cpu"), torch.float32)
+    assert critic.backbone.config.model_type == "qwen2" and critic.value_head.weight.shape == (1, 96)
 
 
 def test_bad_arguments_stop_with_a_message(tmp_path):
