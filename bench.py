@@ -248,26 +248,33 @@ def bench_logprob_memory(args, model, vocab_size, device, amp) -> dict:
     return result
 
 
-def bench_training(args, directory: str, device) -> list[dict]:
-    """One step of each script with the bench model; its time/* metrics and peak memory."""
-    rows = []
+def bench_training(args, directory: str, device, rows: list, save=lambda: None) -> list[dict]:
+    """One step of each script with the bench model; its time/* metrics and peak memory, a row
+    appended to `rows` (and saved) as each script finishes, so a run cut short keeps the rest."""
     for name in [s for s in args.train_steps.split(",") if s]:
         script = {"grpo": grpo, "dapo": dapo, "ppo": ppo}[name]
         settings = dict(model=directory, max_steps=1, batch_size=args.train_batch_size, group_size=args.group_size)
         settings |= dict(max_new_tokens=args.max_new_tokens, device=args.device, dtype=args.dtype, save_every=0)
         settings |= {"overlong_buffer": 0, "dynamic_sampling": False} if script is dapo else {}
-        settings |= {"num_mini_batches": 1} if script is ppo else {}  # PPO's 4 need B·G ≥ 4
-        peaks, originals = {}, {}
+        settings |= {"num_mini_batches": 1} if script is ppo and args.train_batch_size * args.group_size < 4 else {}
+        peaks, originals, inside = {}, {}, []  # inside: the phase running (critic_backward calls critic_values)
         for phase, function in (("generate+reward", "rollout"), ("logprobs", "old_and_ref_logprobs"),
-                                ("update", "policy_backward")):  # fmt: skip
+                                ("values", "critic_values"), ("update", "policy_backward"),
+                                ("critic update", "critic_backward")):  # fmt: skip
+            if not hasattr(script, function):  # the critic's phases are ppo.py's alone
+                continue
             originals[function] = getattr(script, function)
 
-            def measured(*a, _phase=phase, _function=originals[function], _peaks=peaks, **k):
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                result = _function(*a, **k)
-                if device.type == "cuda":
-                    _peaks[_phase] = max(_peaks.get(_phase, 0), torch.cuda.max_memory_allocated(device) / 1e9)
+            def measured(*a, _phase=phase, _function=originals[function], _peaks=peaks, _inside=inside, **k):
+                if _inside or device.type != "cuda":  # a phase within a phase counts as the outer one's
+                    return _function(*a, **k)
+                torch.cuda.reset_peak_memory_stats(device)
+                _inside.append(_phase)
+                try:
+                    result = _function(*a, **k)
+                finally:
+                    _inside.pop()
+                _peaks[_phase] = max(_peaks.get(_phase, 0), torch.cuda.max_memory_allocated(device) / 1e9)
                 return result
 
             setattr(script, function, measured)
@@ -284,6 +291,7 @@ def bench_training(args, directory: str, device) -> list[dict]:
         else:
             row["peak RSS GB (process)"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
         rows.append(row)
+        save()
         print(row, flush=True)
     return rows
 
@@ -306,13 +314,18 @@ def main(args: Args) -> dict:
     report = {"args": asdict(args), "device": str(device), "threads": torch.get_num_threads()}
     if device.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name(device)
+    save = lambda: Path(args.output).write_text(json.dumps(report, indent=1))  # noqa: E731  (after every section)
     report["generation"] = bench_generation(args, model, tokenizer, vocab_size, device, amp, compute_dtype)
+    save()
     report["logprob_memory"] = [bench_logprob_memory(args, model, vocab_size, device, amp)] if args.logprob_rows else []
+    save()
     del model
-    report["training_step"] = bench_training(args, directory, device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the training steps load their own copy
+    report["training_step"] = []
+    bench_training(args, directory, device, report["training_step"], save)
     for section in ("generation", "logprob_memory", "training_step"):
         print(f"\n### {section}\n\n{markdown(report[section])}")
-    Path(args.output).write_text(json.dumps(report, indent=1))
     return report
 
 

@@ -1,0 +1,181 @@
+"""The CUDA tier: what only a GPU has — the graph-captured decode step, bf16 autocast over fp32
+master weights, NCCL and FSDP2 — checked where a GPU is (`python -m pytest -m cuda`), skipped
+elsewhere (conftest.device_tier). tests/gpu_acceptance.py runs this tier first.
+
+The models are the tiny one and a Qwen2 of real widths (Qwen2.5-0.5B's layer, two layers deep,
+the 151,936-row embedding and bench.py's 151,665-id tokenizer) with random weights: nothing is
+downloaded."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dapo
+import grpo
+import ppo
+from common import load_model, read_jsonl
+from conftest import CUDA, GPU_ENV, ROOT
+
+# skipif too, not only conftest's fixture: the module-scoped fixtures below would build on CUDA first
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="the CUDA tier needs a GPU")]
+TIMEOUT = 600  # seconds for a subprocess: a hang fails the test instead of stalling the tier
+
+
+@pytest.fixture(scope="module")
+def qwen_shape():
+    """(model on cuda:0 in fp32, tokenizer, vocab size): Qwen2.5-0.5B's widths, 2 layers, random weights."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from bench import SHAPES, qwen_sized_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer = qwen_sized_tokenizer()
+    shape = dict(SHAPES["qwen2.5-0.5b-shape"], num_hidden_layers=2, num_key_value_heads=2, vocab_size=151936)
+    model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True)).cuda().eval()
+    return model, tokenizer, len(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def tiny_cuda():
+    torch.cuda.set_device(0)
+    model, tokenizer, eos_ids = load_model("tiny", torch.device("cuda", 0))
+    return model.eval(), tokenizer, eos_ids
+
+
+def countdown_prompts(tokenizer, group_size: int, problems: int = 4):
+    from rewards import load_task
+
+    task = load_task("countdown", seed=0, num_problems=problems)
+    conversations = [task.messages(p) for p in task.problems]
+    return grpo.encode_prompts(tokenizer, conversations, group_size, torch.device("cuda", 0))
+
+
+def decode(model, prompt_ids, prompt_mask, vocab_size, temperature, graph: bool, monkeypatch, amp=True):
+    """grpo.generate with the one-token step captured as a CUDA graph (graph) or run eagerly."""
+    with monkeypatch.context() as patch:
+        if not graph:
+            patch.setattr(grpo, "cuda_graph", lambda step: step)
+        torch.manual_seed(1234)
+        with torch.autocast("cuda", torch.bfloat16, enabled=amp):
+            return grpo.generate(model, prompt_ids, prompt_mask, 24, [], 0, vocab_size, temperature)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16"])
+def test_graph_decode_equals_eager_decode(qwen_shape, temperature, amp, monkeypatch):
+    # The graph replays the eager step's kernels on the same buffers: the same logits bit for bit,
+    # so greedy tokens are identical and, for a seed, sampled ones too (sampling runs outside the graph).
+    model, tokenizer, vocab_size = qwen_shape
+    prompt_ids, prompt_mask = countdown_prompts(tokenizer, group_size=2)
+    graphed = decode(model, prompt_ids, prompt_mask, vocab_size, temperature, True, monkeypatch, amp)
+    eager = decode(model, prompt_ids, prompt_mask, vocab_size, temperature, False, monkeypatch, amp)
+    assert torch.equal(graphed[0], eager[0])  # completion ids
+    assert torch.equal(graphed[1], eager[1])  # masks
+    assert torch.equal(graphed[3], eager[3])  # the sampler's log-probs
+
+
+def test_no_id_at_or_beyond_the_tokenizer_is_sampled(tiny_cuda, monkeypatch):
+    # The tiny embedding has 448 rows for 384 ids. Rows 384-447 scaled by 50 give those ids the
+    # largest logits by far: without the cut at vocab_size they would be sampled almost always.
+    model, tokenizer, _ = tiny_cuda
+    weight = model.get_output_embeddings().weight
+    saved = weight.detach().clone()
+    with torch.no_grad():
+        weight[len(tokenizer) :] *= 50
+    try:
+        prompt_ids, prompt_mask = countdown_prompts(tokenizer, group_size=8)
+        ids, mask, _, _ = decode(model, prompt_ids, prompt_mask, len(tokenizer), 1.0, True, monkeypatch)
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+    assert ids[mask.bool()].max().item() < len(tokenizer)
+
+
+def test_sampler_and_trainer_log_probs_under_bf16(qwen_shape, monkeypatch):
+    # Under bf16 autocast the decode step (one token against the cache) and the scoring pass (the
+    # whole sequence at once) run different kernels over bf16 values, so their log-probs differ;
+    # TIS and GSPO read that gap. Measured on this shape and bounded: a mean |Δ log π| above 0.05
+    # nats, or any token off by more than 1 nat, means a dtype or position went wrong, not noise.
+    # In fp32 the two agree to 1e-4.
+    model, tokenizer, vocab_size = qwen_shape
+    prompt_ids, prompt_mask = countdown_prompts(tokenizer, group_size=4)
+    gaps = {}
+    for amp in (False, True):
+        ids, mask, _, sample_logp = decode(model, prompt_ids, prompt_mask, vocab_size, 1.0, True, monkeypatch, amp)
+        with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=amp):
+            logp, _ = grpo.sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, 1.0, vocab_size, 8)
+        gap = (logp - sample_logp).abs()[mask.bool()]
+        gaps[amp] = (gap.mean().item(), gap.max().item())
+    print(f"|Δ log π| sampler vs trainer: fp32 mean {gaps[False][0]:.2e} max {gaps[False][1]:.2e}; "
+          f"bf16 mean {gaps[True][0]:.2e} max {gaps[True][1]:.2e}")  # fmt: skip
+    assert gaps[False][1] < 1e-4
+    assert gaps[True][0] < 0.05 and gaps[True][1] < 1.0
+
+
+def train_settings(tmp_path, **more) -> dict:
+    settings = dict(model="tiny", task="digit", lr=3e-3, max_new_tokens=8, batch_size=4, group_size=4, max_steps=2)
+    return settings | dict(output_dir=str(tmp_path), device="cuda:0", save_every=1) | more
+
+
+@pytest.mark.parametrize("script", [grpo, dapo, ppo], ids=["grpo", "dapo", "ppo"])
+def test_a_training_step_under_bf16_autocast_with_fp32_masters(script, tmp_path):
+    # --device cuda:0, named explicitly; --dtype auto on a GPU: fp32 weights and AdamW state,
+    # bf16 compute. The checkpoint is bf16 on disk, its trainer state keeps the fp32 masters.
+    more = {"overlong_buffer": 0} if script is dapo else {"critic_lr": 3e-3} if script is ppo else {}
+    run_dir = script.train(script.Args(**train_settings(tmp_path, **more)))
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2]
+    assert all(math.isfinite(v) for row in rows for v in row.values() if isinstance(v, float))
+    assert json.loads((run_dir / "final" / "config.json").read_text())["dtype"] == "bfloat16"
+    state = torch.load(run_dir / "final" / "trainer_state.pt", weights_only=False)
+    assert {v.dtype for v in state["master_weights"].values()} == {torch.float32}
+
+
+def test_lora_on_cuda(tmp_path):
+    run_dir = grpo.train(grpo.Args(**train_settings(tmp_path, lora_rank=4, lr=1e-3)))
+    assert (run_dir / "final" / "adapter").is_dir() and (run_dir / "final" / "config.json").exists()
+    assert all(math.isfinite(row["loss/policy"]) for row in read_jsonl(run_dir / "metrics.jsonl"))
+
+
+def run(command: list, cwd) -> subprocess.CompletedProcess:
+    env = {**GPU_ENV, "OMP_NUM_THREADS": "4"}  # the GPU the CPU tier hides from its subprocesses
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def test_torchrun_one_process_with_nccl_saves_and_resumes(tmp_path):
+    # torchrun with one process: NCCL, FSDP2 with bf16 mixed precision, the eager decode under
+    # FSDP's hooks, a full-weights checkpoint gathered to rank 0, and a resume from it.
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    flags = ["--model", "tiny", "--task", "digit", "--max_new_tokens", "8", "--batch_size", "4", "--group_size", "4"]
+    flags += ["--save_every", "1", "--output_dir", str(tmp_path / "out")]
+    done = run([*torchrun, str(ROOT / "grpo.py"), *flags, "--max_steps", "2"], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (run_dir,) = (tmp_path / "out").iterdir()
+    resumed = run([*torchrun, str(ROOT / "grpo.py"), *flags, "--max_steps", "3", "--resume_from",
+                   str(run_dir / "final")], cwd=tmp_path)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert [row["step"] for row in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_bench_smoke_on_cuda(tmp_path):
+    output = tmp_path / "bench.json"
+    command = [sys.executable, str(ROOT / "bench.py"), "--model", "tiny", "--batch_sizes", "1,4", "--device", "cuda"]
+    command += ["--max_new_tokens", "8", "--repeats", "1", "--group_size", "2", "--train_batch_size", "2"]
+    command += ["--logprob_rows", "2", "--output", str(output)]
+    done = run(command, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(output.read_text())
+    assert all(row["nanopo tok/s"] > 0 and "of bound" in row for row in report["generation"])
+    assert all("peak GB update" in row for row in report["training_step"])
+
+
+def test_a_gpu_beyond_the_machine_stops_with_a_message():
+    from common import resolve_device
+
+    assert resolve_device("cuda") == torch.device("cuda", 0)  # named with its index
+    with pytest.raises(SystemExit, match="GPU"):
+        resolve_device(f"cuda:{torch.cuda.device_count()}")
