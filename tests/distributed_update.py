@@ -62,11 +62,19 @@ def one_step(model, batch: dict, backward, args, lr: float) -> dict:
     common.shard_model(model)
     optimizer, _ = common.make_optimizer(model, lr, args)
     totals = backward(model, share)
-    gradient = {name: p.grad for name, p in model.named_parameters()}
-    gradient = {k: g.full_tensor() if hasattr(g, "full_tensor") else g.clone() for k, g in gradient.items()}
+    full = lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g.clone()  # noqa: E731
+    gradient = {name: full(p.grad) for name, p in model.named_parameters()}
+    clipped, adam_step = {}, optimizer.step
+
+    def step_recording_the_clipped_gradient(*a, **k):  # what AdamW steps with: each rank's shard clipped
+        clipped.update({name: full(p.grad) for name, p in model.named_parameters()})
+        return adam_step(*a, **k)
+
+    optimizer.step = step_recording_the_clipped_gradient
     grad_norm = grpo.optimizer_step(model, optimizer, args.max_grad_norm)
     weights = common.full_state_dict(model) if common.world_size() > 1 else model.state_dict()
-    return {"gradient": gradient, "weights": weights, "grad_norm": grad_norm, "loss": common.all_reduce(totals["loss"])}
+    loss = common.all_reduce(totals["loss"])
+    return {"gradient": gradient, "clipped": clipped, "weights": weights, "grad_norm": grad_norm, "loss": loss}
 
 
 def main(out: Path) -> None:

@@ -56,6 +56,13 @@ def test_one_update_on_two_processes_equals_one(updates, case):
     for name, weight in one["weights"].items():
         assert (two["weights"][name] - weight).abs().max().item() <= 1e-6, name
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    # Clipping scales every rank's shard by the global norm, not the rank's own (torch 2.7-2.9
+    # returned a rank's partial norm over FSDP2 gradients): the clipped gradient AdamW steps with
+    # is the one-process one, and its norm is max_grad_norm = 1 wherever the norm exceeded it.
+    for name, gradient in one["clipped"].items():
+        torch.testing.assert_close(two["clipped"][name], gradient, rtol=1e-4, atol=1e-7)
+    clipped_norm = torch.cat([g.flatten() for g in two["clipped"].values()]).norm().item()
+    assert clipped_norm == pytest.approx(min(one["grad_norm"], 1.0), rel=1e-4)
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
 
 
