@@ -523,7 +523,10 @@ def load_model(
         )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        # In the checkpoint's own dtype (bf16 for Qwen2.5), cast to `dtype` on the device below: the
+        # same weights (bf16 → fp32 is exact), and half the host memory while loading, which under
+        # torchrun every rank spends (8 ranks × a 7B model in fp32 would be 244 GB of host memory).
+        model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
     except (OSError, ValueError, KeyError) as error:  # KeyError: a corrupt tokenizer.json
         raise SystemExit(
             f"Could not load model {name!r} (resolved to {path!r}): {error}\n"
@@ -538,7 +541,7 @@ def load_model(
     eos_ids = eos_token_ids(path, tokenizer)
     set_pad_token(tokenizer, eos_ids)
     model.config.pad_token_id = tokenizer.pad_token_id
-    model.to(device)
+    model.to(device=device, dtype=dtype)
     if gradient_checkpointing:
         enable_activation_checkpointing(model)
     return model, tokenizer, eos_ids

@@ -511,7 +511,9 @@ def sequence_logprobs(
             use_cache=False,
             logits_to_keep=num_tokens + 1,
         ).logits[:, :-1, :vocab_size]
-        logits = logits.float() / scale  # (n, T, V) upcast before the softmax
+        # (n, T, V) upcast before the softmax; divided in place: one fp32 (n, T, V) tensor fewer (5 GB at
+        # 8 × 1024 × 151,665), and no backward needs the undivided one
+        logits = logits.float().div_(scale)
         log_normaliser = torch.logsumexp(logits, dim=-1)  # (n, T)
         token_logits = logits.gather(-1, completion_ids[rows, :, None]).squeeze(-1)  # (n, T)
         logps.append(token_logits - log_normaliser)

@@ -23,11 +23,12 @@ Papers (equation numbers as cited in the code):
              Qwen2.5-1.5B-Instruct, arXiv 2512.07611.
 
 Run:
-  python ppo.py --model Qwen2.5-1.5B-Instruct                  # one 80 GB GPU, Countdown
+  python ppo.py --model Qwen2.5-1.5B-Instruct --gradient_checkpointing true
+                                                               # one 80 GB GPU, Countdown (docs/models.md)
   python ppo.py --model tiny --max_steps 20                    # CPU smoke run, no download
   python ppo.py --model tiny --task digit --lr 3e-3 --critic_lr 3e-3 --max_new_tokens 8 --max_steps 40
                                                                # CPU, watch the reward rise
-  torchrun --nproc_per_node 8 ppo.py --model Qwen2.5-7B-Instruct
+  torchrun --nproc_per_node 8 ppo.py --model Qwen2.5-7B-Instruct --gradient_checkpointing true
                                                                # 8 GPUs, FSDP2: docs/distributed.md
 Shape letters in comments:
   B prompts per step · G completions per prompt · N = B·G sequences · n sequences of a
@@ -522,7 +523,9 @@ def sequence_logprobs(
             use_cache=False,
             logits_to_keep=num_tokens + 1,
         ).logits[:, :-1, :vocab_size]
-        logits = logits.float() / scale  # (n, T, V) upcast before the softmax
+        # (n, T, V) upcast before the softmax; divided in place: one fp32 (n, T, V) tensor fewer (5 GB at
+        # 8 × 1024 × 151,665), and no backward needs the undivided one
+        logits = logits.float().div_(scale)
         log_normaliser = torch.logsumexp(logits, dim=-1)  # (n, T)
         token_logits = logits.gather(-1, completion_ids[rows, :, None]).squeeze(-1)  # (n, T)
         logps.append(token_logits - log_normaliser)
