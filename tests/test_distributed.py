@@ -1,6 +1,7 @@
 """The scripts under torchrun on the CPU: 2 processes (gloo), the tiny model sharded by FSDP2.
 Every launch runs with a timeout, so a hang fails the test instead of stalling the suite."""
 
+import json
 import os
 import subprocess
 import sys
@@ -121,3 +122,27 @@ def test_dapo_keeps_as_many_groups_on_every_rank():
     batch.truncated = torch.zeros(4, dtype=torch.bool)
     counts = sampling_metrics([batch], groups_kept=1, group_size=2, ranks=2)
     assert counts["sampling/groups_generated"] == 4 and counts["sampling/groups_kept"] == 2
+
+
+@pytest.mark.parametrize("script", ["grpo", "ppo"])
+def test_the_gpu_recipe_on_two_processes_resumes_exactly(tmp_path, script):
+    # The GPU recipe (fp32 masters, bf16 autocast; FSDP2 gathering bf16 and reducing fp32) on 2
+    # gloo processes, forced on the CPU by tests/precision_run.py. Run A: 3 steps straight. Run B:
+    # 2 steps, a bf16 checkpoint whose trainer states hold each rank's shard of the fp32 masters,
+    # then a resume for step 3. B's masters end equal to A's, bit for bit, on every rank.
+    helper = ROOT / "tests" / "precision_run.py"
+    straight = launch([helper, script, tmp_path / "a", 3, 0], cwd=tmp_path)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    first = launch([helper, script, tmp_path / "b", 2, 1], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    ((run_a,), (run_b,)) = (list((tmp_path / "a").iterdir()), list((tmp_path / "b").iterdir()))
+    assert json.loads((run_b / "final" / "config.json").read_text())["dtype"] == "bfloat16"
+    resumed = launch([helper, script, tmp_path / "b", 3, 1, run_b / "final"], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert not list((run_b / "step-000001").glob("trainer_state*"))
+    for state_file in (TRAINER_STATE, "trainer_state-rank1.pt"):
+        a, b = (torch.load(run / "final" / state_file, weights_only=False)["master_weights"] for run in (run_a, run_b))
+        assert a.keys() == b.keys() and {v.dtype for v in a.values()} == {torch.float32}
+        assert all(torch.equal(a[k], b[k]) for k in a), state_file
+    rewards = [row["reward/mean"] for row in read_jsonl(run_a / "metrics.jsonl")]
+    assert sum(rewards[:2]) > 0, rewards  # steps 1-2 had a signal: the masters moved
