@@ -667,8 +667,8 @@ def cispo_objective(
     token loses its gradient to the clip, as a PPO-clipped token does once r leaves [1 − ε, 1 + ε]
     (M1's case: the rare reflective tokens, "However", "Wait", are the ones whose ratio runs away).
     At r = 1 (on-policy) it is the plain policy gradient. Fidelity: Eq. 4's objective exactly, with
-    its token-level normaliser in grpo_loss; M1's ε values are not published, and the default
-    cap 1 + ε_high^IS = 4 with no lower bound (ε_low^IS = 1) is a choice, not the paper's.
+    its token-level normaliser 1/Σ_i|o_i| (the caller's num_tokens); M1 sets ε_low^IS large (no
+    lower bound) and tunes ε_high^IS without publishing it: the default cap 1 + ε_high^IS = 4 is ours.
     logp, ratio (n, T), advantages (n, 1) -> (n, T)."""
     weight = ratio.clamp(1 - eps_low, 1 + eps_high).detach()  # (n, T) sg(r̂_t)
     return weight * advantages * logp
@@ -805,7 +805,7 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
     the totals also hold old_logp and entropy (n, T), no grad, in the rows of batch.
     """
     num_sequences = batch["completion_ids"].shape[0]
-    loss_mask, totals = masked_importance(batch, args)  # (n, T): completion_mask less what --is_mask drops
+    loss_mask, totals = masked_importance(batch, batch["completion_mask"], args)  # (n, T): less what --is_mask drops
     # The whole mini-batch's sequences and tokens, for every micro-batch; under torchrun every
     # rank's (FSDP sums the ranks' gradients): the normalisers of one process's loss. A completion
     # masked out entirely leaves the sequence count too; max(…, 1): all masked gives loss 0, not NaN.
@@ -864,20 +864,20 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
     return totals | ({name: torch.cat(parts) for name, parts in recorded.items()} if record else {})
 
 
-def masked_importance(batch: dict, args) -> tuple[torch.Tensor, dict]:
+def masked_importance(batch: dict, loss_mask: torch.Tensor, args) -> tuple[torch.Tensor, dict]:
     """--is_mask over a whole mini-batch (importance_mask), before its micro-batches, so the loss's
     normalisers can count what stays: batch["old_logp"] is π_θold, which step 4 scores whenever
-    --is_mask is on (on-policy too). Returns the loss mask (n, T), completion_mask itself when
-    off, and the counts update_metrics turns into is_mask/* (empty when off)."""
-    completion_mask = batch["completion_mask"]  # (n, T)
+    --is_mask is on (on-policy too). loss_mask (n, T): the tokens the loss would train on without
+    it. Returns those less the masked ones (n, T), loss_mask itself when off, and the counts
+    update_metrics turns into is_mask/* (empty when off)."""
     bounds = is_mask_bounds(args.is_mask)
     if bounds is None:
-        return completion_mask, {}
-    keep = importance_mask(batch["old_logp"], batch["sample_logp"], completion_mask, bounds, args.is_mask_level)
+        return loss_mask, {}
+    keep = importance_mask(batch["old_logp"], batch["sample_logp"], loss_mask, bounds, args.is_mask_level)
     counts = {
-        "masked_tokens": (completion_mask.sum() - keep.sum()).item(),
-        "masked_sequences": ((completion_mask.sum(-1) > 0) & (keep.sum(-1) == 0)).sum().item(),
-        "sequences": (completion_mask.sum(-1) > 0).sum().item(),
+        "masked_tokens": (loss_mask.sum() - keep.sum()).item(),
+        "masked_sequences": ((loss_mask.sum(-1) > 0) & (keep.sum(-1) == 0)).sum().item(),
+        "sequences": (loss_mask.sum(-1) > 0).sum().item(),
     }
     return keep, counts
 
