@@ -148,6 +148,7 @@ class Args:
     sample_every: int = arg(10, "write a few completions to samples.jsonl every this many steps")
     num_samples: int = arg(4, "completions written each time")
     resume_from: str = arg("", "a checkpoint directory of an earlier run to continue from")
+    report_to: str = arg("none", "none, tensorboard, wandb or both (tensorboard,wandb): every metrics row to it too")
     # held-out evaluation
     eval_every: int = arg(0, "greedy accuracy on held-out problems every this many steps and at the end; 0 = never")
     eval_problems: int = arg(128, "held-out problems per evaluation (Countdown: its held-out share; GSM8K: test split)")
