@@ -183,7 +183,7 @@ def check_args(args: Args) -> None:
 
 
 def check_technique_args(args: Args) -> list[str]:
-    """The ranges of the entropy bonus, the moving reference and truncated IS (grpo.py, dapo.py)."""
+    """The ranges of the entropy bonus, the moving reference, truncated and masked IS (grpo.py, dapo.py)."""
     problems = []
     if args.entropy_coef < 0:
         problems.append(f"--entropy_coef must be >= 0 (got {args.entropy_coef}); T1 adds a small bonus, e.g. 0.001.")
