@@ -919,7 +919,7 @@ class Run:
 
     def __exit__(self, kind, error, traceback) -> None:
         for tracker in self.trackers:  # flushed and closed however the run ends
-            tracker.close()
+            tracker.close(failed=kind is not None)
         self.trackers = []
         if kind is KeyboardInterrupt:  # one line naming the newest checkpoint, not a traceback
             steps_done = self.progress.n if self.progress is not None else self.start_step
@@ -1008,7 +1008,7 @@ class TensorBoardTracker:
         if samples:
             self.writer.add_text("samples", markdown_table(samples), global_step=step)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.writer.close()
 
 
@@ -1040,8 +1040,8 @@ class WandbTracker:
             table = self.wandb.Table(columns=columns, data=[[row[c] for c in columns] for row in samples])
             self.run.log({"samples": table}, step=step)
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else 0)  # a crashed or interrupted run shows as failed
 
 
 def append_jsonl(path: Path, record: dict) -> None:

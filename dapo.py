@@ -730,7 +730,8 @@ def importance_mask(
     accident of one of the two passes, and reweighting it, even truncated, trains on that accident.
     level "sequence" judges a completion as a whole, by the geometric mean of its ratios,
     exp(mean_t log k_t), and keeps or drops all of its tokens (one row of GSPO's kind of ratio).
-    IcePop's M also weights a kept token by k_t: that is --tis_cap C with C ≥ β (docs/techniques.md).
+    Fidelity: IcePop's mask exactly; its M also weights a kept token by k_t, which is --tis_cap C
+    with C ≥ β (docs/techniques.md). The sequence level is not IcePop's: the geometric-mean rule.
     old_logp, sample_logp, completion_mask (n, T), bounds (α, β) -> keep (n, T) in completion_mask's
     dtype: 1 for a valid token that stays, 0 for one masked out and for padding. No gradient."""
     low, high = bounds

@@ -280,6 +280,27 @@ def test_token_mask_keeps_gradient_accumulation_exact(sampled, script, loss_type
         assert totals["tokens"] == full_totals["tokens"]
 
 
+def test_ppo_token_mask_keeps_gradient_accumulation_exact(sampled):
+    # ppo.py's actor: per-token Â (here each row's, on its valid tokens), the mask's tokens out of
+    # the token count of the whole mini-batch, before the micro-batches: 12 = 4·3 = 5 + 5 + 2.
+    model, tokenizer, batch = masked_batch(sampled, "token")
+    advantages = batch["advantages"][:, None] * batch["completion_mask"]  # (n, T)
+    batch = {**batch, "advantages": advantages, "positive": torch.zeros(12, dtype=torch.bool)}
+    results = []
+    for micro_batch_size in (12, 3, 5):
+        args = ppo.Args(is_mask="0.5,2", micro_batch_size=micro_batch_size, num_mini_batches=2)  # off-policy
+        model.zero_grad(set_to_none=True)
+        totals = ppo.policy_backward(model, batch, args, len(tokenizer))
+        results.append((torch.cat([p.grad.flatten() for p in model.parameters()]), totals))
+    model.zero_grad(set_to_none=True)
+    (full, full_totals), rest = results[0], results[1:]
+    assert full_totals["tokens"] + full_totals["masked_tokens"] == batch["completion_mask"].sum()
+    assert full.abs().max() > 0 and full_totals["masked_tokens"] > 0
+    for grad, totals in rest:
+        assert torch.allclose(grad, full, rtol=1e-4, atol=1e-7)
+        assert totals["loss"] == pytest.approx(full_totals["loss"], rel=1e-5)
+
+
 def test_every_token_masked_gives_no_gradient_and_no_nan(sampled):
     # A band no ratio falls in ([0, 1.0001] against ratios of e): loss 0, gradient 0, counts finite.
     model, tokenizer, batch = sampled
