@@ -8,6 +8,7 @@ scripts themselves, so that each script reads top to bottom on its own.
 import contextlib
 import dataclasses
 import difflib
+import importlib.util
 import json
 import os
 import random
@@ -139,6 +140,12 @@ def check_run_args(args) -> list[str]:
         problems.append(f"--dtype {args.dtype!r} is not one of: auto, bfloat16, float32.")
     if args.resume_from and not Path(args.resume_from, TRAINER_STATE).exists():
         problems.append(no_trainer_state(args.resume_from))
+    try:  # the tracker libraries are looked for here (not imported): a missing one stops before a model loads
+        for name in trackers_named(args.report_to):
+            if importlib.util.find_spec(name) is None:
+                problems.append(missing_tracker(name, name, stop=False))
+    except ValueError as error:
+        problems.append(str(error))
     return problems
 
 
@@ -876,9 +883,10 @@ class Run:
         self.keep_masters = not is_lora(policy) and self.save_dtype != next(policy.parameters()).dtype
         self.state, self.reward_key = dict(state or {}), reward_key
         self.newest_checkpoint: Path | None = None
-        self.start_step, self.progress = 0, None
+        self.start_step, self.progress, self.trackers = 0, None, []
         if not args.resume_from:
             self.dir = broadcast(make_run_dir(args, algo) if rank() == 0 else None)
+            self.trackers = open_trackers(args, self.dir, algo) if rank() == 0 else []
             return
         saved = load_trainer_state(args.resume_from, vars(args), same_on_resume, trainer_state_file())
         if saved.get("world_size", 1) != world_size():  # each rank's AdamW shard fits that many ranks only
@@ -908,6 +916,7 @@ class Run:
             for log in ("metrics.jsonl", "samples.jsonl"):  # drop what ran after the checkpoint
                 truncate_jsonl(self.dir / log, last_step=self.start_step)
             record_args(self.dir, args, resumed_at=self.start_step)  # the arguments the run goes on with
+            self.trackers = open_trackers(args, self.dir, algo, resumed_at=self.start_step)
 
     def steps(self):
         """The steps still to run, 0-based, as a progress bar over all max_steps."""
@@ -931,16 +940,22 @@ class Run:
                 metrics |= self.evaluate()
         if rank() == 0:  # the metrics are every rank's already (all_reduce_metrics)
             append_jsonl(self.dir / "metrics.jsonl", metrics)
+            for tracker in self.trackers:  # --report_to: the same row, with its step
+                tracker.log(metrics, done)
         if self.progress is not None and self.reward_key in metrics:
             shown = {"reward": f"{metrics[self.reward_key]:.3f}"}
             if "completion/length_mean" in metrics:
                 shown["len"] = f"{metrics['completion/length_mean']:.0f}"
             self.progress.set_postfix(shown)
         if batch is not None and args.sample_every and step % args.sample_every == 0 and rank() == 0:
+            samples = []
             for i in range(0, min(args.num_samples * args.group_size, len(batch.texts)), args.group_size):
                 prompt = self.tokenizer.decode(batch.prompt_ids[i][batch.prompt_mask[i].bool()])
                 record = {"step": done, "prompt": prompt, "completion": batch.texts[i]}
-                append_jsonl(self.dir / "samples.jsonl", {**record, "reward": batch.scores[i].reward})
+                samples.append({**record, "reward": batch.scores[i].reward})
+                append_jsonl(self.dir / "samples.jsonl", samples[-1])
+            for tracker in self.trackers:
+                tracker.log_samples(samples, done)
         if args.save_every and done % args.save_every == 0 and done < args.max_steps:
             self.save(f"step-{done:06d}", done)
 
@@ -968,11 +983,130 @@ class Run:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
+        for tracker in self.trackers:  # flushed and closed however the run ends
+            tracker.close(failed=kind is not None)
+        self.trackers = []
         if kind is KeyboardInterrupt:  # one line naming the newest checkpoint, not a traceback
             steps_done = self.progress.n if self.progress is not None else self.start_step
             if self.progress is not None:
                 self.progress.close()
             stop_interrupted(f"{self.algo}.py", self.newest_checkpoint, steps_done)
+
+
+# ----------------------------------------------------------------------------------------
+# Experiment trackers (--report_to): metrics.jsonl stays the record, a tracker gets a copy
+
+
+TRACKERS = ("tensorboard", "wandb")
+
+
+def trackers_named(text: str) -> list[str]:
+    """--report_to "none", "tensorboard", "wandb" or several comma-separated -> the tracker names.
+    A ValueError names the unknown one."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if names == ["none"]:
+        return []
+    unknown = [name for name in names if name not in TRACKERS]
+    if unknown or not names:
+        raise ValueError(
+            f"--report_to {text!r}: {', '.join(unknown) or 'nothing'} is not a tracker. Use none, "
+            f"{', '.join(TRACKERS)}, or several comma-separated (tensorboard,wandb)."
+        )
+    return list(dict.fromkeys(names))  # each once, in order
+
+
+def open_trackers(args, run_dir: Path, algo: str, resumed_at: int | None = None) -> list:
+    """The trackers --report_to asks for (rank 0 only: the caller's check), each given the run's
+    arguments as its config. Each library is imported here, only when asked for."""
+    kinds = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker}
+    return [kinds[name](args, Path(run_dir), algo, resumed_at) for name in trackers_named(args.report_to)]
+
+
+def missing_tracker(name: str, package: str, stop: bool = True) -> str:
+    """The message for a tracker whose library is not installed; stop: exit with it."""
+    message = (
+        f"--report_to {name} needs the {package} package, which is not installed: pip install {package} "
+        f"(it is in requirements.txt), or leave {name} out of --report_to."
+    )
+    if stop:
+        raise SystemExit(message)
+    return message
+
+
+def numeric(metrics: dict) -> dict:
+    """The metrics a tracker plots: numbers only (the step is the tracker's own axis)."""
+    return {k: v for k, v in metrics.items() if k != "step" and isinstance(v, (int, float))}
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """Rows of equal keys as a Markdown table, how TensorBoard's text tab renders a table; `|` and
+    line breaks inside a cell escaped, so a completion cannot break its row."""
+
+    def cell(value):
+        return re.sub(r"\r\n|\r|\n", "<br>", str(value).replace("|", "\\|"))
+
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    return "\n".join(lines + ["| " + " | ".join(cell(v) for v in row.values()) + " |" for row in rows])
+
+
+class TensorBoardTracker:
+    """Event files in <run dir>/tensorboard/ (tensorboard --logdir runs/): a scalar per metric at
+    its step, the samples as a Markdown table under the text tab's `samples`, the arguments as
+    `args`. A resumed run purges the events after its checkpoint's step, which run again, as
+    metrics.jsonl loses those rows."""
+
+    def __init__(self, args, run_dir: Path, algo: str, resumed_at: int | None = None):
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+        except ImportError:
+            missing_tracker("tensorboard", "tensorboard")
+        purge = None if resumed_at is None else resumed_at + 1
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
+        config = [{"argument": f"--{k}", "value": v} for k, v in dataclasses.asdict(args).items()]
+        self.writer.add_text("args", markdown_table(config), global_step=resumed_at or 0)
+
+    def log(self, metrics: dict, step: int) -> None:
+        for key, value in numeric(metrics).items():
+            self.writer.add_scalar(key, value, global_step=step)
+
+    def log_samples(self, samples: list[dict], step: int) -> None:
+        if samples:
+            self.writer.add_text("samples", markdown_table(samples), global_step=step)
+
+    def close(self, failed: bool = False) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    """A Weights & Biases run named after the run directory, its files in <run dir>/wandb/, the
+    arguments as its config, each metrics row logged at its step, the samples as a wandb.Table
+    (key `samples`). WANDB_MODE=offline writes it there without a network (`wandb sync` uploads
+    it later); WANDB_PROJECT names the project (default nanoPO). W&B's steps only go forward,
+    so a resumed run is a new W&B run, `<run dir>-from-step-<k>`, whose config says resumed_at."""
+
+    def __init__(self, args, run_dir: Path, algo: str, resumed_at: int | None = None):
+        try:
+            import wandb
+        except ImportError:
+            missing_tracker("wandb", "wandb")
+        self.wandb = wandb
+        name = run_dir.name if resumed_at is None else f"{run_dir.name}-from-step-{resumed_at}"
+        config = {**dataclasses.asdict(args), "algo": algo, "resumed_at": resumed_at}
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "nanoPO"), name=name, dir=str(run_dir), config=config
+        )
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.run.log(numeric(metrics), step=step)
+
+    def log_samples(self, samples: list[dict], step: int) -> None:
+        if samples:
+            columns = list(samples[0])
+            table = self.wandb.Table(columns=columns, data=[[row[c] for c in columns] for row in samples])
+            self.run.log({"samples": table}, step=step)
+
+    def close(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else 0)  # a crashed or interrupted run shows as failed
 
 
 def append_jsonl(path: Path, record: dict) -> None:

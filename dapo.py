@@ -25,6 +25,10 @@ Papers (equation numbers as cited in the code):
             reference of --entropy_coef and --ref_ema_decay.
   TIS       Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
             training" (blog; in verl, TRL, OpenRLHF): truncated importance sampling, --tis_cap.
+  IcePop    Ling Team 2025, Ring-1T, arXiv 2510.18855: masked importance sampling, --is_mask (its
+            token mask M(k; α, β); with --tis_cap ≥ β the whole of M: the ratio inside [α, β]).
+  CISPO     MiniMax 2025, MiniMax-M1, arXiv 2506.13585, Sec. 3.1, Eq. 4-5: the clipped IS weight,
+            --loss_type cispo (adopted by ScaleRL, arXiv 2510.13786).
   Defaults  marked "seed study": the comparison of PPO, GRPO and DAPO on Countdown with
             Qwen2.5-1.5B-Instruct, arXiv 2512.07611.
 
@@ -119,16 +123,21 @@ class Args:
     lora_alpha: float = arg(32.0, "α: the adapters' update is scaled by α/r (LoRA Without Regret keeps α = 32)")
     lora_targets: str = arg("all-linear", "layers with adapters: all-linear (attention, MLP) or names: q_proj,v_proj")
     # the DAPO objective
+    loss_type: str = arg("dapo", "dapo (the clipped surrogate, Eq. 8) or cispo (CISPO, token-level as DAPO's Eq. 12)")
     eps_low: float = arg(0.2, "ε_low, lower clip range of the token ratio, DAPO Eq. 10")
     eps_high: float = arg(0.28, "ε_high, upper clip range of the token ratio (clip-higher), DAPO Eq. 10")
     overlong_buffer: int = arg(256, "L_cache, the soft length-penalty buffer before L_max, DAPO Eq. 13; 0 = no penalty")
     overlong_filter: bool = arg(False, "mask truncated completions out of the loss and its token count (DAPO Sec. 3.4)")
+    cispo_eps_low: float = arg(1.0, "ε_low^IS: CISPO's weight ≥ 1 − ε_low^IS, MiniMax-M1 Eq. 5; 1 = no lower bound")
+    cispo_eps_high: float = arg(3.0, "ε_high^IS, CISPO's weight ≤ 1 + ε_high^IS, MiniMax-M1 Eq. 5 (3: a cap of 4)")
     beta: float = arg(0.0, "β, k3 KL coefficient as in GRPO (DAPO drops the KL, Sec. 2.3); 0 = no reference model")
     adv_eps: float = arg(1e-6, "added to the group std in Â, DAPO Eq. 6 (verl's value; TRL uses 1e-4)")
     dual_clip: float = arg(0.0, "c of dual-clip PPO (Ye et al. Eq. 4), > 1 to enable (verl: 3); 0 = off")
     entropy_coef: float = arg(0.0, "c_H, T1's entropy bonus: the loss minus c_H·H(π_θ) per token; 0 = off")
     ref_ema_decay: float = arg(0.0, "λ, T1's moving π_ref ← λ·π_ref + (1−λ)·π_θ after each optimizer step; 0 = frozen")
     tis_cap: float = arg(0.0, "C, truncated IS: each token's policy-gradient term × min(π_θold/π_sampler, C); 0 = off")
+    is_mask: str = arg("", "α,β of masked IS (IcePop): a token with π_θold/π_sampler outside [α, β] leaves the loss")
+    is_mask_level: str = arg("token", "token (IcePop's M per token) or sequence (the geometric mean of a completion's)")
     # run
     max_steps: int = arg(500, "training steps (one batch of at most B·G completions each)")
     seed: int = arg(0, "seeds prompts order, sampling and initialisation")
@@ -139,6 +148,7 @@ class Args:
     sample_every: int = arg(10, "write a few completions to samples.jsonl every this many steps")
     num_samples: int = arg(4, "completions written each time")
     resume_from: str = arg("", "a checkpoint directory of an earlier run to continue from")
+    report_to: str = arg("none", "none, tensorboard, wandb or both (tensorboard,wandb): every metrics row to it too")
     # held-out evaluation
     eval_every: int = arg(0, "greedy accuracy on held-out problems every this many steps and at the end; 0 = never")
     eval_problems: int = arg(128, "held-out problems per evaluation (Countdown: its held-out share; GSM8K: test split)")
@@ -160,6 +170,15 @@ def check_args(args: Args) -> None:
         problems.append("--group_size must be at least 2: a group of one has no relative advantage.")
     if not 0 <= args.eps_low < 1 or args.eps_high < 0:
         problems.append("Clip ranges need 0 <= --eps_low < 1 and --eps_high >= 0 (DAPO: 0.2 and 0.28).")
+    if args.loss_type not in ("dapo", "cispo"):
+        problems.append(f"--loss_type {args.loss_type!r} is not one of: dapo, cispo.")
+    if args.loss_type == "cispo" and args.dual_clip:
+        problems.append("--loss_type cispo clips the IS weight, not the objective: dual-clip has nothing to bound (0).")
+    if args.cispo_eps_low < 0 or args.cispo_eps_high <= 0:
+        problems.append(
+            f"CISPO needs --cispo_eps_low >= 0 and --cispo_eps_high > 0 (got {args.cispo_eps_low}, "
+            f"{args.cispo_eps_high}); 1 and 3 (the defaults): no lower bound, a cap of 4."
+        )
     if not 0 <= args.overlong_buffer <= args.max_new_tokens:
         problems.append(
             f"--overlong_buffer (L_cache) must be between 0 (off) and --max_new_tokens (L_max = "
@@ -190,7 +209,7 @@ def check_args(args: Args) -> None:
 
 
 def check_technique_args(args: Args) -> list[str]:
-    """The ranges of the entropy bonus, the moving reference and truncated IS (grpo.py, dapo.py)."""
+    """The ranges of the entropy bonus, the moving reference, truncated and masked IS (grpo.py, dapo.py)."""
     problems = []
     if args.entropy_coef < 0:
         problems.append(f"--entropy_coef must be >= 0 (got {args.entropy_coef}); T1 adds a small bonus, e.g. 0.001.")
@@ -202,7 +221,32 @@ def check_technique_args(args: Args) -> list[str]:
         problems.append("--ref_ema_decay needs fp32 weights: with --dtype bfloat16 the reference would never move.")
     if args.tis_cap and args.tis_cap < 1:
         problems.append(f"--tis_cap must be >= 1, or 0 to disable it (got {args.tis_cap}); Yao et al. use 2.")
-    return problems
+    return problems + check_is_mask(args)
+
+
+def check_is_mask(args) -> list[str]:
+    """The range of --is_mask α,β and --is_mask_level (all three scripts)."""
+    if args.is_mask_level not in ("token", "sequence"):
+        return [f"--is_mask_level {args.is_mask_level!r} is not one of: token, sequence."]
+    try:
+        is_mask_bounds(args.is_mask)
+    except ValueError as error:
+        return [str(error)]
+    return []
+
+
+def is_mask_bounds(text: str) -> tuple[float, float] | None:
+    """--is_mask "α,β" -> (α, β), with 0 <= α < 1 < β so that a token on which sampler and trainer
+    agree (ratio 1) always stays; "" -> None (off). A ValueError says what was wrong."""
+    if not text:
+        return None
+    try:
+        low, high = (float(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"--is_mask takes two numbers α,β, e.g. 0.5,5 (IcePop's), not {text!r}.") from None
+    if not 0 <= low < 1 < high:
+        raise ValueError(f"--is_mask α,β needs 0 <= α < 1 < β (got {text}): a ratio of 1 must stay, e.g. 0.5,5.")
+    return low, high
 
 
 # ----------------------------------------------------------------------------------------
@@ -681,6 +725,45 @@ def tis_weights(old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_ma
     return torch.exp(log_ratio).clamp(max=cap).detach()
 
 
+def importance_mask(
+    old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_mask: torch.Tensor, bounds: tuple, level: str
+) -> torch.Tensor:
+    """Masked importance sampling: where truncated IS (tis_weights) reweights a token that the sampler
+    and the trainer score differently, this drops it. IcePop (Ling Team 2025, Ring-1T, arXiv 2510.18855)
+    keeps a token's policy-gradient term only while k_t = π_θold(y_t) / π_sampler(y_t) lies in [α, β]
+    (its M(k; α, β)), as TRL, verl, SkyRL, OpenRLHF and slime do; a token far outside is a numerical
+    accident of one of the two passes, and reweighting it, even truncated, trains on that accident.
+    level "sequence" judges a completion as a whole, by the geometric mean of its ratios,
+    exp(mean_t log k_t), and keeps or drops all of its tokens (one row of GSPO's kind of ratio).
+    Fidelity: IcePop's mask exactly; its M also weights a kept token by k_t, which is --tis_cap C
+    with C ≥ β (docs/techniques.md). The sequence level is not IcePop's: the geometric-mean rule.
+    old_logp, sample_logp, completion_mask (n, T), bounds (α, β) -> keep (n, T) in completion_mask's
+    dtype: 1 for a valid token that stays, 0 for one masked out and for padding. No gradient."""
+    low, high = bounds
+    log_ratio = ((old_logp - sample_logp) * completion_mask).detach()  # (n, T) log k_t, 0 on padding
+    if level == "sequence":
+        lengths = completion_mask.sum(-1, keepdim=True).clamp(min=1)  # (n, 1) |o_i|
+        log_ratio = (log_ratio.sum(-1, keepdim=True) / lengths).expand_as(log_ratio)  # (n, T) log of the mean
+    ratio = torch.exp(log_ratio)  # overflow gives inf, which is outside [α, β] as it should be
+    return completion_mask * ((ratio >= low) & (ratio <= high)).to(completion_mask.dtype)
+
+
+def cispo_objective(
+    logp: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float
+) -> torch.Tensor:
+    """CISPO's per-token objective (MiniMax 2025, MiniMax-M1, arXiv 2506.13585, Sec. 3.1, Eq. 4-5):
+        sg(r̂_t) · Â · log π_θ(o_t),   r̂_t = clip(r_t, 1 − ε_low^IS, 1 + ε_high^IS)
+    The IS weight is clipped and carries no gradient, so ∇ = r̂_t·Â·∇log π_θ for every token: no
+    token loses its gradient to the clip, as a PPO-clipped token does once r leaves [1 − ε, 1 + ε]
+    (M1's case: the rare reflective tokens, "However", "Wait", are the ones whose ratio runs away).
+    At r = 1 (on-policy) it is the plain policy gradient. Fidelity: Eq. 4's objective exactly, with
+    its token-level normaliser 1/Σ_i|o_i| (the caller's num_tokens); M1 sets ε_low^IS large (no
+    lower bound) and tunes ε_high^IS without publishing it: the default cap 1 + ε_high^IS = 4 is ours.
+    logp, ratio (n, T), advantages (n, 1) -> (n, T)."""
+    weight = ratio.clamp(1 - eps_low, 1 + eps_high).detach()  # (n, T) sg(r̂_t)
+    return weight * advantages * logp
+
+
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k3 estimator of KL(π_θ ‖ π_ref) per token (Schulman 2020; DeepSeekMath Eq. 4):
         π_ref/π_θ − log(π_ref/π_θ) − 1, unbiased under samples of π_θ and never negative.
@@ -721,7 +804,7 @@ def dapo_loss(
     old_logp: torch.Tensor,  # (n, T) log π_θold, recorded before the first update
     ref_logp: torch.Tensor | None,  # (n, T) log π_ref; None when beta = 0
     advantages: torch.Tensor,  # (n,)
-    loss_mask: torch.Tensor,  # (n, T) completion_mask, less the completions overlong filtering drops
+    loss_mask: torch.Tensor,  # (n, T) completion_mask, less what overlong filtering and --is_mask drop
     eps_low: float,
     eps_high: float,
     beta: float,
@@ -730,6 +813,7 @@ def dapo_loss(
     entropy: torch.Tensor | None = None,  # (n, T) H(π_θ(·|s_t)) with grad; None when entropy_coef = 0
     entropy_coef: float = 0.0,
     is_weight: torch.Tensor | None = None,  # (n, T) truncated IS weights (tis_weights); None = off
+    loss_type: str = "dapo",
 ):
     """The negative DAPO objective of one micro-batch, DAPO Eq. 8 with the token-level sum of Eq. 12:
         J = 1/Σ_i|o_i| Σ_i Σ_t [ min(r_it Â_i, clip(r_it, 1−ε_low, 1+ε_high) Â_i) − β D_KL,it ]
@@ -749,12 +833,18 @@ def dapo_loss(
     entropy_coef c_H adds T1's entropy bonus c_H·H_t to every token's objective (Hou et al.
     2025, arXiv 2501.11651). is_weight w_t multiplies each token's policy-gradient term, not
     its KL or entropy term (truncated importance sampling, tis_weights).
+    loss_type cispo replaces the clipped surrogate by CISPO's sg(clip(r_it, 1−ε_low^IS, 1+ε_high^IS))·Â_i·
+    log π_θ(o_i,t) (MiniMax-M1 Eq. 4, cispo_objective), under the same token-level sum: eps_low and
+    eps_high are then ε_low^IS and ε_high^IS. A token masked by --is_mask is not in loss_mask.
     Returns (loss, stats): stats are sums over the tokens of loss_mask, for batch-level metrics.
     """
     mask = loss_mask.to(logp.dtype)
     ratio = torch.exp((logp - old_logp) * mask)  # (n, T)
     adv = advantages[:, None]  # (n, 1) broadcast over tokens
-    objective = torch.min(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)  # (n, T)
+    if loss_type == "cispo":
+        objective = cispo_objective(logp, ratio, adv, eps_low, eps_high)  # (n, T)
+    else:
+        objective = torch.min(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)  # (n, T)
     if dual_clip > 0:
         dual_bound = dual_clip * adv.expand_as(objective)
         dual_active = (adv < 0) & (objective < dual_bound)
@@ -770,10 +860,14 @@ def dapo_loss(
     loss = (per_token * mask).sum() / num_tokens
     with torch.no_grad():
         valid = loss_mask.bool()
+        # CISPO clips the weight whatever the sign of Â; the clipped surrogate only where the clip binds.
+        low, high = (ratio < 1 - eps_low), (ratio > 1 + eps_high)
+        if loss_type != "cispo":
+            low, high = low & (adv < 0), high & (adv > 0)
         stats = {
             "tokens": valid.sum().item(),
-            "clip_low": (valid & (adv < 0) & (ratio < 1 - eps_low)).sum().item(),
-            "clip_high": (valid & (adv > 0) & (ratio > 1 + eps_high)).sum().item(),
+            "clip_low": (valid & low).sum().item(),
+            "clip_high": (valid & high).sum().item(),
             "clip_dual": (valid & dual_active).sum().item() if dual_clip > 0 else 0,
             "kl": (kl * mask).sum().item(),
             "ratio_max": ratio[valid].max().item() if valid.any() else 1.0,
@@ -817,10 +911,13 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
     loss_mask = batch["completion_mask"]  # (n, T)
     if args.overlong_filter:
         loss_mask = loss_mask * ~batch["truncated"][:, None]
+    loss_mask, totals = masked_importance(batch, loss_mask, args)  # (n, T): less what --is_mask drops
     # Under torchrun every rank's tokens (FSDP sums the ranks' gradients): one process's normaliser.
     num_tokens = max(all_reduce(loss_mask.sum().item()), 1)  # every completion filtered out: loss 0, not NaN
     batch = {**batch, "loss_mask": loss_mask}
-    totals = {}
+    eps_low, eps_high = (
+        (args.cispo_eps_low, args.cispo_eps_high) if args.loss_type == "cispo" else (args.eps_low, args.eps_high)
+    )
     for start in range(0, num_sequences, args.micro_batch_size):
         micro = {k: (v[start : start + args.micro_batch_size] if v is not None else None) for k, v in batch.items()}
         with amp():
@@ -846,14 +943,15 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
                 micro["ref_logp"],
                 micro["advantages"],
                 micro["loss_mask"],
-                args.eps_low,
-                args.eps_high,
+                eps_low,
+                eps_high,
                 args.beta,
                 args.dual_clip,
                 num_tokens,
                 entropy,
                 args.entropy_coef,
                 is_weight,
+                args.loss_type,
             )
         loss.backward()
         accumulate(totals, {"loss": loss.item(), **stats})
@@ -861,6 +959,24 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
             recorded["old_logp"].append(logp.detach())
             recorded["entropy"].append(entropy.detach())
     return totals | ({name: torch.cat(parts) for name, parts in recorded.items()} if record else {})
+
+
+def masked_importance(batch: dict, loss_mask: torch.Tensor, args) -> tuple[torch.Tensor, dict]:
+    """--is_mask over a whole mini-batch (importance_mask), before its micro-batches, so the loss's
+    normalisers can count what stays: batch["old_logp"] is π_θold, which step 4 scores whenever
+    --is_mask is on (on-policy too). loss_mask (n, T): the tokens the loss would train on without
+    it. Returns those less the masked ones (n, T), loss_mask itself when off, and the counts
+    update_metrics turns into is_mask/* (empty when off)."""
+    bounds = is_mask_bounds(args.is_mask)
+    if bounds is None:
+        return loss_mask, {}
+    keep = importance_mask(batch["old_logp"], batch["sample_logp"], loss_mask, bounds, args.is_mask_level)
+    counts = {
+        "masked_tokens": (loss_mask.sum() - keep.sum()).item(),
+        "masked_sequences": ((loss_mask.sum(-1) > 0) & (keep.sum(-1) == 0)).sum().item(),
+        "sequences": (loss_mask.sum(-1) > 0).sum().item(),
+    }
+    return keep, counts
 
 
 def optimizer_step(model, optimizer, max_grad_norm: float, skip: bool = False) -> float:
@@ -992,10 +1108,11 @@ def train(args: Args) -> Path:
             num_sequences = len(batch.texts)  # N = (groups kept)·G, at most B·G
 
             # 4. Log-probs of the sampled tokens under π_θold and π_ref, no grad. On-policy (μ = 1, one
-            #    mini-batch) the update's forward pass gives π_θold's: only π_ref is scored here.
+            #    mini-batch) the update's forward pass gives π_θold's: only π_ref is scored here, unless
+            #    --is_mask must know which tokens stay before the update counts its normalisers.
             timer = time.perf_counter()
             old_logp, entropy, ref_logp = old_and_ref_logprobs(
-                policy, reference, batch, args, vocab_size, amp, score_policy=not on_policy
+                policy, reference, batch, args, vocab_size, amp, score_policy=not on_policy or bool(args.is_mask)
             )  # (N, T) each; old_logp and entropy None until step 6 when on-policy
             seconds_logprobs = time.perf_counter() - timer
 
@@ -1027,7 +1144,7 @@ def train(args: Args) -> Path:
                     totals = policy_backward(policy, mini, args, vocab_size, amp)
                     if old_logp is None:  # on-policy: step 4's log-probs and entropy, from this forward pass
                         old_logp, entropy = (totals.pop(name)[rows.argsort()] for name in ("old_logp", "entropy"))
-                    none = not all_reduce(totals["tokens"])  # overlong filtering left no token: no step, π_ref stays
+                    none = not all_reduce(totals["tokens"])  # no token left (overlong filter, --is_mask): no step
                     grad_norms.append(optimizer_step(policy, optimizer, args.max_grad_norm, skip=none))
                     ema_update(reference, policy, 0.0 if none else args.ref_ema_decay)  # T1; 0: none
                     accumulate(update, totals)
@@ -1053,7 +1170,7 @@ def train(args: Args) -> Path:
 def update_metrics(update: dict, grad_norms: list[float], learning_rate: float) -> dict:
     """Statistics of step 6, from the sums policy_backward collected over every micro-batch
     (never the last micro-batch alone)."""
-    tokens = max(update["tokens"], 1)  # overlong filtering may have dropped every completion
+    tokens = max(update["tokens"], 1)  # overlong filtering or --is_mask may have dropped every token
     metrics = {
         "loss/policy": update["loss"] / len(grad_norms),  # mean over the optimizer steps
         "kl/mean": update["kl"] / tokens,
@@ -1067,7 +1184,18 @@ def update_metrics(update: dict, grad_norms: list[float], learning_rate: float) 
     }
     if "tis_weight" in update and update["tokens"]:  # --tis_cap: the truncated IS weights the loss used
         metrics |= {"tis/weight_mean": update["tis_weight"] / tokens, "tis/weight_max": update["tis_weight_max"]}
-    return metrics
+    return metrics | is_mask_metrics(update)
+
+
+def is_mask_metrics(update: dict) -> dict:
+    """is_mask/* from masked_importance's counts (none without --is_mask): the fractions of the valid
+    tokens and of the completions that masked IS took out of the loss, over every update of the step."""
+    if "masked_tokens" not in update:
+        return {}
+    return {
+        "is_mask/token_fraction": update["masked_tokens"] / max(update["tokens"] + update["masked_tokens"], 1),
+        "is_mask/sequence_fraction": update["masked_sequences"] / max(update["sequences"], 1),
+    }
 
 
 def step_metrics(batch: Rollout, entropy: torch.Tensor, old_logp: torch.Tensor, group_size: int) -> dict:

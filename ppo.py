@@ -19,6 +19,8 @@ Papers (equation numbers as cited in the code):
   Dual-clip  Ye et al. 2020, arXiv 1912.09729, Eq. 4.
   TIS        Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
              training" (blog; in verl, TRL, OpenRLHF): truncated importance sampling, --tis_cap.
+  IcePop     Ling Team 2025, Ring-1T, arXiv 2510.18855: masked importance sampling, --is_mask (its
+             token mask M(k; α, β); with --tis_cap ≥ β the whole of M: the ratio inside [α, β]).
   Defaults   marked "seed study": the comparison of PPO, GRPO and DAPO on Countdown with
              Qwen2.5-1.5B-Instruct, arXiv 2512.07611.
 
@@ -130,6 +132,8 @@ class Args:
     whiten_eps: float = arg(1e-8, "added to the batch variance when whitening Â")
     pos_lm_coef: float = arg(0.0, "μ, VAPO's positive-example LM loss: + μ·NLL of the correct completions (VAPO: 0.1)")
     tis_cap: float = arg(0.0, "C, truncated IS: each token's policy-gradient term × min(π_θold/π_sampler, C); 0 = off")
+    is_mask: str = arg("", "α,β of masked IS (IcePop): a token with π_θold/π_sampler outside [α, β] leaves the loss")
+    is_mask_level: str = arg("token", "token (IcePop's M per token) or sequence (the geometric mean of a completion's)")
     # run
     max_steps: int = arg(500, "training steps (one batch of B·G completions each)")
     seed: int = arg(0, "seeds prompts order, sampling and initialisation")
@@ -140,6 +144,7 @@ class Args:
     sample_every: int = arg(10, "write a few completions to samples.jsonl every this many steps")
     num_samples: int = arg(4, "completions written each time")
     resume_from: str = arg("", "a checkpoint directory of an earlier run to continue from")
+    report_to: str = arg("none", "none, tensorboard, wandb or both (tensorboard,wandb): every metrics row to it too")
     # held-out evaluation
     eval_every: int = arg(0, "greedy accuracy on held-out problems every this many steps and at the end; 0 = never")
     eval_problems: int = arg(128, "held-out problems per evaluation (Countdown: its held-out share; GSM8K: test split)")
@@ -176,6 +181,7 @@ def check_args(args: Args) -> None:
         problems.append(f"--pos_lm_coef must be >= 0 (got {args.pos_lm_coef}); VAPO uses 0.1.")
     if args.tis_cap and args.tis_cap < 1:
         problems.append(f"--tis_cap must be >= 1, or 0 to disable it (got {args.tis_cap}); Yao et al. use 2.")
+    problems += check_is_mask(args)
     for name in ("eps_value", "lam_alpha", "whiten_eps"):
         if getattr(args, name) <= 0:
             problems.append(f"--{name} must be > 0.")
@@ -195,6 +201,31 @@ def check_args(args: Args) -> None:
         )
     if problems:
         raise SystemExit("Invalid arguments:\n  " + "\n  ".join(problems))
+
+
+def check_is_mask(args) -> list[str]:
+    """The range of --is_mask α,β and --is_mask_level (all three scripts)."""
+    if args.is_mask_level not in ("token", "sequence"):
+        return [f"--is_mask_level {args.is_mask_level!r} is not one of: token, sequence."]
+    try:
+        is_mask_bounds(args.is_mask)
+    except ValueError as error:
+        return [str(error)]
+    return []
+
+
+def is_mask_bounds(text: str) -> tuple[float, float] | None:
+    """--is_mask "α,β" -> (α, β), with 0 <= α < 1 < β so that a token on which sampler and trainer
+    agree (ratio 1) always stays; "" -> None (off). A ValueError says what was wrong."""
+    if not text:
+        return None
+    try:
+        low, high = (float(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"--is_mask takes two numbers α,β, e.g. 0.5,5 (IcePop's), not {text!r}.") from None
+    if not 0 <= low < 1 < high:
+        raise ValueError(f"--is_mask α,β needs 0 <= α < 1 < β (got {text}): a ratio of 1 must stay, e.g. 0.5,5.")
+    return low, high
 
 
 # ----------------------------------------------------------------------------------------
@@ -683,6 +714,29 @@ def tis_weights(old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_ma
     return torch.exp(log_ratio).clamp(max=cap).detach()
 
 
+def importance_mask(
+    old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_mask: torch.Tensor, bounds: tuple, level: str
+) -> torch.Tensor:
+    """Masked importance sampling: where truncated IS (tis_weights) reweights a token that the sampler
+    and the trainer score differently, this drops it. IcePop (Ling Team 2025, Ring-1T, arXiv 2510.18855)
+    keeps a token's policy-gradient term only while k_t = π_θold(y_t) / π_sampler(y_t) lies in [α, β]
+    (its M(k; α, β)), as TRL, verl, SkyRL, OpenRLHF and slime do; a token far outside is a numerical
+    accident of one of the two passes, and reweighting it, even truncated, trains on that accident.
+    level "sequence" judges a completion as a whole, by the geometric mean of its ratios,
+    exp(mean_t log k_t), and keeps or drops all of its tokens (one row of GSPO's kind of ratio).
+    Fidelity: IcePop's mask exactly; its M also weights a kept token by k_t, which is --tis_cap C
+    with C ≥ β (docs/techniques.md). The sequence level is not IcePop's: the geometric-mean rule.
+    old_logp, sample_logp, completion_mask (n, T), bounds (α, β) -> keep (n, T) in completion_mask's
+    dtype: 1 for a valid token that stays, 0 for one masked out and for padding. No gradient."""
+    low, high = bounds
+    log_ratio = ((old_logp - sample_logp) * completion_mask).detach()  # (n, T) log k_t, 0 on padding
+    if level == "sequence":
+        lengths = completion_mask.sum(-1, keepdim=True).clamp(min=1)  # (n, 1) |o_i|
+        log_ratio = (log_ratio.sum(-1, keepdim=True) / lengths).expand_as(log_ratio)  # (n, T) log of the mean
+    ratio = torch.exp(log_ratio)  # overflow gives inf, which is outside [α, β] as it should be
+    return completion_mask * ((ratio >= low) & (ratio <= high)).to(completion_mask.dtype)
+
+
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k3 estimator of KL(π_θ ‖ π_ref) per token (Schulman 2020; DeepSeekMath Eq. 4):
         π_ref/π_θ − log(π_ref/π_θ) − 1, unbiased under samples of π_θ and never negative.
@@ -774,7 +828,7 @@ def ppo_loss(
     logp: torch.Tensor,  # (n, T) log π_θ, with grad
     old_logp: torch.Tensor,  # (n, T) log π_θold, recorded before the first update
     advantages: torch.Tensor,  # (n, T) whitened Â_t
-    completion_mask: torch.Tensor,  # (n, T)
+    completion_mask: torch.Tensor,  # (n, T) the loss's tokens: less what --is_mask drops
     eps_low: float,
     eps_high: float,
     dual_clip: float,
@@ -887,17 +941,20 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
     1 with old = logp.detach(), as in grpo.py: the gradient is the same, kernel noise is gone.
     When step 4 skipped the policy's pass (old_logp None: on-policy with β = 0, see train), the
     totals also hold old_logp and entropy (n, T), no grad, in the rows of batch.
+    A token --is_mask drops leaves ppo_loss and its token count; VAPO's NLL term, a supervised loss
+    on the correct completions that no importance ratio enters, keeps it.
     """
     num_sequences = batch["completion_ids"].shape[0]
+    loss_mask, totals = masked_importance(batch, batch["completion_mask"], args)  # (n, T): less what --is_mask drops
     # The whole mini-batch's tokens, for every micro-batch; under torchrun every rank's (FSDP sums
-    # the ranks' gradients): the normalisers of one process's loss.
-    num_tokens = all_reduce(batch["completion_mask"].sum().item())
+    # the ranks' gradients): the normalisers of one process's loss. max(…, 1): all masked, loss 0.
+    num_tokens = max(all_reduce(loss_mask.sum().item()), 1)
+    batch = {**batch, "loss_mask": loss_mask}
     on_policy = args.ppo_epochs == 1 and args.num_mini_batches == 1
     if args.pos_lm_coef > 0:  # VAPO's Σ_{o_i∈T} |o_i| over the whole mini-batch
         num_positive_tokens = all_reduce((batch["completion_mask"] * batch["positive"][:, None]).sum().item())
     record = batch["old_logp"] is None  # this forward pass stands in for step 4's
     recorded = {"old_logp": [], "entropy": []}
-    totals = {}
     for start in range(0, num_sequences, args.micro_batch_size):
         micro = {k: (v[start : start + args.micro_batch_size] if v is not None else None) for k, v in batch.items()}
         with amp():
@@ -921,7 +978,7 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
                 logp,
                 old_logp,
                 micro["advantages"],
-                micro["completion_mask"],
+                micro["loss_mask"],
                 args.eps_low,
                 args.eps_high,
                 args.dual_clip,
@@ -1011,6 +1068,24 @@ def evaluate_heldout(
 # Training
 
 
+def masked_importance(batch: dict, loss_mask: torch.Tensor, args) -> tuple[torch.Tensor, dict]:
+    """--is_mask over a whole mini-batch (importance_mask), before its micro-batches, so the loss's
+    normalisers can count what stays: batch["old_logp"] is π_θold, which step 4 scores whenever
+    --is_mask is on (on-policy too). loss_mask (n, T): the tokens the loss would train on without
+    it. Returns those less the masked ones (n, T), loss_mask itself when off, and the counts
+    update_metrics turns into is_mask/* (empty when off)."""
+    bounds = is_mask_bounds(args.is_mask)
+    if bounds is None:
+        return loss_mask, {}
+    keep = importance_mask(batch["old_logp"], batch["sample_logp"], loss_mask, bounds, args.is_mask_level)
+    counts = {
+        "masked_tokens": (loss_mask.sum() - keep.sum()).item(),
+        "masked_sequences": ((loss_mask.sum(-1) > 0) & (keep.sum(-1) == 0)).sum().item(),
+        "sequences": (loss_mask.sum(-1) > 0).sum().item(),
+    }
+    return keep, counts
+
+
 def optimizer_step(model, optimizer, max_grad_norm: float, skip: bool = False) -> float:
     """Clips the gradient norm, steps, and frees the gradients (set to None, not zeros), so
     that actor and critic gradients never exist at the same time, nor one step's during the
@@ -1074,7 +1149,7 @@ def train(args: Args) -> Path:
             #    pass gives it (old_and_ref_logprobs). With β > 0 the per-token reward of step 5 needs it.
             train_policy = step >= args.value_warmup_steps
             timer = time.perf_counter()
-            skip_policy_pass = on_policy and args.beta == 0 and train_policy
+            skip_policy_pass = on_policy and args.beta == 0 and train_policy and not args.is_mask  # the mask needs it
             old_logp, entropy, ref_logp = old_and_ref_logprobs(
                 policy, reference, batch, args, vocab_size, amp, score_policy=not skip_policy_pass
             )  # (N, T) each; old_logp and entropy None until step 6 when skipped
@@ -1120,7 +1195,8 @@ def train(args: Args) -> Path:
                         if old_logp is None:  # on-policy: step 4's log-probs and entropy, from this forward pass
                             old_logp, entropy = (totals.pop(name)[rows.argsort()] for name in ("old_logp", "entropy"))
                         accumulate(update, totals)
-                        grad_norms.append(optimizer_step(policy, optimizer, args.max_grad_norm))
+                        none = not all_reduce(totals["tokens"] + totals.get("pos_tokens", 0))  # all masked: no step
+                        grad_norms.append(optimizer_step(policy, optimizer, args.max_grad_norm, skip=none))
                     accumulate(critic_update, critic_backward(critic, mini, args, amp))
                     critic_grad_norms.append(optimizer_step(critic, critic_optimizer, args.max_grad_norm))
             learning_rates = scheduler.get_last_lr()[0], critic_scheduler.get_last_lr()[0]  # the rates this step used
@@ -1163,7 +1239,7 @@ def update_metrics(
     }
     if not grad_norms:
         return metrics
-    tokens = update["tokens"]
+    tokens = max(update["tokens"], 1)  # --is_mask may have dropped every token
     actor = {
         "loss/policy": update["loss"] / len(grad_norms),
         "clip/low": update["clip_low"] / tokens,
@@ -1174,14 +1250,25 @@ def update_metrics(
         "optim/grad_norm": sum(grad_norms) / len(grad_norms),
         "optim/lr": learning_rates[0],
     }
-    if "tis_weight" in update:  # --tis_cap: the truncated IS weights the loss used
+    if "tis_weight" in update and update["tokens"]:  # --tis_cap: the truncated IS weights the loss used
         actor |= {"tis/weight_mean": update["tis_weight"] / tokens, "tis/weight_max": update["tis_weight_max"]}
     if "pos_nll" in update:  # --pos_lm_coef: VAPO's NLL of the correct completions, and their token share
         actor |= {
             "loss/pos_nll": update["pos_nll"] / len(grad_norms),
-            "pos/token_fraction": update["pos_tokens"] / tokens,
+            "pos/token_fraction": update["pos_tokens"] / (update["tokens"] + update.get("masked_tokens", 0)),
         }
-    return {**actor, **metrics}
+    return {**actor, **metrics, **is_mask_metrics(update)}
+
+
+def is_mask_metrics(update: dict) -> dict:
+    """is_mask/* from masked_importance's counts (none without --is_mask): the fractions of the valid
+    tokens and of the completions that masked IS took out of the loss, over every update of the step."""
+    if "masked_tokens" not in update:
+        return {}
+    return {
+        "is_mask/token_fraction": update["masked_tokens"] / max(update["tokens"] + update["masked_tokens"], 1),
+        "is_mask/sequence_fraction": update["masked_sequences"] / max(update["sequences"], 1),
+    }
 
 
 def rollout_value_metrics(old_logp, ref_logp, completion_mask, beta, advantages, returns, old_values) -> dict:

@@ -36,7 +36,16 @@ SHARED = [
     "kl_k3",
     "step_metrics",
     "evaluate_heldout",
+    # truncated and masked importance sampling: the sampler-trainer gap is not the algorithm either
+    "tis_weights",
+    "check_is_mask",
+    "is_mask_bounds",
+    "importance_mask",
+    "masked_importance",
+    "is_mask_metrics",
 ]
+# Shared by grpo.py and dapo.py only (ppo.py has neither CISPO nor T1's techniques).
+SHARED_GRPO_DAPO = ["check_technique_args", "cispo_objective"]
 # Same name, different body on purpose: the reason is the algorithm.
 DIFFERS_BY_DESIGN = {
     "Args": "each script has its own hyperparameters (shared fields: test_shared_args_fields_agree)",
@@ -47,6 +56,7 @@ DIFFERS_BY_DESIGN = {
 }
 # Args fields that two scripts share with a different default or help, and why.
 ARGS_DIFFER_BY_DESIGN = {
+    "loss_type": "GRPO's variants (grpo, dr_grpo, gspo, gpg, cispo) against DAPO's surrogate or cispo",
     "beta": "the KL term differs: k3 in GRPO's loss (β 0.01), none in DAPO (β 0), k1 in PPO's per-token reward",
     "eps_high": "DAPO's clip-higher default (0.28); PPO's is symmetric (0.2) unless the VAPO recipe raises it",
     "entropy_coef": "GRPO's and DAPO's bonus is T1's; PPO's is PPO Eq. 9's c_2",
@@ -69,6 +79,11 @@ def definitions(script: str) -> dict[str, str]:
 def test_script_defines_every_shared_function(script):
     defined = definitions(script)
     assert [name for name in SHARED if name not in defined] == []
+
+
+def test_grpo_and_dapo_define_their_shared_functions():
+    for script in ("grpo.py", "dapo.py"):
+        assert [name for name in SHARED_GRPO_DAPO if name not in definitions(script)] == []
 
 
 @pytest.mark.parametrize("pair", list(itertools.combinations(SCRIPTS, 2)), ids="-vs-".join)
