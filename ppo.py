@@ -486,6 +486,22 @@ def rollout(
     )
 
 
+def length_order(completion_mask: torch.Tensor) -> torch.Tensor:
+    """Saves padding work: the row indices sorted by completion length, longest first, so that
+    consecutive chunks of them hold rows of similar length. completion_mask (N, T) -> (N,)."""
+    return completion_mask.sum(-1).argsort(descending=True, stable=True)
+
+
+def trim_padding(prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """Saves the compute of columns that are padding in every row of a chunk: the prompt columns
+    before its longest prompt (left padding) and the completion columns after its longest
+    completion (right padding). Exact: a column no row attends to changes no other position, and
+    positions count real tokens only. (n, P), (n, P), (n, T), (n, T) -> the same, (n, p) and (n, t)."""
+    prompt_length, num_tokens = prompt_mask.sum(-1).max().item(), completion_mask.sum(-1).max().item()
+    first, kept = prompt_mask.shape[1] - max(prompt_length, 1), max(num_tokens, 1)  # keep one column at least
+    return prompt_ids[:, first:], prompt_mask[:, first:], completion_ids[:, :kept], completion_mask[:, :kept]
+
+
 def sequence_logprobs(
     model,
     prompt_ids: torch.Tensor,  # (N, P)
@@ -500,41 +516,49 @@ def sequence_logprobs(
 ):
     """log π(o_t | q, o_<t) of every completion token, from logits / temperature restricted to
     the tokenizer's vocabulary, exactly as `generate` sampled them. Rows go through the model
-    chunk_size at a time, so at most a (chunk_size, T, V) fp32 tensor exists, never (N, T, V).
+    chunk_size at a time, so at most a (chunk_size, T, V) fp32 tensor exists, never (N, T, V);
+    the chunks take the rows in order of length (length_order) and each is cut to its own
+    longest prompt and completion (trim_padding): no forward pass computes padding that a longer
+    row elsewhere in the rollout forced on it. The rows come back in the order they came in.
     Returns logp (N, T) and, with with_entropy, the entropy of π at each position (N, T);
     both 0 where completion_mask is 0. logp is differentiable when called with grad enabled;
     the entropy only with entropy_grad too (PPO's entropy bonus): otherwise no (n, T, V)
     softmax is kept for a backward pass that does not need it.
     """
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (N, P+T)
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (N, P+T)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same positions as in generate
-    num_tokens = completion_ids.shape[1]
+    num_tokens = completion_ids.shape[1]  # T
     scale = temperature if temperature > 0 else 1.0
+    order = length_order(completion_mask)  # chunks of rows of similar length
     logps, entropies = [], []
-    for start in range(0, input_ids.shape[0], chunk_size):
-        rows = slice(start, start + chunk_size)
-        # logits_to_keep=T+1: only the positions that predict completion tokens (and one
-        # extra) reach the LM head; position P-1+t predicts completion token t.
+    for start in range(0, completion_ids.shape[0], chunk_size):
+        rows = order[start : start + chunk_size]
+        chunk = trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows])
+        input_ids = torch.cat([chunk[0], chunk[2]], dim=1)  # (n, p+t) p, t ≤ P, T: the chunk's longest
+        attention_mask = torch.cat([chunk[1], chunk[3]], dim=1)  # (n, p+t)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same positions as in generate
+        kept = chunk[2].shape[1]  # t
+        # logits_to_keep=t+1: only the positions that predict completion tokens (and one
+        # extra) reach the LM head; position p-1+j predicts completion token j.
         logits = model(
-            input_ids=input_ids[rows],
-            attention_mask=attention_mask[rows],
-            position_ids=position_ids[rows],
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
             use_cache=False,
-            logits_to_keep=num_tokens + 1,
+            logits_to_keep=kept + 1,
         ).logits[:, :-1, :vocab_size]
-        # (n, T, V) upcast before the softmax; divided in place: one fp32 (n, T, V) tensor fewer (5 GB at
+        # (n, t, V) upcast before the softmax; divided in place: one fp32 (n, t, V) tensor fewer (5 GB at
         # 8 × 1024 × 151,665), and no backward needs the undivided one
         logits = logits.float().div_(scale)
-        log_normaliser = torch.logsumexp(logits, dim=-1)  # (n, T)
-        token_logits = logits.gather(-1, completion_ids[rows, :, None]).squeeze(-1)  # (n, T)
-        logps.append(token_logits - log_normaliser)
+        log_normaliser = torch.logsumexp(logits, dim=-1)  # (n, t)
+        token_logits = logits.gather(-1, chunk[2][:, :, None]).squeeze(-1)  # (n, t)
+        logps.append(torch.nn.functional.pad(token_logits - log_normaliser, (0, num_tokens - kept)))  # (n, T)
         if with_entropy:  # H = log Z - Σ_v p_v · logit_v
             with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
-                entropies.append(log_normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1))
+                entropy = log_normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # (n, t)
+                entropies.append(torch.nn.functional.pad(entropy, (0, num_tokens - kept)))  # (n, T)
     mask = completion_mask.to(logits.dtype)
-    logp = torch.cat(logps) * mask  # (N, T)
-    return (logp, torch.cat(entropies) * mask) if with_entropy else (logp, None)
+    unsort = order.argsort()  # the rows back in the order they came in
+    logp = torch.cat(logps)[unsort] * mask  # (N, T)
+    return (logp, torch.cat(entropies)[unsort] * mask) if with_entropy else (logp, None)
 
 
 def old_and_ref_logprobs(policy, reference, batch: Rollout, args, vocab_size: int, amp, score_policy: bool):
@@ -652,17 +676,22 @@ def critic_values(
     """V_φ(s_t) for every completion position t, s_t = (q, o_<t): the state in which token t
     is chosen, read at position P-1+t, the same position whose logits give log π(o_t) in
     sequence_logprobs (same left padding, attention mask and position ids). chunk_size rows
-    at a time. Returns values (N, T), 0 where completion_mask is 0; differentiable with grad."""
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (N, P+T)
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (N, P+T)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as in generate and sequence_logprobs
-    num_prompt, num_tokens = prompt_ids.shape[1], completion_ids.shape[1]
+    at a time, in order of length, each chunk cut to its own longest (as sequence_logprobs).
+    Returns values (N, T), 0 where completion_mask is 0, rows in the order given; differentiable with grad."""
+    num_tokens = completion_ids.shape[1]  # T
+    order = length_order(completion_mask)  # chunks of rows of similar length, each trimmed (trim_padding)
     values = []
-    for start in range(0, input_ids.shape[0], chunk_size):
-        rows = slice(start, start + chunk_size)
-        all_values = critic(input_ids[rows], attention_mask[rows], position_ids[rows])  # (n, P+T)
-        values.append(all_values[:, num_prompt - 1 : num_prompt - 1 + num_tokens])  # (n, T)
-    return torch.cat(values) * completion_mask.to(torch.float32)  # (N, T)
+    for start in range(0, completion_ids.shape[0], chunk_size):
+        rows = order[start : start + chunk_size]
+        chunk = trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows])
+        input_ids = torch.cat([chunk[0], chunk[2]], dim=1)  # (n, p+t)
+        attention_mask = torch.cat([chunk[1], chunk[3]], dim=1)  # (n, p+t)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as in generate and sequence_logprobs
+        num_prompt, kept = chunk[0].shape[1], chunk[2].shape[1]  # p, t
+        all_values = critic(input_ids, attention_mask, position_ids)  # (n, p+t)
+        chunk_values = all_values[:, num_prompt - 1 : num_prompt - 1 + kept]  # (n, t)
+        values.append(torch.nn.functional.pad(chunk_values, (0, num_tokens - kept)))  # (n, T)
+    return torch.cat(values)[order.argsort()] * completion_mask.to(torch.float32)  # (N, T)
 
 
 # ----------------------------------------------------------------------------------------
@@ -889,6 +918,8 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
     totals also hold old_logp and entropy (n, T), no grad, in the rows of batch.
     """
     num_sequences = batch["completion_ids"].shape[0]
+    order = length_order(batch["completion_mask"])  # micro-batches of rows of similar length, each trimmed
+    batch = {k: v[order] if v is not None else None for k, v in batch.items()}  # unsorted on the way out
     # The whole mini-batch's tokens, for every micro-batch; under torchrun every rank's (FSDP sums
     # the ranks' gradients): the normalisers of one process's loss.
     num_tokens = all_reduce(batch["completion_mask"].sum().item())
@@ -942,7 +973,7 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
         if record:
             recorded["old_logp"].append(logp.detach())
             recorded["entropy"].append(entropy.detach())
-    return totals | ({name: torch.cat(parts) for name, parts in recorded.items()} if record else {})
+    return totals | ({name: torch.cat(parts)[order.argsort()] for name, parts in recorded.items()} if record else {})
 
 
 def critic_backward(critic: Critic, batch: dict, args: Args, amp=contextlib.nullcontext) -> dict:
@@ -950,6 +981,8 @@ def critic_backward(critic: Critic, batch: dict, args: Args, amp=contextlib.null
     trained on), micro_batch_size sequences at a time, the value loss normalised by the
     mini-batch's token count. Returns the summed loss and statistics of the whole mini-batch."""
     num_sequences = batch["completion_ids"].shape[0]
+    order = length_order(batch["completion_mask"])  # micro-batches of rows of similar length, each trimmed
+    batch = {k: v[order] if v is not None else None for k, v in batch.items()}  # unsorted on the way out
     num_tokens = all_reduce(batch["completion_mask"].sum().item())  # under torchrun every rank's
     totals = {}
     for start in range(0, num_sequences, args.micro_batch_size):

@@ -31,6 +31,8 @@ SHARED = [
     "generate",
     "Rollout",
     "rollout",
+    "length_order",
+    "trim_padding",
     "sequence_logprobs",
     "old_and_ref_logprobs",
     "kl_k3",
