@@ -27,6 +27,7 @@ SHARED = [
     "encode_prompts",
     "top_p_filter",
     "KVCache",
+    "decode_widths",
     "cuda_graph",
     "generate",
     "Rollout",
