@@ -321,7 +321,7 @@ def generate(
     vocab_size: int,
     temperature: float = 1.0,
     top_p: float = 1.0,
-    check_every: int = 16,
+    check_every: int | None = None,
     compact_below: float = 0.5,
 ):
     """Autoregressive sampling with a KV cache: one forward pass over the prompts, then one
@@ -345,9 +345,10 @@ def generate(
       once and its keys and values copied into the rows of its G completions;
     - the one-token step attends over the filled part of the cache only, in a few fixed widths
       (decode_widths);
-    - the host learns whether every row has ended only every check_every tokens, so the GPU
-      never waits for it; the tokens drawn past the last EOS are cut off, and the random
-      generator is set back to where it stood after the last token kept;
+    - the host learns whether every row has ended only every check_every tokens (None: 16 on
+      CUDA, so the GPU never waits for it; 1 on the CPU, where asking costs nothing and a row
+      that ended is not decoded on for up to 15 tokens); the tokens drawn past the last EOS are
+      cut off, and the random generator is set back to where it stood after the last token kept;
     - at those checks, once at most compact_below of the rows decoded are still unfinished,
       the finished rows leave the batch (KVCache.keep_rows): the rest of the decode runs on
       the live rows only. Each row's distribution is unchanged, but the random numbers go to
@@ -371,6 +372,7 @@ def generate(
     masked = -1e30  # the bias of a position not attended to: exp() of it is 0, finite in bf16 and fp32
     eos = torch.tensor(eos_ids, device=device)
     cache = KVCache(num_rows, length)
+    check_every = check_every or (16 if cuda else 1)
 
     # Prefill each distinct prompt once (B rows), then copy its keys and values G times.
     distinct, counts = torch.unique_consecutive(torch.cat([prompt_ids, prompt_mask], -1), dim=0, return_counts=True)
