@@ -260,10 +260,11 @@ def bench_generation(args, model, tokenizer, vocab_size, device, amp, compute_dt
 def decode_bytes(model, num_rows: int, prompt_length: int, max_new_tokens: int, compute_bytes: int = 2) -> dict:
     """Computed, not measured: the bytes one-token steps read, summed over the decode of N rows with
     --lengths realistic lengths, on a GPU with bf16 autocast over fp32 weights, the seed study's set-up.
-      ideal   bf16 weights once a step (FSDP2 / a bf16 copy), and each live row's filled columns in bf16
-      static  generate before issue 19: fp32 weights through autocast (read, cast, read again as bf16:
-              4 + 2 + 2 bytes a weight), fp32 keys beside bf16 values, all P + max_new_tokens columns of
-              every row until the longest ends, K and V copied group-fold by repeat_kv (read and written)
+      ideal   bf16 weights once a step, and each live row's filled columns of K and V in bf16
+      static  generate before issue 19: the same weights (autocast casts a trainable weight once per
+              autocast region and reuses the bf16 copy; a frozen LoRA base it casts every step, not
+              counted here), fp32 keys beside bf16 values, all P + max_new_tokens columns of every row
+              until the longest ends, K and V copied group-fold by repeat_kv (written, then read)
       nanopo  the same weights; bf16 keys, the filled columns in doubling widths (decode_widths), the
               rows still live (halving at most: compaction at half live), repeat_kv as static.
     The live rows at step t are N·P(L > t) (geometric lengths); the decode lasts max_new_tokens steps
@@ -286,9 +287,9 @@ def decode_bytes(model, num_rows: int, prompt_length: int, max_new_tokens: int, 
         width = next(w for w in widths if w >= filled)
         totals["ideal"] += weights * compute_bytes + live * filled * column * 2 * compute_bytes
         kv_static = num_rows * (prompt_length + max_new_tokens) * column * (4 + 2)  # fp32 K, bf16 V
-        totals["static"] += weights * 8 + kv_static * (1 + 2 * group)  # read, plus the repeat written and read
+        totals["static"] += weights * compute_bytes + kv_static * (1 + 2 * group)  # read, repeat written, read
         kv_nanopo = decoded * width * column * 2 * compute_bytes
-        totals["nanopo"] += weights * 8 + kv_nanopo * (1 + 2 * group)
+        totals["nanopo"] += weights * compute_bytes + kv_nanopo * (1 + 2 * group)
     steps = max_new_tokens - 1
     row = {"N": num_rows, "P": prompt_length, "max_new_tokens": max_new_tokens}
     row |= {f"{name} GB/step": total / steps / 1e9 for name, total in totals.items()}
