@@ -13,13 +13,23 @@ so that the LM head, the sampler and the log-softmax run at the real vocabulary'
    DynamicCache) and against the plain loop generate replaced (kept in tests/test_fast_generation.py),
    on the same left-padded Countdown prompts (B/G prompts, each repeated G times, as training
    does), every completion forced to max_new_tokens (no EOS), greedy and sampled (τ = 1, top-p 1).
+   With --lengths realistic the completions end as real ones do, most short, a tail at the cap
+   (EndLikeCompletions: each token is EOS with a fixed probability, lengths geometric with median
+   0.3·max_new_tokens, 10% reach max_new_tokens); tok/s counts the expected tokens then. Contender
+   `static` is generate as it was before issue 19 (tests/static_generate.py).
    The contenders take turns within each repetition; the table gives the median of --repeats.
    On CUDA also the fraction of the memory-bandwidth bound of a decode step (bytes of weights
    and KV cache read per step ÷ measured copy bandwidth), with its arithmetic.
 2. Memory of sequence_logprobs (chunked) against a naive full log-softmax over (N, T, V): on
    CUDA torch.cuda.max_memory_allocated; on the CPU the sizes of the tensors each materialises,
    computed, not measured (no CPU allocator statistic sees torch's tensors reliably).
-3. One training step of grpo.py, dapo.py and ppo.py, per phase (the time/* metrics the scripts
+   Also, computed from the shapes and not measured, the bytes one decode step reads (weights, and
+   the keys and values it attends over) against the ideal (decode_bytes).
+3. Steps 4 and 6 of grpo.py at N = --step_rows with lengths drawn as --lengths realistic draws them:
+   the reference's and the policy's scoring (sequence_logprobs, chunks of 8) and policy_backward
+   (micro-batches of 4), against the same code with every chunk padded to the rollout's longest
+   (length_order and trim_padding made no-ops: the computation before issue 19).
+4. One training step of grpo.py, dapo.py and ppo.py, per phase (the time/* metrics the scripts
    log), with peak memory: per phase on CUDA; on the CPU the process's peak RSS after the step.
 Prints Markdown tables and writes them to --output (JSON).
 """
@@ -66,10 +76,12 @@ class Args:
     num_layers: int = arg(0, "keep only the first layers of the model (CPU speed); 0 = all")
     batch_sizes: str = arg("1,16,64,256", "N, completions generated at once, comma-separated; '' = none")
     group_size: int = arg(8, "G: each prompt repeated G times in a row (fewer when N < G)")
-    max_new_tokens: int = arg(64, "every completion is forced to this length")
+    max_new_tokens: int = arg(64, "every completion is forced to this length (--lengths fixed), or its cap")
+    lengths: str = arg("fixed", "fixed: every completion max_new_tokens long; realistic: most short, 10% at the cap")
     repeats: int = arg(3, "repetitions per contender; the median is reported")
     modes: str = arg("greedy,sampled", "greedy (τ = 0) and/or sampled (τ = 1)")
-    contenders: str = arg("nanopo,hf,loop", "nanopo (generate), hf (model.generate), loop (the old generate)")
+    contenders: str = arg("nanopo,hf,loop", "nanopo (generate), hf (model.generate), loop, static (older generates)")
+    step_rows: int = arg(0, "N of the steps 4 + 6 comparison (--lengths decides the lengths); 0 = skip it")
     train_steps: str = arg("grpo,dapo,ppo", "scripts whose training step is timed; '' = none")
     train_batch_size: int = arg(2, "B of the training step")
     logprob_rows: int = arg(16, "N of the sequence_logprobs memory comparison; 0 = skip it")
@@ -150,26 +162,77 @@ def timed(function, device) -> float:
     return time.perf_counter() - start
 
 
+MEDIAN_SHARE = 0.3  # --lengths realistic: the median completion is this share of max_new_tokens
+
+
+def end_probability(max_new_tokens: int) -> float:
+    """The per-token EOS probability h of --lengths realistic: P(length > m) = (1 − h)^m, so the
+    median is MEDIAN_SHARE·max_new_tokens and 2^(−1/MEDIAN_SHARE) ≈ 10% of rows reach the cap."""
+    return 1 - 0.5 ** (1 / (MEDIAN_SHARE * max_new_tokens))
+
+
+def expected_length(max_new_tokens: int) -> float:
+    """E[min(L, max_new_tokens)] for L geometric with end_probability: Σ_{m<M} (1 − h)^m."""
+    keep = 1 - end_probability(max_new_tokens)
+    return (1 - keep**max_new_tokens) / (1 - keep)
+
+
+class EndLikeCompletions:
+    """A forward hook on the model that ends completions as real ones end, whoever decodes: at
+    every forward pass each row's last-position logits get the EOS id forced (+1e4) with
+    probability end_probability, or forbidden (−1e4) otherwise. The draw is a hash of the row's
+    last input token and its position, not a random stream: a row that reads the same tokens
+    ends at the same step in every contender, however they batch, order or drop rows (greedy
+    contenders do the same work; sampled ones draw other tokens, so lengths agree in distribution).
+    Only the lengths follow it; the tokens before the EOS are the model's."""
+
+    def __init__(self, model, eos_id: int, max_new_tokens: int):
+        self.eos_id, self.probability = eos_id, end_probability(max_new_tokens)
+        self.handle = model.register_forward_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs, output):
+        token = kwargs["input_ids"][:, -1].long()  # (n,)
+        if kwargs.get("position_ids") is not None:
+            position = kwargs["position_ids"][:, -1].long()
+        else:  # model.generate may leave the positions to the model: they count the unmasked tokens
+            position = kwargs["attention_mask"].long().sum(-1) - 1
+        mixed = (token * 1_000_003 + position * 7919 + 12345) * 2654435761 % 2**32  # (n,) a hash
+        ends = (mixed.double() / 2**32) < self.probability  # (n,)
+        logits = output.logits  # (n, q, V)
+        logits[:, -1, self.eos_id] = torch.where(ends, 1e4, -1e4).to(logits.dtype)
+        return output
+
+
 def bench_generation(args, model, tokenizer, vocab_size, device, amp, compute_dtype) -> list[dict]:
+    from tests.static_generate import static_generate  # generate before issue 19, kept verbatim
     from tests.test_fast_generation import loop_generate  # the loop generate replaced, kept verbatim
 
     rows, length = [], args.max_new_tokens
     pad = tokenizer.pad_token_id
+    realistic = args.lengths == "realistic"
+    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")] if realistic else []
+    ender = EndLikeCompletions(model, eos[0], length) if realistic else None
+    tokens_per_row = expected_length(length) if realistic else length
     for num_rows in [int(n) for n in args.batch_sizes.split(",") if n]:
         prompt_ids, prompt_mask = prompts(tokenizer, num_rows, args.group_size, device)
         for mode in args.modes.split(","):
             temperature = 0.0 if mode == "greedy" else 1.0
             sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if temperature > 0 else {}
             hf_config = GenerationConfig(
-                max_new_tokens=length, min_new_tokens=length, eos_token_id=None, pad_token_id=pad, **sampling
+                max_new_tokens=length,
+                min_new_tokens=1 if realistic else length,
+                eos_token_id=eos[0] if realistic else None,
+                pad_token_id=pad,
+                **sampling,
             )
-            inputs = (model, prompt_ids, prompt_mask, length, [], pad, vocab_size, temperature)
+            inputs = (model, prompt_ids, prompt_mask, length, eos, pad, vocab_size, temperature)
             contenders = {
                 "nanopo": functools.partial(grpo.generate, *inputs),
                 "hf": functools.partial(
                     model.generate, input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=hf_config
                 ),
                 "loop": functools.partial(loop_generate, *inputs),
+                "static": functools.partial(static_generate, *inputs),
             }
             chosen = args.contenders.split(",")
             seconds = {name: [] for name in chosen}
@@ -178,9 +241,9 @@ def bench_generation(args, model, tokenizer, vocab_size, device, amp, compute_dt
                 for _ in range(args.repeats):
                     for name in chosen:  # interleaved, so a slow spell of a shared machine hits all alike
                         seconds[name].append(timed(contenders[name], device))
-            row = {"N": num_rows, "P": prompt_ids.shape[1], "mode": mode}
+            row = {"N": num_rows, "P": prompt_ids.shape[1], "mode": mode, "lengths": args.lengths}
             for name in chosen:
-                row[f"{name} tok/s"] = num_rows * length / statistics.median(seconds[name])
+                row[f"{name} tok/s"] = num_rows * tokens_per_row / statistics.median(seconds[name])
             for name in chosen[1:]:
                 row[f"{chosen[0]}/{name}"] = row[f"{chosen[0]} tok/s"] / row[f"{name} tok/s"]
             if device.type == "cuda" and "nanopo" in chosen:
@@ -189,7 +252,105 @@ def bench_generation(args, model, tokenizer, vocab_size, device, amp, compute_dt
                 row |= bandwidth_bound(model, num_rows, context, row["nanopo tok/s"], device, element)
             rows.append(row)
             print(row, flush=True)
+    if ender is not None:
+        ender.handle.remove()
     return rows
+
+
+def decode_bytes(model, num_rows: int, prompt_length: int, max_new_tokens: int, compute_bytes: int = 2) -> dict:
+    """Computed, not measured: the bytes one-token steps read, summed over the decode of N rows with
+    --lengths realistic lengths, on a GPU with bf16 autocast over fp32 weights, the seed study's set-up.
+      ideal   bf16 weights once a step, and each live row's filled columns of K and V in bf16
+      static  generate before issue 19: the same weights (autocast casts a trainable weight once per
+              autocast region and reuses the bf16 copy; a frozen LoRA base it casts every step, not
+              counted here), fp32 keys beside bf16 values, all P + max_new_tokens columns of every row
+              until the longest ends, K and V copied group-fold by repeat_kv (written, then read)
+      nanopo  the same weights; bf16 keys, the filled columns in doubling widths (decode_widths), the
+              rows still live (halving at most: compaction at half live), repeat_kv as static.
+    The live rows at step t are N·P(L > t) (geometric lengths); the decode lasts max_new_tokens steps
+    (10% of rows reach the cap: at N ≥ 16 some row almost surely does)."""
+    config = model.config
+    layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    group = config.num_attention_heads // kv_heads
+    weights = sum(p.numel() for p in model.parameters())
+    column = layers * kv_heads * head_dim  # elements of K (or V) per row and column
+    keep = 1 - end_probability(max_new_tokens)
+    widths = grpo.decode_widths(prompt_length, max_new_tokens)
+    totals = {"ideal": 0.0, "static": 0.0, "nanopo": 0.0}
+    decoded = num_rows  # the rows nanopo decodes: halves when half have ended (at the 16-token checks)
+    for t in range(max_new_tokens - 1):  # the steps after the prefill
+        live = num_rows * keep ** (t + 1)
+        if t % 16 == 15 and live <= decoded / 2:
+            decoded = live
+        filled = prompt_length + t + 1
+        width = next(w for w in widths if w >= filled)
+        totals["ideal"] += weights * compute_bytes + live * filled * column * 2 * compute_bytes
+        kv_static = num_rows * (prompt_length + max_new_tokens) * column * (4 + 2)  # fp32 K, bf16 V
+        totals["static"] += weights * compute_bytes + kv_static * (1 + 2 * group)  # read, repeat written, read
+        kv_nanopo = decoded * width * column * 2 * compute_bytes
+        totals["nanopo"] += weights * compute_bytes + kv_nanopo * (1 + 2 * group)
+    steps = max_new_tokens - 1
+    row = {"N": num_rows, "P": prompt_length, "max_new_tokens": max_new_tokens}
+    row |= {f"{name} GB/step": total / steps / 1e9 for name, total in totals.items()}
+    row |= {"static/ideal": totals["static"] / totals["ideal"], "nanopo/ideal": totals["nanopo"] / totals["ideal"]}
+    return row
+
+
+def bench_steps_4_and_6(args, model, tokenizer, vocab_size, device, amp) -> list[dict]:
+    """Steps 4 and 6 of grpo.py on N = step_rows rollout rows (Countdown prompts, random completion
+    tokens, lengths as --lengths draws them, the longest at the cap): the reference's and the policy's
+    scoring, then policy_backward, bucketed (now) against padded to the rollout's longest (before)."""
+    num_rows, length = args.step_rows, args.max_new_tokens
+    prompt_ids, prompt_mask = prompts(tokenizer, num_rows, args.group_size, device)
+    generator = torch.Generator().manual_seed(0)
+    if args.lengths == "realistic":
+        uniform = torch.rand(num_rows, generator=generator)
+        lengths = (uniform.log() / torch.tensor(1 - end_probability(length)).log()).long().add(1).clamp(max=length)
+        lengths[0] = length  # one row at the cap: the padding every chunk had before
+    else:
+        lengths = torch.full((num_rows,), length)
+    mask = (torch.arange(length)[None] < lengths[:, None]).long().to(device)
+    ids = torch.randint(0, vocab_size, (num_rows, length), generator=generator).to(device) * mask
+    batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": ids, "completion_mask": mask}
+    batch |= {"sample_logp": torch.zeros(num_rows, length, device=device), "old_logp": None, "ref_logp": None}
+    batch |= {"advantages": torch.randn(num_rows, generator=generator).to(device)}
+    grpo_args = grpo.Args(max_new_tokens=length, logprob_chunk_size=8, micro_batch_size=4)
+    model.train()
+
+    def step():
+        sequences = [batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
+        with torch.no_grad(), amp():
+            ref_logp, _ = grpo.sequence_logprobs(model, *sequences, 1.0, vocab_size, 8)  # the reference's pass
+        totals = grpo.policy_backward(model, batch | {"ref_logp": ref_logp}, grpo_args, vocab_size, amp)
+        model.zero_grad(set_to_none=True)
+        return totals
+
+    def padded():  # length_order and trim_padding as no-ops: every chunk padded to the rollout's longest
+        saved = grpo.length_order, grpo.trim_padding
+        grpo.length_order = lambda completion_mask: torch.arange(completion_mask.shape[0], device=device)
+        grpo.trim_padding = lambda *tensors: tensors
+        try:
+            return step()
+        finally:
+            grpo.length_order, grpo.trim_padding = saved
+
+    seconds = {"bucketed": [], "padded": []}
+    step()  # warm-up
+    for _ in range(args.repeats):
+        seconds["bucketed"].append(timed(step, device))
+        seconds["padded"].append(timed(padded, device))
+    model.eval()
+    row = {
+        "N": num_rows,
+        "P": prompt_ids.shape[1],
+        "lengths": args.lengths,
+        "mean length": lengths.float().mean().item(),
+    }
+    row |= {f"{name} s": statistics.median(values) for name, values in seconds.items()}
+    row["padded/bucketed"] = row["padded s"] / row["bucketed s"]
+    print(row, flush=True)
+    return [row]
 
 
 def bandwidth_bound(model, num_rows: int, context: int, tokens_per_s: float, device, element_bytes: int) -> dict:
@@ -317,6 +478,18 @@ def main(args: Args) -> dict:
     save = lambda: Path(args.output).write_text(json.dumps(report, indent=1))  # noqa: E731  (after every section)
     report["generation"] = bench_generation(args, model, tokenizer, vocab_size, device, amp, compute_dtype)
     save()
+    report["decode_bytes"] = [
+        decode_bytes(
+            model, int(n), prompts(tokenizer, int(n), args.group_size, device)[0].shape[1], args.max_new_tokens
+        )
+        for n in args.batch_sizes.split(",")
+        if n
+    ]
+    save()
+    report["steps_4_and_6"] = (
+        bench_steps_4_and_6(args, model, tokenizer, vocab_size, device, amp) if args.step_rows else []
+    )
+    save()
     report["logprob_memory"] = [bench_logprob_memory(args, model, vocab_size, device, amp)] if args.logprob_rows else []
     save()
     del model
@@ -324,7 +497,7 @@ def main(args: Args) -> dict:
         torch.cuda.empty_cache()  # the training steps load their own copy
     report["training_step"] = []
     bench_training(args, directory, device, report["training_step"], save)
-    for section in ("generation", "logprob_memory", "training_step"):
+    for section in ("generation", "decode_bytes", "steps_4_and_6", "logprob_memory", "training_step"):
         print(f"\n### {section}\n\n{markdown(report[section])}")
     return report
 

@@ -270,43 +270,68 @@ class KVCache:
     buffers allocated once and written in place: generate passes it to the model as
     past_key_values. transformers' attention layers call update() with the keys and values of
     the tokens they just computed and attend over what it returns; generate sets the columns
-    they go to (slots) and, with the attention mask, which columns each row may attend to."""
+    they go to (slots), how many columns they attend over (width: the filled part, not all S)
+    and, with the attention mask, which of those columns each row may attend to.
+
+    Keys and values are both stored in the values' dtype, the compute dtype: under bf16 autocast
+    with fp32 weights the rotary cos/sin are fp32 and promote the keys to fp32, which attention
+    casts back to bf16 anyway, so a bf16 cache holds the same numbers in half the bytes."""
 
     def __init__(self, rows: int, length: int):
         self.rows, self.length = rows, length  # N, S
         self.keys, self.values = [], []  # a (N, kv heads, S, head dim) buffer per layer
         self.slots = None  # (q,) the columns the next forward pass writes: 0 … P-1, then one per token
+        self.width = length  # the columns attention reads: 0 … width-1
 
     def update(self, keys, values, layer: int, *unused):  # keys, values (n, kv heads, q, head dim)
         if layer == len(self.keys):  # the first pass allocates, from the shapes and dtype it brings
             shape = (self.rows, keys.shape[1], self.length, keys.shape[3])
-            self.keys.append(keys.new_zeros(shape))
+            self.keys.append(values.new_zeros(shape))
             self.values.append(values.new_zeros(shape))
         rows = keys.shape[0]  # the prefill runs on the distinct prompts only: the first rows
-        self.keys[layer][:rows].index_copy_(2, self.slots, keys)
+        self.keys[layer][:rows].index_copy_(2, self.slots, keys.to(values.dtype))
         self.values[layer][:rows].index_copy_(2, self.slots, values)
-        return self.keys[layer][:rows], self.values[layer][:rows]
+        return self.keys[layer][:rows, :, : self.width], self.values[layer][:rows, :, : self.width]
 
     def repeat_rows(self, counts: torch.Tensor) -> None:
         """After the prefill: the first len(counts) rows, row i repeated counts[i] times, fill all N."""
         for buffer in self.keys + self.values:
             buffer.copy_(buffer[: len(counts)].repeat_interleave(counts, dim=0, output_size=self.rows))
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Saves the decode work of finished rows: only these rows (n,) stay, in new, smaller buffers."""
+        self.keys = [buffer[rows] for buffer in self.keys]
+        self.values = [buffer[rows] for buffer in self.values]
+        self.rows = len(rows)
 
-def cuda_graph(step):
+
+def decode_widths(prompt_length: int, max_new_tokens: int, smallest: int = 64) -> list[int]:
+    """Saves attention over the unfilled cache: the few column counts the one-token step attends
+    over, P + 64, P + 128, … doubling up to P + max_new_tokens; token t uses the first that holds
+    P + t + 1 columns, so at most twice the filled columns are read, and on CUDA each width is
+    one captured graph (log2(max_new_tokens / 64) + 1 of them)."""
+    widths, new = [], smallest
+    while new < max_new_tokens:
+        widths.append(prompt_length + new)
+        new *= 2
+    return widths + [prompt_length + max_new_tokens]
+
+
+def cuda_graph(step, pool=None):
     """step(), a function of tensors at fixed addresses, captured once as a CUDA graph: the function
     returned replays its kernels (no Python, no per-kernel launch cost) and returns the output
     tensor of the capture, which every replay overwrites. By hand rather than torch.compile's
     mode="reduce-overhead": these lines are the whole mechanism, nothing traces the transformers
     model (compiling would take tens of seconds for every new batch shape, and N changes between
-    DAPO's rounds and evaluation), and the static buffers it needs are generate's by design."""
+    DAPO's rounds and evaluation), and the static buffers it needs are generate's by design.
+    pool: a memory pool (torch.cuda.graph_pool_handle) shared with graphs replayed one after another."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside the capture: lazy set-up (cuBLAS, autocast's casts)
         step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         output = step()
 
     def replay():
@@ -327,7 +352,8 @@ def generate(
     vocab_size: int,
     temperature: float = 1.0,
     top_p: float = 1.0,
-    check_every: int = 16,
+    check_every: int | None = None,
+    compact_below: float = 0.5,
 ):
     """Autoregressive sampling with a KV cache: one forward pass over the prompts, then one
     single-token pass per new token that reuses every earlier key and value.
@@ -342,19 +368,29 @@ def generate(
       sample_logp     (N, T) log π(token) under the sampling distribution, before top-p
                              (the one sequence_logprobs scores), 0 where masked
 
-    What makes it fast, none of which changes a number:
+    What makes it fast, none of which changes the distribution sampled from:
     - the cache (KVCache) and the attention mask are allocated once, for P + max_new_tokens
-      positions, and written in place: nothing grows by torch.cat;
+      positions, and written in place: nothing grows by torch.cat; keys and values are kept in
+      the compute dtype;
     - encode_prompts repeats each prompt G times in a row: each distinct prompt is prefilled
       once and its keys and values copied into the rows of its G completions;
-    - the host learns whether every row has ended only every check_every tokens, so the GPU
-      never waits for it; the tokens drawn past the last EOS are cut off, and the random
-      generator is set back to where it stood after the last token kept;
-    - on CUDA the one-token step is captured once as a CUDA graph and replayed (cuda_graph);
-      on the CPU, and under torchrun, the same step runs eagerly: FSDP2's root pre-forward hook
-      makes its all-gather streams wait on the current stream, which a capture cannot join.
-    The mask is an additive (N, 1, q, S) bias, transformers' 4D format: the model uses it as
-    it is (sdpa and eager attention, its defaults, take it).
+    - the one-token step attends over the filled part of the cache only, in a few fixed widths
+      (decode_widths);
+    - the host learns whether every row has ended only every check_every tokens (None: 16 on
+      CUDA, so the GPU never waits for it; 1 on the CPU, where asking costs nothing and a row
+      that ended is not decoded on for up to 15 tokens); the tokens drawn past the last EOS are
+      cut off, and the random generator is set back to where it stood after the last token kept;
+    - at those checks, once at most compact_below of the rows decoded are still unfinished,
+      the finished rows leave the batch (KVCache.keep_rows): the rest of the decode runs on
+      the live rows only. Each row's distribution is unchanged, but the random numbers go to
+      other rows than without it, so the tokens sampled for a seed differ (greedy ones do not);
+      compact_below 0 never compacts;
+    - on CUDA the one-token step is captured as a CUDA graph per width and batch size, the
+      graphs of one call sharing one memory pool (cuda_graph); on the CPU, and under torchrun,
+      the same step runs eagerly: FSDP2's root pre-forward hook makes its all-gather streams
+      wait on the current stream, which a capture cannot join.
+    The mask is an additive (N, 1, q, S) bias, transformers' 4D format, cut to the width the
+    step attends over: the model uses it as it is (sdpa and eager attention, its defaults, take it).
     """
     was_training = model.training
     model.eval()  # no dropout, and gradient checkpointing (train-mode only) keeps the cache
@@ -367,6 +403,7 @@ def generate(
     masked = -1e30  # the bias of a position not attended to: exp() of it is 0, finite in bf16 and fp32
     eos = torch.tensor(eos_ids, device=device)
     cache = KVCache(num_rows, length)
+    check_every = check_every or (16 if cuda else 1)
 
     # Prefill each distinct prompt once (B rows), then copy its keys and values G times.
     distinct, counts = torch.unique_consecutive(torch.cat([prompt_ids, prompt_mask], -1), dim=0, return_counts=True)
@@ -375,12 +412,12 @@ def generate(
     # scores the same whatever batch it is in.
     position_ids = (distinct_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
     causal = torch.ones(prompt_length, prompt_length, dtype=torch.bool, device=device).tril()  # (P, P) keys ≤ query
-    visible = torch.zeros(len(counts), prompt_length, length, dtype=torch.bool, device=device)  # (B, P, S)
-    visible[..., :prompt_length] = causal & distinct_mask[:, None, :].bool()  # the rest of S is not written yet
-    cache.slots = torch.arange(prompt_length, device=device)
+    visible = torch.zeros(len(counts), prompt_length, prompt_length, dtype=torch.bool, device=device)  # (B, P, P)
+    visible[:] = causal & distinct_mask[:, None, :].bool()
+    cache.slots, cache.width = torch.arange(prompt_length, device=device), prompt_length
     out = model(
         input_ids=distinct_ids,
-        attention_mask=torch.where(visible, 0.0, masked)[:, None],  # (B, 1, P, S) causal, padding hidden
+        attention_mask=torch.where(visible, 0.0, masked)[:, None],  # (B, 1, P, P) causal, padding hidden
         position_ids=position_ids,
         past_key_values=cache,
         use_cache=True,
@@ -389,25 +426,33 @@ def generate(
     cache.repeat_rows(counts)
     logits = out.logits[:, -1, :vocab_size].float().repeat_interleave(counts, dim=0, output_size=num_rows)  # (N, V)
 
-    # The one-token step reads these buffers, which change only in place.
-    token_in = torch.full((num_rows, 1), pad_id, device=device)  # (N, 1) the token just sampled
-    position = position_ids[:, -1:].repeat_interleave(counts, dim=0, output_size=num_rows) + 1  # (N, 1)
+    # The one-token step reads these buffers, which change only in place (and when rows leave).
+    token_in = torch.full((num_rows, 1), pad_id, device=device)  # (n, 1) the token just sampled
+    position = position_ids[:, -1:].repeat_interleave(counts, dim=0, output_size=num_rows) + 1  # (n, 1)
     cache.slots = torch.tensor([prompt_length], device=device)  # (1,) the column its key and value go to
-    bias = torch.full((num_rows, 1, 1, length), masked, device=device)  # (N, 1, 1, S)
+    bias = torch.full((num_rows, 1, 1, length), masked, device=device)  # (n, 1, 1, S)
     bias[:, 0, 0, :prompt_length].masked_fill_(prompt_mask.bool(), 0.0)  # the prompt, not its padding
+    widths = decode_widths(prompt_length, max_new_tokens)
 
-    def step():
+    def step(width: int):
+        cache.width = width
         out = model(
-            input_ids=token_in, attention_mask=bias, position_ids=position, past_key_values=cache, use_cache=True
+            input_ids=token_in,
+            attention_mask=bias[..., :width],
+            position_ids=position,
+            past_key_values=cache,
+            use_cache=True,
         )
-        return out.logits[:, -1, :vocab_size].float()  # (N, V) ids ≥ vocab_size are cut off
+        return out.logits[:, -1, :vocab_size].float()  # (n, V) ids ≥ vocab_size are cut off
 
+    graphs, pool = {}, None  # on CUDA: width -> captured step, for the rows decoded now
     if cuda and not torch.distributed.is_initialized():
-        step = cuda_graph(step)
+        pool = torch.cuda.graph_pool_handle()
     completion_ids = torch.full((num_rows, max_new_tokens), pad_id, device=device)  # (N, max_new_tokens)
     completion_mask = torch.zeros(num_rows, max_new_tokens, dtype=torch.long, device=device)
     sample_logp = torch.zeros(num_rows, max_new_tokens, device=device)
-    finished = torch.zeros(num_rows, dtype=torch.bool, device=device)
+    finished = torch.zeros(num_rows, dtype=torch.bool, device=device)  # (n,) of the rows decoded
+    rows = torch.arange(num_rows, device=device)  # (n,) the row of the output each decoded row is
     rng_states = []  # rng_states[t]: the state of the random generator before token t was drawn
     for t in range(max_new_tokens):
         # logit − logsumexp, the formula sequence_logprobs scores with, not F.log_softmax: on the
@@ -416,26 +461,40 @@ def generate(
         # model over a 150k vocabulary then gets log π of every token ~1e-5 too high.
         if temperature > 0:
             rng_states.append(torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state())
-            scaled = logits / temperature  # (N, V)
-            logp = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)  # (N, V)
-            token = torch.multinomial(top_p_filter(logp.exp(), top_p), 1).squeeze(-1)  # (N,)
-            token_logp = logp.gather(-1, token[:, None]).squeeze(-1)  # (N,)
-        else:  # greedy: the log-probability of the chosen token only, no (N, V) log-softmax
-            token = logits.argmax(dim=-1)  # (N,)
-            token_logp = logits.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # (N,)
+            scaled = logits / temperature  # (n, V)
+            logp = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)  # (n, V)
+            token = torch.multinomial(top_p_filter(logp.exp(), top_p), 1).squeeze(-1)  # (n,)
+            token_logp = logp.gather(-1, token[:, None]).squeeze(-1)  # (n,)
+        else:  # greedy: the log-probability of the chosen token only, no (n, V) log-softmax
+            token = logits.argmax(dim=-1)  # (n,)
+            token_logp = logits.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # (n,)
         alive = ~finished
-        completion_ids[:, t] = torch.where(alive, token, pad_id)
-        completion_mask[:, t] = alive
-        sample_logp[:, t] = torch.where(alive, token_logp, 0.0)
+        completion_ids[rows, t] = torch.where(alive, token, pad_id)
+        completion_mask[rows, t] = alive.long()
+        sample_logp[rows, t] = torch.where(alive, token_logp, 0.0)
         finished = finished | (alive & torch.isin(token, eos))
-        if t == max_new_tokens - 1 or ((t + 1) % check_every == 0 and finished.all()):  # the only host sync
+        if t == max_new_tokens - 1:
             break
-        token_in.copy_(completion_ids[:, t : t + 1])
+        if (t + 1) % check_every == 0:  # the only host syncs
+            live = (~finished).nonzero().squeeze(-1)  # (n',)
+            if len(live) == 0:
+                break
+            if len(live) <= compact_below * len(rows):  # the finished rows leave the batch
+                rows, finished, token = rows[live], finished[live], token[live]
+                token_in, position, bias = token_in[live], position[live], bias[live]
+                cache.keep_rows(live)
+                graphs = {}  # new buffers, new graphs
+        token_in.copy_(token[:, None])
         bias.index_fill_(-1, cache.slots, 0.0)  # every later token attends to this one
-        logits = step()  # (N, V)
+        width = next(w for w in widths if w > prompt_length + t)  # holds columns 0 … P+t
+        if pool is not None and width not in graphs:
+            graphs[width] = cuda_graph(functools.partial(step, width), pool)
+        logits = graphs[width]() if pool is not None else step(width)  # (n, V)
         position += 1
         cache.slots += 1
     model.train(was_training)
+    truncated = torch.zeros(num_rows, dtype=torch.bool, device=device)  # (N,) the rows that left had ended
+    truncated[rows] = ~finished
     num_tokens = completion_mask.sum(-1).max().item()  # T: the longest completion, its EOS included
     if num_tokens < len(rng_states):  # tokens were drawn past the last EOS: as if they never were
         if cuda:
@@ -446,7 +505,7 @@ def generate(
     return (
         completion_ids[:, cut].contiguous(),
         completion_mask[:, cut].contiguous(),
-        ~finished,
+        truncated,
         sample_logp[:, cut].contiguous(),
     )
 
@@ -517,6 +576,22 @@ def rollout(
     )
 
 
+def length_order(completion_mask: torch.Tensor) -> torch.Tensor:
+    """Saves padding work: the row indices sorted by completion length, longest first, so that
+    consecutive chunks of them hold rows of similar length. completion_mask (N, T) -> (N,)."""
+    return completion_mask.sum(-1).argsort(descending=True, stable=True)
+
+
+def trim_padding(prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """Saves the compute of columns that are padding in every row of a chunk: the prompt columns
+    before its longest prompt (left padding) and the completion columns after its longest
+    completion (right padding). Exact: a column no row attends to changes no other position, and
+    positions count real tokens only. (n, P), (n, P), (n, T), (n, T) -> the same, (n, p) and (n, t)."""
+    prompt_length, num_tokens = prompt_mask.sum(-1).max().item(), completion_mask.sum(-1).max().item()
+    first, kept = prompt_mask.shape[1] - max(prompt_length, 1), max(num_tokens, 1)  # keep one column at least
+    return prompt_ids[:, first:], prompt_mask[:, first:], completion_ids[:, :kept], completion_mask[:, :kept]
+
+
 def sequence_logprobs(
     model,
     prompt_ids: torch.Tensor,  # (N, P)
@@ -531,41 +606,49 @@ def sequence_logprobs(
 ):
     """log π(o_t | q, o_<t) of every completion token, from logits / temperature restricted to
     the tokenizer's vocabulary, exactly as `generate` sampled them. Rows go through the model
-    chunk_size at a time, so at most a (chunk_size, T, V) fp32 tensor exists, never (N, T, V).
+    chunk_size at a time, so at most a (chunk_size, T, V) fp32 tensor exists, never (N, T, V);
+    the chunks take the rows in order of length (length_order) and each is cut to its own
+    longest prompt and completion (trim_padding): no forward pass computes padding that a longer
+    row elsewhere in the rollout forced on it. The rows come back in the order they came in.
     Returns logp (N, T) and, with with_entropy, the entropy of π at each position (N, T);
     both 0 where completion_mask is 0. logp is differentiable when called with grad enabled;
     the entropy only with entropy_grad too (PPO's entropy bonus): otherwise no (n, T, V)
     softmax is kept for a backward pass that does not need it.
     """
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (N, P+T)
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (N, P+T)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same positions as in generate
-    num_tokens = completion_ids.shape[1]
+    num_tokens = completion_ids.shape[1]  # T
     scale = temperature if temperature > 0 else 1.0
+    order = length_order(completion_mask)  # chunks of rows of similar length
     logps, entropies = [], []
-    for start in range(0, input_ids.shape[0], chunk_size):
-        rows = slice(start, start + chunk_size)
-        # logits_to_keep=T+1: only the positions that predict completion tokens (and one
-        # extra) reach the LM head; position P-1+t predicts completion token t.
+    for start in range(0, completion_ids.shape[0], chunk_size):
+        rows = order[start : start + chunk_size]
+        chunk = trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows])
+        input_ids = torch.cat([chunk[0], chunk[2]], dim=1)  # (n, p+t) p, t ≤ P, T: the chunk's longest
+        attention_mask = torch.cat([chunk[1], chunk[3]], dim=1)  # (n, p+t)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same positions as in generate
+        kept = chunk[2].shape[1]  # t
+        # logits_to_keep=t+1: only the positions that predict completion tokens (and one
+        # extra) reach the LM head; position p-1+j predicts completion token j.
         logits = model(
-            input_ids=input_ids[rows],
-            attention_mask=attention_mask[rows],
-            position_ids=position_ids[rows],
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
             use_cache=False,
-            logits_to_keep=num_tokens + 1,
+            logits_to_keep=kept + 1,
         ).logits[:, :-1, :vocab_size]
-        # (n, T, V) upcast before the softmax; divided in place: one fp32 (n, T, V) tensor fewer (5 GB at
+        # (n, t, V) upcast before the softmax; divided in place: one fp32 (n, t, V) tensor fewer (5 GB at
         # 8 × 1024 × 151,665), and no backward needs the undivided one
         logits = logits.float().div_(scale)
-        log_normaliser = torch.logsumexp(logits, dim=-1)  # (n, T)
-        token_logits = logits.gather(-1, completion_ids[rows, :, None]).squeeze(-1)  # (n, T)
-        logps.append(token_logits - log_normaliser)
+        log_normaliser = torch.logsumexp(logits, dim=-1)  # (n, t)
+        token_logits = logits.gather(-1, chunk[2][:, :, None]).squeeze(-1)  # (n, t)
+        logps.append(torch.nn.functional.pad(token_logits - log_normaliser, (0, num_tokens - kept)))  # (n, T)
         if with_entropy:  # H = log Z - Σ_v p_v · logit_v
             with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
-                entropies.append(log_normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1))
+                entropy = log_normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # (n, t)
+                entropies.append(torch.nn.functional.pad(entropy, (0, num_tokens - kept)))  # (n, T)
     mask = completion_mask.to(logits.dtype)
-    logp = torch.cat(logps) * mask  # (N, T)
-    return (logp, torch.cat(entropies) * mask) if with_entropy else (logp, None)
+    unsort = order.argsort()  # the rows back in the order they came in
+    logp = torch.cat(logps)[unsort] * mask  # (N, T)
+    return (logp, torch.cat(entropies)[unsort] * mask) if with_entropy else (logp, None)
 
 
 def old_and_ref_logprobs(policy, reference, batch: Rollout, args, vocab_size: int, amp, score_policy: bool):
@@ -683,17 +766,22 @@ def critic_values(
     """V_φ(s_t) for every completion position t, s_t = (q, o_<t): the state in which token t
     is chosen, read at position P-1+t, the same position whose logits give log π(o_t) in
     sequence_logprobs (same left padding, attention mask and position ids). chunk_size rows
-    at a time. Returns values (N, T), 0 where completion_mask is 0; differentiable with grad."""
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (N, P+T)
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (N, P+T)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as in generate and sequence_logprobs
-    num_prompt, num_tokens = prompt_ids.shape[1], completion_ids.shape[1]
+    at a time, in order of length, each chunk cut to its own longest (as sequence_logprobs).
+    Returns values (N, T), 0 where completion_mask is 0, rows in the order given; differentiable with grad."""
+    num_tokens = completion_ids.shape[1]  # T
+    order = length_order(completion_mask)  # chunks of rows of similar length, each trimmed (trim_padding)
     values = []
-    for start in range(0, input_ids.shape[0], chunk_size):
-        rows = slice(start, start + chunk_size)
-        all_values = critic(input_ids[rows], attention_mask[rows], position_ids[rows])  # (n, P+T)
-        values.append(all_values[:, num_prompt - 1 : num_prompt - 1 + num_tokens])  # (n, T)
-    return torch.cat(values) * completion_mask.to(torch.float32)  # (N, T)
+    for start in range(0, completion_ids.shape[0], chunk_size):
+        rows = order[start : start + chunk_size]
+        chunk = trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows])
+        input_ids = torch.cat([chunk[0], chunk[2]], dim=1)  # (n, p+t)
+        attention_mask = torch.cat([chunk[1], chunk[3]], dim=1)  # (n, p+t)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as in generate and sequence_logprobs
+        num_prompt, kept = chunk[0].shape[1], chunk[2].shape[1]  # p, t
+        all_values = critic(input_ids, attention_mask, position_ids)  # (n, p+t)
+        chunk_values = all_values[:, num_prompt - 1 : num_prompt - 1 + kept]  # (n, t)
+        values.append(torch.nn.functional.pad(chunk_values, (0, num_tokens - kept)))  # (n, T)
+    return torch.cat(values)[order.argsort()] * completion_mask.to(torch.float32)  # (N, T)
 
 
 # ----------------------------------------------------------------------------------------
@@ -945,6 +1033,8 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
     on the correct completions that no importance ratio enters, keeps it.
     """
     num_sequences = batch["completion_ids"].shape[0]
+    order = length_order(batch["completion_mask"])  # micro-batches of rows of similar length, each trimmed
+    batch = {k: v[order] if v is not None else None for k, v in batch.items()}  # unsorted on the way out
     loss_mask, totals = masked_importance(batch, batch["completion_mask"], args)  # (n, T): less what --is_mask drops
     # The whole mini-batch's tokens, for every micro-batch; under torchrun every rank's (FSDP sums
     # the ranks' gradients): the normalisers of one process's loss. max(…, 1): all masked, loss 0.
@@ -999,7 +1089,7 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
         if record:
             recorded["old_logp"].append(logp.detach())
             recorded["entropy"].append(entropy.detach())
-    return totals | ({name: torch.cat(parts) for name, parts in recorded.items()} if record else {})
+    return totals | ({name: torch.cat(parts)[order.argsort()] for name, parts in recorded.items()} if record else {})
 
 
 def critic_backward(critic: Critic, batch: dict, args: Args, amp=contextlib.nullcontext) -> dict:
@@ -1007,6 +1097,8 @@ def critic_backward(critic: Critic, batch: dict, args: Args, amp=contextlib.null
     trained on), micro_batch_size sequences at a time, the value loss normalised by the
     mini-batch's token count. Returns the summed loss and statistics of the whole mini-batch."""
     num_sequences = batch["completion_ids"].shape[0]
+    order = length_order(batch["completion_mask"])  # micro-batches of rows of similar length, each trimmed
+    batch = {k: v[order] if v is not None else None for k, v in batch.items()}  # unsorted on the way out
     num_tokens = all_reduce(batch["completion_mask"].sum().item())  # under torchrun every rank's
     totals = {}
     for start in range(0, num_sequences, args.micro_batch_size):

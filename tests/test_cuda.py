@@ -58,7 +58,7 @@ def decode(model, prompt_ids, prompt_mask, vocab_size, temperature, graph: bool,
     """grpo.generate with the one-token step captured as a CUDA graph (graph) or run eagerly."""
     with monkeypatch.context() as patch:
         if not graph:
-            patch.setattr(grpo, "cuda_graph", lambda step: step)
+            patch.setattr(grpo, "cuda_graph", lambda step, pool=None: step)
         torch.manual_seed(1234)
         with torch.autocast("cuda", torch.bfloat16, enabled=amp):
             return grpo.generate(model, prompt_ids, prompt_mask, 24, [], 0, vocab_size, temperature)

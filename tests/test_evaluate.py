@@ -2,6 +2,7 @@
 run of the tiny model over fixture rows of every benchmark, the strict and flexible accuracies
 of scripted answers, --compare and --plot."""
 
+import functools
 import json
 import time
 from types import SimpleNamespace
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 import evaluate
+import grpo
 from common import load_model, parse_args, read_jsonl
 from conftest import ROOT
 from evaluate import (
@@ -204,6 +206,8 @@ def test_end_to_end_grades_each_completion_against_its_own_problem(tmp_path, mon
     }
     model = AnsweringModel(tokenizer, eos_ids[0], answers)
     monkeypatch.setattr(evaluate, "load_model", lambda *args, **kwargs: (model, tokenizer, eos_ids))
+    # The scripted model knows a row by its place in the batch: finished rows must not leave it.
+    monkeypatch.setattr(evaluate, "generate", functools.partial(grpo.generate, compact_below=0.0))
     argv = f"--model scripted --benchmarks gsm8k --data_dir {DATA} --batch_size 2 --num_samples 2"
     run_dir = main(parse_args(Args, argv.split() + ["--temperature", "1.0", "--output_dir", str(tmp_path)]))
     samples = read_jsonl(run_dir / "samples.jsonl")
@@ -247,6 +251,8 @@ def test_each_completion_is_graded_with_its_own_truncation_flag(tmp_path, monkey
     }
     model = AnsweringModel(tokenizer, eos_ids[0], answers)
     monkeypatch.setattr(evaluate, "load_model", lambda *args, **kwargs: (model, tokenizer, eos_ids))
+    # The scripted model knows a row by its place in the batch: finished rows must not leave it.
+    monkeypatch.setattr(evaluate, "generate", functools.partial(grpo.generate, compact_below=0.0))
     argv = f"--model scripted --benchmarks gsm8k --data_dir {DATA} --max_new_tokens 12".split()
     samples = read_jsonl(main(parse_args(Args, argv + ["--output_dir", str(tmp_path / "a")])) / "samples.jsonl")
     graded = {s["index"]: (s["truncated"], s["correct"], s["strict"]) for s in samples}
@@ -268,6 +274,8 @@ def test_each_prompt_goes_through_the_chat_template_once(tmp_path, monkeypatch):
     answers = {p["question"]: ["\\boxed{1}"] for p in load_gsm8k("test", str(DATA))}
     model = AnsweringModel(tokenizer, eos_ids[0], answers)
     monkeypatch.setattr(evaluate, "load_model", lambda *args, **kwargs: (model, tokenizer, eos_ids))
+    # The scripted model knows a row by its place in the batch: finished rows must not leave it.
+    monkeypatch.setattr(evaluate, "generate", functools.partial(grpo.generate, compact_below=0.0))
     calls, template = [], tokenizer.apply_chat_template
     monkeypatch.setattr(tokenizer, "apply_chat_template", lambda *a, **kw: calls.append(a) or template(*a, **kw))
     argv = f"--model scripted --benchmarks gsm8k --data_dir {DATA} --batch_size 2 --output_dir {tmp_path}"

@@ -124,7 +124,10 @@ def test_fast_generate_reproduces_the_loop(tiny, temperature, top_p):
     expected = loop_generate(model, prompt_ids, prompt_mask, *settings)
     after_loop = torch.rand(4)  # the next draws of the run
     torch.manual_seed(3)
-    ids, mask, truncated, logp = generate(model, prompt_ids, prompt_mask, *settings)
+    # compact_below=0: rows that have ended stay in the batch, as in the loop. Once they leave
+    # (the default), the random numbers go to other rows and the sampled tokens of a seed differ
+    # from the loop's; their distribution does not (tests/test_compaction.py).
+    ids, mask, truncated, logp = generate(model, prompt_ids, prompt_mask, *settings, compact_below=0.0)
     after_fast = torch.rand(4)
     lengths = mask.sum(-1)
     # The case is the intended one: some rows end early, at different steps, and all before the cap,
@@ -164,10 +167,14 @@ def test_check_interval_changes_nothing(tiny, check_every):
     eos = frequent_tokens(model, tokenizer, prompt_ids, prompt_mask, 1.0, 1.0)
     settings = (MAX_NEW, eos, tokenizer.pad_token_id, len(tokenizer), 1.0)
     torch.manual_seed(5)
-    expected = generate(model, prompt_ids, prompt_mask, *settings)  # check_every = 16
+    # compact_below=0: finished rows leave the batch only at the checks, so with compaction the
+    # interval decides which rows draw which random numbers (tests/test_compaction.py).
+    expected = generate(model, prompt_ids, prompt_mask, *settings, compact_below=0.0)  # check_every = 16
     after_default = torch.rand(4)
     torch.manual_seed(5)
-    ids, mask, truncated, logp = generate(model, prompt_ids, prompt_mask, *settings, check_every=check_every)
+    ids, mask, truncated, logp = generate(
+        model, prompt_ids, prompt_mask, *settings, check_every=check_every, compact_below=0.0
+    )
     assert torch.equal(ids, expected[0]) and torch.equal(mask, expected[1]) and torch.equal(logp, expected[3])
     assert torch.equal(torch.rand(4), after_default)
 

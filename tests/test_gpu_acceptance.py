@@ -16,6 +16,6 @@ def test_acceptance_runner_smoke(tmp_path):
     text = report.read_text()
     assert text.count("\n## ") == 4 and text.count("passed, ") == 4  # four stages, each passed
     assert "pytest: " in text and "skipped" in text  # the CUDA tier: skipped on the CPU, and said so
-    for table in ("| N | P | mode | nanopo tok/s", "| script | time/generate"):
+    for table in ("| N | P | mode | lengths | nanopo tok/s", "| script | time/generate"):
         assert table in text
     assert "| grpo |" in text and "| dapo |" in text and "| ppo |" in text

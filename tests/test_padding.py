@@ -1,0 +1,194 @@
+"""Steps 4 and 6 compute no padding that a longer row elsewhere in the rollout forced on them:
+rows go through the model in order of length (length_order), each scoring chunk and micro-batch
+cut to its own longest prompt and completion (trim_padding). The normalisers are the whole
+mini-batch's, so the gradient is the one of today's computation, where every micro-batch was
+padded to the rollout's longest; the rows come back in the order they came in."""
+
+import pytest
+import torch
+
+import dapo
+import grpo
+import ppo
+from common import load_model
+from conftest import sample_batch
+from grpo import length_order, sequence_logprobs, trim_padding
+
+
+def test_length_order_is_longest_first_and_stable():
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]])  # lengths 1 3 2 1 3
+    assert length_order(mask).tolist() == [1, 4, 2, 0, 3]
+
+
+def test_trim_padding_keeps_the_columns_some_row_uses():
+    prompt_ids = torch.tensor([[0, 0, 7, 8], [0, 5, 6, 7]])  # left padded: prompt lengths 2 and 3
+    prompt_mask = (prompt_ids != 0).long()
+    completion_ids = torch.tensor([[1, 2, 0, 0, 0], [3, 0, 0, 0, 0]])  # right padded: lengths 2 and 1
+    completion_mask = (completion_ids != 0).long()
+    ids, mask, completion, completion_kept = trim_padding(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    assert ids.tolist() == [[0, 7, 8], [5, 6, 7]] and mask.tolist() == [[0, 1, 1], [1, 1, 1]]
+    assert completion.tolist() == [[1, 2], [3, 0]] and completion_kept.tolist() == [[1, 1], [1, 0]]
+
+
+@pytest.fixture(scope="module")
+def models():
+    """The tiny policy, a PPO critic with a random head, and a batch of 3 prompts × 4 completions
+    of 1 to 12 tokens (conftest.sample_batch, cut to the lengths below) with PPO's fields added."""
+    torch.manual_seed(0)
+    model, tokenizer, eos_ids = load_model("tiny", torch.device("cpu"))
+    batch = sample_batch(model, tokenizer, eos_ids)
+    # Lengths as a rollout has them, most short, a few at the cap: each row cut as if it had ended there.
+    lengths = torch.tensor([12, 3, 7, 1, 12, 5, 2, 9, 4, 6, 2, 3])
+    keep = torch.arange(12)[None, :] < lengths[:, None]  # (12, T = 12)
+    batch["completion_ids"] = batch["completion_ids"].masked_fill(~keep, tokenizer.pad_token_id)
+    batch["completion_mask"] = keep.long()
+    batch["truncated"] = lengths == 12
+    batch["old_logp"], batch["ref_logp"] = batch["old_logp"] * keep, batch["ref_logp"] * keep
+    critic = ppo.load_critic(ppo.Args(model="tiny"), torch.device("cpu"), torch.float32)
+    torch.nn.init.normal_(critic.value_head.weight, std=0.1)
+    mask = batch["completion_mask"]
+    sequences = batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], mask
+    with torch.no_grad():
+        values = ppo.critic_values(critic, *sequences, 12)
+    batch |= {
+        "sample_logp": batch["old_logp"] + 0.1 * torch.randn_like(batch["old_logp"]) * mask,
+        "advantages_ppo": torch.randn(mask.shape) * mask,
+        "old_values": (values + 0.3 * torch.randn_like(values)) * mask,
+        "returns": torch.randn(mask.shape) * mask,
+        "positive": (torch.arange(12) % 3 == 0).float(),
+    }
+    lengths = mask.sum(-1)
+    assert lengths.max() == mask.shape[1] and lengths.min() < mask.shape[1] / 2, lengths.tolist()
+    assert batch["prompt_mask"].sum(-1).unique().numel() > 1, "want prompts of unequal length"
+    return model, critic, tokenizer, batch
+
+
+def forward_widths(module):
+    """Records the sequence length of every forward pass of module: a list the caller reads."""
+    widths = []
+    handle = module.register_forward_pre_hook(
+        lambda _, args, kwargs: widths.append((kwargs.get("input_ids", args[0] if args else None)).shape[1]),
+        with_kwargs=True,
+    )
+    return widths, handle
+
+
+def test_scoring_chunks_are_cut_to_their_own_longest_row(models):
+    # Chunks of 4 rows in order of length: each forward pass is as wide as its own longest
+    # prompt plus its own longest completion, and every row's log-probs are those of the row
+    # scored alone, unpadded, back in its own place.
+    model, _, tokenizer, batch = models
+    sequences = batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"]
+    widths, handle = forward_widths(model)
+    with torch.no_grad():
+        logp, entropy = sequence_logprobs(model, *sequences, 1.0, len(tokenizer), 4, with_entropy=True)
+    handle.remove()
+    order = length_order(batch["completion_mask"])
+    expected = [
+        (batch["prompt_mask"][rows].sum(-1).max() + batch["completion_mask"][rows].sum(-1).max()).item()
+        for rows in order.split(4)
+    ]
+    assert widths == expected and sum(expected) < 3 * (sequences[0].shape[1] + sequences[2].shape[1])
+    for i in range(12):
+        prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()][None]
+        length = batch["completion_mask"][i].sum().item()
+        ids, ones = batch["completion_ids"][i : i + 1, :length], torch.ones(1, length, dtype=torch.long)
+        with torch.no_grad():
+            alone, alone_entropy = sequence_logprobs(
+                model, prompt, torch.ones_like(prompt), ids, ones, 1.0, len(tokenizer), 1, with_entropy=True
+            )
+        assert (alone[0] - logp[i, :length]).abs().max() < 1e-5
+        assert (alone_entropy[0] - entropy[i, :length]).abs().max() < 1e-5
+        assert logp[i, length:].abs().sum() == entropy[i, length:].abs().sum() == 0
+
+
+def gradients_and_totals(script, model, batch, args, vocab_size, backward="policy_backward"):
+    model.zero_grad(set_to_none=True)
+    if backward == "critic_backward":
+        totals = script.critic_backward(model, batch, args)
+    else:
+        totals = script.policy_backward(model, batch, args, vocab_size)
+    gradient = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    model.zero_grad(set_to_none=True)
+    return gradient, totals
+
+
+def assert_same_update(first, second, tolerance=1e-6):
+    # The gradient to 1e-6 of its largest entry, and the summed statistics to 1e-6 relative.
+    (gradient, totals), (reference, reference_totals) = first, second
+    assert reference.abs().max() > 0
+    assert (gradient - reference).abs().max() <= tolerance * reference.abs().max()
+    for key, value in reference_totals.items():
+        if isinstance(value, torch.Tensor):  # on-policy: step 4's log-probs, in the rows given
+            assert (totals[key] - value).abs().max() < 1e-6, key
+        else:
+            assert totals[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+
+
+GRPO_CASES = [
+    dict(loss_type="grpo", num_iterations=2),
+    dict(loss_type="dr_grpo", num_iterations=2),
+    dict(loss_type="gspo", num_iterations=2),
+    dict(loss_type="gpg", beta=0.0),  # on-policy only; step 4 skipped: old_logp recorded here
+    dict(loss_type="grpo", num_iterations=2, entropy_coef=0.01, tis_cap=2.0, dual_clip=3.0),
+]
+
+
+@pytest.mark.parametrize("settings", GRPO_CASES, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
+def test_grpo_bucketed_micro_batches_give_todays_gradient(models, settings):
+    # Reference: one micro-batch of all 12 rows, padded to the rollout's longest prompt and
+    # completion, which is what every micro-batch was before (gradient accumulation is exact:
+    # tests/test_train.py). Micro-batches of 3 and 5 rows now each have their own width.
+    model, _, tokenizer, batch = models
+    batch = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")} | {
+        "sample_logp": batch["sample_logp"],
+        "old_logp": None if settings.get("beta") == 0.0 else batch["old_logp"],
+        "ref_logp": None if settings.get("beta") == 0.0 else batch["ref_logp"],
+        "advantages": batch["advantages"],
+    }
+    settings = {"beta": 0.04, "max_new_tokens": 12} | settings
+    reference = gradients_and_totals(grpo, model, batch, grpo.Args(micro_batch_size=12, **settings), len(tokenizer))
+    for micro_batch_size in (3, 5):
+        widths, handle = forward_widths(model)
+        args = grpo.Args(micro_batch_size=micro_batch_size, **settings)
+        result = gradients_and_totals(grpo, model, batch, args, len(tokenizer))
+        handle.remove()
+        assert max(widths) == batch["prompt_ids"].shape[1] + 12 and min(widths) < max(widths)
+        assert_same_update(result, reference)
+        if batch["old_logp"] is None:  # the recorded log-probs are each row's own, in the rows given
+            sequences = [batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
+            with torch.no_grad():
+                scored, _ = sequence_logprobs(model, *sequences, 1.0, len(tokenizer), 1)
+            assert (result[1]["old_logp"] - scored).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("overlong_filter", [False, True])
+def test_dapo_bucketed_micro_batches_give_todays_gradient(models, overlong_filter):
+    model, _, tokenizer, batch = models
+    batch = {k: v for k, v in batch.items() if k not in ("advantages_ppo", "old_values", "returns", "positive")}
+    settings = dict(beta=0.04, max_new_tokens=12, num_iterations=2, overlong_filter=overlong_filter)
+    reference = gradients_and_totals(dapo, model, batch, dapo.Args(micro_batch_size=12, **settings), len(tokenizer))
+    for micro_batch_size in (3, 5):
+        result = gradients_and_totals(dapo, model, batch, dapo.Args(micro_batch_size=micro_batch_size, **settings), 384)
+        assert_same_update(result, reference)
+
+
+def test_ppo_actor_and_critic_bucketed_micro_batches_give_todays_gradient(models):
+    model, critic, tokenizer, batch = models
+    batch = {
+        **{k: batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "sample_logp")},
+        **{k: batch[k] for k in ("old_logp", "old_values", "returns", "positive")},
+        "advantages": batch["advantages_ppo"],
+    }
+    settings = dict(ppo_epochs=2, entropy_coef=0.01, pos_lm_coef=0.1, tis_cap=2.0)
+    vocab = len(tokenizer)
+    actor = gradients_and_totals(ppo, model, batch, ppo.Args(micro_batch_size=12, **settings), vocab)
+    value = gradients_and_totals(ppo, critic, batch, ppo.Args(micro_batch_size=12, **settings), 0, "critic_backward")
+    for micro_batch_size in (3, 5):
+        args = ppo.Args(micro_batch_size=micro_batch_size, **settings)
+        assert_same_update(gradients_and_totals(ppo, model, batch, args, vocab), actor)
+        widths, handle = forward_widths(critic.backbone)
+        result = gradients_and_totals(ppo, critic, batch, args, 0, "critic_backward")
+        handle.remove()
+        assert min(widths) < max(widths) == batch["prompt_ids"].shape[1] + 12
+        assert_same_update(result, value)
