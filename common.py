@@ -131,7 +131,8 @@ def check_run_args(args) -> list[str]:
         problems.append(f"--adam_beta2 must be in [0, 1) (got {args.adam_beta2}).")
     if not args.max_grad_norm > 0:
         problems.append(f"--max_grad_norm must be > 0 (got {args.max_grad_norm}).")
-    for name in ("warmup_steps", "weight_decay", "save_every", "sample_every", "num_samples", "seed"):
+    problems += check_prompt_format(args.prompt_format)
+    for name in ("warmup_steps", "weight_decay", "save_every", "sample_every", "num_samples", "seed", "shots"):
         if getattr(args, name) < 0:
             problems.append(f"--{name} must be >= 0 (got {getattr(args, name)}).")
     if args.max_steps < 1:
@@ -430,11 +431,27 @@ def barrier() -> None:
 
 
 def resolve_model_name(name: str) -> str:
-    """--model as typed -> what from_pretrained takes (a local directory or a Hub id)."""
+    """--model as typed -> what from_pretrained takes (a local directory or a Hub id), or the
+    path of a GGUF file (--model file.gguf, or a directory without config.json that holds
+    exactly one .gguf file); model_source turns that into from_pretrained's arguments."""
     if name in TINY_MODELS:
         return str(build_tiny_model(name=name))
-    if Path(name).expanduser().is_dir():
-        return str(Path(name).expanduser())
+    local = Path(name).expanduser()
+    if local.is_file():
+        if local.suffix != ".gguf":
+            raise SystemExit(
+                f"--model {name!r} is a file but not a .gguf file. Pass a model directory (config.json, weights "
+                "and tokenizer files), a GGUF file, a Hub id or a short name."
+            )
+        return str(local)
+    if local.is_dir():
+        ggufs = sorted(local.glob("*.gguf")) if not (local / "config.json").exists() else []
+        if len(ggufs) > 1:
+            raise SystemExit(
+                f"--model {name!r} holds {len(ggufs)} GGUF files ({', '.join(g.name for g in ggufs)}); "
+                "pass the one to load as --model <directory>/<file>.gguf."
+            )
+        return str(ggufs[0] if ggufs else local)
     if name in MODEL_ALIASES:
         return MODEL_ALIASES[name]
     if re.fullmatch(r"[\w.\-]+/[\w.\-]+", name):
@@ -443,6 +460,32 @@ def resolve_model_name(name: str) -> str:
         f"--model {name!r} is not a local directory, a Hub id of the form 'org/name', {', '.join(TINY_MODELS)}, "
         f"or one of the short names: {', '.join(MODEL_ALIASES)}."
     )
+
+
+def model_source(path: str) -> tuple[str, dict]:
+    """from_pretrained's (path, keyword arguments) for what resolve_model_name returned. A GGUF
+    file is read by transformers' GGUF loader (from_pretrained(directory, gguf_file=name)),
+    which dequantises every tensor to the requested dtype: a Q4_1 file gives a model with the
+    quantised file's values, not the original fp16/bf16 weights. It needs the gguf package,
+    imported only here."""
+    if not path.endswith(".gguf"):
+        return path, {}
+    try:
+        import gguf  # noqa: F401  (transformers' GGUF loader imports it)
+    except ImportError as error:
+        raise SystemExit(
+            f"--model {path!r} is a GGUF file; reading one needs the gguf package: pip install gguf"
+        ) from error
+    return str(Path(path).parent), {"gguf_file": Path(path).name}
+
+
+def dequantised(model):
+    """A model loaded from a GGUF file holds plain dequantised tensors, but transformers still
+    marks it as quantised and refuses save_pretrained: drop the mark, so checkpoints are
+    ordinary safetensors models."""
+    model.hf_quantizer = None
+    model.config.__dict__.pop("quantization_config", None)
+    return model
 
 
 def eos_token_ids(model_path: str, tokenizer) -> list[int]:
@@ -486,11 +529,60 @@ def set_pad_token(tokenizer, eos_ids: list[int]) -> None:
         tokenizer.pad_token = tokenizer.eos_token
 
 
+PROMPT_FORMATS = ("auto", "chat", "plain")
+PROMPT_FORMAT_HELP = (
+    "how prompts are written: chat (the tokenizer's chat template), plain (text a base model continues: "
+    "the system text, then 'Question: ...' and 'Answer:' lines), auto (chat if the tokenizer has a template)"
+)
+
+
+def check_prompt_format(prompt_format: str) -> list[str]:
+    if prompt_format not in PROMPT_FORMATS:
+        return [f"--prompt_format {prompt_format!r} is not one of: {', '.join(PROMPT_FORMATS)}."]
+    return []
+
+
+def set_prompt_format(tokenizer, prompt_format: str, name: str) -> None:
+    """Decides how render_chat writes this tokenizer's prompts and records it on the tokenizer
+    (tokenizer.plain_prompt; not saved with it, so a checkpoint keeps the model's own template).
+    auto: the chat template when there is one, else plain text; chat without a template stops."""
+    if prompt_format not in PROMPT_FORMATS:
+        raise SystemExit(check_prompt_format(prompt_format)[0])
+    if prompt_format == "chat" and tokenizer.chat_template is None:
+        raise SystemExit(
+            f"The tokenizer of {name!r} has no chat template, so --prompt_format chat cannot write its prompts. "
+            "Use --prompt_format plain (or auto) for a base model, or add a chat_template to tokenizer_config.json."
+        )
+    tokenizer.plain_prompt = prompt_format == "plain" or tokenizer.chat_template is None
+    if tokenizer.plain_prompt and prompt_format == "auto":
+        print(f"{name}: the tokenizer has no chat template; prompts are plain text (--prompt_format plain).")
+
+
+def render_plain(tokenizer, messages: list[dict]) -> str:
+    """A conversation as plain text that a base model continues: the system text, each user
+    turn as 'Question: …', each assistant turn as 'Answer: …' (few-shot examples), and a final
+    'Answer:' where the completion begins. Starts with the BOS token when the tokenizer's own
+    encoding adds one (Llama's), as the prompts are encoded without special tokens."""
+    parts = []
+    for message in messages:
+        if message["role"] == "user":
+            parts.append(f"Question: {message['content']}\n")
+        elif message["role"] == "assistant":
+            parts.append(f"Answer: {message['content']}\n\n")
+        else:
+            parts.append(f"{message['content']}\n\n")
+    bos = tokenizer.bos_token_id is not None and tokenizer("x").input_ids[:1] == [tokenizer.bos_token_id]
+    return (tokenizer.bos_token if bos else "") + "".join(parts) + "Answer:"
+
+
 def render_chat(tokenizer, messages: list[dict]) -> str:
     """One conversation through the model's chat template, ending where the assistant's turn
-    begins. Some templates have no system role: Gemma's raises on one, others drop it without
+    begins (or as plain text, render_plain, when the tokenizer's prompt format is plain). Some
+    templates have no system role: Gemma's raises on one, others drop it without
     a word. For those the system text goes at the top of the first user message, which is what
     such models are fine-tuned to see, rather than being lost or stopping the run."""
+    if getattr(tokenizer, "plain_prompt", False):
+        return render_plain(tokenizer, messages)
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except TemplateError:
@@ -509,8 +601,10 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype = torch.float32,
     gradient_checkpointing: bool = False,
+    prompt_format: str = "auto",
 ):
-    """Returns (model, tokenizer, eos_ids) for a name as --model takes it."""
+    """Returns (model, tokenizer, eos_ids) for a name as --model takes it; the tokenizer renders
+    prompts in prompt_format (set_prompt_format)."""
     path = resolve_model_name(name)
     if Path(path).is_dir() and not (Path(path) / "config.json").exists() and (Path(path) / ADAPTER_DIR).is_dir():
         raise SystemExit(
@@ -528,24 +622,25 @@ def load_model(
             "tokenizer.model, or vocab.json and merges.txt). Save them beside the weights with "
             "AutoTokenizer.from_pretrained(<base model>).save_pretrained(<this directory>)."
         )
+    source, gguf = model_source(path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(source, **gguf)
         # In the checkpoint's own dtype (bf16 for Qwen2.5), cast to `dtype` on the device below: the
         # same weights (bf16 → fp32 is exact), and half the host memory while loading, which under
         # torchrun every rank spends (8 ranks × a 7B model in fp32 would be 244 GB of host memory).
-        model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
-    except (OSError, ValueError, KeyError) as error:  # KeyError: a corrupt tokenizer.json
+        # A GGUF file is dequantised into `dtype` directly.
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype if gguf else "auto", **gguf)
+    except (OSError, ValueError, KeyError, RuntimeError) as error:  # KeyError: a corrupt tokenizer.json
         raise SystemExit(
             f"Could not load model {name!r} (resolved to {path!r}): {error}\n"
             "A Hub id needs internet access to huggingface.co, or the model in the local HF cache; "
-            "a local path must hold config.json, the weights and the tokenizer files."
+            "a local path must hold config.json, the weights and the tokenizer files (or be a GGUF file "
+            "of an architecture transformers reads)."
         ) from error
-    if tokenizer.chat_template is None:
-        raise SystemExit(
-            f"The tokenizer of {name!r} has no chat template; nanoPO builds prompts with it. "
-            "Use an instruct/chat model or add a chat_template to tokenizer_config.json."
-        )
-    eos_ids = eos_token_ids(path, tokenizer)
+    if gguf:
+        dequantised(model)
+    set_prompt_format(tokenizer, prompt_format, name)
+    eos_ids = eos_token_ids(source, tokenizer)
     set_pad_token(tokenizer, eos_ids)
     model.config.pad_token_id = tokenizer.pad_token_id
     model.to(device=device, dtype=dtype)
@@ -570,8 +665,10 @@ def load_policy(args, device: torch.device, dtype: torch.dtype):
     so the policy starts as --model exactly. On resume the adapters come from the checkpoint's
     adapter/ folder and the frozen weights again from --model."""
     if not args.lora_rank:
-        return load_model(args.resume_from or args.model, device, dtype, args.gradient_checkpointing)
-    model, tokenizer, eos_ids = load_model(args.model, device, dtype, args.gradient_checkpointing)
+        return load_model(
+            args.resume_from or args.model, device, dtype, args.gradient_checkpointing, args.prompt_format
+        )
+    model, tokenizer, eos_ids = load_model(args.model, device, dtype, args.gradient_checkpointing, args.prompt_format)
     saved = Path(args.resume_from) / ADAPTER_DIR if args.resume_from else None
     return with_adapters(model, args, saved), tokenizer, eos_ids
 
@@ -681,7 +778,7 @@ NO_SYSTEM_TEMPLATE = (  # the shape of Gemma's: user and model turns only
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
-TINY_MODELS = ("tiny", "tiny-llama", "tiny-llama-nosystem")
+TINY_MODELS = ("tiny", "tiny-llama", "tiny-llama-nosystem", "tiny-base")  # tiny-base: tiny without a chat template
 
 
 def _tiny_corpus(seed: int = 0, lines: int = 3000) -> list[str]:
@@ -711,7 +808,7 @@ def build_tiny_model(cache_dir: str | None = None, name: str = "tiny") -> Path:
     path = root / f"{name}-v{TINY_VERSION}"
     if (path / "config.json").exists():
         return path
-    qwen = name == "tiny"
+    qwen = name in ("tiny", "tiny-base")
     special = TINY_SPECIAL if qwen else LLAMA_SPECIAL
 
     bpe = Tokenizer(models.BPE())
@@ -736,10 +833,11 @@ def build_tiny_model(cache_dir: str | None = None, name: str = "tiny") -> Path:
         max_position_embeddings=2048,
     )
     if qwen:
+        template = CHATML_TEMPLATE if name == "tiny" else None  # a base model's tokenizer has none
         tokenizer = PreTrainedTokenizerFast(
-            tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHATML_TEMPLATE
+            tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=template
         )
-        tokenizer.chat_template = CHATML_TEMPLATE
+        tokenizer.chat_template = template
         stop_tokens = ("<|im_end|>", "<|endoftext|>")
         config = Qwen2Config(
             vocab_size=TINY_EMBED_ROWS,

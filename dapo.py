@@ -64,6 +64,7 @@ import torch
 import torch.nn.functional as F
 
 from common import (
+    PROMPT_FORMAT_HELP,
     Run,
     all_reduce,
     all_reduce_metrics,
@@ -98,6 +99,9 @@ class Args:
     dataset: str = arg("", "Hub dataset for the task (Jiayi-Pan/Countdown-Tasks-3to4); '' = offline generator")
     data_dir: str = arg("", "gsm8k offline: a directory holding gsm8k/train.jsonl and gsm8k/test.jsonl; '' = the Hub")
     num_problems: int = arg(20000, "problems drawn from the offline Countdown generator")
+    countdown_numbers: str = arg("3-4", "numbers per Countdown problem, N or MIN-MAX (training and held-out)")
+    shots: int = arg(0, "worked examples in each prompt, as earlier turns (countdown, gsm8k); 0 = none")
+    prompt_format: str = arg("auto", PROMPT_FORMAT_HELP)
     # sampling
     batch_size: int = arg(32, "B, prompts per step")
     group_size: int = arg(8, "G, completions per prompt (seed study: 8 beats 2 and 4)")
@@ -1140,8 +1144,19 @@ def train(args: Args) -> Path:
     amp = functools.partial(autocast, device, compute_dtype)  # bf16 autocast on a GPU, nothing on the CPU
     seed_everything(rank_seed(args.seed))  # --seed itself in one process
     # The task first: a wrong --task or --data_dir stops before any model loads.
-    task = load_task(args.task, args.seed, args.num_problems, args.dataset, data_dir=args.data_dir)
-    heldout = load_heldout_task(args.task, args.eval_problems, args.data_dir) if args.eval_every else None
+    task = load_task(
+        args.task,
+        args.seed,
+        args.num_problems,
+        args.dataset,
+        "train",
+        args.data_dir,
+        args.shots,
+        args.countdown_numbers,
+    )
+    heldout = None
+    if args.eval_every:
+        heldout = load_heldout_task(args.task, args.eval_problems, args.data_dir, args.shots, args.countdown_numbers)
     policy, tokenizer, eos_ids = load_policy(args, device, weight_dtype)  # with --lora_rank: LoRA adapters
     shard_model(policy, compute_dtype).train()  # FSDP2 under torchrun, one unit per decoder layer; else unchanged
     reference = (

@@ -47,9 +47,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from common import (
+    PROMPT_FORMAT_HELP,
     append_jsonl,
     arg,
     autocast,
+    check_prompt_format,
     load_model,
     make_run_dir,
     parse_args,
@@ -82,6 +84,9 @@ class Args:
     data_dir: str = arg("", "offline: a directory laid out like tests/fixtures/data (gsm8k/test.jsonl, ...); '' = Hub")
     limit: int = arg(0, "problems per benchmark at most, spread over BBH tasks / MMLU-Pro categories; 0 = all")
     countdown_problems: int = arg(500, "size of the held-out Countdown set")
+    countdown_numbers: str = arg("3-4", "numbers per Countdown problem, N or MIN-MAX (training and held-out)")
+    shots: int = arg(0, "worked examples in each prompt, as earlier turns (countdown, gsm8k); 0 = none")
+    prompt_format: str = arg("auto", PROMPT_FORMAT_HELP)
     # generation
     max_new_tokens: int = arg(2048, "completion cap (seed study: 2048); longer completions count as truncated")
     batch_size: int = arg(32, "problems per generation batch (each generates num_samples completions)")
@@ -117,6 +122,9 @@ def check_args(args: Args) -> list[str]:
     for name in ("max_new_tokens", "batch_size", "num_samples", "countdown_problems"):
         if getattr(args, name) < 1:
             problems.append(f"--{name} must be at least 1.")
+    problems += check_prompt_format(args.prompt_format)
+    if args.shots < 0:
+        problems.append(f"--shots must be >= 0 (got {args.shots}).")
     if args.limit < 0 or args.grade_timeout <= 0:
         problems.append("--limit must be >= 0 and --grade_timeout > 0.")
     if problems:
@@ -452,11 +460,14 @@ def main(args: Args) -> Path | None:
         return out_file
     names = check_args(args)
     # Data first: a missing file or column stops the run before the model is loaded.
-    tasks = {name: load_benchmark(name, args.data_dir, args.countdown_problems) for name in names}
+    tasks = {
+        name: load_benchmark(name, args.data_dir, args.countdown_problems, args.shots, args.countdown_numbers)
+        for name in names
+    }
     device = use_device(resolve_device(args.device))  # a GPU named by --device becomes the current one
     weight_dtype, _ = resolve_precision(args.dtype, device)
     seed_everything(args.seed)
-    model, tokenizer, eos_ids = load_model(args.model, device, weight_dtype)
+    model, tokenizer, eos_ids = load_model(args.model, device, weight_dtype, prompt_format=args.prompt_format)
     model.eval().requires_grad_(False)
     run_dir = make_run_dir(args, "eval", task="+".join(names))
     settings = {k: getattr(args, k) for k in ("model", "max_new_tokens", "num_samples", "temperature", "top_p")}

@@ -53,6 +53,7 @@ from common import (
     ADAPTER_DIR,
     FULL_LR,
     LORA_LR,
+    PROMPT_FORMAT_HELP,
     Run,
     all_reduce,
     all_reduce_metrics,
@@ -61,6 +62,7 @@ from common import (
     autocast,
     check_distributed,
     check_run_args,
+    dequantised,
     enable_activation_checkpointing,
     full_state_dict,
     init_distributed,
@@ -68,6 +70,7 @@ from common import (
     load_policy,
     load_reference,
     make_optimizer,
+    model_source,
     my_share,
     parse_args,
     rank,
@@ -93,6 +96,9 @@ class Args:
     dataset: str = arg("", "Hub dataset for the task (Jiayi-Pan/Countdown-Tasks-3to4); '' = offline generator")
     data_dir: str = arg("", "gsm8k offline: a directory holding gsm8k/train.jsonl and gsm8k/test.jsonl; '' = the Hub")
     num_problems: int = arg(20000, "problems drawn from the offline Countdown generator")
+    countdown_numbers: str = arg("3-4", "numbers per Countdown problem, N or MIN-MAX (training and held-out)")
+    shots: int = arg(0, "worked examples in each prompt, as earlier turns (countdown, gsm8k); 0 = none")
+    prompt_format: str = arg("auto", PROMPT_FORMAT_HELP)
     # sampling: PPO needs no groups (the critic is the baseline), but B prompts × G samples keeps
     # N = B·G = 256 completions a step, the same prompts and compute as grpo.py, so runs compare
     batch_size: int = arg(32, "B, prompts per step")
@@ -717,9 +723,12 @@ def load_critic(args, device: torch.device, dtype: torch.dtype) -> Critic:
     saved = Path(args.resume_from) / CRITIC_DIR if args.resume_from else None
     name = str(saved) if saved and not args.lora_rank else args.model
     path = resolve_model_name(name)
+    source, gguf = model_source(path)  # a GGUF file: from_pretrained(directory, gguf_file=name)
     try:
-        backbone = AutoModel.from_pretrained(path, dtype=dtype)  # drops the LM head's weights
-    except (OSError, ValueError) as error:
+        backbone = AutoModel.from_pretrained(source, dtype=dtype, **gguf)  # drops the LM head's weights
+        if gguf:
+            dequantised(backbone)
+    except (OSError, ValueError, RuntimeError) as error:
         raise SystemExit(
             f"Could not load the critic's backbone from {name!r} (resolved to {path!r}): {error}"
         ) from error
@@ -1199,8 +1208,19 @@ def train(args: Args) -> Path:
     amp = functools.partial(autocast, device, compute_dtype)  # bf16 autocast on a GPU, nothing on the CPU
     seed_everything(rank_seed(args.seed))  # --seed itself in one process
     # The task first: a wrong --task or --data_dir stops before any model loads.
-    task = load_task(args.task, args.seed, args.num_problems, args.dataset, data_dir=args.data_dir)
-    heldout = load_heldout_task(args.task, args.eval_problems, args.data_dir) if args.eval_every else None
+    task = load_task(
+        args.task,
+        args.seed,
+        args.num_problems,
+        args.dataset,
+        "train",
+        args.data_dir,
+        args.shots,
+        args.countdown_numbers,
+    )
+    heldout = None
+    if args.eval_every:
+        heldout = load_heldout_task(args.task, args.eval_problems, args.data_dir, args.shots, args.countdown_numbers)
     policy, tokenizer, eos_ids = load_policy(args, device, weight_dtype)  # with --lora_rank: LoRA adapters
     shard_model(policy, compute_dtype).train()  # FSDP2 under torchrun, one unit per decoder layer; else unchanged
     critic = shard_model(load_critic(args, device, weight_dtype), compute_dtype, fp32_modules=("value_head",))

@@ -149,6 +149,22 @@ def generate_countdown(
     return problems
 
 
+COUNTDOWN_NUMBERS = "3-4"  # the seed study's problems: 3 or 4 numbers
+COUNTDOWN_MAX_NUMBERS = 6
+
+
+def countdown_sizes(text: str) -> tuple[int, int]:
+    """--countdown_numbers as typed, 'N' or 'MIN-MAX', -> (min, max) numbers per problem."""
+    match = re.fullmatch(r"(\d+)(?:-(\d+))?", text.strip())
+    low, high = (int(match[1]), int(match[2] or match[1])) if match else (0, 0)
+    if not 2 <= low <= high <= COUNTDOWN_MAX_NUMBERS:
+        raise SystemExit(
+            f"--countdown_numbers {text!r}: give how many numbers a Countdown problem has, N or MIN-MAX, "
+            f"between 2 and {COUNTDOWN_MAX_NUMBERS} (the seed study's is {COUNTDOWN_NUMBERS})."
+        )
+    return low, high
+
+
 def load_countdown_hub(name: str, split: str = "train") -> list[dict]:
     """The public Countdown set (columns `target`, `nums`) from the Hugging Face Hub."""
     hint = "check the dataset name, or drop --dataset to use the offline generator (the default)."
@@ -260,6 +276,69 @@ def countdown_score(completion: str, problem: dict, truncated: bool = False) -> 
     except ZeroDivisionError:
         correct = False
     return Score(REWARD_CORRECT if correct else REWARD_FORMAT, correct=correct, formatted=True, extracted=answer)
+
+
+# ----------------------------------------------------------------------------------------
+# Few-shot prompts: worked examples as earlier turns of the conversation (user: the problem,
+# assistant: an answer in the asked format), so a small model sees the format, not only reads
+# its description. Examples come from training data only: Countdown's from the generator's
+# training share with a seed of their own, GSM8K's from the train split.
+
+COUNTDOWN_SHOTS_SEED = 314_159_265
+
+
+def countdown_examples(shots: int, sizes: tuple[int, int]) -> list[tuple[dict, str]]:
+    """shots worked Countdown problems with an answer in the strict format (its witness)."""
+    problems = generate_countdown(shots, COUNTDOWN_SHOTS_SEED, *sizes)
+    return [
+        (p, f"<think> {p['solution']} = {p['target']} </think> <answer> {p['solution']} </answer>") for p in problems
+    ]
+
+
+CALCULATOR = re.compile(r"<<[^<>]*>>")  # GSM8K's calculator annotations: 48/2 = <<48/2=24>>24
+
+
+def gsm8k_examples(shots: int, data_dir: str) -> list[tuple[dict, str]]:
+    """The first shots problems of GSM8K's train split, each answered by its reference
+    solution (calculator annotations dropped) ending in 'The answer is \\boxed{gold}.'."""
+    columns = {"question", "answer"}
+    rows = read_data_file(data_dir, "gsm8k/train.jsonl", columns) if data_dir else None
+    rows = rows if rows is not None else load_hub_rows("openai/gsm8k", "main", "train", columns)
+    examples = []
+    for row in rows[:shots]:
+        steps = CALCULATOR.sub("", row["answer"].split("####")[0]).strip()
+        gold = gsm8k_gold(row["answer"])
+        examples.append(({"question": row["question"], "gold": gold}, f"{steps}\nThe answer is \\boxed{{{gold}}}."))
+    return examples
+
+
+def with_examples(messages: Callable[[dict], list[dict]], examples: list[tuple[dict, str]]):
+    """messages (problem -> conversation) with the worked examples as turns before the last user
+    message: [system,] user 1, assistant 1, …, user. No examples: messages itself."""
+    if not examples:
+        return messages
+
+    def few_shot(problem: dict) -> list[dict]:
+        *head, question = messages(problem)
+        turns = []
+        for example, answer in examples:
+            turns += [messages(example)[-1], {"role": "assistant", "content": answer}]
+        return [*head, *turns, question]
+
+    return few_shot
+
+
+def task_examples(name: str, shots: int, countdown_numbers: str = COUNTDOWN_NUMBERS, data_dir: str = ""):
+    """--shots worked examples for a task's prompts (with_examples); [] for shots = 0."""
+    if shots < 0:
+        raise SystemExit(f"--shots {shots}: the number of worked examples in each prompt must be >= 0.")
+    if not shots:
+        return []
+    if name == "countdown":
+        return countdown_examples(shots, countdown_sizes(countdown_numbers))
+    if name == "gsm8k":
+        return gsm8k_examples(shots, data_dir)
+    raise SystemExit(f"--shots is for countdown and gsm8k; {name} has no worked examples: drop --shots.")
 
 
 # ----------------------------------------------------------------------------------------
@@ -708,16 +787,28 @@ def mmlu_pro_score(completion: str, problem: dict, truncated: bool = False) -> S
     return graded(letter == gold, strict_letter == gold, strict_letter is not None, letter, truncated)
 
 
-def load_benchmark(name: str, data_dir: str = "", countdown_problems: int = 500) -> Task:
-    """A benchmark's problems (each with "gold" and "subset"), prompt and grader."""
+def load_benchmark(
+    name: str,
+    data_dir: str = "",
+    countdown_problems: int = 500,
+    shots: int = 0,
+    countdown_numbers: str = COUNTDOWN_NUMBERS,
+) -> Task:
+    """A benchmark's problems (each with "gold" and "subset"), prompt and grader. shots: worked
+    examples in each prompt (countdown and gsm8k); countdown_numbers: Countdown's problem size."""
     if name == "countdown":
+        sizes = countdown_sizes(countdown_numbers)
         problems = [
             {**p, "gold": f"{p['solution']} = {p['target']}", "subset": ""}
-            for p in generate_countdown(countdown_problems, COUNTDOWN_EVAL_SEED, heldout=True)
+            for p in generate_countdown(countdown_problems, COUNTDOWN_EVAL_SEED, *sizes, heldout=True)
         ]
-        return Task(name, problems, countdown_messages, countdown_score)
+        messages = with_examples(countdown_messages, task_examples(name, shots, countdown_numbers))
+        return Task(name, problems, messages, countdown_score)
     if name == "gsm8k":
-        return Task(name, load_gsm8k("test", data_dir), gsm8k_messages, gsm8k_score)
+        messages = with_examples(gsm8k_messages, task_examples(name, shots, data_dir=data_dir))
+        return Task(name, load_gsm8k("test", data_dir), messages, gsm8k_score)
+    if shots:
+        raise SystemExit(f"--shots is for countdown and gsm8k; {name} has no worked examples: drop --shots.")
     if name == "math500":
         return Task(name, load_math500(data_dir), math500_messages, math500_score)
     if name == "bbh":
@@ -733,34 +824,51 @@ TASKS = ("countdown", "digit", "gsm8k")
 
 
 def load_task(
-    name: str, seed: int = 0, num_problems: int = 20000, dataset: str = "", split: str = "train", data_dir: str = ""
+    name: str,
+    seed: int = 0,
+    num_problems: int = 20000,
+    dataset: str = "",
+    split: str = "train",
+    data_dir: str = "",
+    shots: int = 0,
+    countdown_numbers: str = COUNTDOWN_NUMBERS,
 ) -> Task:
     """A task's problems, prompt and training reward. Countdown comes from the offline generator
-    with `seed` unless `dataset` names a Hub dataset; gsm8k from openai/gsm8k, or data_dir (which
-    the other tasks refuse rather than ignore)."""
+    with `seed` (problems of countdown_numbers numbers) unless `dataset` names a Hub dataset;
+    gsm8k from openai/gsm8k, or data_dir (which the other tasks refuse rather than ignore).
+    shots: worked examples in each prompt (with_examples)."""
     if dataset and name != "countdown":
         raise SystemExit(f"--dataset is for --task countdown; --task {name} has its own data.")
     if data_dir and name != "gsm8k":
         raise SystemExit(f"--data_dir is for --task gsm8k; --task {name} does not read files: drop --data_dir.")
+    if countdown_numbers != COUNTDOWN_NUMBERS and (name != "countdown" or dataset):
+        raise SystemExit("--countdown_numbers is for the offline Countdown generator (--task countdown, no --dataset).")
+    examples = task_examples(name, shots, countdown_numbers, data_dir)
     if name == "countdown":
         if dataset:
             problems = load_countdown_hub(dataset, split)
         else:
-            problems = generate_countdown(num_problems, seed)
-        return Task(name, problems, countdown_messages, countdown_score)
+            problems = generate_countdown(num_problems, seed, *countdown_sizes(countdown_numbers))
+        return Task(name, problems, with_examples(countdown_messages, examples), countdown_score)
     if name == "digit":
         problems = [{"prompt": prompt} for prompt in DIGIT_PROMPTS]
         return Task(name, problems, digit_messages, digit_score)
     if name == "gsm8k":  # the strict reward, not the benchmark's grade (gsm8k_reward says why)
-        return Task(name, load_gsm8k(split, data_dir), gsm8k_messages, gsm8k_reward)
+        return Task(name, load_gsm8k(split, data_dir), with_examples(gsm8k_messages, examples), gsm8k_reward)
     raise SystemExit(f"--task {name!r} is not one of: {', '.join(TASKS)}.")
 
 
-def load_heldout_task(name: str, num_problems: int, data_dir: str = "") -> Task:
+def load_heldout_task(
+    name: str, num_problems: int, data_dir: str = "", shots: int = 0, countdown_numbers: str = COUNTDOWN_NUMBERS
+) -> Task:
     """Problems no training step sees, for evaluation during training (--eval_every): the
     first num_problems of the benchmark of the same name (Countdown: its held-out share;
     GSM8K: the test split), with the benchmark's grader: `strict` and `correct` as evaluate.py
-    grades them, `reward` the training reward. The digit toy has nothing held out: its own prompts."""
-    task = load_task(name) if name == "digit" else load_benchmark(name, data_dir, countdown_problems=num_problems)
+    grades them, `reward` the training reward. The digit toy has nothing held out: its own prompts.
+    shots and countdown_numbers as the training task's, so both see the same prompts."""
+    if name == "digit":
+        task = load_task(name)
+    else:
+        task = load_benchmark(name, data_dir, num_problems, shots, countdown_numbers)
     task.problems = task.problems[:num_problems]
     return task

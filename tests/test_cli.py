@@ -65,6 +65,12 @@ def no_model_load(*args, **kwargs):
         (dict(task="chess"), "--task 'chess' is not one of: countdown, digit, gsm8k"),
         (dict(task="gsm8k", data_dir="no/such/dir"), "gsm8k/train.jsonl is missing"),
         (dict(task="digit", data_dir="no/such/dir"), "--data_dir is for --task gsm8k"),
+        (dict(prompt_format="text"), "--prompt_format 'text' is not one of: auto, chat, plain"),
+        (dict(shots=-1), "--shots must be >= 0"),
+        (dict(task="countdown", countdown_numbers="1"), "--countdown_numbers '1': give how many numbers"),
+        (dict(task="countdown", countdown_numbers="4-3"), "--countdown_numbers '4-3'"),
+        (dict(task="digit", countdown_numbers="2"), "--countdown_numbers is for the offline Countdown generator"),
+        (dict(task="digit", shots=2), "--shots is for countdown and gsm8k"),
     ],
     ids=lambda v: next(iter(v)) if isinstance(v, dict) else "",
 )

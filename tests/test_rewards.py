@@ -9,17 +9,22 @@ import pytest
 
 from conftest import ROOT
 from rewards import (
+    COUNTDOWN_SHOTS_SEED,
     MAX_EXPRESSION_CHARS,
     REWARD_CORRECT,
     REWARD_FORMAT,
     REWARD_NONE,
     Score,
+    countdown_messages,
     countdown_score,
+    countdown_sizes,
     digit_score,
     extract_answer,
     generate_countdown,
     gsm8k_reward,
     gsm8k_score,
+    is_heldout_countdown,
+    load_benchmark,
     load_task,
 )
 
@@ -314,3 +319,34 @@ def test_gsm8k_training_task_uses_the_strict_reward():
     assert task.score("48 + 24 = \\boxed{72}", problem).reward == REWARD_CORRECT
     assert task.score("48 + 24 = \\boxed{72}", problem, truncated=True).reward == REWARD_NONE
     assert task.score("48 + 24 = 72", problem, False).reward == REWARD_NONE  # positional truncated works too
+
+
+def test_countdown_problem_sizes():
+    assert countdown_sizes("2") == (2, 2) and countdown_sizes("3-4") == (3, 4)
+    for bad in ("1", "7", "4-3", "two", "2-"):
+        with pytest.raises(SystemExit, match="--countdown_numbers"):
+            countdown_sizes(bad)
+    task = load_task("countdown", seed=0, num_problems=50, countdown_numbers="2")
+    assert {len(p["nums"]) for p in task.problems} == {2}
+    assert all(countdown_score(f"<think></think><answer>{p['solution']}</answer>", p).correct for p in task.problems)
+    heldout = load_benchmark("countdown", countdown_problems=20, countdown_numbers="2-3")
+    assert {len(p["nums"]) for p in heldout.problems} == {2, 3}
+    assert all(is_heldout_countdown(p["nums"], p["target"]) for p in heldout.problems)
+    # the default is the seed study's problems, as before the option existed
+    assert load_task("countdown", seed=0, num_problems=20).problems == generate_countdown(20, 0)
+
+
+def test_worked_examples_are_earlier_turns_in_the_asked_format():
+    task = load_task("countdown", seed=0, num_problems=3, shots=2, countdown_numbers="2")
+    messages = task.messages(task.problems[0])
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert messages[-1] == countdown_messages(task.problems[0])[-1]
+    examples = [m["content"] for m in messages if m["role"] == "assistant"]
+    for example, answer in zip(generate_countdown(2, COUNTDOWN_SHOTS_SEED, 2, 2), examples):
+        assert countdown_score(answer, example).reward == 1.0  # each example earns the full reward
+    assert not any(is_heldout_countdown(m["nums"], m["target"]) for m in generate_countdown(2, COUNTDOWN_SHOTS_SEED))
+    gsm8k = load_task("gsm8k", data_dir=str(ROOT / "tests/fixtures/data"), shots=1)
+    turns = gsm8k.messages(gsm8k.problems[1])
+    assert [m["role"] for m in turns] == ["user", "assistant", "user"]
+    assert "<<" not in turns[1]["content"] and turns[1]["content"].endswith("The answer is \\boxed{72}.")
+    assert gsm8k_reward(turns[1]["content"], gsm8k.problems[0]).reward == 1.0
