@@ -55,6 +55,7 @@ from common import (
     autocast,
     build_tiny_model,
     load_model,
+    markdown_table,
     parse_args,
     resolve_device,
     resolve_precision,
@@ -462,9 +463,7 @@ def markdown(rows: list[dict]) -> str:
         return ""
     keys = list(dict.fromkeys(k for row in rows for k in row if k != "bound arithmetic"))
     cell = lambda v: (f"{v:.0f}" if v >= 100 else f"{v:.3g}") if isinstance(v, float) else str(v)  # noqa: E731
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(cell(row.get(k, "")) for k in keys) + " |" for row in rows]
-    return "\n".join(lines)
+    return markdown_table([{k: cell(row.get(k, "")) for k in keys} for row in rows])
 
 
 def main(args: Args) -> dict:

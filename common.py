@@ -1276,10 +1276,14 @@ def save_full_model(model, directory: Path, dtype: torch.dtype | None = None) ->
     (Path(directory) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def local_shard(parameter: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 parameter (a DTensor); a plain parameter is its own."""
+    return parameter.to_local() if hasattr(parameter, "to_local") else parameter
+
+
 def master_weights(model) -> dict:
     """The trained weights as they are (fp32), this rank's shards under torchrun, on the CPU."""
-    local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # noqa: E731  (an FSDP2 DTensor: its shard)
-    return {name: local(p).detach().cpu() for name, p in model.named_parameters() if p.requires_grad}
+    return {name: local_shard(p).detach().cpu() for name, p in model.named_parameters() if p.requires_grad}
 
 
 def set_master_weights(model, weights: dict) -> None:
@@ -1287,7 +1291,7 @@ def set_master_weights(model, weights: dict) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name in weights:
-                (p.to_local() if hasattr(p, "to_local") else p).copy_(weights[name])
+                local_shard(p).copy_(weights[name])
 
 
 def rng_states() -> dict:
