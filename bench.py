@@ -267,7 +267,10 @@ def decode_bytes(model, num_rows: int, prompt_length: int, max_new_tokens: int, 
               counted here), fp32 keys beside bf16 values, all P + max_new_tokens columns of every row
               until the longest ends, K and V copied group-fold by repeat_kv (written, then read)
       nanopo  the same weights; bf16 keys, the filled columns in doubling widths (decode_widths), the
-              rows still live (halving at most: compaction at half live), repeat_kv as static.
+              rows still live (halving at most: compaction at half live), each read once
+              (grouped_decode_attention folds the query heads: no repeat_kv).
+    static's repeat_kv is transformers' sdpa before 5.23 with a mask (the GPU image's 5.17); from
+    5.23 transformers folds the heads of a one-token query itself.
     The live rows at step t are N·P(L > t) (geometric lengths); the decode lasts max_new_tokens steps
     (10% of rows reach the cap: at N ≥ 16 some row almost surely does)."""
     config = model.config
@@ -290,7 +293,7 @@ def decode_bytes(model, num_rows: int, prompt_length: int, max_new_tokens: int, 
         kv_static = num_rows * (prompt_length + max_new_tokens) * column * (4 + 2)  # fp32 K, bf16 V
         totals["static"] += weights * compute_bytes + kv_static * (1 + 2 * group)  # read, repeat written, read
         kv_nanopo = decoded * width * column * 2 * compute_bytes
-        totals["nanopo"] += weights * compute_bytes + kv_nanopo * (1 + 2 * group)
+        totals["nanopo"] += weights * compute_bytes + kv_nanopo
     steps = max_new_tokens - 1
     row = {"N": num_rows, "P": prompt_length, "max_new_tokens": max_new_tokens}
     row |= {f"{name} GB/step": total / steps / 1e9 for name, total in totals.items()}

@@ -657,20 +657,29 @@ def enable_activation_checkpointing(model) -> None:
     enable({"use_reentrant": False})  # first parameter under both names
 
 
-def load_policy(args, device: torch.device, dtype: torch.dtype):
+def load_policy(args, device: torch.device, dtype: torch.dtype, compute_dtype: torch.dtype | None = None):
     """The policy to train and its tokenizer: returns (policy, tokenizer, eos_ids).
     Full fine-tuning (--lora_rank 0): --model's weights, or --resume_from's, all trainable.
     LoRA (--lora_rank r > 0, Hu et al. 2021, through the peft library): --model's weights,
     frozen, under low-rank adapters W + (α/r)·B·A on the --lora_targets layers; B starts at 0,
     so the policy starts as --model exactly. On resume the adapters come from the checkpoint's
-    adapter/ folder and the frozen weights again from --model."""
+    adapter/ folder and the frozen weights again from --model. The frozen weights are kept in
+    compute_dtype (bf16 on a GPU, frozen_dtype): peft keeps the adapters in fp32."""
     if not args.lora_rank:
         return load_model(
             args.resume_from or args.model, device, dtype, args.gradient_checkpointing, args.prompt_format
         )
-    model, tokenizer, eos_ids = load_model(args.model, device, dtype, args.gradient_checkpointing, args.prompt_format)
+    frozen = frozen_dtype(dtype, compute_dtype)
+    model, tokenizer, eos_ids = load_model(args.model, device, frozen, args.gradient_checkpointing, args.prompt_format)
     saved = Path(args.resume_from) / ADAPTER_DIR if args.resume_from else None
     return with_adapters(model, args, saved), tokenizer, eos_ids
+
+
+def frozen_dtype(dtype: torch.dtype, compute_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype of LoRA's frozen weights: the compute dtype where autocast computes in one. They
+    never change, so they need no fp32 master, and autocast keeps its bf16 copy of a weight only
+    while the weight trains: a frozen fp32 weight would be cast again in every forward pass."""
+    return compute_dtype or dtype
 
 
 def with_adapters(model, args, saved: Path | None = None):

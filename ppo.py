@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModel
+from transformers import AttentionInterface, AutoModel
 
 from common import (
     ADAPTER_DIR,
@@ -64,6 +64,7 @@ from common import (
     check_run_args,
     dequantised,
     enable_activation_checkpointing,
+    frozen_dtype,
     full_state_dict,
     init_distributed,
     is_lora,
@@ -323,6 +324,36 @@ def decode_widths(prompt_length: int, max_new_tokens: int, smallest: int = 64) -
     return widths + [prompt_length + max_new_tokens]
 
 
+def grouped_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **unused):
+    """Saves the copies of the cache that grouped-query attention makes in the one-token step: the
+    query heads that share a KV head (Qwen2.5-1.5B: 6 of 12 on 2) attend as the rows of one query,
+    so each cached key and value is read once, not copied once per query head (transformers' sdpa
+    before 5.23 repeats K and V whenever a mask is given, as generate's is). The same products and
+    softmax as attention head by head. query (n, heads, 1, d), key and value (n, kv heads, S, d),
+    attention_mask (n, 1, 1, S) additive -> (n, 1, heads, d), transformers' attention layout."""
+    num_rows, heads, _, head_dim = query.shape
+    kv_heads = key.shape[1]
+    folded = query.reshape(num_rows, kv_heads, heads // kv_heads, head_dim)  # head h = kv head h // group
+    out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(num_rows, 1, heads, head_dim), None
+
+
+@contextlib.contextmanager
+def grouped_attention(model):
+    """Within it the model's attention layers run grouped_decode_attention (registered with
+    transformers' AttentionInterface): generate's one-token step, whose query is one token."""
+    AttentionInterface.register("nanopo_grouped_decode", grouped_decode_attention)
+    config = getattr(model, "config", None)
+    if config is None:  # not a transformers model: its own attention runs
+        yield
+        return
+    attention, config._attn_implementation = config._attn_implementation, "nanopo_grouped_decode"
+    try:
+        yield
+    finally:
+        config._attn_implementation = attention
+
+
 def cuda_graph(step, pool=None):
     """step(), a function of tensors at fixed addresses, captured once as a CUDA graph: the function
     returned replays its kernels (no Python, no per-kernel launch cost) and returns the output
@@ -381,7 +412,8 @@ def generate(
     - encode_prompts repeats each prompt G times in a row: each distinct prompt is prefilled
       once and its keys and values copied into the rows of its G completions;
     - the one-token step attends over the filled part of the cache only, in a few fixed widths
-      (decode_widths);
+      (decode_widths), and reads each cached key and value once, whatever the number of query
+      heads sharing it (grouped_decode_attention);
     - the host learns whether every row has ended only every check_every tokens (None: 16 on
       CUDA, so the GPU never waits for it; 1 on the CPU, where asking costs nothing and a row
       that ended is not decoded on for up to 15 tokens); the tokens drawn past the last EOS are
@@ -442,13 +474,14 @@ def generate(
 
     def step(width: int):
         cache.width = width
-        out = model(
-            input_ids=token_in,
-            attention_mask=bias[..., :width],
-            position_ids=position,
-            past_key_values=cache,
-            use_cache=True,
-        )
+        with grouped_attention(model):
+            out = model(
+                input_ids=token_in,
+                attention_mask=bias[..., :width],
+                position_ids=position,
+                past_key_values=cache,
+                use_cache=True,
+            )
         return out.logits[:, -1, :vocab_size].float()  # (n, V) ids ≥ vocab_size are cut off
 
     graphs, pool = {}, None  # on CUDA: width -> captured step, for the rows decoded now
@@ -715,11 +748,13 @@ class Critic(torch.nn.Module):
             return self.value_head(hidden.float()).squeeze(-1)
 
 
-def load_critic(args, device: torch.device, dtype: torch.dtype) -> Critic:
+def load_critic(args, device: torch.device, dtype: torch.dtype, compute_dtype: torch.dtype | None = None) -> Critic:
     """The critic: its backbone from --model (or from --resume_from's critic/ folder), and its
     head from zero (or from the checkpoint's value_head.safetensors). With --lora_rank the
-    backbone is --model's, frozen, under LoRA adapters of its own (new, or the checkpoint's
-    critic/adapter/), and the head trains in full."""
+    backbone is --model's, frozen (in compute_dtype: common.frozen_dtype), under LoRA adapters
+    of its own (new, or the checkpoint's critic/adapter/), and the head trains in full."""
+    if args.lora_rank:
+        dtype = frozen_dtype(dtype, compute_dtype)
     saved = Path(args.resume_from) / CRITIC_DIR if args.resume_from else None
     name = str(saved) if saved and not args.lora_rank else args.model
     path = resolve_model_name(name)
@@ -1221,9 +1256,10 @@ def train(args: Args) -> Path:
     heldout = None
     if args.eval_every:
         heldout = load_heldout_task(args.task, args.eval_problems, args.data_dir, args.shots, args.countdown_numbers)
-    policy, tokenizer, eos_ids = load_policy(args, device, weight_dtype)  # with --lora_rank: LoRA adapters
+    policy, tokenizer, eos_ids = load_policy(args, device, weight_dtype, compute_dtype)  # --lora_rank: LoRA adapters
     shard_model(policy, compute_dtype).train()  # FSDP2 under torchrun, one unit per decoder layer; else unchanged
-    critic = shard_model(load_critic(args, device, weight_dtype), compute_dtype, fp32_modules=("value_head",))
+    critic = load_critic(args, device, weight_dtype, compute_dtype)
+    shard_model(critic, compute_dtype, fp32_modules=("value_head",))
     reference = (
         shard_model(load_reference(args, policy, device, weight_dtype), compute_dtype) if args.beta > 0 else None
     )

@@ -60,3 +60,42 @@ def test_a_bf16_checkpoint_without_masters_stops_with_a_message(tmp_path, monkey
     torch.save(state, run / "final" / "trainer_state.pt")
     with pytest.raises(SystemExit, match="no fp32 master weights"):
         grpo.train(grpo.Args(output_dir=str(tmp_path), resume_from=str(run / "final"), **{**settings, "max_steps": 2}))
+
+
+@pytest.mark.parametrize("script", [grpo, ppo], ids=["grpo", "ppo"])
+def test_lora_keeps_its_frozen_weights_in_the_compute_dtype(script, tmp_path, monkeypatch):
+    # The GPU recipe with LoRA: the frozen weights never change, so they are held in bf16 (no
+    # fp32 master; autocast would cast a frozen fp32 weight again every forward pass), the
+    # adapters (and PPO's value head) train in fp32, and a resume still continues bit for bit.
+    import common
+
+    gpu_precision(monkeypatch, script)
+    seen = {}
+    real_load_policy = script.load_policy
+
+    def spy_policy(*args, **kwargs):
+        loaded = real_load_policy(*args, **kwargs)  # (policy, tokenizer, eos_ids)
+        seen["policy"] = loaded[0]
+        return loaded
+
+    monkeypatch.setattr(script, "load_policy", spy_policy)
+    settings = dict(model="tiny", task="digit", lr=3e-3, max_new_tokens=2, batch_size=4, group_size=4, max_steps=3)
+    settings |= dict(lora_rank=4, beta=0.0) | ({"critic_lr": 3e-3, "num_mini_batches": 1} if script is ppo else {})
+    if script is ppo:
+        real_load_critic = ppo.load_critic
+
+        def spy_critic(*args, **kwargs):
+            seen["critic"] = real_load_critic(*args, **kwargs)
+            return seen["critic"]
+
+        monkeypatch.setattr(ppo, "load_critic", spy_critic)
+    straight, resumed = crash_and_resume(script, tmp_path, monkeypatch, **settings)
+    for name, model in seen.items():
+        frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
+        trained = {p.dtype for p in model.parameters() if p.requires_grad}
+        assert frozen == {torch.bfloat16} and trained == {torch.float32}, name
+    assert common.is_lora(seen["policy"])
+    for run in (straight, resumed):
+        assert stored_dtypes(run / "final") == {"BF16"}  # the merged policy
+    a, b = (AutoModelForCausalLM.from_pretrained(run / "final").state_dict() for run in (straight, resumed))
+    assert all(torch.equal(a[name], b[name]) for name in a)
