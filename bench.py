@@ -31,9 +31,16 @@ so that the LM head, the sampler and the log-softmax run at the real vocabulary'
    (length_order and trim_padding made no-ops: the computation before issue 19).
 4. One training step of grpo.py, dapo.py and ppo.py, per phase (the time/* metrics the scripts
    log), with peak memory: per phase on CUDA; on the CPU the process's peak RSS after the step.
+5. With --gap_rows N: the gap between the log-probs generate samples with and those
+   sequence_logprobs scores for the same tokens, under bf16 autocast (on the CPU too), with the
+   LM head in bf16 (fp32_lm_head switched off: the code before it) and in fp32 (fp32_lm_head):
+   mean and max |Δ log π| over the completion tokens, and the share of tokens beyond 0.01.
+   Countdown prompts, N/G prompts × G, sampled at τ = 0.7 (the seed study's rollouts are τ = 1;
+   a real model at 0.7 is more confident, which is where rounding a large logit matters).
 Prints Markdown tables and writes them to --output (JSON).
 """
 
+import contextlib
 import functools
 import json
 import resource
@@ -86,6 +93,7 @@ class Args:
     train_steps: str = arg("grpo,dapo,ppo", "scripts whose training step is timed; '' = none")
     train_batch_size: int = arg(2, "B of the training step")
     logprob_rows: int = arg(16, "N of the sequence_logprobs memory comparison; 0 = skip it")
+    gap_rows: int = arg(0, "N of the sampler/trainer log-prob gap under bf16 autocast, LM head bf16 vs fp32; 0 = skip")
     device: str = arg("auto", "auto, cpu, cuda")
     dtype: str = arg("auto", "auto (bf16 autocast on GPU, fp32 on CPU), bfloat16, float32")
     output: str = arg("bench.json", "where the tables go, as JSON")
@@ -469,6 +477,31 @@ def markdown(rows: list[dict]) -> str:
     return markdown_table([{k: cell(row.get(k, "")) for k in keys} for row in rows])
 
 
+def bench_logprob_gap(args, model, tokenizer, vocab_size, device) -> list[dict]:
+    ids, mask = prompts(tokenizer, args.gap_rows, args.group_size, device)
+    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    rows, real_head = [], grpo.fp32_lm_head
+    for head in ("bf16", "fp32"):
+        grpo.fp32_lm_head = real_head if head == "fp32" else lambda model: contextlib.nullcontext()
+        try:
+            torch.manual_seed(0)
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                batch = grpo.generate(
+                    model, ids, mask, args.max_new_tokens, eos, tokenizer.pad_token_id, vocab_size, 0.7
+                )
+                completion, completion_mask, _, sample_logp = batch
+                logp, _ = grpo.sequence_logprobs(model, ids, mask, completion, completion_mask, 0.7, vocab_size, 8)
+        finally:
+            grpo.fp32_lm_head = real_head
+        gap = (logp - sample_logp)[completion_mask.bool()].abs()
+        rows.append(
+            {"LM head": head, "N": args.gap_rows, "tokens": len(gap), "mean |Δ|": gap.mean().item()}
+            | {"max |Δ|": gap.max().item(), "share > 0.01": (gap > 0.01).float().mean().item()}
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main(args: Args) -> dict:
     device = use_device(resolve_device(args.device))  # a GPU named by --device becomes the current one
     weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
@@ -494,12 +527,14 @@ def main(args: Args) -> dict:
     save()
     report["logprob_memory"] = [bench_logprob_memory(args, model, vocab_size, device, amp)] if args.logprob_rows else []
     save()
+    report["logprob_gap"] = bench_logprob_gap(args, model, tokenizer, vocab_size, device) if args.gap_rows else []
+    save()
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the training steps load their own copy
     report["training_step"] = []
     bench_training(args, directory, device, report["training_step"], save)
-    for section in ("generation", "decode_bytes", "steps_4_and_6", "logprob_memory", "training_step"):
+    for section in ("generation", "decode_bytes", "steps_4_and_6", "logprob_memory", "logprob_gap", "training_step"):
         print(f"\n### {section}\n\n{markdown(report[section])}")
     return report
 

@@ -347,6 +347,33 @@ def grouped_attention(model):
         config._attn_implementation = attention
 
 
+@contextlib.contextmanager
+def fp32_lm_head(model):
+    """Saves the bf16 rounding of the logits under autocast: within it the LM head's product runs
+    in fp32 (weights and hidden states upcast), where autocast would round every logit to bf16's
+    8 significant bits (a logit near 20 lands on a grid of 0.125) and sampler and trainer would
+    read log-probs that differ by that rounding. A no-op without autocast (the CPU: all fp32
+    already) and for a head that is not a plain Linear (a LoRA-adapted one runs as it is)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not torch.nn.Linear or not torch.is_autocast_enabled(head.weight.device.type):
+        yield
+        return
+
+    def forward(hidden):
+        with torch.autocast(hidden.device.type, enabled=False):
+            bias = None if head.bias is None else head.bias.float()
+            return torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
+
+    previous = head.__dict__.get("forward")  # a hook library's own wrapper, if any
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward
+        if previous is not None:
+            head.forward = previous
+
+
 def cuda_graph(step, pool=None):
     """step(), a function of tensors at fixed addresses, captured once as a CUDA graph: the function
     returned replays its kernels (no Python, no per-kernel launch cost) and returns the output
@@ -407,6 +434,8 @@ def generate(
     - the one-token step attends over the filled part of the cache only, in a few fixed widths
       (decode_widths), and reads each cached key and value once, whatever the number of query
       heads sharing it (grouped_decode_attention);
+    - under autocast the LM head computes in fp32 (fp32_lm_head), as sequence_logprobs' does:
+      the logits the sampler draws from are not rounded to bf16;
     - the host learns whether every row has ended only every check_every tokens (None: 16 on
       CUDA, so the GPU never waits for it; 1 on the CPU, where asking costs nothing and a row
       that ended is not decoded on for up to 15 tokens); the tokens drawn past the last EOS are
@@ -446,14 +475,15 @@ def generate(
     visible = torch.zeros(len(counts), prompt_length, prompt_length, dtype=torch.bool, device=device)  # (B, P, P)
     visible[:] = causal & distinct_mask[:, None, :].bool()
     cache.slots, cache.width = torch.arange(prompt_length, device=device), prompt_length
-    out = model(
-        input_ids=distinct_ids,
-        attention_mask=torch.where(visible, 0.0, masked)[:, None],  # (B, 1, P, P) causal, padding hidden
-        position_ids=position_ids,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
+    with fp32_lm_head(model):
+        out = model(
+            input_ids=distinct_ids,
+            attention_mask=torch.where(visible, 0.0, masked)[:, None],  # (B, 1, P, P) causal, padding hidden
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
     cache.repeat_rows(counts)
     logits = out.logits[:, -1, :vocab_size].float().repeat_interleave(counts, dim=0, output_size=num_rows)  # (N, V)
 
@@ -467,7 +497,7 @@ def generate(
 
     def step(width: int):
         cache.width = width
-        with grouped_attention(model):
+        with grouped_attention(model), fp32_lm_head(model):
             out = model(
                 input_ids=token_in,
                 attention_mask=bias[..., :width],
@@ -660,15 +690,16 @@ def sequence_logprobs(
         kept = chunk[2].shape[1]  # t
         # logits_to_keep=t+1: only the positions that predict completion tokens (and one
         # extra) reach the LM head; position p-1+j predicts completion token j.
-        logits = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
-            logits_to_keep=kept + 1,
-        ).logits[:, :-1, :vocab_size]
-        # (n, t, V) upcast before the softmax; divided in place: one fp32 (n, t, V) tensor fewer (5 GB at
-        # 8 × 1024 × 151,665), and no backward needs the undivided one
+        with fp32_lm_head(model):  # fp32 logits, as generate's
+            logits = model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=False,
+                logits_to_keep=kept + 1,
+            ).logits[:, :-1, :vocab_size]
+        # (n, t, V) fp32 from the head (a no-op .float()), divided in place: no second fp32 (n, t, V)
+        # tensor (5 GB at 8 × 1024 × 151,665), and no backward needs the undivided one
         logits = logits.float().div_(scale)
         log_normaliser = torch.logsumexp(logits, dim=-1)  # (n, t)
         token_logits = logits.gather(-1, chunk[2][:, :, None]).squeeze(-1)  # (n, t)

@@ -1,0 +1,78 @@
+"""Under bf16 autocast (the GPU recipe) the LM head computes in fp32, in generate and in
+sequence_logprobs alike (fp32_lm_head): logits rounded to bf16 lie on a grid of 2^-7 of their
+size (0.125 near 20), and that rounding reaches the sampler's and the trainer's log-probs. Run
+here under CPU bf16 autocast, which takes the same code."""
+
+import pytest
+import torch
+
+import common
+import dapo
+import grpo
+import ppo
+
+SCRIPTS = [grpo, dapo, ppo]
+
+
+def tiny():
+    model, tokenizer, _ = common.load_model("tiny", torch.device("cpu"), torch.float32)
+    return model.eval(), tokenizer
+
+
+def test_the_logits_are_the_fp32_product_of_the_hidden_state_and_the_head():
+    model, _ = tiny()
+    ids = torch.tensor([[5, 9, 13, 2]])
+    head = model.get_output_embeddings()
+    seen = {}
+    hook = head.register_forward_hook(lambda module, inputs, output: seen.update(hidden=inputs[0], logits=output))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = model(input_ids=ids).logits
+        rounded = seen["logits"]
+        with grpo.fp32_lm_head(model):
+            fp32 = model(input_ids=ids).logits
+    hook.remove()
+    assert bf16.dtype == rounded.dtype == torch.bfloat16 and fp32.dtype == torch.float32
+    # the head's product in fp32 of what reached it (the backbone stays bf16 under autocast)
+    expected = seen["hidden"].float() @ head.weight.float().T
+    torch.testing.assert_close(fp32, expected, rtol=0, atol=1e-5)
+    # not bf16's numbers: most fp32 logits fall between two bf16 values, and autocast's differ
+    assert (fp32 != fp32.to(torch.bfloat16).float()).float().mean() > 0.9
+    assert (bf16.float() - expected).abs().max() > 0
+    assert "forward" not in head.__dict__  # the head is itself again outside
+
+
+def test_no_autocast_no_change_and_a_lora_head_is_left_alone():
+    model, _ = tiny()
+    head = model.get_output_embeddings()
+    with grpo.fp32_lm_head(model):  # fp32 everywhere already: nothing to do
+        assert "forward" not in head.__dict__
+
+    class Adapted(torch.nn.Module):  # stands for peft's LoRA-wrapped head: not a plain Linear
+        def __init__(self, base):
+            super().__init__()
+            self.base_layer = base
+
+        def forward(self, hidden):
+            return self.base_layer(hidden)
+
+    model.lm_head = Adapted(head)
+    with torch.autocast("cpu", dtype=torch.bfloat16), grpo.fp32_lm_head(model):
+        assert "forward" not in model.lm_head.__dict__
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.__name__)
+def test_generate_and_sequence_logprobs_both_read_fp32_logits(script):
+    model, tokenizer = tiny()
+    head = model.get_output_embeddings()
+    dtypes = []
+    hook = head.register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))
+    ids = torch.randint(3, 300, (4, 7))
+    mask = torch.ones_like(ids)
+    torch.manual_seed(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        completion, completion_mask, _, sample_logp = script.generate(model, ids, mask, 6, [], 0, 300, temperature=1.0)
+        logp, _ = script.sequence_logprobs(model, ids, mask, completion, completion_mask, 1.0, 300, chunk_size=2)
+    hook.remove()
+    assert dtypes and set(dtypes) == {torch.float32}  # the prefill, every decode step, every chunk
+    # sampler and scorer agree to what the bf16 backbone's batch shapes leave
+    assert (logp - sample_logp)[completion_mask.bool()].abs().max() < 0.1
