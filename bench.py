@@ -495,8 +495,8 @@ def bench_logprob_gap(args, model, tokenizer, vocab_size, device) -> list[dict]:
             grpo.fp32_lm_head = real_head
         gap = (logp - sample_logp)[completion_mask.bool()].abs()
         rows.append(
-            {"LM head": head, "N": args.gap_rows, "tokens": len(gap), "mean |Δ|": gap.mean().item()}
-            | {"max |Δ|": gap.max().item(), "share > 0.01": (gap > 0.01).float().mean().item()}
+            {"LM head": head, "N": args.gap_rows, "tokens": len(gap), "mean abs Δ": gap.mean().item()}
+            | {"max abs Δ": gap.max().item(), "share > 0.01": (gap > 0.01).float().mean().item()}
         )
         print(rows[-1], flush=True)
     return rows

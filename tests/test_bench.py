@@ -88,3 +88,17 @@ def test_decode_bytes_by_hand():
     assert abs(row["ideal GB/step"] * 1e9 - (2 * weights + 32 * live)) < 1e-6
     assert abs(row["nanopo GB/step"] * 1e9 - (2 * weights + 160)) < 1e-6
     assert abs(row["static GB/step"] * 1e9 - (2 * weights + 1200)) < 1e-6
+
+
+def test_bench_logprob_gap(tmp_path):
+    # --gap_rows: generate's and sequence_logprobs' log-probs under bf16 autocast, the LM head in
+    # bf16 and in fp32; the gaps are small but not 0 (bf16 is not fp32), and the table prints.
+    output = tmp_path / "bench.json"
+    command = [sys.executable, "bench.py", "--model", "tiny", "--batch_sizes", "", "--max_new_tokens", "6"]
+    command += ["--gap_rows", "4", "--group_size", "2", "--train_steps", "", "--logprob_rows", "0"]
+    done = subprocess.run(command + ["--output", str(output)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(output.read_text())["logprob_gap"]
+    assert [row["LM head"] for row in rows] == ["bf16", "fp32"]
+    assert all(row["tokens"] > 0 and 0 < row["max abs Δ"] < 0.1 for row in rows)
+    assert "| LM head | N | tokens |" in done.stdout
