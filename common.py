@@ -719,6 +719,9 @@ class AdaptersOff:
         with self.policy.disable_adapter():
             return self.policy(**inputs)
 
+    def get_output_embeddings(self):  # the policy's LM head, which the scripts' fp32_lm_head reads
+        return self.policy.get_output_embeddings()
+
 
 def is_lora(model) -> bool:
     return hasattr(model, "peft_config")

@@ -76,3 +76,24 @@ def test_generate_and_sequence_logprobs_both_read_fp32_logits(script):
     assert dtypes and set(dtypes) == {torch.float32}  # the prefill, every decode step, every chunk
     # sampler and scorer agree to what the bf16 backbone's batch shapes leave
     assert (logp - sample_logp)[completion_mask.bool()].abs().max() < 0.1
+
+
+def test_the_lora_reference_scores_with_the_fp32_head_too():
+    # With LoRA the reference is the policy with its adapters off (common.AdaptersOff): its
+    # log-probs must come from the same fp32 head as the policy's, or the KL term would read
+    # bf16's rounding. The default targets (all-linear) leave the LM head a plain Linear.
+    from types import SimpleNamespace
+
+    model, _ = tiny()
+    policy = common.with_adapters(model, SimpleNamespace(lora_rank=4, lora_alpha=8.0, lora_targets="all-linear"))
+    reference = common.AdaptersOff(policy)
+    dtypes = []
+    hook = policy.get_output_embeddings().register_forward_hook(lambda m, i, output: dtypes.append(output.dtype))
+    ids = torch.randint(3, 300, (2, 5))
+    completion = torch.randint(3, 300, (2, 3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        grpo.sequence_logprobs(
+            reference, ids, torch.ones_like(ids), completion, torch.ones_like(completion), 1.0, 300, 2
+        )
+    hook.remove()
+    assert dtypes == [torch.float32]
