@@ -15,8 +15,10 @@ import random
 import re
 import shlex
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import NoReturn
@@ -172,6 +174,25 @@ def stop_interrupted(script: str, checkpoint: Path | None, steps_done: int) -> N
     if rank() == 0:  # under torchrun every rank stops, one prints
         print(message, file=sys.stderr)
     raise SystemExit(130)
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """Ctrl-C (SIGINT) within it takes effect when it ends, as a KeyboardInterrupt there: a
+    checkpoint's save and the clean-up of the one before run to the end, so the checkpoint that
+    stop_interrupted names is whole and keeps its trainer state. Elsewhere than in the main
+    thread (where Python runs signal handlers) it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda number, frame: received.append(number))
+    try:
+        yield
+    finally:  # None: a handler that was not set from Python; Python's own is the usual one
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+    if received:
+        raise KeyboardInterrupt
 
 
 def record_args(run_dir: Path, args, resumed_at: int | None = None) -> None:
@@ -994,6 +1015,7 @@ class Run:
         self.state, self.reward_key = dict(state or {}), reward_key
         self.newest_checkpoint: Path | None = None
         self.start_step, self.progress, self.trackers = 0, None, []
+        self.steps_done = 0  # steps whose metrics row is written (a resume starts at its checkpoint's)
         if not args.resume_from:
             self.dir = broadcast(make_run_dir(args, algo) if rank() == 0 else None)
             self.trackers = open_trackers(args, self.dir, algo) if rank() == 0 else []
@@ -1018,7 +1040,7 @@ class Run:
                 )
             set_master_weights(policy, saved["master_weights"])
         set_rng_states(saved["rng"])
-        self.start_step = saved["step"]
+        self.start_step = self.steps_done = saved["step"]
         self.newest_checkpoint = Path(args.resume_from)
         self.dir = self.newest_checkpoint.parent
         barrier()  # every rank has read the checkpoint before rank 0 writes beside it
@@ -1052,6 +1074,7 @@ class Run:
             append_jsonl(self.dir / "metrics.jsonl", metrics)
             for tracker in self.trackers:  # --report_to: the same row, with its step
                 tracker.log(metrics, done)
+        self.steps_done = done
         if self.progress is not None and self.reward_key in metrics:
             shown = {"reward": f"{metrics[self.reward_key]:.3f}"}
             if "completion/length_mean" in metrics:
@@ -1081,13 +1104,14 @@ class Run:
         trainer_state |= {"rng": rng_states(), "args": vars(self.args), "world_size": world_size()}
         if self.keep_masters:
             trainer_state["master_weights"] = master_weights(self.policy)
-        save_checkpoint(
-            self.dir / name, self.policy, self.tokenizer, trainer_state, extra=self.write_extra,
-            final=name == "final", dtype=self.save_dtype,
-        )  # fmt: skip
-        if self.newest_checkpoint is not None and self.newest_checkpoint != self.dir / name and rank() == 0:
-            drop_trainer_state(self.newest_checkpoint, self.resume_only)
-        self.newest_checkpoint = self.dir / name
+        with interrupts_deferred():  # Ctrl-C names a checkpoint that is whole and holds the trainer state
+            save_checkpoint(
+                self.dir / name, self.policy, self.tokenizer, trainer_state, extra=self.write_extra,
+                final=name == "final", dtype=self.save_dtype,
+            )  # fmt: skip
+            older, self.newest_checkpoint = self.newest_checkpoint, self.dir / name
+            if older is not None and older != self.newest_checkpoint and rank() == 0:
+                drop_trainer_state(older, self.resume_only)
 
     def __enter__(self):
         return self
@@ -1097,10 +1121,9 @@ class Run:
             tracker.close(failed=kind is not None)
         self.trackers = []
         if kind is KeyboardInterrupt:  # one line naming the newest checkpoint, not a traceback
-            steps_done = self.progress.n if self.progress is not None else self.start_step
             if self.progress is not None:
                 self.progress.close()
-            stop_interrupted(f"{self.algo}.py", self.newest_checkpoint, steps_done)
+            stop_interrupted(f"{self.algo}.py", self.newest_checkpoint, self.steps_done)
 
 
 # ----------------------------------------------------------------------------------------

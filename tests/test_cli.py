@@ -121,16 +121,20 @@ def test_ctrl_c_names_the_newest_checkpoint_and_the_resume_command(script, tmp_p
         sys.executable, str(ROOT / script), "--model", "tiny", "--task", "digit", "--max_new_tokens", "4",
         "--batch_size", "2", "--group_size", "2", "--max_steps", "10000", "--save_every", "1", "--output_dir", "out",
     ] + (["--overlong_buffer", "2"] if script == "dapo.py" else [])  # fmt: skip
-    process = subprocess.Popen(command, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    # stderr to a file, not a pipe: nothing reads a pipe while the run trains, and a child whose
+    # progress bars and warnings filled one would block on its next write, never reach step 2.
+    with open(tmp_path / "stderr.txt", "w") as log:
+        process = subprocess.Popen(command, cwd=tmp_path, stderr=log, text=True)
     deadline = time.monotonic() + 240
     while not list(tmp_path.glob("out/*/step-000002")) and time.monotonic() < deadline and process.poll() is None:
         time.sleep(0.2)
     process.send_signal(signal.SIGINT)
     try:
-        _, stderr = process.communicate(timeout=120)
+        process.wait(timeout=120)
     except subprocess.TimeoutExpired:
         process.kill()
         raise
+    stderr = (tmp_path / "stderr.txt").read_text()
     assert process.returncode == 130, stderr[-2000:]
     assert "Traceback" not in stderr
     last = stderr.strip().splitlines()[-1]

@@ -2,7 +2,9 @@
 
 import json
 import os
+import signal
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +18,7 @@ from common import (
     TINY_VOCAB,
     Run,
     append_jsonl,
+    interrupts_deferred,
     load_model,
     load_trainer_state,
     make_optimizer,
@@ -287,8 +290,48 @@ def test_ctrl_c_in_a_run_stops_with_the_newest_checkpoint(tiny, tmp_path, capsys
                 raise KeyboardInterrupt
     assert stop.value.code == 130
     message = capsys.readouterr().err
-    assert f"Interrupted after 2 steps. Newest checkpoint: {run.dir / 'step-000002'}." in message
+    # Three steps ended (their metrics rows are written); the newest checkpoint is step 2's (save_every 2).
+    assert f"Interrupted after 3 steps. Newest checkpoint: {run.dir / 'step-000002'}." in message
     assert f"--resume_from {run.dir / 'step-000002'}" in message
+
+
+def test_ctrl_c_during_a_save_finishes_it_and_names_it(tiny, tmp_path, capsys):
+    # SIGINT (Ctrl-C) arrives while step-000002 is being written (from write_extra, inside the
+    # save). The save and the clean-up of step-000001's trainer state run to the end; then the run
+    # stops and names step-000002, which holds the trainer state: its resume command works.
+    model, tokenizer, _ = tiny
+    saves = []
+
+    def write_extra(directory):
+        saves.append(directory)
+        if len(saves) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            (Path(directory) / "after_the_signal.txt").write_text("the save went on")
+
+    settings = dict(resumable={}, same_on_resume=("model",), evaluate=None, write_extra=write_extra)
+    run = Run(run_args(tmp_path, eval_every=0, save_every=1), "grpo", model, tokenizer, **settings)
+    with pytest.raises(SystemExit) as stop, run:
+        for step in run.steps():
+            run.end_step(step, {}, {})
+    assert stop.value.code == 130 and len(saves) == 2
+    newest = run.dir / "step-000002"
+    assert (newest / "after_the_signal.txt").exists() and (newest / "trainer_state.pt").exists()
+    assert not (run.dir / "step-000001" / "trainer_state.pt").exists()
+    assert f"Interrupted after 2 steps. Newest checkpoint: {newest}." in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own handler is back
+
+
+def test_interrupts_deferred_raises_once_it_ends():
+    # Nothing interrupts the block; the KeyboardInterrupt comes when it ends, and without a
+    # signal the block ends as usual.
+    finished = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            finished.append(True)
+    assert finished == [True]
+    with interrupts_deferred():
+        pass
 
 
 def test_the_cpu_tier_runs_on_the_cpu():
