@@ -136,6 +136,7 @@ class Args:
     length_adaptive_lam: bool = arg(False, "VAPO: λ_actor = 1 − 1/(α·|o|) per completion, clamped at 0")
     lam_alpha: float = arg(0.05, "α of the length-adaptive λ_actor (VAPO)")
     value_warmup_steps: int = arg(0, "VAPO value pretraining: only the critic learns for the first K steps")
+    whiten_advantages: bool = arg(True, "whiten Â over the batch's valid tokens (PPO2, verl); false: GAE's Â as it is")
     whiten_eps: float = arg(1e-8, "added to the batch variance when whitening Â")
     pos_lm_coef: float = arg(0.0, "μ, VAPO's positive-example LM loss: + μ·NLL of the correct completions (VAPO: 0.1)")
     tis_cap: float = arg(0.0, "C, truncated IS: each token's policy-gradient term × min(π_θold/π_sampler, C); 0 = off")
@@ -1340,14 +1341,18 @@ def train(args: Args) -> Path:
             critic.train()
             seconds_logprobs = time.perf_counter() - timer
 
-            # 5. Per-token rewards; GAE gives the actor's Â (λ_actor, whitened) and the critic's
-            #    return targets (λ_critic).
+            # 5. Per-token rewards; GAE gives the actor's Â (λ_actor, whitened unless
+            #    --whiten_advantages false) and the critic's return targets (λ_critic).
             per_token_reward = token_rewards(batch.rewards, old_logp, ref_logp, batch.completion_mask, args.beta)
             lengths = batch.completion_mask.sum(-1)  # (N,)
             lam_actor = adaptive_lambda(lengths, args.lam_alpha) if args.length_adaptive_lam else args.lam_actor
             raw_advantages, _ = gae(per_token_reward, old_values, batch.completion_mask, args.gamma, lam_actor)
             _, returns = gae(per_token_reward, old_values, batch.completion_mask, args.gamma, args.lam_critic)
-            advantages = masked_whiten(raw_advantages, batch.completion_mask, args.whiten_eps, all_reduce)  # (N, T)
+            # Whitened, Â has unit scale even in a batch whose returns hardly vary (every completion
+            # 0.1): the critic's noise then pushes the policy as hard as a right answer would.
+            advantages = raw_advantages  # (N, T)
+            if args.whiten_advantages:
+                advantages = masked_whiten(raw_advantages, batch.completion_mask, args.whiten_eps, all_reduce)
 
             # 6. PPO epochs over shuffled mini-batches: one actor step (none during the value
             #    warm-up) and one critic step per mini-batch.

@@ -376,6 +376,34 @@ def test_train_wires_gae_whitening_and_adaptive_lambda(tmp_path, monkeypatch):
     assert calls[0]["out"][0].abs().max() > 0  # the comparison above is not one of zeros
 
 
+def test_without_whitening_the_actor_gets_gae_advantages_as_they_are(tmp_path, monkeypatch):
+    # --whiten_advantages false: the advantages policy_backward receives are the first gae call's
+    # (λ_actor), unchanged: in reward units, so a batch whose returns hardly vary pushes little.
+    calls, seen = [], {}
+    real_gae, real_policy_backward = ppo.gae, ppo.policy_backward
+
+    def recording_gae(rewards, values, mask, gamma, lam):
+        calls.append(real_gae(rewards, values, mask, gamma, lam))
+        return calls[-1]
+
+    def recording_policy_backward(policy, batch, *rest, **options):
+        seen["advantages"] = batch["advantages"]
+        return real_policy_backward(policy, batch, *rest, **options)
+
+    monkeypatch.setattr(ppo, "gae", recording_gae)
+    monkeypatch.setattr(ppo, "policy_backward", recording_policy_backward)
+    train(
+        Args(model="tiny", task="digit", max_new_tokens=2, batch_size=8, group_size=4, max_steps=1,
+             num_mini_batches=1, whiten_advantages=False, save_every=0, output_dir=str(tmp_path))
+    )  # fmt: skip
+    raw = calls[0][0]  # (N, T)
+    assert sorted(map(tuple, seen["advantages"].tolist())) == sorted(map(tuple, raw.tolist()))
+    assert raw.abs().max() > 0  # not a comparison of zeros
+    assert not torch.allclose(
+        raw, masked_whiten(raw, (raw != 0).long(), Args.whiten_eps)
+    )  # whitening would change them
+
+
 def test_value_head_stays_fp32_when_the_backbone_is_bf16():
     # --dtype bfloat16 stores the backbone in bf16; the head must stay fp32: bf16 would store
     # 0.99 as 0.98828125 and round a 1e-5-sized update of it away.
