@@ -180,17 +180,19 @@ def stop_interrupted(script: str, checkpoint: Path | None, steps_done: int) -> N
 def interrupts_deferred():
     """Ctrl-C (SIGINT) within it takes effect when it ends, as a KeyboardInterrupt there: a
     checkpoint's save and the clean-up of the one before run to the end, so the checkpoint that
-    stop_interrupted names is whole and keeps its trainer state. Elsewhere than in the main
-    thread (where Python runs signal handlers) it changes nothing."""
-    if threading.current_thread() is not threading.main_thread():
+    stop_interrupted names is whole and keeps its trainer state. It changes nothing where SIGINT
+    does not raise KeyboardInterrupt (ignored, as in a job a script started in the background, or
+    handled by the caller's own handler) or outside the main thread, where Python runs none."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         yield
         return
     received = []
-    previous = signal.signal(signal.SIGINT, lambda number, frame: received.append(number))
+    signal.signal(signal.SIGINT, lambda number, frame: received.append(number))
     try:
         yield
-    finally:  # None: a handler that was not set from Python; Python's own is the usual one
-        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if received:
         raise KeyboardInterrupt
 

@@ -332,6 +332,14 @@ def test_interrupts_deferred_raises_once_it_ends():
     assert finished == [True]
     with interrupts_deferred():
         pass
+    # Where SIGINT is ignored (a background job's), it stays ignored, within and after.
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with interrupts_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_the_cpu_tier_runs_on_the_cpu():
