@@ -180,15 +180,24 @@ def stop_interrupted(script: str, checkpoint: Path | None, steps_done: int) -> N
 def interrupts_deferred():
     """Ctrl-C (SIGINT) within it takes effect when it ends, as a KeyboardInterrupt there: a
     checkpoint's save and the clean-up of the one before run to the end, so the checkpoint that
-    stop_interrupted names is whole and keeps its trainer state. It changes nothing where SIGINT
-    does not raise KeyboardInterrupt (ignored, as in a job a script started in the background, or
-    handled by the caller's own handler) or outside the main thread, where Python runs none."""
+    stop_interrupted names is whole and keeps its trainer state. A second Ctrl-C stops at once
+    (a save that hangs can still be stopped), and an error raised within wins over a deferred
+    Ctrl-C. It changes nothing where SIGINT does not raise KeyboardInterrupt (ignored, as in a
+    job a script started in the background, or the caller's own handler), outside the main
+    thread (Python runs no handler there), or under torchrun: each rank would wait for its own
+    save while another, stopped already, never joins the collective the save waits in."""
     main = threading.current_thread() is threading.main_thread()
-    if not main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    if not main or world_size() > 1 or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         yield
         return
     received = []
-    signal.signal(signal.SIGINT, lambda number, frame: received.append(number))
+
+    def defer(number, frame):
+        if received:
+            raise KeyboardInterrupt
+        received.append(number)
+
+    signal.signal(signal.SIGINT, defer)
     try:
         yield
     finally:

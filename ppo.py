@@ -991,7 +991,7 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, completion_m
 def ppo_loss(
     logp: torch.Tensor,  # (n, T) log π_θ, with grad
     old_logp: torch.Tensor,  # (n, T) log π_θold, recorded before the first update
-    advantages: torch.Tensor,  # (n, T) whitened Â_t
+    advantages: torch.Tensor,  # (n, T) Â_t, whitened unless --whiten_advantages false
     completion_mask: torch.Tensor,  # (n, T) the loss's tokens: less what --is_mask drops
     eps_low: float,
     eps_high: float,

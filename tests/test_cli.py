@@ -3,6 +3,7 @@ numbers, out-of-range values and wrong tasks stop with a message before any mode
 Ctrl-C names the newest checkpoint and the command that resumes it; a resumed run records
 the arguments it went on with."""
 
+import functools
 import json
 import shutil
 import signal
@@ -124,7 +125,9 @@ def test_ctrl_c_names_the_newest_checkpoint_and_the_resume_command(script, tmp_p
     # stderr to a file, not a pipe: nothing reads a pipe while the run trains, and a child whose
     # progress bars and warnings filled one would block on its next write, never reach step 2.
     with open(tmp_path / "stderr.txt", "w") as log:
-        process = subprocess.Popen(command, cwd=tmp_path, stderr=log, text=True)
+        # SIGINT as an interactive shell leaves it: a pytest started in the background inherits it ignored
+        restore_sigint = functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL)
+        process = subprocess.Popen(command, cwd=tmp_path, stderr=log, text=True, preexec_fn=restore_sigint)
     deadline = time.monotonic() + 240
     while not list(tmp_path.glob("out/*/step-000002")) and time.monotonic() < deadline and process.poll() is None:
         time.sleep(0.2)

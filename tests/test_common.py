@@ -295,7 +295,16 @@ def test_ctrl_c_in_a_run_stops_with_the_newest_checkpoint(tiny, tmp_path, capsys
     assert f"--resume_from {run.dir / 'step-000002'}" in message
 
 
-def test_ctrl_c_during_a_save_finishes_it_and_names_it(tiny, tmp_path, capsys):
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler for the test, as an interactive run has: a pytest started in the
+    background by a script inherits SIGINT ignored, and interrupts_deferred then rightly does nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_during_a_save_finishes_it_and_names_it(tiny, tmp_path, capsys, python_sigint):
     # SIGINT (Ctrl-C) arrives while step-000002 is being written (from write_extra, inside the
     # save). The save and the clean-up of step-000001's trainer state run to the end; then the run
     # stops and names step-000002, which holds the trainer state: its resume command works.
@@ -321,7 +330,7 @@ def test_ctrl_c_during_a_save_finishes_it_and_names_it(tiny, tmp_path, capsys):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own handler is back
 
 
-def test_interrupts_deferred_raises_once_it_ends():
+def test_interrupts_deferred_raises_once_it_ends(python_sigint):
     # Nothing interrupts the block; the KeyboardInterrupt comes when it ends, and without a
     # signal the block ends as usual.
     finished = []
@@ -332,14 +341,34 @@ def test_interrupts_deferred_raises_once_it_ends():
     assert finished == [True]
     with interrupts_deferred():
         pass
-    # Where SIGINT is ignored (a background job's), it stays ignored, within and after.
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A second Ctrl-C stops at once: a save that hangs can still be stopped.
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+            finished.append(False)  # not reached
+    assert finished == [True]
+    # An error within wins over a deferred Ctrl-C, and Python's handler is back after it.
+    with pytest.raises(ValueError):
+        with interrupts_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            raise ValueError("the save failed")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize("handler", [signal.SIG_IGN, "own"], ids=["ignored", "own handler"])
+def test_interrupts_deferred_leaves_other_handlers_alone(handler):
+    # Where SIGINT is ignored (a background job's) or handled by the caller, it stays so, within and after.
+    seen = []
+    handler = (lambda number, frame: seen.append(number)) if handler == "own" else handler
+    previous = signal.signal(signal.SIGINT, handler)
     try:
         with interrupts_deferred():
             os.kill(os.getpid(), signal.SIGINT)
-        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) is handler
     finally:
         signal.signal(signal.SIGINT, previous)
+    assert seen == ([] if handler is signal.SIG_IGN else [signal.SIGINT])  # the caller's own handler ran
 
 
 def test_the_cpu_tier_runs_on_the_cpu():
