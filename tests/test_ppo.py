@@ -383,8 +383,8 @@ def test_without_whitening_the_actor_gets_gae_advantages_as_they_are(tmp_path, m
     real_gae, real_policy_backward = ppo.gae, ppo.policy_backward
 
     def recording_gae(rewards, values, mask, gamma, lam):
-        calls.append(real_gae(rewards, values, mask, gamma, lam))
-        return calls[-1]
+        calls.append((real_gae(rewards, values, mask, gamma, lam), mask))
+        return calls[-1][0]
 
     def recording_policy_backward(policy, batch, *rest, **options):
         seen["advantages"] = batch["advantages"]
@@ -396,12 +396,11 @@ def test_without_whitening_the_actor_gets_gae_advantages_as_they_are(tmp_path, m
         Args(model="tiny", task="digit", max_new_tokens=2, batch_size=8, group_size=4, max_steps=1,
              num_mini_batches=1, whiten_advantages=False, save_every=0, output_dir=str(tmp_path))
     )  # fmt: skip
-    raw = calls[0][0]  # (N, T)
+    (raw, _), mask = calls[0]  # (N, T) each
+    # One mini-batch in a shuffled order: compare as multisets of rows.
     assert sorted(map(tuple, seen["advantages"].tolist())) == sorted(map(tuple, raw.tolist()))
     assert raw.abs().max() > 0  # not a comparison of zeros
-    assert not torch.allclose(
-        raw, masked_whiten(raw, (raw != 0).long(), Args.whiten_eps)
-    )  # whitening would change them
+    assert not torch.allclose(raw, masked_whiten(raw, mask, Args.whiten_eps))  # whitened, they would differ
 
 
 def test_value_head_stays_fp32_when_the_backbone_is_bf16():
