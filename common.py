@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import NoReturn
 
@@ -159,21 +160,99 @@ def stop_interrupted(script: str, checkpoint: Path | None, steps_done: int) -> N
     if checkpoint is None:
         message = f"Interrupted after {steps_done} steps; no checkpoint yet (--save_every sets how often)."
     else:
-        argv, skip = [], False
-        for token in sys.argv[1:]:  # keep every argument but an earlier --resume_from
-            if skip or token.startswith("--resume_from="):
-                skip = False
-            elif token == "--resume_from":
-                skip = True
-            else:
-                argv.append(token)
-        if sys.argv and sys.argv[0].endswith(".py"):
-            script = sys.argv[0]  # as the user typed it (path/to/grpo.py)
-        command = shlex.join(["python", script, *argv, "--resume_from", str(checkpoint)])
+        command = resume_command(script, checkpoint)
         message = f"Interrupted after {steps_done} steps. Newest checkpoint: {checkpoint}. Continue with: {command}"
     if rank() == 0:  # under torchrun every rank stops, one prints
         print(message, file=sys.stderr)
     raise SystemExit(130)
+
+
+# The mean |log π_sampler − log π_trainer| over a step's tokens (policy/sample_logp_diff) that no
+# correct run reaches. fp32: ~2e-7 on the tiny model, ~1e-6 on SmolLM2-135M. bf16 autocast: 0.014 on
+# SmolLM2-135M under CPU autocast (docs/speed.md; a GPU's kernels not yet measured); the CUDA tier
+# fails above 0.05. A sliding window left out of generate: a mean of 0.003-0.13 in fp32 on the tiny
+# family models with a window of 8 (tests/families.py), 8.7 nats at most on Gemma 3 270M.
+SAMPLER_GAP_BOUND = {"fp32": 1e-3, "bf16": 0.05}
+
+# The function a CUDA out-of-memory error rose through (the outermost of these on its traceback) ->
+# the phase it names and the flags that lower that phase's memory.
+MEMORY_PHASES = {
+    "evaluate_heldout": ("held-out evaluation", "--eval_batch_size (problems generated at once), --max_new_tokens"),
+    "rollout": (
+        "generation (steps 1-3)",
+        "--batch_size or --group_size (rows decoded at once), --max_new_tokens (the KV cache holds "
+        "rows × (prompt + max_new_tokens) positions in every layer), --dtype bfloat16",
+    ),
+    "old_and_ref_logprobs": ("scoring (step 4)", "--logprob_chunk_size (rows scored at once), --beta 0 (no reference)"),
+    "critic_values": ("the critic's values (step 4)", "--logprob_chunk_size (rows scored at once)"),
+    "policy_backward": (
+        "the policy update (step 6)",
+        "--micro_batch_size (rows per forward and backward), --gradient_checkpointing true, --lora_rank 32",
+    ),
+    "critic_backward": ("the critic update", "--micro_batch_size, --gradient_checkpointing true"),
+    "optimizer_step": (
+        "the optimizer step",
+        "--lora_rank 32 (AdamW's moments for the adapters only), --dtype bfloat16",
+    ),
+}
+
+
+def out_of_memory_message(error: BaseException, checkpoint: Path | None, script: str) -> str:
+    """One message for a CUDA out-of-memory error in place of its traceback: the phase it rose in
+    (MEMORY_PHASES), the shapes that phase was working on, the GPU's memory, the flags that lower
+    that phase's memory, and the newest checkpoint to resume from."""
+    frames, traceback = [], error.__traceback__
+    while traceback is not None:  # outermost first: train(), then what it called
+        frames.append(traceback.tb_frame)
+        traceback = traceback.tb_next
+    phase, flags = "an unnamed phase", "--micro_batch_size, --logprob_chunk_size, --batch_size"
+    shapes = ""
+    for frame in frames:
+        if frame.f_code.co_name in MEMORY_PHASES:
+            phase, flags = MEMORY_PHASES[frame.f_code.co_name]
+            break
+    for frame in reversed(frames):  # the innermost frame holding token ids: the rows and columns being computed
+        tensors = {
+            name: tuple(value.shape)
+            for name, value in frame.f_locals.items()
+            if name in ("input_ids", "prompt_ids", "completion_ids") and isinstance(value, torch.Tensor)
+        }
+        if tensors:
+            shapes = ", ".join(f"{name} {list(shape)}" for name, shape in tensors.items())
+            shapes = f" on {shapes} (rows, tokens) in {frame.f_code.co_name}()"
+            break
+    memory = "no CUDA device"
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        peak = torch.cuda.max_memory_allocated()
+        memory = (
+            f"{total / 2**30:.1f} GiB in all, {free / 2**30:.1f} GiB free now, {peak / 2**30:.1f} GiB this run's peak"
+        )
+    resume = (
+        f"Newest checkpoint: {checkpoint}. Continue with: {resume_command(script, checkpoint)}"
+        if checkpoint is not None
+        else "No checkpoint was written yet (--save_every sets how often)."
+    )
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return (
+        f"Out of GPU memory in {phase}{shapes}. GPU: {memory}. Lower this phase's memory with {flags} "
+        f"(docs/models.md: memory). {resume}\n(torch: {first_line})"
+    )
+
+
+def resume_command(script: str, checkpoint: Path) -> str:
+    """The command that continues this run from `checkpoint`: the same arguments, --resume_from it."""
+    argv, skip = [], False
+    for token in sys.argv[1:]:  # keep every argument but an earlier --resume_from
+        if skip or token.startswith("--resume_from="):
+            skip = False
+        elif token == "--resume_from":
+            skip = True
+        else:
+            argv.append(token)
+    if sys.argv and sys.argv[0].endswith(".py"):
+        script = sys.argv[0]  # as the user typed it (path/to/grpo.py)
+    return shlex.join(["python", script, *argv, "--resume_from", str(checkpoint)])
 
 
 @contextlib.contextmanager
@@ -663,6 +742,8 @@ def load_model(
         # A GGUF file is dequantised into `dtype` directly.
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype if gguf else "auto", **gguf)
     except (OSError, ValueError, KeyError, RuntimeError) as error:  # KeyError: a corrupt tokenizer.json
+        if "Unrecognized configuration class" in str(error):  # transformers has no causal LM of its kind
+            raise SystemExit(not_servable(name, type(error).__name__ + ": " + str(error).splitlines()[0])) from error
         raise SystemExit(
             f"Could not load model {name!r} (resolved to {path!r}): {error}\n"
             "A Hub id needs internet access to huggingface.co, or the model in the local HF cache; "
@@ -671,6 +752,7 @@ def load_model(
         ) from error
     if gguf:
         dequantised(model)
+    check_servable(model, name)
     set_prompt_format(tokenizer, prompt_format, name)
     eos_ids = eos_token_ids(source, tokenizer)
     set_pad_token(tokenizer, eos_ids)
@@ -679,6 +761,33 @@ def load_model(
     if gradient_checkpointing:
         enable_activation_checkpointing(model)
     return model, tokenizer, eos_ids
+
+
+SERVED_LAYER_TYPES = ("full_attention", "sliding_attention")  # the attention generate's KV cache and masks serve
+
+
+def not_servable(name: str, reason: str) -> str:
+    return (
+        f"--model {name!r} cannot be trained here: {reason}. nanoPO trains decoder-only causal language models "
+        f"(AutoModelForCausalLM) whose layers attend over full or sliding windows ({', '.join(SERVED_LAYER_TYPES)}): "
+        "Qwen2/2.5/3, Llama, Mistral, Gemma 2/3, Phi-3, OLMo 2, SmolLM3, gpt-oss, Cohere2 and the like "
+        "(docs/models.md lists the families tested)."
+    )
+
+
+def check_servable(model, name: str) -> None:
+    """Stops, before any step, on a model the scripts cannot serve: an encoder-decoder (T5, BART: the
+    completion would be the decoder's, the prompt the encoder's), or layers that are not attention
+    over a window of one KV cache (Llama 4's chunked attention, Qwen3-Next's linear attention,
+    state-space layers), which generate's cache and masks do not reproduce."""
+    config = model.config.get_text_config()
+    if getattr(model.config, "is_encoder_decoder", False) or getattr(config, "is_encoder_decoder", False):
+        raise SystemExit(not_servable(name, f"{model.config.model_type} is an encoder-decoder model"))
+    if model.get_output_embeddings() is None:
+        raise SystemExit(not_servable(name, f"{type(model).__name__} has no language-model head"))
+    unknown = sorted(set(getattr(config, "layer_types", None) or ()) - set(SERVED_LAYER_TYPES))
+    if unknown:
+        raise SystemExit(not_servable(name, f"{config.model_type} has layers of type {', '.join(unknown)}"))
 
 
 def enable_activation_checkpointing(model) -> None:
@@ -1025,6 +1134,7 @@ class Run:
         self.keep_masters = not is_lora(policy) and self.save_dtype != next(policy.parameters()).dtype
         self.state, self.reward_key = dict(state or {}), reward_key
         self.newest_checkpoint: Path | None = None
+        self.gap_warned = False  # check_sampler_gap warns once a run
         self.start_step, self.progress, self.trackers = 0, None, []
         self.steps_done = 0  # steps whose metrics row is written (a resume starts at its checkpoint's)
         if not args.resume_from:
@@ -1086,6 +1196,7 @@ class Run:
             for tracker in self.trackers:  # --report_to: the same row, with its step
                 tracker.log(metrics, done)
         self.steps_done = done
+        self.check_sampler_gap(metrics)
         if self.progress is not None and self.reward_key in metrics:
             shown = {"reward": f"{metrics[self.reward_key]:.3f}"}
             if "completion/length_mean" in metrics:
@@ -1102,6 +1213,26 @@ class Run:
                 tracker.log_samples(samples, done)
         if args.save_every and done % args.save_every == 0 and done < args.max_steps:
             self.save(f"step-{done:06d}", done)
+
+    def check_sampler_gap(self, metrics: dict) -> None:
+        """Warns once when the mean gap between the log-probs the sampler drew tokens with and the
+        trainer's (policy/sample_logp_diff) passes SAMPLER_GAP_BOUND: no correct run reaches it,
+        and past it every ratio and importance weight compares the wrong distributions."""
+        gap = metrics.get("policy/sample_logp_diff")
+        fp32 = self.save_dtype == torch.float32  # the dtype the model computes in
+        bound = SAMPLER_GAP_BOUND["fp32" if fp32 else "bf16"]
+        if gap is None or gap <= bound or self.gap_warned or rank() != 0:
+            return
+        self.gap_warned = True
+        warnings.warn(
+            f"policy/sample_logp_diff = {gap:.3g} at step {metrics['step']}: the sampler's log-probs differ from "
+            f"the trainer's by more than any correct {'fp32' if fp32 else 'bf16'} run ({bound:g}). generate is not "
+            "sampling from the model it trains, so every ratio is off before any update: a model family whose "
+            "attention generate does not reproduce, or a kernel that differs. docs/models.md says which "
+            "families are checked; tests/families.py checks one.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     def save_final(self) -> None:
         self.save("final", self.args.max_steps)
@@ -1135,6 +1266,11 @@ class Run:
             if self.progress is not None:
                 self.progress.close()
             stop_interrupted(f"{self.algo}.py", self.newest_checkpoint, self.steps_done)
+        if kind is not None and issubclass(kind, torch.OutOfMemoryError):  # one message, whichever rank ran out
+            if self.progress is not None:
+                self.progress.close()
+            print(out_of_memory_message(error, self.newest_checkpoint, f"{self.algo}.py"), file=sys.stderr)
+            raise SystemExit(1) from None
 
 
 # ----------------------------------------------------------------------------------------

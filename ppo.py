@@ -40,14 +40,16 @@ Shape letters in comments:
 
 import contextlib
 import functools
+import inspect
 import random
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AttentionInterface, AutoModel
+from transformers import AttentionInterface, AutoModel, PreTrainedModel
 
 from common import (
     ADAPTER_DIR,
@@ -291,7 +293,9 @@ class KVCache:
         self.slots = None  # (q,) the columns the next forward pass writes: 0 … P-1, then one per token
         self.width = length  # the columns attention reads: 0 … width-1
 
-    def update(self, keys, values, layer: int, *unused):  # keys, values (n, kv heads, q, head dim)
+    # Whatever else a release passes (5.24: kwargs=...; before: cache_kwargs) is not needed here:
+    # the columns come from slots, the positions from the model's own position_ids.
+    def update(self, keys, values, layer: int, *unused, **unused_named):  # keys, values (n, kv heads, q, head dim)
         if layer == len(self.keys):  # the first pass allocates, from the shapes and dtype it brings
             shape = (self.rows, keys.shape[1], self.length, keys.shape[3])
             self.keys.append(values.new_zeros(shape))
@@ -311,6 +315,33 @@ class KVCache:
         self.keys = [buffer[rows] for buffer in self.keys]
         self.values = [buffer[rows] for buffer in self.values]
         self.rows = len(rows)
+
+
+def cache_argument(model) -> str:
+    """The keyword the model's forward takes a KV cache by: `cache` from transformers 5.24 (which
+    deprecates `past_key_values`), `past_key_values` before it and in models that are not
+    transformers'. Read off the transformers model itself, under any wrapper (peft, FSDP2)."""
+    inner = next((module for module in model.modules() if isinstance(module, PreTrainedModel)), model)
+    return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
+
+
+def attention_windows(model) -> dict[str, int | None]:
+    """Makes generate attend as the model does in every layer: each attention type of the model's
+    layers -> its window (None: every earlier token). A sliding-window layer (Mistral, Gemma 2/3,
+    gpt-oss, Cohere2, Qwen2 with use_sliding_window) sees only the last `window` positions, itself
+    included, and transformers applies no window to a 4D mask it is given: generate builds one mask
+    per type. Types come from config.layer_types where the model has it, else one type for every
+    layer, sliding if config.sliding_window is set (Mistral, Phi-3); a model with no config (not
+    transformers') attends over every earlier token."""
+    if getattr(model, "config", None) is None:
+        return {"full_attention": None}
+    config = model.config.get_text_config()
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"]
+    unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+    if unknown:  # chunked (Llama 4), linear (Qwen3-Next), state-space layers: not a window over one cache
+        raise ValueError(f"{config.model_type} has {sorted(unknown)} layers; generate serves full and sliding ones")
+    return {kind: window if kind == "sliding_attention" else None for kind in dict.fromkeys(layer_types)}
 
 
 def decode_widths(prompt_length: int, max_new_tokens: int, smallest: int = 64) -> list[int]:
@@ -342,10 +373,12 @@ def grouped_decode_attention(module, query, key, value, attention_mask, scaling=
 @contextlib.contextmanager
 def grouped_attention(model):
     """Within it the model's attention layers run grouped_decode_attention (registered with
-    transformers' AttentionInterface): generate's one-token step, whose query is one token."""
+    transformers' AttentionInterface): generate's one-token step, whose query is one token. It
+    stands in for sdpa only, the function it computes: a model that runs another attention (eager
+    for gpt-oss's attention sinks and Gemma 2's soft-capped scores) keeps its own."""
     AttentionInterface.register("nanopo_grouped_decode", grouped_decode_attention)
     config = getattr(model, "config", None)
-    if config is None:  # not a transformers model: its own attention runs
+    if getattr(config, "_attn_implementation", None) != "sdpa":  # not sdpa, or not a transformers model
         yield
         return
     attention, config._attn_implementation = config._attn_implementation, "nanopo_grouped_decode"
@@ -406,6 +439,33 @@ def cuda_graph(step, pool=None):
     return replay
 
 
+CAPTURE_FAILED = []  # the error of a CUDA-graph capture that raised: every later decode runs eagerly
+
+
+def captured_or_none(step, pool):
+    """Saves a run that nobody is watching: step() captured as a CUDA graph (cuda_graph), or None
+    if the capture raises (an operation a graph cannot hold, a driver or library that refuses it),
+    after one warning naming the cause; generate then runs the step eagerly, as on the CPU, in this
+    call and every later one. The same tokens either way, only slower. Out of memory is not a
+    capture failure: it goes on up to the run's message about memory."""
+    if CAPTURE_FAILED:
+        return None
+    try:
+        return cuda_graph(step, pool)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as error:  # CUDA and capture errors (torch.AcceleratorError is one)
+        CAPTURE_FAILED.append(error)
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        warnings.warn(
+            f"CUDA-graph capture of the decode step failed ({type(error).__name__}: {first_line}); "
+            "decoding runs eagerly from now on: the same tokens, slower (docs/speed.md).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -458,7 +518,10 @@ def generate(
       the same step runs eagerly: FSDP2's root pre-forward hook makes its all-gather streams
       wait on the current stream, which a capture cannot join.
     The mask is an additive (N, 1, q, S) bias, transformers' 4D format, cut to the width the
-    step attends over: the model uses it as it is (sdpa and eager attention, its defaults, take it).
+    step attends over: the model uses it as it is (sdpa and eager attention, its defaults, take it),
+    adding no sliding window of its own. So there is one mask per attention type of the model's
+    layers (attention_windows), a sliding layer's hiding what lies past its window, handed over
+    as one tensor when every layer is alike and as {layer type: mask} when they mix (Gemma 2/3).
     """
     was_training = model.training
     model.eval()  # no dropout, and gradient checkpointing (train-mode only) keeps the cache
@@ -471,6 +534,12 @@ def generate(
     masked = -1e30  # the bias of a position not attended to: exp() of it is 0, finite in bf16 and fp32
     eos = torch.tensor(eos_ids, device=device)
     cache = KVCache(num_rows, length)
+    windows = attention_windows(model)  # attention type -> window; a mask per type
+
+    def by_type(masks: dict):  # what the model takes: one mask for every layer, or one per layer type
+        return masks if len(masks) > 1 else next(iter(masks.values()))
+
+    cache_name = cache_argument(model)  # the keyword the model takes it by
     check_every = check_every or (16 if cuda else 1)
 
     # Prefill each distinct prompt once (B rows), then copy its keys and values G times.
@@ -482,13 +551,18 @@ def generate(
     causal = torch.ones(prompt_length, prompt_length, dtype=torch.bool, device=device).tril()  # (P, P) keys ≤ query
     visible = torch.zeros(len(counts), prompt_length, prompt_length, dtype=torch.bool, device=device)  # (B, P, P)
     visible[:] = causal & distinct_mask[:, None, :].bool()
-    cache.slots, cache.width = torch.arange(prompt_length, device=device), prompt_length
+    columns = torch.arange(prompt_length, device=device)  # (P,) key columns; a query's column is its row
+    prefill_masks = {  # (B, 1, P, P) per attention type: causal, padding hidden, keys in the window only
+        kind: torch.where(visible & (columns[:, None] - columns < (window or length)), 0.0, masked)[:, None]
+        for kind, window in windows.items()
+    }
+    cache.slots, cache.width = columns, prompt_length
     with fp32_lm_head(model):
         out = model(
             input_ids=distinct_ids,
-            attention_mask=torch.where(visible, 0.0, masked)[:, None],  # (B, 1, P, P) causal, padding hidden
+            attention_mask=by_type(prefill_masks),
             position_ids=position_ids,
-            past_key_values=cache,
+            **{cache_name: cache},
             use_cache=True,
             logits_to_keep=1,
         )
@@ -501,6 +575,10 @@ def generate(
     cache.slots = torch.tensor([prompt_length], device=device)  # (1,) the column its key and value go to
     bias = torch.full((num_rows, 1, 1, length), masked, device=device)  # (n, 1, 1, S)
     bias[:, 0, 0, :prompt_length].masked_fill_(prompt_mask.bool(), 0.0)  # the prompt, not its padding
+    biases = {kind: bias.clone() for kind in windows}  # (n, 1, 1, S) each: the one-token step's masks
+    for kind, window in windows.items():  # the first query, column P, sees columns P-window+1 … P
+        if window:
+            biases[kind][..., : max(prompt_length - window + 1, 0)] = masked
     widths = decode_widths(prompt_length, max_new_tokens)
 
     def step(width: int):
@@ -508,9 +586,9 @@ def generate(
         with grouped_attention(model), fp32_lm_head(model):
             out = model(
                 input_ids=token_in,
-                attention_mask=bias[..., :width],
+                attention_mask=by_type({kind: bias[..., :width] for kind, bias in biases.items()}),
                 position_ids=position,
-                past_key_values=cache,
+                **{cache_name: cache},
                 use_cache=True,
             )
         return out.logits[:, -1, :vocab_size].float()  # (n, V) ids ≥ vocab_size are cut off
@@ -551,15 +629,20 @@ def generate(
                 break
             if len(live) <= compact_below * len(rows):  # the finished rows leave the batch
                 rows, finished, token = rows[live], finished[live], token[live]
-                token_in, position, bias = token_in[live], position[live], bias[live]
+                token_in, position = token_in[live], position[live]
+                biases = {kind: bias[live] for kind, bias in biases.items()}
                 cache.keep_rows(live)
                 graphs = {}  # new buffers, new graphs
         token_in.copy_(token[:, None])
-        bias.index_fill_(-1, cache.slots, 0.0)  # every later token attends to this one
+        for kind, window in windows.items():
+            biases[kind].index_fill_(-1, cache.slots, 0.0)  # later tokens attend to this one (column P+t)…
+            if window and prompt_length + t >= window:  # …and, in a window, no longer to column P+t-window
+                biases[kind].index_fill_(-1, cache.slots - window, masked)
         width = next(w for w in widths if w > prompt_length + t)  # holds columns 0 … P+t
         if pool is not None and width not in graphs:
-            graphs[width] = cuda_graph(functools.partial(step, width), pool)
-        logits = graphs[width]() if pool is not None else step(width)  # (n, V)
+            graphs[width] = captured_or_none(functools.partial(step, width), pool)
+        replay = graphs.get(width)  # None: eager, as on the CPU (no CUDA, torchrun, or a capture that failed)
+        logits = replay() if replay is not None else step(width)  # (n, V)
         position += 1
         cache.slots += 1
     model.train(was_training)

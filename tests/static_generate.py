@@ -5,7 +5,7 @@ completion ends. Only the names changed (StaticKVCache, static_generate)."""
 
 import torch
 
-from grpo import cuda_graph, top_p_filter
+from grpo import cache_argument, cuda_graph, top_p_filter
 
 
 class StaticKVCache:
@@ -20,7 +20,7 @@ class StaticKVCache:
         self.keys, self.values = [], []  # a (N, kv heads, S, head dim) buffer per layer
         self.slots = None  # (q,) the columns the next forward pass writes: 0 … P-1, then one per token
 
-    def update(self, keys, values, layer: int, *unused):  # keys, values (n, kv heads, q, head dim)
+    def update(self, keys, values, layer: int, *unused, **unused_named):  # keys, values (n, kv heads, q, head dim)
         if layer == len(self.keys):  # the first pass allocates, from the shapes and dtype it brings
             shape = (self.rows, keys.shape[1], self.length, keys.shape[3])
             self.keys.append(keys.new_zeros(shape))
@@ -102,7 +102,7 @@ def static_generate(
         input_ids=distinct_ids,
         attention_mask=torch.where(visible, 0.0, masked)[:, None],  # (B, 1, P, S) causal, padding hidden
         position_ids=position_ids,
-        past_key_values=cache,
+        **{cache_argument(model): cache},
         use_cache=True,
         logits_to_keep=1,
     )
@@ -118,7 +118,11 @@ def static_generate(
 
     def step():
         out = model(
-            input_ids=token_in, attention_mask=bias, position_ids=position, past_key_values=cache, use_cache=True
+            input_ids=token_in,
+            attention_mask=bias,
+            position_ids=position,
+            **{cache_argument(model): cache},
+            use_cache=True,
         )
         return out.logits[:, -1, :vocab_size].float()  # (N, V) ids ≥ vocab_size are cut off
 

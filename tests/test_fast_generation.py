@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from common import load_model
-from grpo import encode_prompts, generate, top_p_filter
+from grpo import cache_argument, encode_prompts, generate, top_p_filter
 
 PROMPTS = [  # very different lengths, so the batch is heavily left padded
     [{"role": "user", "content": "Hi"}],
@@ -84,7 +84,7 @@ def loop_generate(
             input_ids=token[:, None],
             attention_mask=attention_mask,
             position_ids=next_position,
-            past_key_values=out.past_key_values,
+            **{cache_argument(model): out[cache_argument(model)]},  # transformers 5.24: `cache`
             use_cache=True,
         )
         next_position = next_position + 1

@@ -1,0 +1,164 @@
+"""The family matrix (tests/families.py): for every model family people fine-tune with RL, a tiny
+random model built from transformers' own config class, its sliding windows (where it has them)
+shorter than the prompts. generate must sample from the model itself: greedy tokens equal the
+argmax of the model's own plain forward pass, and the log-probs the sampler records equal
+sequence_logprobs' and the plain forward pass's, to 1e-5 in fp32, with left padding, groups, and
+rows leaving the batch as they end (compaction). Each of the three scripts trains one step on it
+and its checkpoint reloads; LoRA finds its layers; a model the scripts cannot serve stops first."""
+
+import pytest
+import torch
+from transformers import AutoTokenizer, T5Config, T5ForConditionalGeneration
+
+import dapo
+import grpo
+import ppo
+from common import build_tiny_model, check_servable, load_model, load_policy
+from conftest import greedy_by_recomputation
+from families import FAMILIES, VOCAB, WINDOW, family_config, family_model, family_prompts, plain_forward_logprobs
+from grpo import attention_windows, generate, sequence_logprobs
+
+TOLERANCE = 1e-5  # fp32: the same products in another order, ~1e-6 measured (python tests/families.py)
+NEW_TOKENS = 14  # with prompts of 12 to 30 tokens and a window of 8: every decode step is past the window
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request):
+    return request.param, family_model(request.param)
+
+
+def test_the_matrix_has_windows_shorter_than_its_prompts():
+    # Otherwise a sampler that ignores windows would pass: the families with sliding layers must
+    # have them, each of WINDOW tokens, shorter than the shortest prompt (12).
+    sliding = {name for name in FAMILIES if "sliding_attention" in attention_windows(family_model(name))}
+    assert sliding == {"qwen2-window", "mistral", "gemma2", "gemma3", "phi3", "gpt-oss", "cohere2"}
+    assert WINDOW < family_prompts()[1].sum(-1).min()
+    mixed = {name for name in sliding if len(attention_windows(family_model(name))) == 2}  # full and sliding layers
+    assert mixed == {"qwen2-window", "gemma2", "gemma3", "gpt-oss", "cohere2"}
+
+
+def test_greedy_tokens_are_the_plain_forward_argmax(family):
+    name, model = family
+    prompt_ids, prompt_mask = family_prompts()
+    ids, mask, truncated, sample_logp = generate(model, prompt_ids, prompt_mask, NEW_TOKENS, [VOCAB + 1], 0, VOCAB, 0.0)
+    assert truncated.all() and mask.all()  # the EOS id is never drawn: every row runs NEW_TOKENS
+    reference = greedy_by_recomputation(model, prompt_ids, prompt_mask, NEW_TOKENS, VOCAB)
+    assert torch.equal(ids, reference), name
+    plain = plain_forward_logprobs(model, prompt_ids, prompt_mask, ids, mask)
+    assert (sample_logp - plain).abs().max().item() <= TOLERANCE, name
+
+
+def test_sampled_logprobs_equal_scoring_and_the_plain_forward(family, monkeypatch):
+    # Two completions per prompt (one prefill per prompt, copied), and a broad set of stop ids so
+    # that rows end at different steps and leave the batch (compact_below 0.5, checked every token
+    # on the CPU): each layer's mask must follow its rows, window included.
+    name, model = family
+    prompt_ids, prompt_mask = family_prompts()
+    prompt_ids, prompt_mask = prompt_ids.repeat_interleave(2, 0), prompt_mask.repeat_interleave(2, 0)  # (6, P)
+    stop = list(range(3, 60))  # ~13% of the vocabulary: a row ends after ~8 tokens on average
+    kept = []  # the rows each compaction kept
+    keep_rows = grpo.KVCache.keep_rows
+    monkeypatch.setattr(grpo.KVCache, "keep_rows", lambda cache, rows: (kept.append(len(rows)), keep_rows(cache, rows)))
+    torch.manual_seed(3)
+    ids, mask, truncated, sample_logp = generate(model, prompt_ids, prompt_mask, NEW_TOKENS, stop, 0, VOCAB, 1.0)
+    assert kept and mask.sum(-1).max() > WINDOW, f"{name}: rows must leave the batch, and one outlive the window"
+    with torch.no_grad():
+        scored, _ = sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, 1.0, VOCAB, chunk_size=4)
+    plain = plain_forward_logprobs(model, prompt_ids, prompt_mask, ids, mask)
+    assert (sample_logp - scored).abs().max().item() <= TOLERANCE, name
+    assert (sample_logp - plain).abs().max().item() <= TOLERANCE, name
+
+
+def test_a_sampler_without_windows_fails_this_matrix(monkeypatch):
+    # The bug this matrix exists for, planted: every layer attending over every earlier token.
+    # On a family with sliding layers the sampler's log-probs then leave the model's by far more
+    # than the tolerance (0.07-0.13 nats on average, python tests/families.py before the fix).
+    model = family_model("gemma3")
+    prompt_ids, prompt_mask = family_prompts()
+    monkeypatch.setattr(grpo, "attention_windows", lambda model: {"full_attention": None})
+    ids, mask, _, sample_logp = generate(model, prompt_ids, prompt_mask, NEW_TOKENS, [VOCAB + 1], 0, VOCAB, 0.0)
+    plain = plain_forward_logprobs(model, prompt_ids, prompt_mask, ids, mask)
+    assert (sample_logp - plain).abs().max().item() > 100 * TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    """Each family's tiny model saved with the tiny tokenizer (its 448 embedding rows fit it), as
+    --model takes a local directory. family -> path."""
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
+    ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    paths = {}
+    for name in FAMILIES:
+        path = tmp_path_factory.mktemp(name)
+        model = family_model(name, **ids)
+        model.generation_config.update(**ids)
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        paths[name] = path
+    return paths
+
+
+STEP = dict(task="digit", batch_size=2, group_size=2, max_new_tokens=4, max_steps=1, save_every=0, sample_every=0)
+
+
+@pytest.mark.parametrize("script", [grpo, dapo, ppo], ids=["grpo", "dapo", "ppo"])
+def test_one_step_of_each_script_and_its_checkpoint_reloads(family_dirs, script, tmp_path):
+    # Every family through every script: generate, score, update, save; the saved model is the trained one.
+    extra = dict(overlong_buffer=2) if script is dapo else {}
+    for name, path in family_dirs.items():
+        # A random model earns no reward: the entropy bonus gives the step a gradient all the same.
+        settings = dict(model=str(path), output_dir=str(tmp_path / name), beta=0.01, lr=1e-3, entropy_coef=0.01)
+        args = script.Args(**settings, **STEP, **extra)
+        run_dir = script.train(args)
+        trained, _, _ = load_model(str(run_dir / "final"), torch.device("cpu"))
+        before, _, _ = load_model(str(path), torch.device("cpu"))
+        assert type(trained) is type(before), name
+        moved = [not torch.equal(a, b) for a, b in zip(trained.state_dict().values(), before.state_dict().values())]
+        assert any(moved), f"{name}: the checkpoint holds the weights before the step"
+        prompt_ids, prompt_mask = family_prompts()
+        with torch.no_grad():  # and it runs: the reloaded model scores as any model of its family
+            logits = trained(input_ids=prompt_ids, attention_mask=prompt_mask).logits
+        assert torch.isfinite(logits).all(), name
+
+
+def test_lora_finds_the_layers_of_every_family(family_dirs):
+    # --lora_targets all-linear puts adapters on every attention projection of every layer.
+    for name, path in family_dirs.items():
+        args = grpo.Args(model=str(path), lora_rank=4)
+        policy, _, _ = load_policy(args, torch.device("cpu"), torch.float32)
+        adapted = {module_name.removesuffix(".lora_A") for module_name, _ in policy.named_modules()}
+        linear = {
+            module_name
+            for module_name, module in policy.named_modules()
+            if type(module) is torch.nn.Linear
+            and module_name.rsplit(".", 1)[-1] not in ("lm_head", "base_layer")
+            and ".lora_" not in module_name
+        }
+        assert linear == set(), f"{name}: Linear layers without adapters: {sorted(linear)[:4]}"
+        for layer in range(family_config(name).num_hidden_layers):  # the attention of every layer (Phi-3: qkv_proj)
+            assert any(f"layers.{layer}.self_attn." in m for m in adapted), f"{name}: layer {layer}'s attention"
+        trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+        assert 0 < trainable < sum(p.numel() for p in policy.parameters()) / 2, name
+
+
+def test_an_encoder_decoder_stops_before_any_step(tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
+    config = T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, decoder_start_token_id=0
+    )
+    T5ForConditionalGeneration(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(SystemExit, match=r"cannot be trained here: .*T5Config.*decoder-only causal language models"):
+        load_model(str(tmp_path), torch.device("cpu"))
+    with pytest.raises(SystemExit, match="cannot be trained here"):  # through a script, before the run directory
+        grpo.train(grpo.Args(model=str(tmp_path), output_dir=str(tmp_path / "runs"), **STEP))
+    assert not (tmp_path / "runs").exists()
+
+
+def test_layers_that_are_not_a_window_stop_with_their_type():
+    # Qwen3-Next's linear-attention layers keep a recurrent state, not keys and values in a window.
+    model = family_model("qwen2", layer_types=["linear_attention", "full_attention"] * 2)
+    with pytest.raises(SystemExit, match=r"qwen2 has layers of type linear_attention"):
+        check_servable(model, "qwen3-next-like")
+    with pytest.raises(ValueError, match=r"linear_attention"):
+        attention_windows(model)
