@@ -138,7 +138,7 @@ class Args:
     length_adaptive_lam: bool = arg(False, "VAPO: λ_actor = 1 − 1/(α·|o|) per completion, clamped at 0")
     lam_alpha: float = arg(0.05, "α of the length-adaptive λ_actor (VAPO)")
     value_warmup_steps: int = arg(0, "VAPO value pretraining: only the critic learns for the first K steps")
-    whiten_advantages: bool = arg(True, "whiten Â over the batch's valid tokens (PPO2, verl); false: GAE's Â as it is")
+    whiten_advantages: bool = arg(True, "whiten Â over valid tokens, population variance (verl: unbiased); false: raw")
     whiten_eps: float = arg(1e-8, "added to the batch variance when whitening Â")
     pos_lm_coef: float = arg(0.0, "μ, VAPO's positive-example LM loss: + μ·NLL of the correct completions (VAPO: 0.1)")
     tis_cap: float = arg(0.0, "C, truncated IS: each token's policy-gradient term × min(π_θold/π_sampler, C); 0 = off")
@@ -988,7 +988,9 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k3 estimator of KL(π_θ ‖ π_ref) per token (Schulman 2020; DeepSeekMath Eq. 4):
         π_ref/π_θ − log(π_ref/π_θ) − 1, unbiased under samples of π_θ and never negative.
     logp, ref_logp (…, T) -> (…, T)."""
-    log_ratio = (ref_logp - logp).clamp(-20.0, 20.0)  # e^20 ≈ 5e8: finite, as in verl
+    # e^20 ≈ 5e8: finite. verl clamps the log-ratio at ±20 too, and then caps k3 itself at 10 (its
+    # low_var_kl); here k3 is not capped, so a token far from π_ref keeps its whole gradient.
+    log_ratio = (ref_logp - logp).clamp(-20.0, 20.0)
     return torch.exp(log_ratio) - log_ratio - 1
 
 
