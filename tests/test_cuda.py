@@ -78,6 +78,41 @@ def test_graph_decode_equals_eager_decode(qwen_shape, temperature, amp, monkeypa
     assert torch.equal(graphed[3], eager[3])  # the sampler's log-probs
 
 
+def test_a_failed_capture_decodes_eagerly_with_one_warning(qwen_shape, monkeypatch):
+    # The capture refused (simulated): the decode goes on eagerly, the same greedy tokens as a
+    # graph-captured decode, and says so once for every width and every later call.
+    model, tokenizer, vocab_size = qwen_shape
+    prompt_ids, prompt_mask = countdown_prompts(tokenizer, group_size=2)
+    graphed = decode(model, prompt_ids, prompt_mask, vocab_size, 0.0, True, monkeypatch)
+
+    def refuses(step, pool=None):
+        raise RuntimeError("operation not permitted when stream is capturing (simulated)")
+
+    monkeypatch.setattr(grpo, "CAPTURE_FAILED", [])
+    monkeypatch.setattr(grpo, "cuda_graph", refuses)
+    with pytest.warns(RuntimeWarning, match="capture of the decode step failed") as seen:
+        with torch.autocast("cuda", torch.bfloat16):
+            first = grpo.generate(model, prompt_ids, prompt_mask, 24, [], 0, vocab_size, 0.0)
+            second = grpo.generate(model, prompt_ids, prompt_mask, 24, [], 0, vocab_size, 0.0)
+    assert len([w for w in seen if "capture" in str(w.message)]) == 1
+    assert torch.equal(first[0], graphed[0]) and torch.equal(second[0], graphed[0])
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral", "gpt-oss"])
+def test_graph_decode_keeps_each_layers_window(family, monkeypatch):
+    # The family matrix's check on the GPU, through the captured graphs: greedy tokens equal the
+    # plain forward's argmax, log-probs equal it to 1e-5 in fp32 (windows of 8, prompts of 12-30).
+    from conftest import greedy_by_recomputation
+    from families import VOCAB, family_model, family_prompts, plain_forward_logprobs
+
+    model = family_model(family).cuda()
+    prompt_ids, prompt_mask = (t.cuda() for t in family_prompts())
+    ids, mask, _, logp = decode(model, prompt_ids, prompt_mask, VOCAB, 0.0, True, monkeypatch, amp=False)
+    with torch.no_grad():
+        assert torch.equal(ids, greedy_by_recomputation(model, prompt_ids, prompt_mask, ids.shape[1], VOCAB))
+    assert (logp - plain_forward_logprobs(model, prompt_ids, prompt_mask, ids, mask)).abs().max() <= 1e-5
+
+
 def test_no_id_at_or_beyond_the_tokenizer_is_sampled(tiny_cuda, monkeypatch):
     # The tiny embedding has 448 rows for 384 ids. Rows 384-447 scaled by 50 give those ids the
     # largest logits by far: without the cut at vocab_size they would be sampled almost always.
