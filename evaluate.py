@@ -62,7 +62,7 @@ from common import (
     use_device,
 )
 from grpo import encode_prompts, generate
-from rewards import BENCHMARKS, REWARD_NONE, Score, load_benchmark
+from rewards import BENCHMARKS, REWARD_NONE, FileTaskSpec, Score, load_benchmark, load_file_task
 
 Z_95 = 1.959963984540054  # standard normal quantile of 0.975: two-sided 95% intervals
 # Training-curve panels of --plot: (metrics.jsonl key, title). Runs lacking a key skip that panel.
@@ -87,6 +87,16 @@ class Args:
     countdown_numbers: str = arg("3-4", "numbers per Countdown problem, N or MIN-MAX (training and held-out)")
     shots: int = arg(0, "worked examples in each prompt, as earlier turns (countdown, gsm8k); 0 = none")
     prompt_format: str = arg("auto", PROMPT_FORMAT_HELP)
+    # your own task (--benchmarks file; docs/tasks.md): its held-out rows, graded by --grader
+    data_file: str = arg("", "file: the training file or Hub id whose held-out share (1 row in 10) is evaluated")
+    data_split: str = arg("train", "file: the split of a Hub --data_file")
+    prompt_key: str = arg("prompt", "file: the column of the prompt (a text, or a list of chat messages)")
+    answer_key: str = arg("answer", "file: the column of the reference answer")
+    grader: str = arg("math", "file: math (math-verify), number, choice (A-J), exact, countdown (nums, target)")
+    system_prompt: str = arg("", "file: a system message before each prompt; '' = none")
+    instruction: str = arg("auto", "file: appended to each prompt; auto = the grader's own, '' = none")
+    eval_data_file: str = arg("", "file: the problems to evaluate (a file or Hub id) instead of --data_file's share")
+    eval_data_split: str = arg("test", "file: the split of a Hub --eval_data_file")
     # generation
     max_new_tokens: int = arg(2048, "completion cap (seed study: 2048); longer completions count as truncated")
     batch_size: int = arg(32, "problems per generation batch (each generates num_samples completions)")
@@ -108,9 +118,10 @@ class Args:
 def check_args(args: Args) -> list[str]:
     """The benchmark names, or a SystemExit naming every setting that cannot work."""
     names = [name.strip() for name in args.benchmarks.split(",") if name.strip()]
-    problems = [
-        f"--benchmarks: {name!r} is not one of {', '.join(BENCHMARKS)}." for name in names if name not in BENCHMARKS
-    ]
+    known = (*BENCHMARKS, "file")  # file: your own data (--data_file or --eval_data_file, --grader)
+    problems = [f"--benchmarks: {name!r} is not one of {', '.join(known)}." for name in names if name not in known]
+    if "file" in names and not (args.data_file or args.eval_data_file):
+        problems.append("--benchmarks file needs --eval_data_file (the problems) or --data_file (its held-out share).")
     if not names:
         problems.append("--benchmarks names no benchmark.")
     if len(set(names)) != len(names):
@@ -461,7 +472,9 @@ def main(args: Args) -> Path | None:
     names = check_args(args)
     # Data first: a missing file or column stops the run before the model is loaded.
     tasks = {
-        name: load_benchmark(name, args.data_dir, args.countdown_problems, args.shots, args.countdown_numbers)
+        name: load_file_task(FileTaskSpec.from_args(args), "heldout", shots=args.shots)
+        if name == "file"
+        else load_benchmark(name, args.data_dir, args.countdown_problems, args.shots, args.countdown_numbers)
         for name in names
     }
     device = use_device(resolve_device(args.device))  # a GPU named by --device becomes the current one

@@ -76,20 +76,32 @@ from common import (
     unsharded,
     world_size,
 )
-from rewards import Score, load_heldout_task, load_task
+from rewards import Score, heldout_task, training_task
 
 
 @dataclass
 class Args:
     # model and task
     model: str = arg("Qwen2.5-1.5B-Instruct", "local dir, Hub id, short name (common.MODEL_ALIASES) or 'tiny'")
-    task: str = arg("countdown", "a task of rewards.py: countdown, digit, gsm8k")
+    task: str = arg("countdown", "a task of rewards.py: countdown, digit, gsm8k, or file (your own: --data_file)")
     dataset: str = arg("", "Hub dataset for the task (Jiayi-Pan/Countdown-Tasks-3to4); '' = offline generator")
     data_dir: str = arg("", "gsm8k offline: a directory holding gsm8k/train.jsonl and gsm8k/test.jsonl; '' = the Hub")
     num_problems: int = arg(20000, "problems drawn from the offline Countdown generator")
     countdown_numbers: str = arg("3-4", "numbers per Countdown problem, N or MIN-MAX (training and held-out)")
     shots: int = arg(0, "worked examples in each prompt, as earlier turns (countdown, gsm8k); 0 = none")
     prompt_format: str = arg("auto", PROMPT_FORMAT_HELP)
+    # your own task (--task file; docs/tasks.md) and your own reward
+    data_file: str = arg("", "--task file: a .jsonl/.json/.csv/.parquet file or a Hub dataset id (owner/name[:config])")
+    data_split: str = arg("train", "--task file: the split of a Hub dataset (or the key of a JSON file) to train on")
+    prompt_key: str = arg("prompt", "--task file: the column of the prompt (a text, or a list of chat messages)")
+    answer_key: str = arg("answer", "--task file: the column of the reference answer")
+    grader: str = arg("math", "--task file: math (math-verify), number, choice (A-J), exact, countdown (nums, target)")
+    system_prompt: str = arg("", "--task file: a system message before each prompt; '' = none")
+    instruction: str = arg("auto", "--task file: appended to each prompt; auto = the grader's own, '' = none")
+    eval_data_file: str = arg("", "--task file: held-out problems (a file or Hub id); '' = 1 row in 10 of --data_file")
+    eval_data_split: str = arg("test", "--task file: the split of --eval_data_file when it is a Hub dataset")
+    reward_fn: str = arg("", "your reward: module:function or file.py:function, called (completion, row, truncated)")
+    reward_fn_timeout: float = arg(10.0, "seconds a --reward_fn call may take; past it, or raising: reward 0, counted")
     # sampling
     batch_size: int = arg(32, "B, prompts per step")
     group_size: int = arg(8, "G, completions per prompt (seed study: 8 beats 2 and 4)")
@@ -148,6 +160,7 @@ class Args:
 SAME_ON_RESUME = ("model", "task", "dataset", "num_problems", "seed", "batch_size", "group_size")
 SAME_ON_RESUME += ("lora_rank", "lora_alpha", "lora_targets")  # the adapters saved must fit the run
 SAME_ON_RESUME += ("ref_ema_decay",)  # with it, the trainer state holds the moving reference
+SAME_ON_RESUME += ("data_file", "data_split", "prompt_key", "answer_key", "eval_data_file")  # --task file's rows
 
 
 def check_args(args: Args) -> None:
@@ -1203,19 +1216,8 @@ def train(args: Args) -> Path:
     amp = functools.partial(autocast, device, compute_dtype)  # bf16 autocast on a GPU, nothing on the CPU
     seed_everything(rank_seed(args.seed))  # --seed itself in one process
     # The task first: a wrong --task or --data_dir stops before any model loads.
-    task = load_task(
-        args.task,
-        args.seed,
-        args.num_problems,
-        args.dataset,
-        "train",
-        args.data_dir,
-        args.shots,
-        args.countdown_numbers,
-    )
-    heldout = None
-    if args.eval_every:
-        heldout = load_heldout_task(args.task, args.eval_problems, args.data_dir, args.shots, args.countdown_numbers)
+    task = training_task(args)  # --task, its data and --reward_fn
+    heldout = heldout_task(args) if args.eval_every else None
     policy, tokenizer, eos_ids = load_policy(args, device, weight_dtype, compute_dtype)  # --lora_rank: LoRA adapters
     shard_model(policy, compute_dtype).train()  # FSDP2 under torchrun, one unit per decoder layer; else unchanged
     reference = (
@@ -1347,6 +1349,7 @@ def step_metrics(batch: Rollout, entropy: torch.Tensor, old_logp: torch.Tensor, 
         "reward/std": rewards.std().item() if rewards.numel() > 1 else 0.0,
         "reward/accuracy": sum(s.correct for s in scores) / len(scores),
         "reward/format": sum(s.formatted for s in scores) / len(scores),
+        "reward/fn_failed": sum(s.failed for s in scores) / len(scores),  # --reward_fn raised, timed out, no number
         "reward/zero_std_groups": (grouped.max(-1).values == grouped.min(-1).values).float().mean().item(),
         "completion/length_mean": lengths.mean().item(),
         "completion/length_max": lengths.max().item(),

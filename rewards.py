@@ -65,6 +65,7 @@ class Score:
     # correct, reading only the answer in the format the instruction asks for (lm-eval's
     # strict-match); None, for a task with one answer format, means the same as `correct`
     strict: bool | None = None
+    failed: bool = False  # --reward_fn raised, ran past its time or returned no number: reward 0
 
     def __post_init__(self):
         if self.strict is None:
@@ -819,8 +820,299 @@ def load_benchmark(
 
 
 # ----------------------------------------------------------------------------------------
+# Your own task (--task file): problems from a data file or a Hub dataset, a grader by name,
+# or your own reward function by import path. docs/tasks.md: "Your own task".
 
-TASKS = ("countdown", "digit", "gsm8k")
+GRADERS = ("math", "number", "choice", "exact", "countdown")
+FILE_FORMATS = (".jsonl", ".json", ".csv", ".parquet")
+FILE_HELDOUT_SHARE = 10  # without --eval_data_file, 1 row in 10 (by a hash of its prompt) is held out
+EXACT_INSTRUCTION = "Think it through step by step. Then write the final answer alone in \\boxed{}."
+GRADER_INSTRUCTIONS = {  # what each grader reads, said to the model
+    "math": BOXED_MATH_INSTRUCTION,
+    "number": BOXED_NUMBER_INSTRUCTION,
+    "choice": MMLU_PRO_INSTRUCTION,
+    "exact": EXACT_INSTRUCTION,
+    "countdown": "",  # Countdown's own prompt says where the answer goes
+}
+
+
+@dataclass
+class FileTaskSpec:
+    """The flags of a file task, as the scripts' Args and evaluate.py's hold them."""
+
+    data_file: str  # a .jsonl/.json/.csv/.parquet path, or a Hub dataset id (owner/name or owner/name:config)
+    data_split: str = "train"
+    prompt_key: str = "prompt"  # a text, or a list of chat messages taken as it is
+    answer_key: str = "answer"
+    grader: str = "math"
+    system_prompt: str = ""
+    instruction: str = "auto"  # auto: the grader's; "": none
+    eval_data_file: str = ""  # "": a fixed hash share of data_file's rows is held out
+    eval_data_split: str = "test"
+
+    @classmethod
+    def from_args(cls, args) -> "FileTaskSpec":
+        return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__})
+
+
+def read_rows(source: str, split: str) -> list[dict]:
+    """The rows of a local data file (JSON lines, a JSON list or {split: list}, CSV, Parquet), or
+    of a Hub dataset's split (owner/name, or owner/name:config). Nothing is downloaded for a path
+    that exists. Stops with a message on a missing file, an unknown format or no rows."""
+    path = Path(source)
+    if path.suffix in FILE_FORMATS or path.exists():
+        if not path.is_file():
+            raise SystemExit(f"--data_file {source}: no such file. Give a {'/'.join(FILE_FORMATS)} file or a Hub id.")
+        if path.suffix == ".jsonl":
+            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        elif path.suffix == ".json":
+            content = json.loads(path.read_text())
+            rows = content.get(split) if isinstance(content, dict) else content
+            if not isinstance(rows, list):
+                raise SystemExit(f"{source}: a JSON file holds a list of rows, or {{{split!r}: [rows]}}.")
+        elif path.suffix == ".csv":
+            import csv
+
+            with path.open(newline="") as file:
+                rows = list(csv.DictReader(file))
+        elif path.suffix == ".parquet":
+            import pyarrow.parquet  # datasets' own dependency
+
+            rows = pyarrow.parquet.read_table(path).to_pylist()
+        else:
+            raise SystemExit(
+                f"--data_file {source}: {path.suffix or 'no suffix'} is not one of {', '.join(FILE_FORMATS)}."
+            )
+        if not rows:
+            raise SystemExit(f"--data_file {source} holds no rows.")
+        if not all(isinstance(row, dict) for row in rows):
+            raise SystemExit(f"{source}: every row must be an object of named columns.")
+        return rows
+    name, _, config = source.partition(":")
+    return load_hub_rows(name, config or None, split, set(), hint="or give a local file (docs/tasks.md).")
+
+
+def file_problem(row: dict, spec: FileTaskSpec, where: str) -> dict:
+    """A problem from a row: the row's own columns, with "gold" (the answer as text) and, for the
+    countdown grader, "nums" and "target" as numbers. ValueError: the grader cannot read the answer."""
+    if spec.grader == "countdown":  # the answer is an equation: no answer column, the target says it
+        numbers = row["nums"] if not isinstance(row["nums"], str) else json.loads(row["nums"])
+        target = int(row["target"])
+        gold = f"{row['solution']} = {target}" if row.get("solution") else str(target)
+        return dict(row, nums=[int(n) for n in numbers], target=target, gold=gold, subset="")
+    problem = dict(row, gold=str(row[spec.answer_key]).strip(), subset="")
+    if spec.grader == "number" and extract_last_number(problem["gold"]) != problem["gold"].replace(",", ""):
+        raise ValueError(f"{where}: {problem['gold']!r} is not a number")
+    elif spec.grader == "choice":
+        problem["gold"] = problem["gold"].strip("() ").upper()
+        if len(problem["gold"]) != 1 or problem["gold"] not in MMLU_PRO_LETTERS:
+            raise ValueError(f"{where}: {row[spec.answer_key]!r} is not a letter A-J")
+    return problem
+
+
+def file_problems(spec: FileTaskSpec, source: str, split: str) -> list[dict]:
+    """Every row of `source` as a problem; stops on a missing column or answers the grader cannot read."""
+    rows = read_rows(source, split)
+    needed = {"nums", "target"} if spec.grader == "countdown" else {spec.prompt_key, spec.answer_key}
+    missing = needed - set(rows[0])
+    if missing:
+        flags = "" if spec.grader == "countdown" else " (--prompt_key, --answer_key)"
+        raise SystemExit(f"{source}: no column {sorted(missing)}{flags}; its columns are {sorted(rows[0])}.")
+    problems, unreadable = [], []
+    for number, row in enumerate(rows, start=1):
+        try:
+            problems.append(file_problem(row, spec, f"row {number}"))
+        except (KeyError, ValueError, TypeError) as error:
+            unreadable.append(str(error))
+    if unreadable:
+        raise SystemExit(
+            f"{source}: the {spec.grader} grader cannot read {len(unreadable)} of {len(rows)} answers; the first, "
+            f"{unreadable[0]}. Choose another --grader ({', '.join(GRADERS)}) or fix the rows."
+        )
+    return problems
+
+
+def file_prompt_text(problem: dict, spec: FileTaskSpec) -> str:
+    """What identifies a problem: its prompt (Countdown: its numbers and target)."""
+    if spec.grader == "countdown" and spec.prompt_key not in problem:
+        return f"{sorted(problem['nums'])} {problem['target']}"
+    return json.dumps(problem[spec.prompt_key], sort_keys=True)
+
+
+def is_heldout_row(problem: dict, spec: FileTaskSpec) -> bool:
+    """The fixed hash share held out of a file's rows (Countdown's own rule for the countdown grader)."""
+    if spec.grader == "countdown":
+        return is_heldout_countdown(problem["nums"], problem["target"])
+    digest = hashlib.sha256(file_prompt_text(problem, spec).encode()).digest()
+    return int.from_bytes(digest[:8], "big") % FILE_HELDOUT_SHARE == 0
+
+
+def file_messages(spec: FileTaskSpec) -> Callable[[dict], list[dict]]:
+    """problem -> chat: the row's own chat as it is; else [system,] the prompt and the instruction;
+    Countdown's prompt for the countdown grader on rows without a prompt column."""
+    instruction = GRADER_INSTRUCTIONS[spec.grader] if spec.instruction == "auto" else spec.instruction
+
+    def messages(problem: dict) -> list[dict]:
+        if spec.grader == "countdown" and spec.prompt_key not in problem:
+            return countdown_messages(problem)
+        prompt = problem[spec.prompt_key]
+        if isinstance(prompt, list):  # already a conversation
+            return [dict(message) for message in prompt]
+        system = [{"role": "system", "content": spec.system_prompt}] if spec.system_prompt else []
+        content = f"{prompt}\n\n{instruction}" if instruction else str(prompt)
+        return [*system, {"role": "user", "content": content}]
+
+    return messages
+
+
+def exact_score(completion: str, problem: dict, truncated: bool = False) -> Score:
+    """The exact grader: the last \\boxed{} (as the instruction asks), else the text after the last
+    "answer is", else the last non-empty line, equals the gold once both are normalised (case,
+    spaces, surrounding punctuation and $…$). strict and formatted: from the box."""
+    boxed = extract_boxed(completion)
+    flexible = boxed
+    if boxed is None:
+        parts = ANSWER_IS.split(completion)  # after the last "answer is": its first line; else the last line
+        lines = [line.strip() for line in parts[-1].splitlines() if line.strip()]
+        flexible = (lines[0] if len(parts) > 1 else lines[-1]) if lines else None
+    gold = normalised_text(problem["gold"])
+    correct = flexible is not None and normalised_text(flexible) == gold
+    strict = boxed is not None and normalised_text(boxed) == gold
+    return graded(correct, strict, boxed is not None, flexible, truncated)
+
+
+def normalised_text(text: str) -> str:
+    text = text.strip().strip("$").replace("\\text{", "").replace("}", "").replace("{", "")
+    return " ".join(text.lower().split()).strip(" .,:;!\"'`*")
+
+
+FILE_GRADERS: dict[str, Callable[[str, dict, bool], Score]] = {
+    "math": math500_score,
+    "number": gsm8k_reward,  # the boxed number only, as GSM8K's training reward (gsm8k_reward says why)
+    "choice": mmlu_pro_score,
+    "exact": exact_score,
+    "countdown": countdown_score,
+}
+
+
+def load_file_task(spec: FileTaskSpec, split: str, seed: int = 0, shots: int = 0) -> Task:
+    """--task file: the training rows (split "train"), or the held-out ones ("heldout"): those of
+    --eval_data_file, or without it the fixed hash share of --data_file's rows that training never
+    sees. shots: the first K training rows as worked examples (answered "The answer is \\boxed{gold}."),
+    left out of training. Stops before any model loads on what cannot work, held-out rows that are
+    also training rows among it."""
+    if spec.grader not in GRADERS:
+        raise SystemExit(f"--grader {spec.grader!r} is not one of: {', '.join(GRADERS)}.")
+    if split == "heldout" and spec.eval_data_file and not spec.data_file:  # evaluate.py on a file of its own
+        problems = file_problems(spec, spec.eval_data_file, spec.eval_data_split)
+        return Task("file", problems, file_messages(spec), FILE_GRADERS[spec.grader])
+    if not spec.data_file:
+        raise SystemExit("--task file needs --data_file: a .jsonl/.json/.csv/.parquet file or a Hub dataset id.")
+    rows = file_problems(spec, spec.data_file, spec.data_split)
+    if spec.eval_data_file:
+        train, heldout = rows, file_problems(spec, spec.eval_data_file, spec.eval_data_split)
+        seen = {file_prompt_text(p, spec) for p in train}
+        overlap = [p for p in heldout if file_prompt_text(p, spec) in seen]
+        if overlap:
+            raise SystemExit(
+                f"--eval_data_file {spec.eval_data_file}: {len(overlap)} of its {len(heldout)} problems are also in "
+                f"--data_file (the first: {file_prompt_text(overlap[0], spec)[:80]}). Held-out problems must be unseen."
+            )
+    else:
+        train = [p for p in rows if not is_heldout_row(p, spec)]
+        heldout = [p for p in rows if is_heldout_row(p, spec)]
+    if shots < 0 or shots >= len(train):
+        raise SystemExit(f"--shots {shots}: between 0 and the {len(train)} training rows less one.")
+    examples, train = train[:shots], train[shots:]
+    answer = "The answer is ({})." if spec.grader == "choice" else "The answer is \\boxed{{{}}}."
+    if spec.grader == "countdown":
+        worked = [(e, f"<think>…</think> <answer>{e.get('solution', e['gold'])}</answer>") for e in examples]
+    else:
+        worked = [(e, answer.format(e["gold"])) for e in examples]
+    problems = train if split == "train" else heldout
+    if not problems:
+        raise SystemExit(f"--data_file {spec.data_file}: no {split} rows (held out: 1 in {FILE_HELDOUT_SHARE}).")
+    return Task("file", problems, with_examples(file_messages(spec), worked), FILE_GRADERS[spec.grader])
+
+
+# ----------------------------------------------------------------------------------------
+# A reward function of your own (--reward_fn module:function or path/to/file.py:function)
+
+
+def import_reward_fn(path: str) -> Callable:
+    """The function --reward_fn names, imported once, before any model loads."""
+    import importlib
+    import importlib.util
+
+    module_name, _, function_name = path.rpartition(":")
+    if not module_name or not function_name:
+        raise SystemExit(f"--reward_fn {path!r}: write module:function or path/to/file.py:function.")
+    try:
+        if module_name.endswith(".py"):
+            spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+            if spec is None or not Path(module_name).is_file():
+                raise FileNotFoundError(module_name)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except Exception as error:  # whatever the user's module raises on import: stop, naming it
+        raise SystemExit(f"--reward_fn {path!r} does not import: {type(error).__name__}: {error}") from error
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise SystemExit(f"--reward_fn {path!r}: {module_name} has no function {function_name!r}.")
+    return function
+
+
+class RewardTimeout(Exception):
+    pass
+
+
+def call_with_time_limit(function: Callable, seconds: float, *args):
+    """function(*args), interrupted by a SIGALRM after `seconds` (main thread; elsewhere unbounded)."""
+    import signal
+    import threading
+
+    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
+        return function(*args)
+
+    def expire(signum, frame):
+        raise RewardTimeout(f"ran past {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return function(*args)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def with_reward_fn(task: Task, path: str, timeout_s: float) -> Task:
+    """The task with its reward from --reward_fn: function(completion, problem, truncated) returns a
+    number, or (number, formatted). correct: the number is at least REWARD_CORRECT. A call that
+    raises, runs past timeout_s, or returns NaN or no number scores REWARD_NONE with failed=True
+    (reward/fn_failed counts them); it never ends the run."""
+    function = import_reward_fn(path)
+
+    def score(completion: str, problem: dict, truncated: bool = False) -> Score:
+        try:
+            value = call_with_time_limit(function, timeout_s, completion, problem, truncated)
+            reward, formatted = value if isinstance(value, tuple) else (value, None)
+            reward = float(reward)
+            if reward != reward or reward in (float("inf"), float("-inf")):
+                raise ValueError(f"returned {reward}")
+        except Exception:  # the user's code: any failure is one completion's 0, counted, never the run's end
+            return Score(REWARD_NONE, correct=False, formatted=False, failed=True)
+        formatted = bool(formatted) if formatted is not None else reward > REWARD_NONE
+        return Score(reward, correct=reward >= REWARD_CORRECT, formatted=formatted)
+
+    return Task(task.name, task.problems, task.messages, score)
+
+
+# ----------------------------------------------------------------------------------------
+
+TASKS = ("countdown", "digit", "gsm8k", "file")
 
 
 def load_task(
@@ -856,6 +1148,33 @@ def load_task(
     if name == "gsm8k":  # the strict reward, not the benchmark's grade (gsm8k_reward says why)
         return Task(name, load_gsm8k(split, data_dir), with_examples(gsm8k_messages, examples), gsm8k_reward)
     raise SystemExit(f"--task {name!r} is not one of: {', '.join(TASKS)}.")
+
+
+def training_task(args) -> Task:
+    """The task a training script's flags name (its Args: --task and the data flags), with its
+    reward from --reward_fn when that is set. Stops with a message before any model loads."""
+    file_flags = [f"--{name}" for name in ("data_file", "eval_data_file") if getattr(args, name)]
+    if args.task != "file" and file_flags:
+        raise SystemExit(f"{' and '.join(file_flags)}: for --task file (your own data); drop it or add --task file.")
+    if args.task == "file":
+        task = load_file_task(FileTaskSpec.from_args(args), "train", args.seed, args.shots)
+    else:
+        task = load_task(
+            args.task, args.seed, args.num_problems, args.dataset, "train", args.data_dir, args.shots,
+            args.countdown_numbers,
+        )  # fmt: skip
+    return with_reward_fn(task, args.reward_fn, args.reward_fn_timeout) if args.reward_fn else task
+
+
+def heldout_task(args) -> Task:
+    """--eval_every's problems: load_heldout_task's for the built-in tasks, and for --task file the
+    rows of --eval_data_file or the held-out share of --data_file; --reward_fn as in training."""
+    if args.task == "file":
+        task = load_file_task(FileTaskSpec.from_args(args), "heldout", args.seed, args.shots)
+        task.problems = task.problems[: args.eval_problems]
+    else:
+        task = load_heldout_task(args.task, args.eval_problems, args.data_dir, args.shots, args.countdown_numbers)
+    return with_reward_fn(task, args.reward_fn, args.reward_fn_timeout) if args.reward_fn else task
 
 
 def load_heldout_task(
