@@ -340,7 +340,7 @@ def bench_steps_4_and_6(args, model, tokenizer, vocab_size, device, amp) -> list
 
     def padded():  # length_order and trim_padding as no-ops: every chunk padded to the rollout's longest
         saved = grpo.length_order, grpo.trim_padding
-        grpo.length_order = lambda completion_mask: torch.arange(completion_mask.shape[0], device=device)
+        grpo.length_order = lambda prompt_ids, *masks: torch.arange(len(prompt_ids), device=device)
         grpo.trim_padding = lambda *tensors: tensors
         try:
             return step()

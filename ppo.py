@@ -742,10 +742,19 @@ def rollout(
     )
 
 
-def length_order(completion_mask: torch.Tensor) -> torch.Tensor:
-    """Saves padding work: the row indices sorted by completion length, longest first, so that
-    consecutive chunks of them hold rows of similar length. completion_mask (N, T) -> (N,)."""
-    return completion_mask.sum(-1).argsort(descending=True, stable=True)
+def length_order(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """Saves padding work, and lets a prompt be forwarded once for its rows (forward_completions):
+    the row indices with the rows of each prompt (its group) together, the groups in order of
+    their longest completion, longest first, and the rows of a group by length, so that
+    consecutive chunks of them hold whole groups of similar length. (N, P), (N, P), (N, T) -> (N,)."""
+    lengths = completion_mask.sum(-1)  # (N,)
+    prompts = torch.cat([prompt_ids, prompt_mask], dim=-1)  # (N, 2P) a prompt is its ids and its padding
+    _, group = torch.unique(prompts, dim=0, return_inverse=True)  # (N,) each row's prompt
+    longest = torch.zeros(len(lengths), dtype=lengths.dtype, device=lengths.device)
+    longest = longest.scatter_reduce(0, group, lengths, "amax")[group]  # (N,) its group's longest completion
+    order = lengths.argsort(descending=True, stable=True)  # three stable sorts, the last one's key first:
+    order = order[group[order].argsort(stable=True)]  # the rows of a group together, longest first
+    return order[longest[order].argsort(descending=True, stable=True)]  # the groups by their longest
 
 
 def trim_padding(prompt_ids, prompt_mask, completion_ids, completion_mask):
@@ -756,6 +765,61 @@ def trim_padding(prompt_ids, prompt_mask, completion_ids, completion_mask):
     prompt_length, num_tokens = prompt_mask.sum(-1).max().item(), completion_mask.sum(-1).max().item()
     first, kept = prompt_mask.shape[1] - max(prompt_length, 1), max(num_tokens, 1)  # keep one column at least
     return prompt_ids[:, first:], prompt_mask[:, first:], completion_ids[:, :kept], completion_mask[:, :kept]
+
+
+def forward_completions(
+    model, prompt_ids, prompt_mask, completion_ids, completion_mask, output: str = "logits", share: bool = True
+):
+    """The model's `output` (its logits, or a backbone's last_hidden_state) at the t positions that
+    predict the completion tokens, position p-1+j predicting token j: (n, p), (n, p), (n, t),
+    (n, t) -> (n, t, ·), the numbers of one forward pass over prompt + completion.
+
+    Saves forwarding a prompt once per completion: rows that share a prompt (a group) run it once,
+    as one row, with the cache on; their completions then attend to its keys and values, which an
+    index copies to their rows, so that backward sums the G completions' gradients into the one
+    prompt pass (P + G·T token positions instead of G·(P + T)). Exact up to float reassociation:
+    the same keys, values and positions, and transformers builds every mask from the 2D one,
+    sliding windows included. One pass over prompt + completion where no two rows share a prompt
+    (G = 1), where transformers would drop the cache (gradient checkpointing, with grad), and with
+    share=False (the computation before; tests and bench.py compare with it)."""
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (n, p+t)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same positions as in generate
+    num_prompt, kept = prompt_ids.shape[1], completion_ids.shape[1]  # p, t
+    logits = output == "logits"
+    distinct, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_inverse=True)
+    checkpointed = torch.is_grad_enabled() and model.training
+    checkpointed = checkpointed and any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
+    if not share or len(distinct) == len(prompt_ids) or checkpointed:
+        out = model(
+            input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            **({"logits_to_keep": kept + 1} if logits else {}),  # only what predicts a completion token
+        )
+        return out[output][:, -(kept + 1) : -1]  # (n, t, ·)
+    cache_name = cache_argument(model)
+    distinct_mask = distinct[:, num_prompt:]  # (b, p) b distinct prompts
+    prompt_out = model(
+        input_ids=distinct[:, :num_prompt],
+        attention_mask=distinct_mask,
+        position_ids=(distinct_mask.cumsum(-1) - 1).clamp(min=0),
+        use_cache=True,
+        **({"logits_to_keep": 1} if logits else {}),
+    )
+    first = prompt_out[output][:, -1:][inverse]  # (n, 1, ·) the prompt's last position predicts token 0
+    if kept == 1:
+        return first
+    cache = prompt_out[cache_name]
+    cache.batch_select_indices(inverse)  # each row gets its prompt's keys and values: (n, kv heads, p, d)
+    rest = model(  # the last completion token predicts nothing: it is not an input
+        input_ids=completion_ids[:, :-1],
+        attention_mask=attention_mask[:, :-1],
+        position_ids=position_ids[:, num_prompt:-1],
+        use_cache=True,
+        **{cache_name: cache},
+    )[output]  # (n, t-1, ·)
+    return torch.cat([first, rest], dim=1)  # (n, t, ·)
 
 
 def sequence_logprobs(
@@ -783,25 +847,14 @@ def sequence_logprobs(
     """
     num_tokens = completion_ids.shape[1]  # T
     scale = temperature if temperature > 0 else 1.0
-    order = length_order(completion_mask)  # chunks of rows of similar length
+    order = length_order(prompt_ids, prompt_mask, completion_mask)  # chunks of whole groups of similar length
     logps, entropies = [], []
     for start in range(0, completion_ids.shape[0], chunk_size):
         rows = order[start : start + chunk_size]
         chunk = trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows])
-        input_ids = torch.cat([chunk[0], chunk[2]], dim=1)  # (n, p+t) p, t ≤ P, T: the chunk's longest
-        attention_mask = torch.cat([chunk[1], chunk[3]], dim=1)  # (n, p+t)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same positions as in generate
-        kept = chunk[2].shape[1]  # t
-        # logits_to_keep=t+1: only the positions that predict completion tokens (and one
-        # extra) reach the LM head; position p-1+j predicts completion token j.
+        kept = chunk[2].shape[1]  # t ≤ T: the chunk's longest completion
         with fp32_lm_head(model):  # fp32 logits, as generate's
-            logits = model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=False,
-                logits_to_keep=kept + 1,
-            ).logits[:, :-1, :vocab_size]
+            logits = forward_completions(model, *chunk)[..., :vocab_size]  # (n, t, V) position p-1+j: token j
         # (n, t, V) fp32 from the head (a no-op .float()), divided in place: no second fp32 (n, t, V)
         # tensor (5 GB at 8 × 1024 × 151,665), and no backward needs the undivided one
         logits = logits.float().div_(scale)
@@ -864,11 +917,12 @@ class Critic(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
-        """(n, L) ids, mask and positions -> (n, L) fp32 value of the state ending at each position."""
-        hidden = self.backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state  # (n, L, H)
+    def forward(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+        """(n, p) and (n, t) ids and masks -> (n, t) fp32 value of the state in which each completion
+        token is chosen (at position p-1+j for token j), each prompt forwarded once (forward_completions)."""
+        hidden = forward_completions(
+            self.backbone, prompt_ids, prompt_mask, completion_ids, completion_mask, output="last_hidden_state"
+        )  # (n, t, H)
         # The head runs in fp32, outside autocast and whatever --dtype the backbone has: it is
         # one dot product per token, and bf16 would round values near 1 to steps of ~0.004-0.008
         # (noise GAE sums over tokens) and round critic_lr-sized updates of the head away.
@@ -941,18 +995,13 @@ def critic_values(
     at a time, in order of length, each chunk cut to its own longest (as sequence_logprobs).
     Returns values (N, T), 0 where completion_mask is 0, rows in the order given; differentiable with grad."""
     num_tokens = completion_ids.shape[1]  # T
-    order = length_order(completion_mask)  # chunks of rows of similar length, each trimmed (trim_padding)
+    order = length_order(prompt_ids, prompt_mask, completion_mask)  # chunks of whole groups, each trimmed
     values = []
     for start in range(0, completion_ids.shape[0], chunk_size):
         rows = order[start : start + chunk_size]
         chunk = trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows])
-        input_ids = torch.cat([chunk[0], chunk[2]], dim=1)  # (n, p+t)
-        attention_mask = torch.cat([chunk[1], chunk[3]], dim=1)  # (n, p+t)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as in generate and sequence_logprobs
-        num_prompt, kept = chunk[0].shape[1], chunk[2].shape[1]  # p, t
-        all_values = critic(input_ids, attention_mask, position_ids)  # (n, p+t)
-        chunk_values = all_values[:, num_prompt - 1 : num_prompt - 1 + kept]  # (n, t)
-        values.append(torch.nn.functional.pad(chunk_values, (0, num_tokens - kept)))  # (n, T)
+        chunk_values = critic(*chunk)  # (n, t), t ≤ T the chunk's longest completion
+        values.append(torch.nn.functional.pad(chunk_values, (0, num_tokens - chunk_values.shape[1])))  # (n, T)
     return torch.cat(values)[order.argsort()] * completion_mask.to(torch.float32)  # (N, T)
 
 
@@ -1207,7 +1256,7 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
     on the correct completions that no importance ratio enters, keeps it.
     """
     num_sequences = batch["completion_ids"].shape[0]
-    order = length_order(batch["completion_mask"])  # micro-batches of rows of similar length, each trimmed
+    order = length_order(batch["prompt_ids"], batch["prompt_mask"], batch["completion_mask"])  # micro-batches of groups
     batch = {k: v[order] if v is not None else None for k, v in batch.items()}  # unsorted on the way out
     loss_mask, totals = masked_importance(batch, batch["completion_mask"], args)  # (n, T): less what --is_mask drops
     # The whole mini-batch's tokens, for every micro-batch; under torchrun every rank's (FSDP sums
@@ -1271,7 +1320,7 @@ def critic_backward(critic: Critic, batch: dict, args: Args, amp=contextlib.null
     trained on), micro_batch_size sequences at a time, the value loss normalised by the
     mini-batch's token count. Returns the summed loss and statistics of the whole mini-batch."""
     num_sequences = batch["completion_ids"].shape[0]
-    order = length_order(batch["completion_mask"])  # micro-batches of rows of similar length, each trimmed
+    order = length_order(batch["prompt_ids"], batch["prompt_mask"], batch["completion_mask"])  # micro-batches of groups
     batch = {k: v[order] if v is not None else None for k, v in batch.items()}  # unsorted on the way out
     num_tokens = all_reduce(batch["completion_mask"].sum().item())  # under torchrun every rank's
     totals = {}
@@ -1350,6 +1399,19 @@ def masked_importance(batch: dict, loss_mask: torch.Tensor, args) -> tuple[torch
         "sequences": (loss_mask.sum(-1) > 0).sum().item(),
     }
     return keep, counts
+
+
+def whole_groups(order: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Keeps the rows of a group in one mini-batch, so that its prompt is forwarded once
+    (forward_completions): the groups in the order in which their first row comes in `order`, a
+    uniformly random permutation of the rows, each group's rows after one another. That is a
+    uniformly random permutation of the groups (all of G rows, so by symmetry every order of them
+    is as likely), drawn from the same random numbers as before: the random stream is unchanged.
+    order (N,) -> (N,)."""
+    position = torch.empty_like(order)
+    position[order] = torch.arange(len(order), device=order.device)  # where each row comes in `order`
+    groups = position.view(-1, group_size).amin(dim=-1).argsort()  # (N/G,) by their first row
+    return (groups[:, None] * group_size + torch.arange(group_size, device=order.device)).flatten()
 
 
 def optimizer_step(model, optimizer, max_grad_norm: float, skip: bool = False) -> float:
@@ -1458,7 +1520,7 @@ def train(args: Args) -> Path:
             }
             update, grad_norms, critic_update, critic_grad_norms = {}, [], {}, []
             for _ in range(args.ppo_epochs):
-                order = torch.randperm(num_sequences, device=device)
+                order = whole_groups(torch.randperm(num_sequences, device=device), args.group_size)  # (N,)
                 for rows in order.tensor_split(args.num_mini_batches):
                     mini = {k: v[rows] if v is not None else None for k, v in tensors.items()}
                     if train_policy:

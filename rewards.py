@@ -1147,6 +1147,8 @@ def load_task(
         return Task(name, problems, digit_messages, digit_score)
     if name == "gsm8k":  # the strict reward, not the benchmark's grade (gsm8k_reward says why)
         return Task(name, load_gsm8k(split, data_dir), with_examples(gsm8k_messages, examples), gsm8k_reward)
+    if name == "file":
+        raise SystemExit("--task file reads its problems from --data_file: load it with training_task(args).")
     raise SystemExit(f"--task {name!r} is not one of: {', '.join(TASKS)}.")
 
 

@@ -60,6 +60,22 @@ def family_config(family: str, **overrides):
     return config
 
 
+def unbuildable(family: str) -> str | None:
+    """Why the installed transformers cannot build this family's config, or None. transformers 5.4
+    (the floor) declares some of Olmo2Config's and Cohere2Config's flags as int while their
+    defaults are bool, which the strict dataclasses of today's huggingface_hub refuse: no model of
+    those families loads there at all, ours or a real one."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    try:
+        family_config(family)
+    except StrictDataclassError as error:
+        return (
+            f"transformers {transformers.__version__} cannot build {FAMILIES[family][0]}: {str(error).splitlines()[0]}"
+        )
+    return None
+
+
 def family_model(family: str, seed: int = 0, **overrides):
     """A randomly initialised fp32 `family` model, in eval mode."""
     config = family_config(family, **overrides)

@@ -39,6 +39,8 @@ SHARED = [
     "Rollout",
     "rollout",
     "length_order",
+    "whole_groups",
+    "forward_completions",
     "trim_padding",
     "sequence_logprobs",
     "old_and_ref_logprobs",

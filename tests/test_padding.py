@@ -17,7 +17,18 @@ from grpo import length_order, sequence_logprobs, trim_padding
 
 def test_length_order_is_longest_first_and_stable():
     mask = torch.tensor([[1, 0, 0], [1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]])  # lengths 1 3 2 1 3
-    assert length_order(mask).tolist() == [1, 4, 2, 0, 3]
+    prompts = torch.arange(5)[:, None]  # every row its own prompt: by length alone, ties in row order
+    assert length_order(prompts, torch.ones_like(prompts), mask).tolist() == [1, 4, 2, 0, 3]
+
+
+def test_length_order_keeps_groups_together_longest_group_first():
+    # Rows 0-2 share prompt [9], rows 3-5 prompt [4]; lengths 1 3 2 | 2 2 1. Group [9]'s longest
+    # completion (3) beats group [4]'s (2), so its rows come first, each group's longest first
+    # (ties in row order): 1 2 0, then 3 4 5; never a row of one group between two of the other.
+    prompts = torch.tensor([[9], [9], [9], [4], [4], [4]])
+    lengths = torch.tensor([1, 3, 2, 2, 2, 1])
+    mask = (torch.arange(3)[None, :] < lengths[:, None]).long()
+    assert length_order(prompts, torch.ones_like(prompts), mask).tolist() == [1, 2, 0, 3, 4, 5]
 
 
 def test_trim_padding_keeps_the_columns_some_row_uses():
@@ -83,11 +94,15 @@ def test_scoring_chunks_are_cut_to_their_own_longest_row(models):
     with torch.no_grad():
         logp, entropy = sequence_logprobs(model, *sequences, 1.0, len(tokenizer), 4, with_entropy=True)
     handle.remove()
-    order = length_order(batch["completion_mask"])
-    expected = [
-        (batch["prompt_mask"][rows].sum(-1).max() + batch["completion_mask"][rows].sum(-1).max()).item()
-        for rows in order.split(4)
-    ]
+    order = length_order(*sequences[:2], batch["completion_mask"])
+    expected = []
+    for rows in order.split(4):  # 3 prompts × 4 completions: each chunk is one group, its prompt run once
+        prompt, completion = (
+            batch["prompt_mask"][rows].sum(-1).max().item(),
+            batch["completion_mask"][rows].sum(-1).max().item(),
+        )
+        assert len(batch["prompt_ids"][rows].unique(dim=0)) == 1
+        expected += [prompt, completion - 1] if completion > 1 else [prompt]  # forward_completions' two passes
     assert widths == expected and sum(expected) < 3 * (sequences[0].shape[1] + sequences[2].shape[1])
     for i in range(12):
         prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()][None]
@@ -153,7 +168,8 @@ def test_grpo_bucketed_micro_batches_give_todays_gradient(models, settings):
         args = grpo.Args(micro_batch_size=micro_batch_size, **settings)
         result = gradients_and_totals(grpo, model, batch, args, len(tokenizer))
         handle.remove()
-        assert max(widths) == batch["prompt_ids"].shape[1] + 12 and min(widths) < max(widths)
+        # micro-batches of one group: its prompt's pass, then its completions' (forward_completions)
+        assert max(widths) == batch["prompt_ids"].shape[1] and min(widths) < max(widths)
         assert_same_update(result, reference)
         if batch["old_logp"] is None:  # the recorded log-probs are each row's own, in the rows given
             sequences = [batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
@@ -190,5 +206,5 @@ def test_ppo_actor_and_critic_bucketed_micro_batches_give_todays_gradient(models
         widths, handle = forward_widths(critic.backbone)
         result = gradients_and_totals(ppo, critic, batch, args, 0, "critic_backward")
         handle.remove()
-        assert min(widths) < max(widths) == batch["prompt_ids"].shape[1] + 12
+        assert min(widths) < max(widths) == batch["prompt_ids"].shape[1]  # as the policy's, above
         assert_same_update(result, value)
