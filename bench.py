@@ -25,10 +25,13 @@ so that the LM head, the sampler and the log-softmax run at the real vocabulary'
    computed, not measured (no CPU allocator statistic sees torch's tensors reliably).
    Also, computed from the shapes and not measured, the bytes one decode step reads (weights, and
    the keys and values it attends over) against the ideal (decode_bytes).
-3. Steps 4 and 6 of grpo.py at N = --step_rows with lengths drawn as --lengths realistic draws them:
-   the reference's and the policy's scoring (sequence_logprobs, chunks of 8) and policy_backward
-   (micro-batches of 4), against the same code with every chunk padded to the rollout's longest
-   (length_order and trim_padding made no-ops: the computation before issue 19).
+3. Steps 4 and 6 of grpo.py at N = --step_rows with lengths drawn as --lengths draws them, phase
+   by phase: the reference's scoring (sequence_logprobs, chunks of --logprob_chunk_size, 8) and
+   policy_backward (micro-batches of --micro_batch_size, 4), with each prompt forwarded once per
+   group (shared, now), once per row (unshared: before issue 28), and once per row with every
+   chunk padded to the rollout's longest (padded: before issue 19); peak memory of each on CUDA.
+   --shots and --countdown_numbers set
+   the prompts (the SmolLM2 setting of docs/learning.md: --shots 1 --countdown_numbers 2).
 4. One training step of grpo.py, dapo.py and ppo.py, per phase (the time/* metrics the scripts
    log), with peak memory: per phase on CUDA; on the CPU the process's peak RSS after the step.
 5. With --gap_rows N: the gap between the log-probs generate samples with and those
@@ -90,6 +93,10 @@ class Args:
     modes: str = arg("greedy,sampled", "greedy (τ = 0) and/or sampled (τ = 1)")
     contenders: str = arg("nanopo,hf,loop", "nanopo (generate), hf (model.generate), loop, static (older generates)")
     step_rows: int = arg(0, "N of the steps 4 + 6 comparison (--lengths decides the lengths); 0 = skip it")
+    shots: int = arg(0, "worked examples in each Countdown prompt of the steps 4 + 6 comparison (longer prompts)")
+    micro_batch_size: int = arg(4, "rows per forward and backward in the steps 4 + 6 comparison's step 6")
+    logprob_chunk_size: int = arg(8, "rows per scoring pass in the steps 4 + 6 comparison's step 4")
+    countdown_numbers: str = arg("3-4", "numbers per Countdown problem in the steps 4 + 6 comparison's prompts")
     train_steps: str = arg("grpo,dapo,ppo", "scripts whose training step is timed; '' = none")
     train_batch_size: int = arg(2, "B of the training step")
     logprob_rows: int = arg(16, "N of the sequence_logprobs memory comparison; 0 = skip it")
@@ -153,9 +160,12 @@ def load_bench_model(args: Args, device, dtype):
     return model.eval(), tokenizer, len(tokenizer), str(directory)
 
 
-def prompts(tokenizer, num_rows: int, group_size: int, device):
-    """Countdown prompts, left padded, each repeated G times: (N, P) ids and mask."""
-    task = load_task("countdown", seed=0, num_problems=max(1, -(-num_rows // group_size)))
+def prompts(tokenizer, num_rows: int, group_size: int, device, shots: int = 0, numbers: str = "3-4"):
+    """Countdown prompts (shots worked examples, problems of `numbers` numbers), left padded, each
+    repeated G times: (N, P) ids and mask."""
+    task = load_task(
+        "countdown", seed=0, num_problems=max(1, -(-num_rows // group_size)), shots=shots, countdown_numbers=numbers
+    )
     conversations = [task.messages(problem) for problem in task.problems]
     ids, mask = grpo.encode_prompts(tokenizer, conversations, group_size, device)
     return ids[:num_rows], mask[:num_rows]
@@ -310,11 +320,16 @@ def decode_bytes(model, num_rows: int, prompt_length: int, max_new_tokens: int, 
 
 
 def bench_steps_4_and_6(args, model, tokenizer, vocab_size, device, amp) -> list[dict]:
-    """Steps 4 and 6 of grpo.py on N = step_rows rollout rows (Countdown prompts, random completion
-    tokens, lengths as --lengths draws them, the longest at the cap): the reference's and the policy's
-    scoring, then policy_backward, bucketed (now) against padded to the rollout's longest (before)."""
+    """Steps 4 and 6 of grpo.py on N = step_rows rollout rows (Countdown prompts, G per prompt,
+    random completion tokens, lengths as --lengths draws them, the longest at the cap): step 4,
+    the reference's scoring (sequence_logprobs, chunks of --logprob_chunk_size), and step 6,
+    policy_backward (micro-batches of --micro_batch_size), phase by phase, for three versions of
+    the same computation: `shared` (now: each prompt forwarded once per group, forward_completions),
+    `unshared` (share=False: a pass over prompt + completion for every row, before issue 28) and
+    `padded` (unshared, and every chunk padded to the rollout's longest: before issue 19). Peak
+    memory of each on CUDA."""
     num_rows, length = args.step_rows, args.max_new_tokens
-    prompt_ids, prompt_mask = prompts(tokenizer, num_rows, args.group_size, device)
+    prompt_ids, prompt_mask = prompts(tokenizer, num_rows, args.group_size, device, args.shots, args.countdown_numbers)
     generator = torch.Generator().manual_seed(0)
     if args.lengths == "realistic":
         uniform = torch.rand(num_rows, generator=generator)
@@ -327,40 +342,66 @@ def bench_steps_4_and_6(args, model, tokenizer, vocab_size, device, amp) -> list
     batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": ids, "completion_mask": mask}
     batch |= {"sample_logp": torch.zeros(num_rows, length, device=device), "old_logp": None, "ref_logp": None}
     batch |= {"advantages": torch.randn(num_rows, generator=generator).to(device)}
-    grpo_args = grpo.Args(max_new_tokens=length, logprob_chunk_size=8, micro_batch_size=4)
+    grpo_args = grpo.Args(
+        max_new_tokens=length, logprob_chunk_size=args.logprob_chunk_size, micro_batch_size=args.micro_batch_size
+    )
     model.train()
+    sequences = [batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
 
-    def step():
-        sequences = [batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
+    def step_4():
         with torch.no_grad(), amp():
-            ref_logp, _ = grpo.sequence_logprobs(model, *sequences, 1.0, vocab_size, 8)  # the reference's pass
-        totals = grpo.policy_backward(model, batch | {"ref_logp": ref_logp}, grpo_args, vocab_size, amp)
+            batch["ref_logp"], _ = grpo.sequence_logprobs(model, *sequences, 1.0, vocab_size, args.logprob_chunk_size)
+
+    def step_6():
+        grpo.policy_backward(model, batch, grpo_args, vocab_size, amp)
         model.zero_grad(set_to_none=True)
-        return totals
 
-    def padded():  # length_order and trim_padding as no-ops: every chunk padded to the rollout's longest
-        saved = grpo.length_order, grpo.trim_padding
-        grpo.length_order = lambda prompt_ids, *masks: torch.arange(len(prompt_ids), device=device)
-        grpo.trim_padding = lambda *tensors: tensors
+    @contextlib.contextmanager
+    def version(name: str):
+        saved = grpo.length_order, grpo.trim_padding, grpo.forward_completions
+        if name != "shared":
+            grpo.forward_completions = functools.partial(saved[2], share=False)
+        if name == "padded":  # length_order and trim_padding as no-ops: every chunk padded to the rollout's longest
+            grpo.length_order = lambda prompt_ids, *masks: torch.arange(len(prompt_ids), device=device)
+            grpo.trim_padding = lambda *tensors: tensors
         try:
-            return step()
+            yield
         finally:
-            grpo.length_order, grpo.trim_padding = saved
+            grpo.length_order, grpo.trim_padding, grpo.forward_completions = saved
 
-    seconds = {"bucketed": [], "padded": []}
-    step()  # warm-up
-    for _ in range(args.repeats):
-        seconds["bucketed"].append(timed(step, device))
-        seconds["padded"].append(timed(padded, device))
+    versions = ("shared", "unshared", "padded")
+    seconds = {(name, phase): [] for name in versions for phase in ("4", "6")}
+    peaks = {}
+    for name in versions:  # warm-up, and on CUDA each version's peak memory
+        with version(name):
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            step_4(), step_6()
+            if device.type == "cuda":
+                peaks[name] = torch.cuda.max_memory_allocated(device) / 2**30
+    for _ in range(args.repeats):  # the versions take turns within each repetition
+        for name in versions:
+            with version(name):
+                seconds[(name, "4")].append(timed(step_4, device))
+                seconds[(name, "6")].append(timed(step_6, device))
     model.eval()
     row = {
         "N": num_rows,
+        "G": args.group_size,
         "P": prompt_ids.shape[1],
+        "mean prompt": prompt_mask.sum(-1).float().mean().item(),
         "lengths": args.lengths,
         "mean length": lengths.float().mean().item(),
     }
-    row |= {f"{name} s": statistics.median(values) for name, values in seconds.items()}
-    row["padded/bucketed"] = row["padded s"] / row["bucketed s"]
+    for name in versions:
+        row |= {f"{name} step 4 s": statistics.median(seconds[(name, "4")])}
+        row |= {f"{name} step 6 s": statistics.median(seconds[(name, "6")])}
+        row[f"{name} 4+6 s"] = row[f"{name} step 4 s"] + row[f"{name} step 6 s"]
+        if peaks:
+            row[f"{name} peak GiB"] = peaks[name]
+    row["unshared/shared"] = row["unshared 4+6 s"] / row["shared 4+6 s"]
+    row["padded/shared"] = row["padded 4+6 s"] / row["shared 4+6 s"]
     print(row, flush=True)
     return [row]
 

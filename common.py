@@ -863,6 +863,13 @@ class AdaptersOff:
     def get_output_embeddings(self):  # the policy's LM head, which the scripts' fp32_lm_head reads
         return self.policy.get_output_embeddings()
 
+    def modules(self):  # what the scripts read off a model (the keyword of its cache), not a way to change it
+        return self.policy.modules()
+
+    @property
+    def training(self) -> bool:
+        return self.policy.training
+
 
 def is_lora(model) -> bool:
     return hasattr(model, "peft_config")

@@ -102,3 +102,20 @@ def test_bench_logprob_gap(tmp_path):
     assert [row["LM head"] for row in rows] == ["bf16", "fp32"]
     assert all(row["tokens"] > 0 and 0 < row["max abs Δ"] < 0.1 for row in rows)
     assert "| LM head | N | tokens |" in done.stdout
+
+
+def test_steps_4_and_6_time_the_shared_unshared_and_padded_versions(tmp_path):
+    # 8 rows, groups of 4, one worked example in each prompt: each version's phases timed, the
+    # ratios against the shared version (the same computation, so the versions run the same work).
+    output = tmp_path / "bench.json"
+    command = [sys.executable, "bench.py", "--model", "tiny", "--batch_sizes", "", "--max_new_tokens", "6"]
+    command += ["--repeats", "1", "--group_size", "4", "--train_steps", "", "--logprob_rows", "0"]
+    command += ["--step_rows", "8", "--shots", "1", "--countdown_numbers", "2", "--output", str(output)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    [row] = json.loads(output.read_text())["steps_4_and_6"]
+    assert (row["N"], row["G"]) == (8, 4) and row["mean prompt"] > 100  # the worked example's tokens
+    for version in ("shared", "unshared", "padded"):
+        assert row[f"{version} step 4 s"] > 0 and row[f"{version} step 6 s"] > 0
+        assert row[f"{version} 4+6 s"] == row[f"{version} step 4 s"] + row[f"{version} step 6 s"]
+    assert row["unshared/shared"] == row["unshared 4+6 s"] / row["shared 4+6 s"]

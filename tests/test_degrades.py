@@ -118,7 +118,7 @@ def test_out_of_memory_in_scoring_and_update_names_the_phase(script, phase, flag
     err = run_out_of_memory(script, tmp_path, capsys, max_steps=1, save_every=0, beta=0.01, **extra)
     message = err.strip().splitlines()[-2]
     assert message.startswith(f"Out of GPU memory in {phase} on prompt_ids [")  # the rows and columns it held
-    assert "input_ids [" in message and "(rows, tokens) in sequence_logprobs()" in message and flag in message
+    assert "completion_ids [" in message and "(rows, tokens) in sequence_logprobs()" in message and flag in message
     assert "No checkpoint was written yet (--save_every sets how often)." in message
 
 

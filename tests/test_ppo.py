@@ -339,12 +339,14 @@ def test_train_wires_gae_whitening_and_adaptive_lambda(tmp_path, monkeypatch):
     # for 2; --lam_actor 0.9 must be ignored) and --lam_critic 1. train() must call gae twice on
     # the same rewards and values, first with the per-completion λ_actor, then with λ_critic = 1;
     # whiten the first call's advantages; and hand exactly those whitened advantages and the
-    # second call's returns to the actor and the critic. 32 completions of ≤ 2 tokens: some
-    # start with a digit (reward 1), so the advantages are not all 0.
+    # second call's returns to the actor and the critic. 32 completions of ≤ 2 tokens of the random
+    # tiny model, which all earn 0 and whose KL penalty is 0 at the first step: every token gets
+    # 0.1 more reward here, so that the advantages are not all 0.
     calls, seen = [], {}
     real_gae, real_policy_backward, real_critic_backward = ppo.gae, ppo.policy_backward, ppo.critic_backward
 
     def recording_gae(rewards, values, mask, gamma, lam):
+        rewards = rewards + 0.1 * mask
         calls.append({"mask": mask, "lam": lam, "out": real_gae(rewards, values, mask, gamma, lam)})
         return calls[-1]["out"]
 
@@ -383,6 +385,7 @@ def test_without_whitening_the_actor_gets_gae_advantages_as_they_are(tmp_path, m
     real_gae, real_policy_backward = ppo.gae, ppo.policy_backward
 
     def recording_gae(rewards, values, mask, gamma, lam):
+        rewards = rewards + 0.1 * mask  # as above: not all 0
         calls.append((real_gae(rewards, values, mask, gamma, lam), mask))
         return calls[-1][0]
 

@@ -53,7 +53,9 @@ def test_gradient_checkpointing_gives_the_same_gradient(sampled):
     disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
     disable()
     model.eval().zero_grad(set_to_none=True)
-    assert torch.allclose(gradients[0], gradients[1], rtol=1e-5, atol=1e-8)
+    # Checkpointed, each row runs one pass over prompt + completion; without, a group's prompt runs
+    # once (forward_completions): the same gradient up to float reassociation.
+    assert (gradients[0] - gradients[1]).abs().max() <= 1e-6 * gradients[0].abs().max()
 
 
 def test_on_policy_ratio_is_exactly_one(sampled):
