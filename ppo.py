@@ -775,51 +775,49 @@ def forward_completions(
     (n, t) -> (n, t, ·), the numbers of one forward pass over prompt + completion.
 
     Saves forwarding a prompt once per completion: rows that share a prompt (a group) run it once,
-    as one row, with the cache on; their completions then attend to its keys and values, which an
-    index copies to their rows, so that backward sums the G completions' gradients into the one
-    prompt pass (P + G·T token positions instead of G·(P + T)). Exact up to float reassociation:
-    the same keys, values and positions, and transformers builds every mask from the 2D one,
-    sliding windows included. One pass over prompt + completion where no two rows share a prompt
-    (G = 1), where transformers would drop the cache (gradient checkpointing, with grad), and with
-    share=False (the computation before; tests and bench.py compare with it)."""
+    as one row, with the cache on, all but its last token; their completions then attend to its
+    keys and values, which an index copies to their rows, each row's pass starting at the prompt's
+    last token (whose output predicts completion token 0), so that backward sums the G
+    completions' gradients into the one prompt pass (P + G·T token positions instead of G·(P + T)).
+    Exact up to float reassociation: the same keys, values and positions, and transformers builds
+    every mask from the 2D one, sliding windows included. One pass over prompt + completion where
+    no two rows share a prompt (G = 1), where a prompt is one token, where transformers would drop
+    the cache (gradient checkpointing, with grad), and with share=False (the computation before;
+    tests and bench.py compare with it)."""
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (n, p+t)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same positions as in generate
     num_prompt, kept = prompt_ids.shape[1], completion_ids.shape[1]  # p, t
-    logits = output == "logits"
+    keep = {"logits_to_keep": kept} if output == "logits" else {}  # only what predicts a completion token
     distinct, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_inverse=True)
+    distinct_mask = distinct[:, num_prompt:]  # (b, p) b distinct prompts
     checkpointed = torch.is_grad_enabled() and model.training
     checkpointed = checkpointed and any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
-    if not share or len(distinct) == len(prompt_ids) or checkpointed:
+    if not share or len(distinct) == len(prompt_ids) or distinct_mask.sum(-1).min() < 2 or checkpointed:
         out = model(
-            input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
-            attention_mask=attention_mask,
-            position_ids=position_ids,
+            input_ids=torch.cat([prompt_ids, completion_ids], dim=1)[:, :-1],  # the last token predicts nothing
+            attention_mask=attention_mask[:, :-1],
+            position_ids=position_ids[:, :-1],
             use_cache=False,
-            **({"logits_to_keep": kept + 1} if logits else {}),  # only what predicts a completion token
+            **keep,
         )
-        return out[output][:, -(kept + 1) : -1]  # (n, t, ·)
+        return out[output][:, -kept:]  # (n, t, ·)
     cache_name = cache_argument(model)
-    distinct_mask = distinct[:, num_prompt:]  # (b, p) b distinct prompts
-    prompt_out = model(
-        input_ids=distinct[:, :num_prompt],
-        attention_mask=distinct_mask,
-        position_ids=(distinct_mask.cumsum(-1) - 1).clamp(min=0),
+    cache = model(  # each distinct prompt but its last token, once: its keys and values
+        input_ids=distinct[:, : num_prompt - 1],
+        attention_mask=distinct_mask[:, :-1],
+        position_ids=(distinct_mask[:, :-1].cumsum(-1) - 1).clamp(min=0),
         use_cache=True,
-        **({"logits_to_keep": 1} if logits else {}),
-    )
-    first = prompt_out[output][:, -1:][inverse]  # (n, 1, ·) the prompt's last position predicts token 0
-    if kept == 1:
-        return first
-    cache = prompt_out[cache_name]
-    cache.batch_select_indices(inverse)  # each row gets its prompt's keys and values: (n, kv heads, p, d)
-    rest = model(  # the last completion token predicts nothing: it is not an input
-        input_ids=completion_ids[:, :-1],
+        **({"logits_to_keep": 1} if keep else {}),  # no logit is needed: the fewest the head computes
+    )[cache_name]
+    cache.batch_select_indices(inverse)  # each row gets its prompt's keys and values: (n, kv heads, p-1, d)
+    return model(  # the prompt's last token, then the completion but its last token
+        input_ids=torch.cat([prompt_ids[:, -1:], completion_ids[:, :-1]], dim=1),
         attention_mask=attention_mask[:, :-1],
-        position_ids=position_ids[:, num_prompt:-1],
+        position_ids=position_ids[:, num_prompt - 1 : -1],
         use_cache=True,
         **{cache_name: cache},
-    )[output]  # (n, t-1, ·)
-    return torch.cat([first, rest], dim=1)  # (n, t, ·)
+        **keep,
+    )[output]  # (n, t, ·)
 
 
 def sequence_logprobs(

@@ -92,7 +92,9 @@ def test_decode_bytes_by_hand():
 
 def test_bench_logprob_gap(tmp_path):
     # --gap_rows: generate's and sequence_logprobs' log-probs under bf16 autocast, the LM head in
-    # bf16 and in fp32; the gaps are small but not 0 (bf16 is not fp32), and the table prints.
+    # bf16 and in fp32; the gaps are small, and the table prints. (On the tiny model they are 0
+    # since scoring runs a group's prompt alone and then its completions, as generate does; on
+    # SmolLM2-135M 0.015 on average, docs/speed.md.)
     output = tmp_path / "bench.json"
     command = [sys.executable, "bench.py", "--model", "tiny", "--batch_sizes", "", "--max_new_tokens", "6"]
     command += ["--gap_rows", "4", "--group_size", "2", "--train_steps", "", "--logprob_rows", "0"]
@@ -100,7 +102,7 @@ def test_bench_logprob_gap(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(output.read_text())["logprob_gap"]
     assert [row["LM head"] for row in rows] == ["bf16", "fp32"]
-    assert all(row["tokens"] > 0 and 0 < row["max abs Δ"] < 0.1 for row in rows)
+    assert all(row["tokens"] > 0 and 0 <= row["max abs Δ"] < 0.1 for row in rows)
     assert "| LM head | N | tokens |" in done.stdout
 
 

@@ -102,7 +102,10 @@ def test_scoring_chunks_are_cut_to_their_own_longest_row(models):
             batch["completion_mask"][rows].sum(-1).max().item(),
         )
         assert len(batch["prompt_ids"][rows].unique(dim=0)) == 1
-        expected += [prompt, completion - 1] if completion > 1 else [prompt]  # forward_completions' two passes
+        expected += [
+            prompt - 1,
+            completion,
+        ]  # forward_completions: the prompt but its last token, then that and the rest
     assert widths == expected and sum(expected) < 3 * (sequences[0].shape[1] + sequences[2].shape[1])
     for i in range(12):
         prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()][None]
@@ -169,7 +172,7 @@ def test_grpo_bucketed_micro_batches_give_todays_gradient(models, settings):
         result = gradients_and_totals(grpo, model, batch, args, len(tokenizer))
         handle.remove()
         # micro-batches of one group: its prompt's pass, then its completions' (forward_completions)
-        assert max(widths) == batch["prompt_ids"].shape[1] and min(widths) < max(widths)
+        assert max(widths) == batch["prompt_ids"].shape[1] - 1 and min(widths) < max(widths)
         assert_same_update(result, reference)
         if batch["old_logp"] is None:  # the recorded log-probs are each row's own, in the rows given
             sequences = [batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
@@ -206,5 +209,5 @@ def test_ppo_actor_and_critic_bucketed_micro_batches_give_todays_gradient(models
         widths, handle = forward_widths(critic.backbone)
         result = gradients_and_totals(ppo, critic, batch, args, 0, "critic_backward")
         handle.remove()
-        assert min(widths) < max(widths) == batch["prompt_ids"].shape[1]  # as the policy's, above
+        assert min(widths) < max(widths) == batch["prompt_ids"].shape[1] - 1  # as the policy's, above
         assert_same_update(result, value)
