@@ -800,7 +800,7 @@ def forward_completions(
     Exact up to float reassociation: the same keys, values and positions, and transformers builds
     every mask from the 2D one, sliding windows included. One pass over prompt + completion where
     no two rows share a prompt (G = 1), where a prompt is one token, where transformers would drop
-    the cache (gradient checkpointing, with grad), and with share=False (the computation before;
+    the cache (gradient checkpointing in train mode), and with share=False (the computation before;
     tests and bench.py compare with it)."""
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (n, p+t)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same positions as in generate
@@ -808,8 +808,7 @@ def forward_completions(
     keep = {"logits_to_keep": kept} if output == "logits" else {}  # only what predicts a completion token
     distinct, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_inverse=True)
     distinct_mask = distinct[:, num_prompt:]  # (b, p) b distinct prompts
-    checkpointed = torch.is_grad_enabled() and model.training
-    checkpointed = checkpointed and any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
+    checkpointed = model.training and any(getattr(layer, "gradient_checkpointing", False) for layer in model.modules())
     if not share or len(distinct) == len(prompt_ids) or distinct_mask.sum(-1).min() < 2 or checkpointed:
         out = model(
             input_ids=torch.cat([prompt_ids, completion_ids], dim=1)[:, :-1],  # the last token predicts nothing
@@ -820,15 +819,16 @@ def forward_completions(
         )
         return out[output][:, -kept:]  # (n, t, ·)
     cache_name = cache_argument(model)
-    cache = model(  # each distinct prompt but its last token, once: its keys and values
+    prompt_out = model(  # each distinct prompt but its last token, once: its keys and values
         input_ids=distinct[:, : num_prompt - 1],
         attention_mask=distinct_mask[:, :-1],
         position_ids=(distinct_mask[:, :-1].cumsum(-1) - 1).clamp(min=0),
         use_cache=True,
         **({"logits_to_keep": 1} if keep else {}),  # no logit is needed: the fewest the head computes
-    )[cache_name]
+    )
+    cache = prompt_out[cache_name]
     cache.batch_select_indices(inverse)  # each row gets its prompt's keys and values: (n, kv heads, p-1, d)
-    return model(  # the prompt's last token, then the completion but its last token
+    out = model(  # the prompt's last token, then the completion but its last token
         input_ids=torch.cat([prompt_ids[:, -1:], completion_ids[:, :-1]], dim=1),
         attention_mask=attention_mask[:, :-1],
         position_ids=position_ids[:, num_prompt - 1 : -1],
@@ -836,6 +836,9 @@ def forward_completions(
         **{cache_name: cache},
         **keep,
     )[output]  # (n, t, ·)
+    if torch.is_grad_enabled():  # FSDP2 gathers a layer again for backward only if its forward's output is in
+        out[:, :1] += 0 * prompt_out[output].sum()  # the loss: the prompt pass's joins, at weight 0, in place
+    return out
 
 
 def sequence_logprobs(
