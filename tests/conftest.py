@@ -128,3 +128,27 @@ def crash_and_resume(script, tmp_path, monkeypatch, **settings):
     steps = [json.loads(line)["step"] for line in (resumed / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, settings["max_steps"] + 1))
     return straight, resumed
+
+
+def gradients_and_totals(script, model, batch, args, vocab_size, backward="policy_backward"):
+    """The gradient (flattened) and the summed statistics of one policy_backward (or critic_backward)."""
+    model.zero_grad(set_to_none=True)
+    if backward == "critic_backward":
+        totals = script.critic_backward(model, batch, args)
+    else:
+        totals = script.policy_backward(model, batch, args, vocab_size)
+    gradient = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    model.zero_grad(set_to_none=True)
+    return gradient, totals
+
+
+def assert_same_update(first, second, tolerance=1e-6):
+    # The gradient to 1e-6 of its largest entry, and the summed statistics to 1e-6 relative.
+    (gradient, totals), (reference, reference_totals) = first, second
+    assert reference.abs().max() > 0
+    assert (gradient - reference).abs().max() <= tolerance * reference.abs().max()
+    for key, value in reference_totals.items():
+        if isinstance(value, torch.Tensor):  # on-policy: step 4's log-probs, in the rows given
+            assert (totals[key] - value).abs().max() < 1e-6, key
+        else:
+            assert totals[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key

@@ -11,7 +11,7 @@ import dapo
 import grpo
 import ppo
 from common import load_model
-from conftest import sample_batch
+from conftest import assert_same_update, gradients_and_totals, sample_batch
 from grpo import length_order, sequence_logprobs, trim_padding
 
 
@@ -118,29 +118,6 @@ def test_scoring_chunks_are_cut_to_their_own_longest_row(models):
         assert (alone[0] - logp[i, :length]).abs().max() < 1e-5
         assert (alone_entropy[0] - entropy[i, :length]).abs().max() < 1e-5
         assert logp[i, length:].abs().sum() == entropy[i, length:].abs().sum() == 0
-
-
-def gradients_and_totals(script, model, batch, args, vocab_size, backward="policy_backward"):
-    model.zero_grad(set_to_none=True)
-    if backward == "critic_backward":
-        totals = script.critic_backward(model, batch, args)
-    else:
-        totals = script.policy_backward(model, batch, args, vocab_size)
-    gradient = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-    model.zero_grad(set_to_none=True)
-    return gradient, totals
-
-
-def assert_same_update(first, second, tolerance=1e-6):
-    # The gradient to 1e-6 of its largest entry, and the summed statistics to 1e-6 relative.
-    (gradient, totals), (reference, reference_totals) = first, second
-    assert reference.abs().max() > 0
-    assert (gradient - reference).abs().max() <= tolerance * reference.abs().max()
-    for key, value in reference_totals.items():
-        if isinstance(value, torch.Tensor):  # on-policy: step 4's log-probs, in the rows given
-            assert (totals[key] - value).abs().max() < 1e-6, key
-        else:
-            assert totals[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
 
 
 GRPO_CASES = [

@@ -13,7 +13,7 @@ import dapo
 import grpo
 import ppo
 from common import enable_activation_checkpointing, load_model, load_policy
-from conftest import sample_batch
+from conftest import assert_same_update, gradients_and_totals, sample_batch
 from families import VOCAB, family_model, family_prompts
 
 SEQUENCES = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
@@ -62,28 +62,6 @@ def passes(module):
     return seen, module.register_forward_pre_hook(count, with_kwargs=True)
 
 
-def gradient_of(script, model, batch, args, vocab_size, backward="policy_backward"):
-    model.zero_grad(set_to_none=True)
-    if backward == "critic_backward":
-        totals = script.critic_backward(model, batch, args)
-    else:
-        totals = script.policy_backward(model, batch, args, vocab_size)
-    gradient = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-    model.zero_grad(set_to_none=True)
-    return gradient, totals
-
-
-def assert_same(shared, before, tolerance=1e-6):
-    (gradient, totals), (reference, reference_totals) = shared, before
-    assert reference.abs().max() > 0
-    assert (gradient - reference).abs().max() <= tolerance * reference.abs().max()
-    for key, value in reference_totals.items():
-        if isinstance(value, torch.Tensor):
-            assert (totals[key] - value).abs().max() < 1e-6, key
-        else:
-            assert totals[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
-
-
 def test_log_probs_equal_and_each_prompt_runs_once(tiny, monkeypatch):
     # 12 rows, 3 prompts: chunks of 4 rows are one group each, so 3 prompt passes of 1 row and 3
     # completion passes of 4; before, 3 passes of 4 rows over prompt + completion.
@@ -122,9 +100,9 @@ def test_every_grpo_loss_has_the_gradient_of_before(tiny, settings, micro_batch_
     batch = {k: v for k, v in batch.items() if k in (*SEQUENCES, "sample_logp", "old_logp", "ref_logp", "advantages")}
     if settings.get("beta") == 0.0:
         batch |= {"old_logp": None, "ref_logp": None}
-    shared = gradient_of(grpo, model, batch, args, vocab_size)
+    shared = gradients_and_totals(grpo, model, batch, args, vocab_size)
     unshared(grpo, monkeypatch)
-    assert_same(shared, gradient_of(grpo, model, batch, args, vocab_size))
+    assert_same_update(shared, gradients_and_totals(grpo, model, batch, args, vocab_size))
 
 
 @pytest.mark.parametrize("overlong_filter", [False, True])
@@ -138,9 +116,9 @@ def test_the_dapo_loss_has_the_gradient_of_before(tiny, overlong_filter, monkeyp
     args = dapo.Args(
         micro_batch_size=4, beta=0.04, max_new_tokens=12, num_iterations=2, overlong_filter=overlong_filter
     )
-    shared = gradient_of(dapo, model, batch, args, vocab_size)
+    shared = gradients_and_totals(dapo, model, batch, args, vocab_size)
     unshared(dapo, monkeypatch)
-    assert_same(shared, gradient_of(dapo, model, batch, args, vocab_size))
+    assert_same_update(shared, gradients_and_totals(dapo, model, batch, args, vocab_size))
 
 
 def test_ppo_actor_and_critic_have_the_gradients_of_before(tiny, monkeypatch):
@@ -148,16 +126,16 @@ def test_ppo_actor_and_critic_have_the_gradients_of_before(tiny, monkeypatch):
     batch = dict(batch, advantages=batch["advantages_ppo"])
     args = ppo.Args(micro_batch_size=4, max_new_tokens=12, entropy_coef=0.01, pos_lm_coef=0.1)
     actor, value = (
-        gradient_of(ppo, model, batch, args, vocab_size),
-        gradient_of(ppo, critic, batch, args, 0, "critic_backward"),
+        gradients_and_totals(ppo, model, batch, args, vocab_size),
+        gradients_and_totals(ppo, critic, batch, args, 0, "critic_backward"),
     )
     with torch.no_grad():
         values = ppo.critic_values(critic, *[batch[k] for k in SEQUENCES], 4)
     unshared(ppo, monkeypatch)
     with torch.no_grad():
         assert (values - ppo.critic_values(critic, *[batch[k] for k in SEQUENCES], 4)).abs().max() <= 1e-6
-    assert_same(actor, gradient_of(ppo, model, batch, args, vocab_size))
-    assert_same(value, gradient_of(ppo, critic, batch, args, 0, "critic_backward"))
+    assert_same_update(actor, gradients_and_totals(ppo, model, batch, args, vocab_size))
+    assert_same_update(value, gradients_and_totals(ppo, critic, batch, args, 0, "critic_backward"))
 
 
 def test_one_completion_per_prompt_runs_one_pass_as_before(tiny):
@@ -182,11 +160,11 @@ def test_gradient_checkpointing_runs_one_pass_and_the_gradient_of_before(tiny, m
     args = grpo.Args(micro_batch_size=4, beta=0.04, max_new_tokens=12, num_iterations=2)
     batch = {k: v for k, v in batch.items() if k in (*SEQUENCES, "sample_logp", "old_logp", "ref_logp", "advantages")}
     seen, handle = passes(model)
-    checkpointed = gradient_of(grpo, model, batch, args, vocab_size)
+    checkpointed = gradients_and_totals(grpo, model, batch, args, vocab_size)
     handle.remove()
     assert seen["passes"] == 3  # 12 rows in micro-batches of 4, one pass each
     unshared(grpo, monkeypatch)
-    assert_same(checkpointed, gradient_of(grpo, model, batch, args, vocab_size))
+    assert_same_update(checkpointed, gradients_and_totals(grpo, model, batch, args, vocab_size))
 
 
 def test_lora_has_the_gradient_of_before(tiny, monkeypatch):
@@ -198,9 +176,9 @@ def test_lora_has_the_gradient_of_before(tiny, monkeypatch):
             torch.nn.init.normal_(parameter, std=0.05)
     args = grpo.Args(micro_batch_size=4, beta=0.04, max_new_tokens=12, num_iterations=2, lora_rank=4)
     batch = {k: v for k, v in batch.items() if k in (*SEQUENCES, "sample_logp", "old_logp", "ref_logp", "advantages")}
-    shared = gradient_of(grpo, policy.train(), batch, args, vocab_size)
+    shared = gradients_and_totals(grpo, policy.train(), batch, args, vocab_size)
     unshared(grpo, monkeypatch)
-    assert_same(shared, gradient_of(grpo, policy, batch, args, vocab_size))
+    assert_same_update(shared, gradients_and_totals(grpo, policy, batch, args, vocab_size))
 
 
 @pytest.mark.parametrize("family", ["gemma3", "mistral", "gpt-oss", "qwen3-moe"])
