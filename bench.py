@@ -30,8 +30,8 @@ so that the LM head, the sampler and the log-softmax run at the real vocabulary'
    policy_backward (micro-batches of --micro_batch_size, 4), with each prompt forwarded once per
    group (shared, now), once per row (unshared: before issue 28), and once per row with every
    chunk padded to the rollout's longest (padded: before issue 19); peak memory of each on CUDA.
-   --shots and --countdown_numbers set
-   the prompts (the SmolLM2 setting of docs/learning.md: --shots 1 --countdown_numbers 2).
+   --shots and --countdown_numbers set the prompts (the SmolLM2 setting of docs/learning.md:
+   --shots 1 --countdown_numbers 2).
 4. One training step of grpo.py, dapo.py and ppo.py, per phase (the time/* metrics the scripts
    log), with peak memory: per phase on CUDA; on the CPU the process's peak RSS after the step.
 5. With --gap_rows N: the gap between the log-probs generate samples with and those

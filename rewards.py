@@ -288,12 +288,14 @@ def countdown_score(completion: str, problem: dict, truncated: bool = False) -> 
 COUNTDOWN_SHOTS_SEED = 314_159_265
 
 
+def countdown_worked(problem: dict) -> str:
+    """A Countdown problem's answer in the strict format, from its witness (its "solution")."""
+    return f"<think> {problem['solution']} = {problem['target']} </think> <answer> {problem['solution']} </answer>"
+
+
 def countdown_examples(shots: int, sizes: tuple[int, int]) -> list[tuple[dict, str]]:
     """shots worked Countdown problems with an answer in the strict format (its witness)."""
-    problems = generate_countdown(shots, COUNTDOWN_SHOTS_SEED, *sizes)
-    return [
-        (p, f"<think> {p['solution']} = {p['target']} </think> <answer> {p['solution']} </answer>") for p in problems
-    ]
+    return [(p, countdown_worked(p)) for p in generate_countdown(shots, COUNTDOWN_SHOTS_SEED, *sizes)]
 
 
 CALCULATOR = re.compile(r"<<[^<>]*>>")  # GSM8K's calculator annotations: 48/2 = <<48/2=24>>24
@@ -995,12 +997,12 @@ FILE_GRADERS: dict[str, Callable[[str, dict, bool], Score]] = {
 }
 
 
-def load_file_task(spec: FileTaskSpec, split: str, seed: int = 0, shots: int = 0) -> Task:
+def load_file_task(spec: FileTaskSpec, split: str, shots: int = 0) -> Task:
     """--task file: the training rows (split "train"), or the held-out ones ("heldout"): those of
     --eval_data_file, or without it the fixed hash share of --data_file's rows that training never
-    sees. shots: the first K training rows as worked examples (answered "The answer is \\boxed{gold}."),
-    left out of training. Stops before any model loads on what cannot work, held-out rows that are
-    also training rows among it."""
+    sees. shots: the first K training rows as worked examples, answered "The answer is \\boxed{gold}."
+    (Countdown rows: their "solution" in the strict format), left out of training. Stops before any
+    model loads on what cannot work, held-out rows that are also training rows among it."""
     if spec.grader not in GRADERS:
         raise SystemExit(f"--grader {spec.grader!r} is not one of: {', '.join(GRADERS)}.")
     if split == "heldout" and spec.eval_data_file and not spec.data_file:  # evaluate.py on a file of its own
@@ -1025,10 +1027,9 @@ def load_file_task(spec: FileTaskSpec, split: str, seed: int = 0, shots: int = 0
         raise SystemExit(f"--shots {shots}: between 0 and the {len(train)} training rows less one.")
     examples, train = train[:shots], train[shots:]
     answer = "The answer is ({})." if spec.grader == "choice" else "The answer is \\boxed{{{}}}."
-    if spec.grader == "countdown":
-        worked = [(e, f"<think>…</think> <answer>{e.get('solution', e['gold'])}</answer>") for e in examples]
-    else:
-        worked = [(e, answer.format(e["gold"])) for e in examples]
+    if spec.grader == "countdown" and not all(e.get("solution") for e in examples):
+        raise SystemExit("--shots with --grader countdown needs a 'solution' column (an equation) in the rows.")
+    worked = [(e, countdown_worked(e) if spec.grader == "countdown" else answer.format(e["gold"])) for e in examples]
     problems = train if split == "train" else heldout
     if not problems:
         raise SystemExit(f"--data_file {spec.data_file}: no {split} rows (held out: 1 in {FILE_HELDOUT_SHARE}).")
@@ -1159,7 +1160,7 @@ def training_task(args) -> Task:
     if args.task != "file" and file_flags:
         raise SystemExit(f"{' and '.join(file_flags)}: for --task file (your own data); drop it or add --task file.")
     if args.task == "file":
-        task = load_file_task(FileTaskSpec.from_args(args), "train", args.seed, args.shots)
+        task = load_file_task(FileTaskSpec.from_args(args), "train", args.shots)
     else:
         task = load_task(
             args.task, args.seed, args.num_problems, args.dataset, "train", args.data_dir, args.shots,
@@ -1172,7 +1173,7 @@ def heldout_task(args) -> Task:
     """--eval_every's problems: load_heldout_task's for the built-in tasks, and for --task file the
     rows of --eval_data_file or the held-out share of --data_file; --reward_fn as in training."""
     if args.task == "file":
-        task = load_file_task(FileTaskSpec.from_args(args), "heldout", args.seed, args.shots)
+        task = load_file_task(FileTaskSpec.from_args(args), "heldout", args.shots)
         task.problems = task.problems[: args.eval_problems]
     else:
         task = load_heldout_task(args.task, args.eval_problems, args.data_dir, args.shots, args.countdown_numbers)

@@ -5,6 +5,7 @@ evaluate.py, and Countdown through a file equal to --task countdown."""
 
 import csv
 import dataclasses
+import hashlib
 import json
 import shutil
 import time
@@ -146,7 +147,14 @@ def test_held_out_rows_are_a_fixed_share_never_trained_on():
     train_ids, heldout_ids = {p["id"] for p in train.problems}, {p["id"] for p in heldout.problems}
     assert train_ids.isdisjoint(heldout_ids) and train_ids | heldout_ids == set(range(40))
     assert 1 <= len(heldout_ids) <= 10  # 1 in 10 by a hash of the prompt: 4 expected of 40
-    assert heldout_ids == {p["id"] for p in load_file_task(SPEC, "heldout", seed=5).problems}  # not the seed's
+    # The documented rule, from the rows themselves: the first 8 bytes of SHA-256 of the prompt as
+    # JSON, big-endian, divisible by 10. Nothing else (no seed, no row order) decides it.
+    by_rule = {
+        row["id"]
+        for row in arithmetic_rows()
+        if int.from_bytes(hashlib.sha256(json.dumps(row["question"]).encode()).digest()[:8], "big") % 10 == 0
+    }
+    assert heldout_ids == by_rule
 
 
 def test_an_eval_file_that_overlaps_the_training_rows_stops(tmp_path):
@@ -161,6 +169,23 @@ def test_an_eval_file_that_overlaps_the_training_rows_stops(tmp_path):
     spec = dataclasses.replace(SPEC, eval_data_file=str(fresh))
     assert [p["gold"] for p in load_file_task(spec, "heldout").problems] == ["1001"]
     assert len(load_file_task(spec, "train").problems) == 40  # with an eval file, every row trains
+
+
+def test_countdown_worked_examples_are_the_strict_format_of_their_solution(tmp_path):
+    path, unseen = tmp_path / "countdown.jsonl", tmp_path / "unseen.jsonl"
+    rows = [
+        {"nums": [3, 5, 7], "target": 22, "solution": "3 * 5 + 7"},
+        {"nums": [2, 9], "target": 11, "solution": "2 + 9"},
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    unseen.write_text(json.dumps({"nums": [4, 4], "target": 16, "solution": "4 * 4"}) + "\n")
+    task = load_file_task(FileTaskSpec(str(path), grader="countdown", eval_data_file=str(unseen)), "train", shots=1)
+    turns = task.messages(task.problems[0])
+    assert turns[2]["content"] == "<think> 3 * 5 + 7 = 22 </think> <answer> 3 * 5 + 7 </answer>"
+    assert task.score(turns[2]["content"], {"nums": [3, 5, 7], "target": 22}).reward == 1.0  # it earns full reward
+    path.write_text("".join(json.dumps({k: row[k] for k in ("nums", "target")}) + "\n" for row in rows))
+    with pytest.raises(SystemExit, match="needs a 'solution' column"):
+        load_file_task(FileTaskSpec(str(path), grader="countdown", eval_data_file=str(unseen)), "train", shots=1)
 
 
 def test_worked_examples_come_from_the_training_rows_and_leave_them():
