@@ -353,7 +353,7 @@ def bench_steps_4_and_6(args, model, tokenizer, vocab_size, device, amp) -> list
             batch["ref_logp"], _ = grpo.sequence_logprobs(model, *sequences, 1.0, vocab_size, args.logprob_chunk_size)
 
     def step_6():
-        grpo.policy_backward(model, batch, grpo_args, vocab_size, amp)
+        grpo.policy_backward(model, batch, grpo_args, vocab_size, amp)  # (totals, recorded): unused
         model.zero_grad(set_to_none=True)
 
     @contextlib.contextmanager

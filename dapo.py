@@ -732,8 +732,8 @@ def rollout(
     prompt_ids, prompt_mask = encode_prompts(tokenizer, conversations, group_size, device)  # (n, P)
     with amp():
         completion_ids, completion_mask, truncated, sample_logp = generate(
-            policy, prompt_ids, prompt_mask, max_new_tokens, eos_ids, tokenizer.pad_token_id, len(tokenizer),
-            temperature, top_p,
+            policy, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+            pad_id=tokenizer.pad_token_id, vocab_size=len(tokenizer), temperature=temperature, top_p=top_p,
         )  # (n, T), (n, T), (n,), (n, T)  # fmt: skip
     seconds = {"generate": time.perf_counter() - timer}
     timer = time.perf_counter()
@@ -1104,21 +1104,28 @@ def shaped_advantages(
     return group_advantages(rewards + length_penalty, group_size, eps=eps), length_penalty
 
 
+def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
+    """PPO's clipped surrogate per token (PPO Eq. 7; DAPO Eq. 10 with ε_low and ε_high):
+        min(r·Â, clip(r, 1 − ε_low, 1 + ε_high)·Â)
+    the pessimistic bound: once r has moved past the clip in the direction Â pushes it, the token
+    gets no gradient, so one batch cannot drag π_θ far from π_θold.
+    ratio (n, T), advantages (n, 1) or (n, T) -> (n, T)."""
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * advantages
+    return torch.min(unclipped, clipped)
+
+
 def dapo_loss(
     logp: torch.Tensor,  # (n, T) log π_θ, with grad
     old_logp: torch.Tensor,  # (n, T) log π_θold, recorded before the first update
     ref_logp: torch.Tensor | None,  # (n, T) log π_ref; None when beta = 0
-    advantages: torch.Tensor,  # (n,)
+    advantages: torch.Tensor,  # (n,) Â_i
     loss_mask: torch.Tensor,  # (n, T) completion_mask, less what overlong filtering and --is_mask drop
-    eps_low: float,
-    eps_high: float,
-    beta: float,
-    dual_clip: float,
-    num_tokens: int,
+    args: Args,  # reads loss_type, eps_low, eps_high (or CISPO's), beta, dual_clip, entropy_coef
+    *,
+    num_tokens: int,  # Σ_i |o_i| over the whole mini-batch (Eq. 12's normaliser)
     entropy: torch.Tensor | None = None,  # (n, T) H(π_θ(·|s_t)) with grad; None when entropy_coef = 0
-    entropy_coef: float = 0.0,
     is_weight: torch.Tensor | None = None,  # (n, T) truncated IS weights (tis_weights); None = off
-    loss_type: str = "dapo",
 ):
     """The negative DAPO objective of one micro-batch, DAPO Eq. 8 with the token-level sum of Eq. 12:
         J = 1/Σ_i|o_i| Σ_i Σ_t [ min(r_it Â_i, clip(r_it, 1−ε_low, 1+ε_high) Â_i) − β D_KL,it ]
@@ -1132,54 +1139,69 @@ def dapo_loss(
     Clip-higher (Eq. 10): ε_high > ε_low leaves a low-probability token with Â > 0 room to
     grow, which a symmetric ε caps early (DAPO Sec. 3.1: against entropy collapse); ε_low
     stays small, since pushing a token's probability towards 0 collapses the space it samples.
-    dual_clip c > 1 bounds the objective of a negative-advantage token below by c·Â
-    (Ye et al. Eq. 4; DAPO's verl recipe uses c = 10). β > 0 adds GRPO's k3 KL per token;
-    DAPO drops it (β = 0), as the policy is meant to move far from the initial model.
-    entropy_coef c_H adds T1's entropy bonus c_H·H_t to every token's objective (Hou et al.
-    2025, arXiv 2501.11651). is_weight w_t multiplies each token's policy-gradient term, not
-    its KL or entropy term (truncated importance sampling, tis_weights).
-    loss_type cispo replaces the clipped surrogate by CISPO's sg(clip(r_it, 1−ε_low^IS, 1+ε_high^IS))·Â_i·
-    log π_θ(o_i,t) (MiniMax-M1 Eq. 4, cispo_objective), under the same token-level sum: eps_low and
-    eps_high are then ε_low^IS and ε_high^IS. A token masked by --is_mask is not in loss_mask.
-    Returns (loss, stats): stats are sums over the tokens of loss_mask, for batch-level metrics.
-    """
-    mask = loss_mask.to(logp.dtype)
-    ratio = torch.exp((logp - old_logp) * mask)  # (n, T)
-    adv = advantages[:, None]  # (n, 1) broadcast over tokens
-    if loss_type == "cispo":
+    β > 0 adds GRPO's k3 KL per token; DAPO drops it (β = 0), as the policy is meant to move far
+    from the initial model. The techniques enter as one named function each, defined in the
+    section on variants below: CISPO's objective in place of the clipped surrogate (--loss_type
+    cispo; eps_low and eps_high are then ε_low^IS and ε_high^IS), dual-clip (DAPO's verl recipe:
+    c = 10), truncated IS (is_weight), T1's entropy bonus. Returns (loss, stats): stats are sums
+    over the tokens of loss_mask."""
+    mask = loss_mask.to(logp.dtype)  # (n, T)
+    adv = advantages[:, None]  # (n, 1) Â_i, the same for every token of o_i
+    ratio = torch.exp((logp - old_logp) * mask)  # (n, T) r_it
+    eps_low, eps_high = clip_range(args)
+
+    if args.loss_type == "cispo":
         objective = cispo_objective(logp, ratio, adv, eps_low, eps_high)  # (n, T)
     else:
-        objective = torch.min(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)  # (n, T)
-    if dual_clip > 0:
-        dual_bound = dual_clip * adv.expand_as(objective)
-        dual_active = (adv < 0) & (objective < dual_bound)
-        objective = torch.where(dual_active, dual_bound, objective)
+        objective = clipped_surrogate(ratio, adv, eps_low, eps_high)  # (n, T) clip-higher: ε_high > ε_low
+    objective, dual_clipped = dual_clip(objective, adv, args.dual_clip)  # c·Â bounds Â < 0 tokens below
     if is_weight is not None:
-        objective = is_weight * objective
-    if entropy_coef > 0:
-        objective = objective + entropy_coef * entropy
+        objective = is_weight * objective  # truncated IS: the policy-gradient term only
+    if args.entropy_coef > 0:
+        objective = objective + args.entropy_coef * entropy  # T1's entropy bonus c_H·H_t
+    kl = kl_k3(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)  # (n, T) D_KL,it
     per_token = -objective
-    kl = kl_k3(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
-    if beta > 0:
-        per_token = per_token + beta * kl
-    loss = (per_token * mask).sum() / num_tokens
-    with torch.no_grad():
-        valid = loss_mask.bool()
-        # CISPO clips the weight whatever the sign of Â; the clipped surrogate only where the clip binds.
-        low, high = (ratio < 1 - eps_low), (ratio > 1 + eps_high)
-        if loss_type != "cispo":
-            low, high = low & (adv < 0), high & (adv > 0)
-        stats = {
-            "tokens": valid.sum().item(),
-            "clip_low": (valid & low).sum().item(),
-            "clip_high": (valid & high).sum().item(),
-            "clip_dual": (valid & dual_active).sum().item() if dual_clip > 0 else 0,
-            "kl": (kl * mask).sum().item(),
-            "ratio_max": ratio[valid].max().item() if valid.any() else 1.0,
-        }
-        if is_weight is not None:
-            stats |= tis_stats(is_weight, valid)
+    if args.beta > 0:
+        per_token = per_token + args.beta * kl  # (n, T) −[ objective − β·D_KL ]
+    loss = (per_token * mask).sum() / num_tokens  # token-level: 1/Σ_i|o_i| Σ_i Σ_t (Eq. 12)
+    stats = loss_stats(
+        ratio, adv, loss_mask, eps_low, eps_high, dual_clipped, kl=kl, is_weight=is_weight,
+        clips_weight=args.loss_type == "cispo",
+    )  # fmt: skip
     return loss, stats
+
+
+@torch.no_grad()
+def loss_stats(
+    ratio: torch.Tensor,  # (n, T)
+    advantages: torch.Tensor,  # (n, 1) or (n, T)
+    loss_mask: torch.Tensor,  # (n, T)
+    eps_low: float,
+    eps_high: float,
+    dual_clipped: torch.Tensor,  # (n, T) bool, the tokens dual-clip bounded
+    kl: torch.Tensor | None = None,  # (n, T) the KL term's per-token estimate
+    is_weight: torch.Tensor | None = None,  # (n, T) truncated IS weights
+    clips_weight: bool = False,  # CISPO: the clip bounds its weight, whatever the sign of Â
+) -> dict:
+    """The loss's statistics over the tokens of loss_mask, as sums (and maxima, *_max) that
+    accumulate over micro-batches into update_metrics: tokens, the tokens the clip binds on each
+    side, those dual-clip bounds, Σ KL, the largest ratio, and the truncated IS weights."""
+    valid = loss_mask.bool()
+    low, high = (ratio < 1 - eps_low), (ratio > 1 + eps_high)
+    if not clips_weight:  # the clipped surrogate binds only where it cuts the gradient
+        low, high = low & (advantages < 0), high & (advantages > 0)
+    stats = {
+        "tokens": valid.sum().item(),
+        "clip_low": (valid & low).sum().item(),
+        "clip_high": (valid & high).sum().item(),
+        "clip_dual": (valid & dual_clipped).sum().item(),
+        "ratio_max": ratio[valid].max().item() if valid.any() else 1.0,
+    }
+    if kl is not None:
+        stats["kl"] = (kl * loss_mask.to(kl.dtype)).sum().item()
+    if is_weight is not None:
+        stats |= tis_stats(is_weight, valid)
+    return stats
 
 
 def tis_stats(is_weight: torch.Tensor, valid: torch.Tensor) -> dict:
@@ -1191,30 +1213,30 @@ def tis_stats(is_weight: torch.Tensor, valid: torch.Tensor) -> dict:
     }
 
 
-def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contextlib.nullcontext) -> dict:
-    """Forward and backward over one mini-batch, micro_batch_size sequences at a time;
+def on_policy(args: Args) -> bool:
+    """True when the batch trains one update (μ = 1 and one mini-batch): π_θold is then the π_θ of
+    that update's forward pass, before its optimizer step, which step 4 need not score."""
+    return args.num_iterations == 1 and args.num_mini_batches == 1
+
+
+def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contextlib.nullcontext) -> tuple[dict, dict]:
+    """Step 6's forward and backward over one mini-batch, micro_batch_size sequences at a time;
     gradients accumulate in .grad. batch holds (n, …) tensors: prompt_ids, prompt_mask,
-    completion_ids, completion_mask, truncated, sample_logp, old_logp, ref_logp (or None), advantages. amp()
-    is the autocast context of the forward pass (backward runs outside it, as PyTorch advises).
-    Returns the summed loss and token statistics of the whole mini-batch.
+    completion_ids, completion_mask, truncated, sample_logp, old_logp (None: see below), ref_logp
+    (or None), advantages. amp() is the autocast context of the forward pass (backward runs outside
+    it, as PyTorch advises). Returns (totals, recorded): the summed loss and token statistics of the
+    mini-batch, and, when batch["old_logp"] is None, this pass's log π_θ and entropy (n, T), no
+    grad, in batch's row order, standing in for step 4's (on-policy, old_and_ref_logprobs);
+    otherwise {}.
 
     The token-level loss divides by the valid tokens of the whole mini-batch (DAPO Eq. 12),
     counted here, once, before the micro-batches. With overlong_filter a truncated completion
     leaves the loss and that count alike (DAPO Sec. 3.4): a cut-off answer is scored wrong
     whatever its reasoning was worth, which is noise, not signal.
 
-    On-policy (μ = 1 and one mini-batch) π_θold is π_θ itself, so the ratio is set to exactly
-    1 with old = logp.detach(): the recorded old_logp come from other kernel shapes and in bf16
-    differ by noise, which would show as clipped tokens. The gradient is the same either way.
-    When step 4 skipped the policy's pass (old_logp None, on-policy only: old_and_ref_logprobs),
-    the totals also hold old_logp and entropy (n, T), no grad, in the rows of batch.
-    """
-    num_sequences = batch["completion_ids"].shape[0]
-    order = length_order(batch["prompt_ids"], batch["prompt_mask"], batch["completion_mask"])  # micro-batches of groups
-    batch = {k: v[order] if v is not None else None for k, v in batch.items()}  # unsorted on the way out
-    on_policy = args.num_iterations == 1 and args.num_mini_batches == 1
-    record = batch["old_logp"] is None  # this forward pass stands in for step 4's
-    recorded = {"old_logp": [], "entropy": []}
+    On-policy π_θold is π_θ itself, so old = sg(log π_θ) sets the ratio to exactly 1, with the
+    gradient ∇log π_θ: the recorded old_logp come from other kernel shapes and in bf16 differ by
+    noise, which would show as clipped tokens. The gradient is the same either way."""
     loss_mask = batch["completion_mask"]  # (n, T)
     if args.overlong_filter:
         loss_mask = loss_mask * ~batch["truncated"][:, None]
@@ -1222,50 +1244,60 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
     # Under torchrun every rank's tokens (FSDP sums the ranks' gradients): one process's normaliser.
     num_tokens = max(all_reduce(loss_mask.sum().item()), 1)  # every completion filtered out: loss 0, not NaN
     batch = {**batch, "loss_mask": loss_mask}
-    eps_low, eps_high = (
-        (args.cispo_eps_low, args.cispo_eps_high) if args.loss_type == "cispo" else (args.eps_low, args.eps_high)
-    )
-    for start in range(0, num_sequences, args.micro_batch_size):
-        micro = {k: (v[start : start + args.micro_batch_size] if v is not None else None) for k, v in batch.items()}
+    record = batch["old_logp"] is None  # this forward pass stands in for step 4's
+    recorded = {name: torch.zeros_like(loss_mask, dtype=torch.float32) for name in ("old_logp", "entropy")}
+    for rows, micro in micro_batches(batch, args.micro_batch_size):
         with amp():
             logp, entropy = sequence_logprobs(
-                policy,
-                micro["prompt_ids"],
-                micro["prompt_mask"],
-                micro["completion_ids"],
-                micro["completion_mask"],
-                args.temperature,
-                vocab_size,
-                chunk_size=args.micro_batch_size,
+                policy, micro["prompt_ids"], micro["prompt_mask"], micro["completion_ids"], micro["completion_mask"],
+                temperature=args.temperature, vocab_size=vocab_size, chunk_size=args.micro_batch_size,
                 with_entropy=record or args.entropy_coef > 0,  # for the metrics; T1's bonus with grad
                 entropy_grad=args.entropy_coef > 0,
-            )
-            old_logp = logp.detach() if on_policy else micro["old_logp"]
+            )  # (m, T) each  # fmt: skip
+            old_logp = logp.detach() if on_policy(args) else micro["old_logp"]
             is_weight = None
             if args.tis_cap:
                 is_weight = tis_weights(old_logp, micro["sample_logp"], micro["completion_mask"], args.tis_cap)
             loss, stats = dapo_loss(
-                logp,
-                old_logp,
-                micro["ref_logp"],
-                micro["advantages"],
-                micro["loss_mask"],
-                eps_low,
-                eps_high,
-                args.beta,
-                args.dual_clip,
-                num_tokens,
-                entropy,
-                args.entropy_coef,
-                is_weight,
-                args.loss_type,
-            )
+                logp, old_logp, micro["ref_logp"], micro["advantages"], micro["loss_mask"], args,
+                num_tokens=num_tokens, entropy=entropy, is_weight=is_weight,
+            )  # fmt: skip
         loss.backward()
         accumulate(totals, {"loss": loss.item(), **stats})
         if record:
-            recorded["old_logp"].append(logp.detach())
-            recorded["entropy"].append(entropy.detach())
-    return totals | ({name: torch.cat(parts)[order.argsort()] for name, parts in recorded.items()} if record else {})
+            recorded["old_logp"][rows], recorded["entropy"][rows] = logp.detach(), entropy.detach()
+    return totals, recorded if record else {}
+
+
+def micro_batches(batch: dict, size: int):
+    """The rows of a mini-batch (a dict of (n, …) tensors, None kept as None) in micro-batches of
+    `size`, taken in length_order: rows of similar length together, so that a micro-batch's forward
+    pass computes little padding (trim_padding), and a group's rows together, so that its prompt
+    runs once (forward_completions). Yields (rows, micro): rows (m,) are the micro-batch's indices
+    in `batch`, where what it computes goes back (`recorded[rows] = …`: input order again)."""
+    order = length_order(batch["prompt_ids"], batch["prompt_mask"], batch["completion_mask"])  # (n,)
+    for rows in order.split(size):
+        yield rows, {k: v[rows] if v is not None else None for k, v in batch.items()}
+
+
+def clip_range(args: Args) -> tuple[float, float]:
+    """(ε_low, ε_high) of the clip that --loss_type uses: clip-higher's ε_low and ε_high (DAPO Eq. 10),
+    or CISPO's ε^IS for its weight (MiniMax-M1 Eq. 5)."""
+    return (args.cispo_eps_low, args.cispo_eps_high) if args.loss_type == "cispo" else (args.eps_low, args.eps_high)
+
+
+def dual_clip(objective: torch.Tensor, advantages: torch.Tensor, c: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dual-clip PPO (Ye et al. 2020, arXiv 1912.09729, Eq. 4): the objective of a token with Â < 0
+    is bounded below by c·Â, c > 1,
+        max(min(r·Â, clip(r, 1−ε_low, 1+ε_high)·Â), c·Â)   where Â < 0
+    since min(·) there is r·Â, unbounded as r grows: a token whose ratio exploded cannot dominate
+    the batch, and a bounded token gets no gradient. Â ≥ 0 tokens are left as they are. c = 0: off.
+    objective (n, T), advantages (n, 1) or (n, T) -> the objective (n, T) and the bounded tokens (n, T)."""
+    if c <= 0:
+        return objective, torch.zeros_like(objective, dtype=torch.bool)
+    bound = c * advantages.expand_as(objective)  # (n, T)
+    bounded = (advantages < 0) & (objective < bound)
+    return torch.where(bounded, bound, objective), bounded
 
 
 def masked_importance(batch: dict, loss_mask: torch.Tensor, args) -> tuple[torch.Tensor, dict]:
@@ -1348,7 +1380,10 @@ def evaluate_heldout(
     scores, lengths, truncations = [], [], []
     for first in range(0, len(task.problems), batch_size):
         problems = task.problems[first : first + batch_size]
-        batch = rollout(policy, tokenizer, eos_ids, task, problems, 1, max_new_tokens, 0.0, 1.0, amp)  # n = problems
+        batch = rollout(  # greedy: one completion per problem, temperature 0
+            policy, tokenizer, eos_ids, task, problems, group_size=1, max_new_tokens=max_new_tokens,
+            temperature=0.0, top_p=1.0, amp=amp,
+        )  # fmt: skip
         scores += batch.scores
         lengths += batch.completion_mask.sum(-1).tolist()
         truncations += batch.truncated.tolist()
@@ -1398,7 +1433,6 @@ def train(args: Args) -> Path:
     # Without dynamic sampling a step is one round of B prompts, exactly as in grpo.py.
     round_size = (args.gen_batch_size or args.batch_size) if args.dynamic_sampling else args.batch_size
     max_rounds, share = (args.max_gen_rounds if args.dynamic_sampling else 1), args.batch_size // world_size()
-    on_policy = args.num_iterations == 1 and args.num_mini_batches == 1  # π_θold = π_θ of the one update
 
     with run:  # Ctrl-C stops with one line naming the newest checkpoint
         for step in run.steps():
@@ -1410,8 +1444,8 @@ def train(args: Args) -> Path:
                 problems = [task.problems[i] for i in prompt_indices(stream, round_size, len(task.problems), args.seed)]
                 with unsharded(policy):  # under torchrun: full weights for the decode loop, 1/K of the prompts
                     sampled = rollout(
-                        policy, tokenizer, eos_ids, task, my_share(problems), args.group_size, args.max_new_tokens,
-                        args.temperature, args.top_p, amp,
+                        policy, tokenizer, eos_ids, task, my_share(problems), group_size=args.group_size,
+                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, amp=amp,
                     )  # fmt: skip
                 informative = informative_groups(sampled.rewards, args.group_size).tolist()  # a bool per group
                 groups = [g for g, keep in enumerate(informative) if keep or not args.dynamic_sampling]
@@ -1432,7 +1466,7 @@ def train(args: Args) -> Path:
             #    --is_mask must know which tokens stay before the update counts its normalisers.
             timer = time.perf_counter()
             old_logp, entropy, ref_logp = old_and_ref_logprobs(
-                policy, reference, batch, args, vocab_size, amp, score_policy=not on_policy or bool(args.is_mask)
+                policy, reference, batch, args, vocab_size, amp, score_policy=not on_policy(args) or bool(args.is_mask)
             )  # (N, T) each; old_logp and entropy None until step 6 when on-policy
             seconds_logprobs = time.perf_counter() - timer
 
@@ -1457,13 +1491,14 @@ def train(args: Args) -> Path:
             }
             update, grad_norms = {}, []
             for _ in range(args.num_iterations):
+                # A fresh random split into mini-batches each iteration, a group's rows in one (whole_groups).
                 order = whole_groups(torch.randperm(num_sequences, device=device), args.group_size)  # (N,)
                 # N < B·G need not split evenly: tensor_split makes sizes differ by at most one row.
                 for rows in order.tensor_split(min(args.num_mini_batches, num_sequences)):
                     mini = {k: v[rows] if v is not None else None for k, v in tensors.items()}
-                    totals = policy_backward(policy, mini, args, vocab_size, amp)
-                    if old_logp is None:  # on-policy: step 4's log-probs and entropy, from this forward pass
-                        old_logp, entropy = (totals.pop(name)[rows.argsort()] for name in ("old_logp", "entropy"))
+                    totals, recorded = policy_backward(policy, mini, args, vocab_size, amp)
+                    if recorded:  # on-policy: step 4's log-probs and entropy, in the batch's row order again
+                        old_logp, entropy = (recorded[name][rows.argsort()] for name in ("old_logp", "entropy"))
                     none = not all_reduce(totals["tokens"])  # no token left (overlong filter, --is_mask): no step
                     grad_norms.append(optimizer_step(policy, optimizer, args.max_grad_norm, skip=none))
                     ema_update(reference, policy, 0.0 if none else args.ref_ema_decay)  # T1; 0: none

@@ -714,8 +714,8 @@ def rollout(
     prompt_ids, prompt_mask = encode_prompts(tokenizer, conversations, group_size, device)  # (n, P)
     with amp():
         completion_ids, completion_mask, truncated, sample_logp = generate(
-            policy, prompt_ids, prompt_mask, max_new_tokens, eos_ids, tokenizer.pad_token_id, len(tokenizer),
-            temperature, top_p,
+            policy, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+            pad_id=tokenizer.pad_token_id, vocab_size=len(tokenizer), temperature=temperature, top_p=top_p,
         )  # (n, T), (n, T), (n,), (n, T)  # fmt: skip
     seconds = {"generate": time.perf_counter() - timer}
     timer = time.perf_counter()
@@ -1136,17 +1136,26 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, completion_m
     return (1 - error.var(unbiased=False) / target_variance).item()
 
 
+def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
+    """PPO's clipped surrogate per token (PPO Eq. 7; DAPO Eq. 10 with ε_low and ε_high):
+        min(r·Â, clip(r, 1 − ε_low, 1 + ε_high)·Â)
+    the pessimistic bound: once r has moved past the clip in the direction Â pushes it, the token
+    gets no gradient, so one batch cannot drag π_θ far from π_θold.
+    ratio (n, T), advantages (n, 1) or (n, T) -> (n, T)."""
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * advantages
+    return torch.min(unclipped, clipped)
+
+
 def ppo_loss(
     logp: torch.Tensor,  # (n, T) log π_θ, with grad
     old_logp: torch.Tensor,  # (n, T) log π_θold, recorded before the first update
     advantages: torch.Tensor,  # (n, T) Â_t, whitened unless --whiten_advantages false
-    completion_mask: torch.Tensor,  # (n, T) the loss's tokens: less what --is_mask drops
-    eps_low: float,
-    eps_high: float,
-    dual_clip: float,
-    entropy: torch.Tensor | None,  # (n, T) H(π_θ(·|s_t)) with grad; None when entropy_coef = 0
-    entropy_coef: float,
-    num_tokens: int,
+    loss_mask: torch.Tensor,  # (n, T) completion_mask, less what --is_mask drops
+    args: Args,  # reads eps_low, eps_high, dual_clip, entropy_coef
+    *,
+    num_tokens: int,  # the valid tokens of the whole mini-batch
+    entropy: torch.Tensor | None = None,  # (n, T) H(π_θ(·|s_t)) with grad; None when entropy_coef = 0
     is_weight: torch.Tensor | None = None,  # (n, T) truncated IS weights (tis_weights); None = off
 ):
     """The negative PPO objective of one micro-batch, PPO Eq. 7 (plus Eq. 9's entropy bonus):
@@ -1158,34 +1167,52 @@ def ppo_loss(
     nothing is gained by summing.
     ε_low = ε_high is PPO's symmetric clip; ε_high > ε_low is clip-higher (DAPO Eq. 10, which
     VAPO adopts with 0.2 and 0.28): a low-probability token with Â > 0 keeps room to grow.
-    dual_clip c > 1 bounds the objective of a negative-advantage token below by c·Â
-    (Ye et al. Eq. 4). is_weight w_t multiplies each token's clipped term, not its entropy
-    bonus (truncated importance sampling, tis_weights).
-    Returns (loss, stats): stats are sums over valid tokens."""
-    mask = completion_mask.to(logp.dtype)
-    ratio = torch.exp((logp - old_logp) * mask)  # (n, T)
-    objective = torch.min(ratio * advantages, ratio.clamp(1 - eps_low, 1 + eps_high) * advantages)  # (n, T)
-    if dual_clip > 0:
-        dual_bound = dual_clip * advantages
-        dual_active = (advantages < 0) & (objective < dual_bound)
-        objective = torch.where(dual_active, dual_bound, objective)
+    Dual-clip and truncated IS (is_weight) enter as one named function each, defined in the
+    section on variants below. Returns (loss, stats): stats are sums over the tokens of loss_mask."""
+    mask = loss_mask.to(logp.dtype)  # (n, T)
+    ratio = torch.exp((logp - old_logp) * mask)  # (n, T) r_t
+    objective = clipped_surrogate(ratio, advantages, args.eps_low, args.eps_high)  # (n, T)
+    objective, dual_clipped = dual_clip(objective, advantages, args.dual_clip)  # c·Â bounds Â < 0 tokens below
     if is_weight is not None:
-        objective = is_weight * objective
-    if entropy_coef > 0:
-        objective = objective + entropy_coef * entropy
+        objective = is_weight * objective  # truncated IS: the clipped term only
+    if args.entropy_coef > 0:
+        objective = objective + args.entropy_coef * entropy  # PPO Eq. 9's bonus c_2·H_t
     loss = -(objective * mask).sum() / num_tokens
-    with torch.no_grad():
-        valid = completion_mask.bool()
-        stats = {
-            "tokens": valid.sum().item(),
-            "clip_low": (valid & (advantages < 0) & (ratio < 1 - eps_low)).sum().item(),
-            "clip_high": (valid & (advantages > 0) & (ratio > 1 + eps_high)).sum().item(),
-            "clip_dual": (valid & dual_active).sum().item() if dual_clip > 0 else 0,
-            "ratio_max": ratio[valid].max().item() if valid.any() else 1.0,
-        }
-        if is_weight is not None:
-            stats |= tis_stats(is_weight, valid)
+    stats = loss_stats(ratio, advantages, loss_mask, args.eps_low, args.eps_high, dual_clipped, is_weight=is_weight)
     return loss, stats
+
+
+@torch.no_grad()
+def loss_stats(
+    ratio: torch.Tensor,  # (n, T)
+    advantages: torch.Tensor,  # (n, 1) or (n, T)
+    loss_mask: torch.Tensor,  # (n, T)
+    eps_low: float,
+    eps_high: float,
+    dual_clipped: torch.Tensor,  # (n, T) bool, the tokens dual-clip bounded
+    kl: torch.Tensor | None = None,  # (n, T) the KL term's per-token estimate
+    is_weight: torch.Tensor | None = None,  # (n, T) truncated IS weights
+    clips_weight: bool = False,  # CISPO: the clip bounds its weight, whatever the sign of Â
+) -> dict:
+    """The loss's statistics over the tokens of loss_mask, as sums (and maxima, *_max) that
+    accumulate over micro-batches into update_metrics: tokens, the tokens the clip binds on each
+    side, those dual-clip bounds, Σ KL, the largest ratio, and the truncated IS weights."""
+    valid = loss_mask.bool()
+    low, high = (ratio < 1 - eps_low), (ratio > 1 + eps_high)
+    if not clips_weight:  # the clipped surrogate binds only where it cuts the gradient
+        low, high = low & (advantages < 0), high & (advantages > 0)
+    stats = {
+        "tokens": valid.sum().item(),
+        "clip_low": (valid & low).sum().item(),
+        "clip_high": (valid & high).sum().item(),
+        "clip_dual": (valid & dual_clipped).sum().item(),
+        "ratio_max": ratio[valid].max().item() if valid.any() else 1.0,
+    }
+    if kl is not None:
+        stats["kl"] = (kl * loss_mask.to(kl.dtype)).sum().item()
+    if is_weight is not None:
+        stats |= tis_stats(is_weight, valid)
+    return stats
 
 
 def tis_stats(is_weight: torch.Tensor, valid: torch.Tensor) -> dict:
@@ -1242,65 +1269,50 @@ def value_loss(
     return loss, stats
 
 
-def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contextlib.nullcontext) -> dict:
-    """Forward and backward of the policy over one mini-batch, micro_batch_size sequences at a
-    time; gradients accumulate in .grad. batch holds (n, …) tensors: prompt_ids, prompt_mask,
-    completion_ids, completion_mask, sample_logp, old_logp, advantages, positive (and the
-    critic's old_values and returns, unused here). amp() is the autocast context of the forward
-    pass. Returns the summed loss and token statistics of the whole mini-batch.
+def on_policy(args: Args) -> bool:
+    """True when the batch trains one update (K = 1 epoch and one mini-batch): π_θold is then the π_θ
+    of that update's forward pass, before its optimizer step, which step 4 need not score."""
+    return args.ppo_epochs == 1 and args.num_mini_batches == 1
 
-    On-policy (one epoch, one mini-batch) π_θold is π_θ itself, so the ratio is set to exactly
-    1 with old = logp.detach(), as in grpo.py: the gradient is the same, kernel noise is gone.
-    When step 4 skipped the policy's pass (old_logp None: on-policy with β = 0, see train), the
-    totals also hold old_logp and entropy (n, T), no grad, in the rows of batch.
+
+def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contextlib.nullcontext) -> tuple[dict, dict]:
+    """Step 6's forward and backward of the policy over one mini-batch, micro_batch_size sequences
+    at a time; gradients accumulate in .grad. batch holds (n, …) tensors: prompt_ids, prompt_mask,
+    completion_ids, completion_mask, sample_logp, old_logp (None: see below), advantages, positive
+    (and the critic's old_values and returns, unused here). amp() is the autocast context of the
+    forward pass. Returns (totals, recorded): the summed loss and token statistics of the
+    mini-batch, and, when batch["old_logp"] is None, this pass's log π_θ and entropy (n, T), no
+    grad, in batch's row order, standing in for step 4's (on-policy with β = 0, see train);
+    otherwise {}.
+
+    On-policy π_θold is π_θ itself, so old = sg(log π_θ) sets the ratio to exactly 1, with the
+    gradient ∇log π_θ, as in grpo.py: the gradient is the same, kernel noise is gone.
     A token --is_mask drops leaves ppo_loss and its token count; VAPO's NLL term, a supervised loss
-    on the correct completions that no importance ratio enters, keeps it.
-    """
-    num_sequences = batch["completion_ids"].shape[0]
-    order = length_order(batch["prompt_ids"], batch["prompt_mask"], batch["completion_mask"])  # micro-batches of groups
-    batch = {k: v[order] if v is not None else None for k, v in batch.items()}  # unsorted on the way out
+    on the correct completions that no importance ratio enters, keeps it."""
     loss_mask, totals = masked_importance(batch, batch["completion_mask"], args)  # (n, T): less what --is_mask drops
     # The whole mini-batch's tokens, for every micro-batch; under torchrun every rank's (FSDP sums
     # the ranks' gradients): the normalisers of one process's loss. max(…, 1): all masked, loss 0.
     num_tokens = max(all_reduce(loss_mask.sum().item()), 1)
     batch = {**batch, "loss_mask": loss_mask}
-    on_policy = args.ppo_epochs == 1 and args.num_mini_batches == 1
     if args.pos_lm_coef > 0:  # VAPO's Σ_{o_i∈T} |o_i| over the whole mini-batch
         num_positive_tokens = all_reduce((batch["completion_mask"] * batch["positive"][:, None]).sum().item())
     record = batch["old_logp"] is None  # this forward pass stands in for step 4's
-    recorded = {"old_logp": [], "entropy": []}
-    for start in range(0, num_sequences, args.micro_batch_size):
-        micro = {k: (v[start : start + args.micro_batch_size] if v is not None else None) for k, v in batch.items()}
+    recorded = {name: torch.zeros_like(loss_mask, dtype=torch.float32) for name in ("old_logp", "entropy")}
+    for rows, micro in micro_batches(batch, args.micro_batch_size):
         with amp():
             logp, entropy = sequence_logprobs(
-                policy,
-                micro["prompt_ids"],
-                micro["prompt_mask"],
-                micro["completion_ids"],
-                micro["completion_mask"],
-                args.temperature,
-                vocab_size,
-                chunk_size=args.micro_batch_size,
-                with_entropy=args.entropy_coef > 0 or record,
-                entropy_grad=args.entropy_coef > 0,
-            )
-            old_logp = logp.detach() if on_policy else micro["old_logp"]
+                policy, micro["prompt_ids"], micro["prompt_mask"], micro["completion_ids"], micro["completion_mask"],
+                temperature=args.temperature, vocab_size=vocab_size, chunk_size=args.micro_batch_size,
+                with_entropy=args.entropy_coef > 0 or record, entropy_grad=args.entropy_coef > 0,
+            )  # (m, T) each  # fmt: skip
+            old_logp = logp.detach() if on_policy(args) else micro["old_logp"]
             is_weight = None
             if args.tis_cap:
                 is_weight = tis_weights(old_logp, micro["sample_logp"], micro["completion_mask"], args.tis_cap)
             loss, stats = ppo_loss(
-                logp,
-                old_logp,
-                micro["advantages"],
-                micro["loss_mask"],
-                args.eps_low,
-                args.eps_high,
-                args.dual_clip,
-                entropy,
-                args.entropy_coef,
-                num_tokens,
-                is_weight,
-            )
+                logp, old_logp, micro["advantages"], micro["loss_mask"], args, num_tokens=num_tokens,
+                entropy=entropy, is_weight=is_weight,
+            )  # fmt: skip
             if args.pos_lm_coef > 0:
                 nll = positive_lm_loss(logp, micro["completion_mask"], micro["positive"], num_positive_tokens)
                 loss = loss + args.pos_lm_coef * nll
@@ -1311,37 +1323,54 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
         loss.backward()
         accumulate(totals, {"loss": loss.item(), **stats})
         if record:
-            recorded["old_logp"].append(logp.detach())
-            recorded["entropy"].append(entropy.detach())
-    return totals | ({name: torch.cat(parts)[order.argsort()] for name, parts in recorded.items()} if record else {})
+            recorded["old_logp"][rows], recorded["entropy"][rows] = logp.detach(), entropy.detach()
+    return totals, recorded if record else {}
 
 
 def critic_backward(critic: Critic, batch: dict, args: Args, amp=contextlib.nullcontext) -> dict:
-    """Forward and backward of the critic over one mini-batch (the same rows the policy just
-    trained on), micro_batch_size sequences at a time, the value loss normalised by the
+    """Step 6's forward and backward of the critic over one mini-batch (the same rows the policy
+    just trained on), micro_batch_size sequences at a time, the value loss normalised by the
     mini-batch's token count. Returns the summed loss and statistics of the whole mini-batch."""
-    num_sequences = batch["completion_ids"].shape[0]
-    order = length_order(batch["prompt_ids"], batch["prompt_mask"], batch["completion_mask"])  # micro-batches of groups
-    batch = {k: v[order] if v is not None else None for k, v in batch.items()}  # unsorted on the way out
     num_tokens = all_reduce(batch["completion_mask"].sum().item())  # under torchrun every rank's
     totals = {}
-    for start in range(0, num_sequences, args.micro_batch_size):
-        micro = {k: (v[start : start + args.micro_batch_size] if v is not None else None) for k, v in batch.items()}
+    for _, micro in micro_batches(batch, args.micro_batch_size):
         with amp():
             values = critic_values(
-                critic,
-                micro["prompt_ids"],
-                micro["prompt_mask"],
-                micro["completion_ids"],
-                micro["completion_mask"],
+                critic, micro["prompt_ids"], micro["prompt_mask"], micro["completion_ids"], micro["completion_mask"],
                 chunk_size=args.micro_batch_size,
-            )  # (n, T)
+            )  # (m, T)  # fmt: skip
             loss, stats = value_loss(
-                values, micro["old_values"], micro["returns"], micro["completion_mask"], args.eps_value, num_tokens
-            )
+                values, micro["old_values"], micro["returns"], micro["completion_mask"], eps_value=args.eps_value,
+                num_tokens=num_tokens,
+            )  # fmt: skip
         loss.backward()
         accumulate(totals, {"loss": loss.item(), **stats})
     return totals
+
+
+def micro_batches(batch: dict, size: int):
+    """The rows of a mini-batch (a dict of (n, …) tensors, None kept as None) in micro-batches of
+    `size`, taken in length_order: rows of similar length together, so that a micro-batch's forward
+    pass computes little padding (trim_padding), and a group's rows together, so that its prompt
+    runs once (forward_completions). Yields (rows, micro): rows (m,) are the micro-batch's indices
+    in `batch`, where what it computes goes back (`recorded[rows] = …`: input order again)."""
+    order = length_order(batch["prompt_ids"], batch["prompt_mask"], batch["completion_mask"])  # (n,)
+    for rows in order.split(size):
+        yield rows, {k: v[rows] if v is not None else None for k, v in batch.items()}
+
+
+def dual_clip(objective: torch.Tensor, advantages: torch.Tensor, c: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dual-clip PPO (Ye et al. 2020, arXiv 1912.09729, Eq. 4): the objective of a token with Â < 0
+    is bounded below by c·Â, c > 1,
+        max(min(r·Â, clip(r, 1−ε_low, 1+ε_high)·Â), c·Â)   where Â < 0
+    since min(·) there is r·Â, unbounded as r grows: a token whose ratio exploded cannot dominate
+    the batch, and a bounded token gets no gradient. Â ≥ 0 tokens are left as they are. c = 0: off.
+    objective (n, T), advantages (n, 1) or (n, T) -> the objective (n, T) and the bounded tokens (n, T)."""
+    if c <= 0:
+        return objective, torch.zeros_like(objective, dtype=torch.bool)
+    bound = c * advantages.expand_as(objective)  # (n, T)
+    bounded = (advantages < 0) & (objective < bound)
+    return torch.where(bounded, bound, objective), bounded
 
 
 def accumulate(totals: dict, stats: dict) -> None:
@@ -1366,7 +1395,10 @@ def evaluate_heldout(
     scores, lengths, truncations = [], [], []
     for first in range(0, len(task.problems), batch_size):
         problems = task.problems[first : first + batch_size]
-        batch = rollout(policy, tokenizer, eos_ids, task, problems, 1, max_new_tokens, 0.0, 1.0, amp)  # n = problems
+        batch = rollout(  # greedy: one completion per problem, temperature 0
+            policy, tokenizer, eos_ids, task, problems, group_size=1, max_new_tokens=max_new_tokens,
+            temperature=0.0, top_p=1.0, amp=amp,
+        )  # fmt: skip
         scores += batch.scores
         lengths += batch.completion_mask.sum(-1).tolist()
         truncations += batch.truncated.tolist()
@@ -1461,7 +1493,6 @@ def train(args: Args) -> Path:
         compute_dtype=compute_dtype,  # checkpoints in bf16 on a GPU, the fp32 masters in the newest's trainer state
     )  # fmt: skip
     num_sequences = args.batch_size * args.group_size // world_size()  # N, or this rank's N/K under torchrun
-    on_policy = args.ppo_epochs == 1 and args.num_mini_batches == 1  # π_θold = π_θ of the one update
 
     with run:  # Ctrl-C stops with one line naming the newest checkpoint
         for step in run.steps():
@@ -1469,8 +1500,8 @@ def train(args: Args) -> Path:
             problems = [task.problems[i] for i in prompt_indices(step, args.batch_size, len(task.problems), args.seed)]
             with unsharded(policy):  # under torchrun: full weights for the decode loop, B/K prompts a rank
                 batch = rollout(
-                    policy, tokenizer, eos_ids, task, my_share(problems), args.group_size, args.max_new_tokens,
-                    args.temperature, args.top_p, amp,
+                    policy, tokenizer, eos_ids, task, my_share(problems), group_size=args.group_size,
+                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, amp=amp,
                 )  # fmt: skip
             sequences = batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
 
@@ -1479,7 +1510,8 @@ def train(args: Args) -> Path:
             #    pass gives it (old_and_ref_logprobs). With β > 0 the per-token reward of step 5 needs it.
             train_policy = step >= args.value_warmup_steps
             timer = time.perf_counter()
-            skip_policy_pass = on_policy and args.beta == 0 and train_policy and not args.is_mask  # the mask needs it
+            # --is_mask needs π_θold's log-probs before the update: the pass runs with it.
+            skip_policy_pass = on_policy(args) and args.beta == 0 and train_policy and not args.is_mask
             old_logp, entropy, ref_logp = old_and_ref_logprobs(
                 policy, reference, batch, args, vocab_size, amp, score_policy=not skip_policy_pass
             )  # (N, T) each; old_logp and entropy None until step 6 when skipped
@@ -1521,13 +1553,14 @@ def train(args: Args) -> Path:
             }
             update, grad_norms, critic_update, critic_grad_norms = {}, [], {}, []
             for _ in range(args.ppo_epochs):
+                # A fresh random split into mini-batches each epoch, a group's rows in one (whole_groups).
                 order = whole_groups(torch.randperm(num_sequences, device=device), args.group_size)  # (N,)
                 for rows in order.tensor_split(args.num_mini_batches):
                     mini = {k: v[rows] if v is not None else None for k, v in tensors.items()}
                     if train_policy:
-                        totals = policy_backward(policy, mini, args, vocab_size, amp)
-                        if old_logp is None:  # on-policy: step 4's log-probs and entropy, from this forward pass
-                            old_logp, entropy = (totals.pop(name)[rows.argsort()] for name in ("old_logp", "entropy"))
+                        totals, recorded = policy_backward(policy, mini, args, vocab_size, amp)
+                        if recorded:  # on-policy: step 4's log-probs and entropy, in the batch's row order again
+                            old_logp, entropy = (recorded[name][rows.argsort()] for name in ("old_logp", "entropy"))
                         accumulate(update, totals)
                         none = not all_reduce(totals["tokens"] + totals.get("pos_tokens", 0))  # all masked: no step
                         grad_norms.append(optimizer_step(policy, optimizer, args.max_grad_norm, skip=none))

@@ -136,7 +136,7 @@ def gradients_and_totals(script, model, batch, args, vocab_size, backward="polic
     if backward == "critic_backward":
         totals = script.critic_backward(model, batch, args)
     else:
-        totals = script.policy_backward(model, batch, args, vocab_size)
+        totals, _ = script.policy_backward(model, batch, args, vocab_size)
     gradient = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
     model.zero_grad(set_to_none=True)
     return gradient, totals

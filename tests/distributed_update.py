@@ -101,7 +101,7 @@ def main(out: Path) -> None:
                 share["advantages"] = grpo.group_advantages(share["rewards"], GROUP_SIZE, loss_type != "dr_grpo")
             if loss_type == "gpg":
                 share["ref_logp"] = None
-            return grpo.policy_backward(model, share, args, vocab)
+            return grpo.policy_backward(model, share, args, vocab)[0]  # the totals
 
         results[f"grpo-{loss_type}"] = one_step(fresh(), batch, backward, args, LR)
 
@@ -115,7 +115,7 @@ def main(out: Path) -> None:
         share["advantages"], _ = dapo.shaped_advantages(
             share["rewards"], lengths, GROUP_SIZE, MAX_NEW_TOKENS, args.overlong_buffer, args.adv_eps
         )
-        return dapo.policy_backward(model, share, args, vocab)
+        return dapo.policy_backward(model, share, args, vocab)[0]
 
     results["dapo-overlong_filter"] = one_step(fresh(), batch, dapo_backward, args, LR)
 
@@ -125,7 +125,7 @@ def main(out: Path) -> None:
         share["advantages"] = ppo.masked_whiten(
             share["token_advantages"], share["completion_mask"], ppo_args.whiten_eps, common.all_reduce
         )
-        return ppo.policy_backward(model, share, ppo_args, vocab)
+        return ppo.policy_backward(model, share, ppo_args, vocab)[0]
 
     results["ppo-actor"] = one_step(fresh(), batch, actor_backward, ppo_args, LR)
     critic = ppo.load_critic(ppo.Args(model="tiny"), torch.device("cpu"), torch.float32).train()

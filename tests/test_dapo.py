@@ -26,6 +26,7 @@ from dapo import (
     shaped_advantages,
     train,
 )
+import grpo
 from grpo import grpo_loss
 
 # The batch of tests/test_grpo_math.py: N = 2 completions of unequal length (T = 3; the
@@ -38,20 +39,21 @@ ADVANTAGES = torch.tensor([1.0, -0.5])
 
 def dapo_loss_and_grad(ratios, advantages=ADVANTAGES, mask=MASK, eps_low=0.2, eps_high=0.28, **kw):
     logp = torch.log(ratios).clone().requires_grad_(True)
+    args = Args(eps_low=eps_low, eps_high=eps_high, beta=kw.get("beta", 0.0), dual_clip=kw.get("dual_clip", 0.0))
     loss, stats = dapo_loss(
-        logp, torch.zeros_like(logp), kw.get("ref_logp"), advantages, mask, eps_low, eps_high,
-        kw.get("beta", 0.0), kw.get("dual_clip", 0.0), num_tokens=kw.get("num_tokens", int(mask.sum())),
+        logp, torch.zeros_like(logp), kw.get("ref_logp"), advantages, mask, args,
+        num_tokens=kw.get("num_tokens", int(mask.sum())),
     )  # fmt: skip
     loss.backward()
     return loss.item(), logp.grad, stats
 
 
-def grpo_loss_and_grad(ratios, advantages=ADVANTAGES, mask=MASK, eps_low=0.2, eps_high=0.28):
+def grpo_loss_and_grad(ratios, advantages=ADVANTAGES, mask=MASK, eps=0.2):
     logp = torch.log(ratios).clone().requires_grad_(True)
+    args = grpo.Args(eps=eps, beta=0.0, max_new_tokens=ratios.shape[1])  # GRPO's clip is symmetric
     loss, _ = grpo_loss(
-        logp, torch.zeros_like(logp), None, advantages, mask, "grpo", eps_low, eps_high, 0.0, 0.0,
-        num_sequences=ratios.shape[0], max_new_tokens=ratios.shape[1],
-    )  # fmt: skip
+        logp, torch.zeros_like(logp), None, advantages, mask, args, num_sequences=ratios.shape[0], num_tokens=0
+    )
     loss.backward()
     return loss.item(), logp.grad
 
@@ -61,17 +63,17 @@ def grpo_loss_and_grad(ratios, advantages=ADVANTAGES, mask=MASK, eps_low=0.2, ep
 
 
 def test_token_level_loss_differs_from_grpo_as_the_formulas_say():
-    # Per-token objective min(r·Â, clip(r, 1 − 0.2, 1 + 0.28)·Â), the same clip for both losses:
-    #   seq 1 (Â=+1):   r=1 -> 1;  r=1.5 -> min(1.5, 1.28) = 1.28 (clipped);  r=0.5 -> min(0.5, 0.8) = 0.5
-    #                   token sum 2.78
+    # Per-token objective min(r·Â, clip(r, 1 − ε_low, 1 + ε_high)·Â), DAPO's clip [0.8, 1.28], GRPO's [0.8, 1.2]:
+    #   seq 1 (Â=+1):   r=1 -> 1;  r=1.5 -> min(1.5, 1.28) = 1.28 (GRPO: 1.2; clipped);  r=0.5 -> min(0.5, 0.8) = 0.5
+    #                   token sum 2.78 (GRPO: 2.7)
     #   seq 2 (Â=−0.5): r=1 -> −0.5;  r=0.7 -> min(−0.35, −0.5·0.8 = −0.4) = −0.4 (clipped);  masked token out
     #                   token sum −0.9
-    # DAPO (token level):  J = (2.78 − 0.9) / (3 + 2 tokens) = 1.88 / 5 = 0.376           -> loss −0.376
-    # GRPO (sample level): J = (2.78 / 3 + (−0.9) / 2) / 2 = (0.926667 − 0.45) / 2 = 0.238333 -> loss −0.238333
+    # DAPO (token level):  J = (2.78 − 0.9) / (3 + 2 tokens) = 1.88 / 5 = 0.376         -> loss −0.376
+    # GRPO (sample level): J = (2.7 / 3 + (−0.9) / 2) / 2 = (0.9 − 0.45) / 2 = 0.225     -> loss −0.225
     dapo_value, dapo_grad, stats = dapo_loss_and_grad(RATIOS)
     grpo_value, grpo_grad = grpo_loss_and_grad(RATIOS)
     assert dapo_value == pytest.approx(-0.376, abs=1e-6)
-    assert grpo_value == pytest.approx(-0.238333, abs=1e-6)
+    assert grpo_value == pytest.approx(-0.225, abs=1e-6)
     # Gradient d loss / d logp_t = −Â_i r_t / 5 on unclipped tokens (d r / d logp = r), 0 on clipped:
     #   seq 1: −1·1/5 = −0.2,  0,  −1·0.5/5 = −0.1;   seq 2: +0.5·1/5 = 0.1,  0,  0 (masked)
     # GRPO divides by N·|o_i| instead: seq 1 by 6, seq 2 by 4:  −1/6, 0, −0.5/6;  0.5/4 = 0.125, 0, 0
@@ -297,7 +299,7 @@ def test_length_penalty_enters_before_the_group_normalisation():
 def gradient(model, tokenizer, batch, **overrides):
     args = Args(beta=0.04, max_new_tokens=12, num_iterations=2, **overrides)  # μ = 2: the recorded old_logp count
     model.zero_grad(set_to_none=True)
-    totals = policy_backward(model, batch, args, len(tokenizer))
+    totals, _ = policy_backward(model, batch, args, len(tokenizer))
     return torch.cat([p.grad.flatten() for p in model.parameters()]), totals
 
 

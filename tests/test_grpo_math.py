@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grpo import group_advantages, grpo_loss, kl_k3
+from grpo import Args, group_advantages, grpo_loss, kl_k3
 
 
 def test_group_advantages_by_hand():
@@ -49,10 +49,15 @@ ADVANTAGES = torch.tensor([1.0, -0.5])
 
 def loss_and_grad(ratios, loss_type="grpo", eps=0.2, beta=0.0, ref_logp=None, dual_clip=0.0, max_new_tokens=3, **kw):
     logp = torch.log(ratios).clone().requires_grad_(True)
+    eps_low, eps_high = kw.get("eps_low", eps), kw.get("eps_high", eps)
+    args = Args(
+        loss_type=loss_type, eps=eps, gspo_eps_low=eps_low, gspo_eps_high=eps_high, beta=beta, dual_clip=dual_clip,
+        max_new_tokens=max_new_tokens,
+    )  # fmt: skip
+    mask = kw.get("mask", MASK)
     loss, stats = grpo_loss(
-        logp, torch.zeros_like(logp), ref_logp, kw.get("advantages", ADVANTAGES), kw.get("mask", MASK),
-        loss_type, kw.get("eps_low", eps), kw.get("eps_high", eps), beta, dual_clip,
-        num_sequences=ratios.shape[0], max_new_tokens=max_new_tokens,
+        logp, torch.zeros_like(logp), ref_logp, kw.get("advantages", ADVANTAGES), mask, args,
+        num_sequences=ratios.shape[0], num_tokens=int(mask.sum()),
     )  # fmt: skip
     loss.backward()
     return loss.item(), logp.grad, stats

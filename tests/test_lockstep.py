@@ -45,6 +45,10 @@ SHARED = [
     "sequence_logprobs",
     "old_and_ref_logprobs",
     "kl_k3",
+    "clipped_surrogate",
+    "dual_clip",
+    "loss_stats",
+    "micro_batches",
     "step_metrics",
     "evaluate_heldout",
     # truncated and masked importance sampling: the sampler-trainer gap is not the algorithm either
@@ -56,13 +60,15 @@ SHARED = [
     "is_mask_metrics",
 ]
 # Shared by grpo.py and dapo.py only (ppo.py has neither CISPO nor T1's techniques).
-SHARED_GRPO_DAPO = ["check_technique_args", "cispo_objective"]
+SHARED_GRPO_DAPO = ["check_technique_args", "cispo_objective", "on_policy"]
 # Same name, different body on purpose: the reason is the algorithm.
 DIFFERS_BY_DESIGN = {
     "Args": "each script has its own hyperparameters (shared fields: test_shared_args_fields_agree)",
     "check_args": "each script validates its own hyperparameters",
     "train": "the training loop is the algorithm",
     "policy_backward": "each objective normalises and batches its loss differently",
+    "on_policy": "PPO counts its epochs K (--ppo_epochs), GRPO and DAPO their iterations μ (--num_iterations)",
+    "clip_range": "GRPO's ε is symmetric with GSPO's own; DAPO's is clip-higher's ε_low, ε_high",
     "update_metrics": "each objective logs its own update statistics",
 }
 # Args fields that two scripts share with a different default or help, and why.

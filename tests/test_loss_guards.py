@@ -25,31 +25,26 @@ MASK = torch.ones(2, 2, dtype=torch.long)
 
 def grpo_loss(ratios, advantages=ADVANTAGES, mask=MASK, **settings):
     logp = torch.log(ratios).clone().requires_grad_(True)
-    options = dict(loss_type="grpo", eps=0.2, beta=0.0, dual_clip=0.0, max_new_tokens=ratios.shape[1], ref_logp=None)
-    options |= settings
+    args = grpo.Args(**(dict(eps=0.2, beta=0.0, max_new_tokens=ratios.shape[1]) | settings))
     loss, stats = grpo.grpo_loss(
-        logp, torch.zeros_like(logp), options["ref_logp"], advantages, mask, options["loss_type"], options["eps"],
-        options["eps"], options["beta"], options["dual_clip"], num_sequences=ratios.shape[0],
-        max_new_tokens=options["max_new_tokens"], num_tokens=int(mask.sum()),
-    )  # fmt: skip
+        logp, torch.zeros_like(logp), None, advantages, mask, args, num_sequences=len(ratios), num_tokens=int(mask.sum())
+    )
     loss.backward()
     return loss.item(), logp.grad, stats
 
 
 def dapo_loss(ratios, advantages=ADVANTAGES, mask=MASK, beta=0.0, ref_logp=None, dual_clip=0.0):
     logp = torch.log(ratios).clone().requires_grad_(True)
-    loss, stats = dapo.dapo_loss(
-        logp, torch.zeros_like(logp), ref_logp, advantages, mask, 0.2, 0.28, beta, dual_clip, num_tokens=int(mask.sum())
-    )
+    args = dapo.Args(eps_low=0.2, eps_high=0.28, beta=beta, dual_clip=dual_clip)
+    loss, stats = dapo.dapo_loss(logp, torch.zeros_like(logp), ref_logp, advantages, mask, args, num_tokens=int(mask.sum()))
     loss.backward()
     return loss.item(), logp.grad, stats
 
 
 def ppo_loss(ratios, advantages, mask=MASK, dual_clip=0.0):
     logp = torch.log(ratios).clone().requires_grad_(True)
-    loss, stats = ppo.ppo_loss(
-        logp, torch.zeros_like(logp), advantages, mask, 0.2, 0.2, dual_clip, None, 0.0, int(mask.sum())
-    )
+    args = ppo.Args(eps_low=0.2, eps_high=0.2, dual_clip=dual_clip)
+    loss, stats = ppo.ppo_loss(logp, torch.zeros_like(logp), advantages, mask, args, num_tokens=int(mask.sum()))
     loss.backward()
     return loss.item(), logp.grad, stats
 
@@ -240,7 +235,7 @@ def test_off_policy_update_reads_the_recorded_old_logp(sampled, script, updates)
         )  # fmt: skip
     batch = on_policy_batch(script, batch, logp - 1.0)
     model.zero_grad(set_to_none=True)
-    totals = script.policy_backward(model, batch, args, len(tokenizer))
+    totals, _ = script.policy_backward(model, batch, args, len(tokenizer))
     gradient = [p.grad for p in model.parameters() if p.grad is not None]
     assert all(not g.abs().any() for g in gradient)
     assert totals["clip_high"] == totals["tokens"] == batch["completion_mask"].sum().item()

@@ -91,10 +91,9 @@ ADVANTAGES = torch.tensor([1.0, -0.5])
 
 def grpo_loss(loss_mask, loss_type="grpo", **options):
     logp = LOGP.clone().requires_grad_(True)
-    settings = dict(eps_low=0.2, eps_high=0.2, beta=0.0, dual_clip=0.0, num_sequences=2, max_new_tokens=3)
-    settings |= options
+    args = grpo.Args(loss_type=loss_type, eps=0.2, beta=0.0, dual_clip=0.0, max_new_tokens=3, **options)
     loss, stats = grpo.grpo_loss(
-        logp, logp.detach(), None, ADVANTAGES, loss_mask, loss_type, num_tokens=int(loss_mask.sum()), **settings
+        logp, logp.detach(), None, ADVANTAGES, loss_mask, args, num_sequences=2, num_tokens=int(loss_mask.sum())
     )
     loss.backward()
     return loss.item(), logp.grad.flatten().tolist(), stats
@@ -121,8 +120,9 @@ def test_masked_token_leaves_dapos_token_count():
     for mask, expected in ((KEPT, -0.25), (VALID_2, -0.1)):
         logp = LOGP.clone().requires_grad_(True)
         loss, _ = dapo.dapo_loss(
-            logp, logp.detach(), None, ADVANTAGES, mask, 0.2, 0.28, 0.0, 0.0, num_tokens=int(mask.sum())
-        )
+            logp, logp.detach(), None, ADVANTAGES, mask, dapo.Args(eps_low=0.2, eps_high=0.28),
+            num_tokens=int(mask.sum()),
+        )  # fmt: skip
         loss.backward()
         assert loss.item() == pytest.approx(expected)
     dapo_grad = logp.grad.flatten().tolist()
@@ -145,14 +145,15 @@ CISPO_ADV = torch.tensor([1.0, -1.0])
 def cispo(script, mask, advantages=CISPO_ADV, loss_type="cispo"):
     logp = CISPO_LOGP.clone().requires_grad_(True)
     old = CISPO_LOGP - torch.log(CISPO_RATIOS)  # r = exp(log π_θ − log π_θold)
-    if script is grpo:
+    cispo_eps = dict(cispo_eps_low=0.2, cispo_eps_high=0.28)  # ε_low^IS, ε_high^IS
+    if script is grpo:  # GRPO's clip is symmetric: ε = 0.2
+        args = grpo.Args(loss_type=loss_type, eps=0.2, beta=0.0, max_new_tokens=4, **cispo_eps)
         loss, stats = grpo.grpo_loss(
-            logp, old, None, advantages, mask, loss_type, 0.2, 0.28, 0.0, 0.0, 2, 4, num_tokens=int(mask.sum())
+            logp, old, None, advantages, mask, args, num_sequences=2, num_tokens=int(mask.sum())
         )
     else:
-        loss, stats = dapo.dapo_loss(
-            logp, old, None, advantages, mask, 0.2, 0.28, 0.0, 0.0, int(mask.sum()), loss_type=loss_type
-        )
+        args = dapo.Args(loss_type=loss_type, eps_low=0.2, eps_high=0.28, **cispo_eps)
+        loss, stats = dapo.dapo_loss(logp, old, None, advantages, mask, args, num_tokens=int(mask.sum()))
     loss.backward()
     return loss.item(), logp.grad.flatten().tolist(), stats
 
@@ -204,10 +205,10 @@ def test_cispo_on_policy_is_the_policy_gradient():
     # r = 1: r̂ = 1 whatever ε, so CISPO is Â·log π over the token count, GPG's form: with Â = [1.5, −1.5]
     # on test_techniques' LOGP rows (valid [−1, −2], [−0.5, −0.5, −1]) J = (−4.5 + 3)/5 = −0.3, loss 0.3.
     logp = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -0.5, -1.0]], requires_grad=True)
+    args = grpo.Args(loss_type="cispo", cispo_eps_low=1.0, cispo_eps_high=3.0, beta=0.0, max_new_tokens=3)
     loss, _ = grpo.grpo_loss(
-        logp, logp.detach(), None, torch.tensor([1.5, -1.5]), VALID_2, "cispo", 1.0, 3.0, 0.0, 0.0, 2, 3,
-        num_tokens=5,
-    )  # fmt: skip
+        logp, logp.detach(), None, torch.tensor([1.5, -1.5]), VALID_2, args, num_sequences=2, num_tokens=5
+    )
     assert loss.item() == pytest.approx(0.3)
 
 
@@ -236,7 +237,7 @@ def masked_batch(sampled, level: str):
 def gradient(script, model, tokenizer, batch, **settings):
     args = script.Args(beta=0.04, max_new_tokens=12, num_iterations=2, **settings)  # μ = 2: recorded old_logp
     model.zero_grad(set_to_none=True)
-    totals = script.policy_backward(model, batch, args, len(tokenizer))
+    totals, _ = script.policy_backward(model, batch, args, len(tokenizer))
     return torch.cat([p.grad.flatten() for p in model.parameters()]), totals
 
 
@@ -290,7 +291,7 @@ def test_ppo_token_mask_keeps_gradient_accumulation_exact(sampled):
     for micro_batch_size in (12, 3, 5):
         args = ppo.Args(is_mask="0.5,2", micro_batch_size=micro_batch_size, num_mini_batches=2)  # off-policy
         model.zero_grad(set_to_none=True)
-        totals = ppo.policy_backward(model, batch, args, len(tokenizer))
+        totals, _ = ppo.policy_backward(model, batch, args, len(tokenizer))
         results.append((torch.cat([p.grad.flatten() for p in model.parameters()]), totals))
     model.zero_grad(set_to_none=True)
     (full, full_totals), rest = results[0], results[1:]

@@ -155,8 +155,9 @@ ADVANTAGES = torch.tensor([[1.0, 1.0, -2.0], [-1.0, 0.5, 7.0]])
 
 def surrogate(ratios, advantages, mask, num_tokens, eps=0.2, dual_clip=0.0, entropy=None, entropy_coef=0.0):
     logp = torch.log(ratios).clone().requires_grad_(True)
+    args = Args(eps_low=eps, eps_high=eps, dual_clip=dual_clip, entropy_coef=entropy_coef)
     loss, stats = ppo_loss(
-        logp, torch.zeros_like(logp), advantages, mask, eps, eps, dual_clip, entropy, entropy_coef, num_tokens
+        logp, torch.zeros_like(logp), advantages, mask, args, num_tokens=num_tokens, entropy=entropy
     )
     loss.backward()
     return loss.item(), logp.grad, stats
@@ -288,7 +289,7 @@ def test_gradient_accumulation_equals_one_big_batch(sampled):
         # ppo_epochs=2: the off-policy path, which uses the recorded old_logp; an entropy bonus too
         args = Args(micro_batch_size=micro_batch_size, ppo_epochs=2, entropy_coef=0.01)
         model.zero_grad(set_to_none=True), critic.zero_grad(set_to_none=True)
-        policy_totals = policy_backward(model, batch, args, len(tokenizer))
+        policy_totals, _ = policy_backward(model, batch, args, len(tokenizer))
         critic_totals = critic_backward(critic, batch, args)
         gradients = [torch.cat([p.grad.flatten() for p in m.parameters()]) for m in (model, critic)]
         results.append((gradients, policy_totals, critic_totals))

@@ -52,11 +52,12 @@ MASK = torch.tensor([[1, 1, 0], [1, 1, 1]])
 
 def grpo_loss(logp, loss_type, advantages, **options):
     logp = logp.clone().requires_grad_(True)
-    settings = dict(ref_logp=None, eps_low=0.2, eps_high=0.2, beta=0.0, dual_clip=0.0, max_new_tokens=3)
-    settings |= options
+    settings = dict(ref_logp=None, entropy=None, is_weight=None) | options
+    tensors = {name: settings.pop(name) for name in ("ref_logp", "entropy", "is_weight")}
+    args = grpo.Args(**(dict(loss_type=loss_type, eps=0.2, beta=0.0, max_new_tokens=3) | settings))
     loss, stats = grpo.grpo_loss(
-        logp, logp.detach(), settings.pop("ref_logp"), advantages, MASK, loss_type, num_sequences=2,
-        num_tokens=int(MASK.sum()), **settings,
+        logp, logp.detach(), tensors["ref_logp"], advantages, MASK, args, num_sequences=2, num_tokens=int(MASK.sum()),
+        entropy=tensors["entropy"], is_weight=tensors["is_weight"],
     )  # fmt: skip
     loss.backward()
     return loss.item(), logp.grad, stats
@@ -90,8 +91,8 @@ def test_entropy_bonus_by_hand():
     # DAPO's token-level mean: −0.1·(1 + 2 + 0.5 + 0.5 + 2)/5 = −0.12
     logp = LOGP.clone().requires_grad_(True)
     loss, _ = dapo.dapo_loss(
-        logp, logp.detach(), None, torch.zeros(2), MASK, 0.2, 0.28, 0.0, 0.0, num_tokens=5,
-        entropy=entropy.detach(), entropy_coef=0.1,
+        logp, logp.detach(), None, torch.zeros(2), MASK, dapo.Args(eps_low=0.2, eps_high=0.28, entropy_coef=0.1),
+        num_tokens=5, entropy=entropy.detach(),
     )  # fmt: skip
     assert loss.item() == pytest.approx(-0.12)
 
@@ -162,8 +163,8 @@ def test_tis_weight_in_the_dapo_loss_by_hand():
     logp = LOGP.clone().requires_grad_(True)
     weights = torch.tensor([[1.5, 0.5, 1.0], [1.0, 1.0, 2.0]])
     loss, stats = dapo.dapo_loss(
-        logp, logp.detach(), None, torch.tensor([1.0, -1.0]), MASK, 0.2, 0.28, 0.0, 0.0, num_tokens=5,
-        is_weight=weights,
+        logp, logp.detach(), None, torch.tensor([1.0, -1.0]), MASK, dapo.Args(eps_low=0.2, eps_high=0.28),
+        num_tokens=5, is_weight=weights,
     )  # fmt: skip
     loss.backward()
     assert loss.item() == pytest.approx(0.4)
@@ -178,8 +179,9 @@ def test_tis_weight_in_the_dapo_loss_by_hand():
 def ppo_surrogate(ratios, advantages, eps_low, eps_high, is_weight=None):
     logp = torch.log(ratios).clone().requires_grad_(True)
     mask = torch.ones_like(ratios, dtype=torch.long)
+    args = ppo.Args(eps_low=eps_low, eps_high=eps_high)
     loss, stats = ppo.ppo_loss(
-        logp, torch.zeros_like(logp), advantages, mask, eps_low, eps_high, 0.0, None, 0.0, mask.sum().item(), is_weight
+        logp, torch.zeros_like(logp), advantages, mask, args, num_tokens=mask.sum().item(), is_weight=is_weight
     )
     loss.backward()
     return loss.item(), logp.grad, stats

@@ -31,7 +31,7 @@ def test_gradient_accumulation_equals_one_big_batch(sampled, loss_type):
             loss_type=loss_type, beta=0.04, micro_batch_size=micro_batch_size, max_new_tokens=12, num_iterations=2
         )
         model.zero_grad(set_to_none=True)
-        totals = policy_backward(model, batch, args, len(tokenizer))
+        totals, _ = policy_backward(model, batch, args, len(tokenizer))
         gradients.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
         losses.append(totals["loss"])
     assert gradients[0].abs().max() > 0
@@ -62,7 +62,7 @@ def test_on_policy_ratio_is_exactly_one(sampled):
     # μ = 1 and one mini-batch: π_θold is π_θ, so no token may be clipped whatever the recorded
     # old_logp say (in bf16 they differ from the training pass by kernel noise).
     model, tokenizer, batch = sampled
-    totals = policy_backward(model, batch, Args(loss_type="gspo", beta=0.0), len(tokenizer))
+    totals, _ = policy_backward(model, batch, Args(loss_type="gspo", beta=0.0), len(tokenizer))
     model.zero_grad(set_to_none=True)
     assert totals["ratio_max"] == 1.0
     assert totals["clip_low"] == totals["clip_high"] == 0
