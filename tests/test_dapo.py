@@ -12,6 +12,7 @@ from test_train import expected_digit_reward
 from transformers import AutoModelForCausalLM
 
 import dapo
+import grpo
 from common import FULL_LR, LORA_LR, build_tiny_model, load_model, parse_args, read_jsonl
 from conftest import ROOT, crash_and_resume
 from dapo import (
@@ -26,7 +27,6 @@ from dapo import (
     shaped_advantages,
     train,
 )
-import grpo
 from grpo import grpo_loss
 
 # The batch of tests/test_grpo_math.py: N = 2 completions of unequal length (T = 3; the

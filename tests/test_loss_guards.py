@@ -27,7 +27,14 @@ def grpo_loss(ratios, advantages=ADVANTAGES, mask=MASK, **settings):
     logp = torch.log(ratios).clone().requires_grad_(True)
     args = grpo.Args(**(dict(eps=0.2, beta=0.0, max_new_tokens=ratios.shape[1]) | settings))
     loss, stats = grpo.grpo_loss(
-        logp, torch.zeros_like(logp), None, advantages, mask, args, num_sequences=len(ratios), num_tokens=int(mask.sum())
+        logp,
+        torch.zeros_like(logp),
+        None,
+        advantages,
+        mask,
+        args,
+        num_sequences=len(ratios),
+        num_tokens=int(mask.sum()),
     )
     loss.backward()
     return loss.item(), logp.grad, stats
@@ -36,7 +43,9 @@ def grpo_loss(ratios, advantages=ADVANTAGES, mask=MASK, **settings):
 def dapo_loss(ratios, advantages=ADVANTAGES, mask=MASK, beta=0.0, ref_logp=None, dual_clip=0.0):
     logp = torch.log(ratios).clone().requires_grad_(True)
     args = dapo.Args(eps_low=0.2, eps_high=0.28, beta=beta, dual_clip=dual_clip)
-    loss, stats = dapo.dapo_loss(logp, torch.zeros_like(logp), ref_logp, advantages, mask, args, num_tokens=int(mask.sum()))
+    loss, stats = dapo.dapo_loss(
+        logp, torch.zeros_like(logp), ref_logp, advantages, mask, args, num_tokens=int(mask.sum())
+    )
     loss.backward()
     return loss.item(), logp.grad, stats
 

@@ -156,9 +156,7 @@ ADVANTAGES = torch.tensor([[1.0, 1.0, -2.0], [-1.0, 0.5, 7.0]])
 def surrogate(ratios, advantages, mask, num_tokens, eps=0.2, dual_clip=0.0, entropy=None, entropy_coef=0.0):
     logp = torch.log(ratios).clone().requires_grad_(True)
     args = Args(eps_low=eps, eps_high=eps, dual_clip=dual_clip, entropy_coef=entropy_coef)
-    loss, stats = ppo_loss(
-        logp, torch.zeros_like(logp), advantages, mask, args, num_tokens=num_tokens, entropy=entropy
-    )
+    loss, stats = ppo_loss(logp, torch.zeros_like(logp), advantages, mask, args, num_tokens=num_tokens, entropy=entropy)
     loss.backward()
     return loss.item(), logp.grad, stats
 
