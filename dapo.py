@@ -183,94 +183,721 @@ SAME_ON_RESUME += ("ref_ema_decay",)  # with it, the trainer state holds the mov
 SAME_ON_RESUME += ("data_file", "data_split", "prompt_key", "answer_key", "eval_data_file")  # --task file's rows
 
 
-def check_args(args: Args) -> None:
-    """Stops with a message on settings that cannot work, before anything is loaded."""
-    problems = check_run_args(args)
-    if args.group_size < 2:
-        problems.append("--group_size must be at least 2: a group of one has no relative advantage.")
-    if not 0 <= args.eps_low < 1 or args.eps_high < 0:
-        problems.append("Clip ranges need 0 <= --eps_low < 1 and --eps_high >= 0 (DAPO: 0.2 and 0.28).")
-    if args.loss_type not in ("dapo", "cispo"):
-        problems.append(f"--loss_type {args.loss_type!r} is not one of: dapo, cispo.")
-    if args.loss_type == "cispo" and args.dual_clip:
-        problems.append("--loss_type cispo clips the IS weight, not the objective: dual-clip has nothing to bound (0).")
-    if args.cispo_eps_low < 0 or args.cispo_eps_high <= 0:
-        problems.append(
-            f"CISPO needs --cispo_eps_low >= 0 and --cispo_eps_high > 0 (got {args.cispo_eps_low}, "
-            f"{args.cispo_eps_high}); 1 and 3 (the defaults): no lower bound, a cap of 4."
-        )
-    if not 0 <= args.overlong_buffer <= args.max_new_tokens:
-        problems.append(
-            f"--overlong_buffer (L_cache) must be between 0 (off) and --max_new_tokens (L_max = "
-            f"{args.max_new_tokens}): the penalty ramps over the last L_cache tokens before L_max. "
-            f"Pass e.g. --overlong_buffer {args.max_new_tokens // 4}, or 0 for no length penalty."
-        )
-    if args.gen_batch_size and not args.dynamic_sampling:
-        problems.append("--gen_batch_size sets the rounds of dynamic sampling: use it with --dynamic_sampling true.")
-    if args.gen_batch_size < 0 or args.max_gen_rounds < 1:
-        problems.append("--gen_batch_size must be at least 1 (or 0 for batch_size); --max_gen_rounds at least 1.")
-    if args.num_mini_batches < 1 or (args.batch_size * args.group_size) % args.num_mini_batches:
-        problems.append("--num_mini_batches must be at least 1 and divide batch_size * group_size.")
-    if args.temperature <= 0 or not 0 < args.top_p <= 1:
-        problems.append("Training needs --temperature > 0 and 0 < --top_p <= 1.")
-    for name in ("beta", "adv_eps"):
-        if getattr(args, name) < 0:
-            problems.append(f"--{name} must be >= 0 (got {getattr(args, name)}).")
-    if args.dual_clip and args.dual_clip <= 1:
-        problems.append("--dual_clip must be > 1 (e.g. 3), or 0 to disable it.")
-    problems += check_technique_args(args)
-    if args.eval_every < 0 or (args.eval_every and (args.eval_problems < 1 or args.eval_batch_size < 1)):
-        problems.append("--eval_every must be >= 0, and with it --eval_problems and --eval_batch_size >= 1.")
-    for name in ("batch_size", "max_new_tokens", "micro_batch_size", "logprob_chunk_size", "num_iterations"):
-        if getattr(args, name) < 1:
-            problems.append(f"--{name} must be at least 1.")
-    if problems:
-        raise SystemExit("Invalid arguments:\n  " + "\n  ".join(problems))
+@dataclass
+class Rollout:
+    """What steps 1-3 produce: n = (prompts)·G rows, the group of prompt i in rows i·G … i·G+G-1."""
 
-
-def check_technique_args(args: Args) -> list[str]:
-    """The ranges of the entropy bonus, the moving reference, truncated and masked IS (grpo.py, dapo.py)."""
-    problems = []
-    if args.entropy_coef < 0:
-        problems.append(f"--entropy_coef must be >= 0 (got {args.entropy_coef}); T1 adds a small bonus, e.g. 0.001.")
-    if not 0 <= args.ref_ema_decay < 1:
-        problems.append(f"--ref_ema_decay must be in [0, 1) (got {args.ref_ema_decay}), e.g. 0.99; 0 = frozen.")
-    elif args.ref_ema_decay and (args.beta == 0 or args.lora_rank):
-        problems.append("--ref_ema_decay moves the reference of the KL term: it needs --beta > 0 and --lora_rank 0.")
-    elif args.ref_ema_decay and args.dtype == "bfloat16":  # 8 significant bits: a step of (1−λ)·gap rounds away
-        problems.append("--ref_ema_decay needs fp32 weights: with --dtype bfloat16 the reference would never move.")
-    if args.tis_cap and args.tis_cap < 1:
-        problems.append(f"--tis_cap must be >= 1, or 0 to disable it (got {args.tis_cap}); Yao et al. use 2.")
-    return problems + check_is_mask(args)
-
-
-def check_is_mask(args) -> list[str]:
-    """The range of --is_mask α,β and --is_mask_level (all three scripts)."""
-    if args.is_mask_level not in ("token", "sequence"):
-        return [f"--is_mask_level {args.is_mask_level!r} is not one of: token, sequence."]
-    try:
-        is_mask_bounds(args.is_mask)
-    except ValueError as error:
-        return [str(error)]
-    return []
-
-
-def is_mask_bounds(text: str) -> tuple[float, float] | None:
-    """--is_mask "α,β" -> (α, β), with 0 <= α < 1 < β so that a token on which sampler and trainer
-    agree (ratio 1) always stays; "" -> None (off). A ValueError says what was wrong."""
-    if not text:
-        return None
-    try:
-        low, high = (float(part) for part in text.split(","))
-    except ValueError:
-        raise ValueError(f"--is_mask takes two numbers α,β, e.g. 0.5,5 (IcePop's), not {text!r}.") from None
-    if not 0 <= low < 1 < high:
-        raise ValueError(f"--is_mask α,β needs 0 <= α < 1 < β (got {text}): a ratio of 1 must stay, e.g. 0.5,5.")
-    return low, high
+    prompt_ids: torch.Tensor  # (n, P) left padded
+    prompt_mask: torch.Tensor  # (n, P) 1 for prompt tokens, 0 for padding
+    completion_ids: torch.Tensor  # (n, T) right padded with the pad id
+    completion_mask: torch.Tensor  # (n, T) 1 up to and including the EOS
+    truncated: torch.Tensor  # (n,) True where no EOS came within max_new_tokens
+    sample_logp: torch.Tensor  # (n, T) log π of each sampled token, as generate drew it
+    rewards: torch.Tensor  # (n,) the task's rule-based reward
+    texts: list[str]  # the n completions, decoded
+    scores: list[Score]  # the n grades: reward, correct, formatted, strict
+    seconds: dict[str, float] = field(default_factory=dict)  # time rollout() spent generating and scoring
 
 
 # ----------------------------------------------------------------------------------------
-# Sampling
+# ALGO LOGIC: dynamic sampling (Eq. 11), the overlong penalty (Eq. 13), the group-relative
+# advantage, the DAPO loss and its backward pass
+
+
+def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """DAPO Eq. 11's constraint 0 < |{o_i correct}| < G, read as "the G task rewards are not all
+    equal": with DAPO's ±1 reward the two are the same; with Countdown's 1 / 0.1 / 0 a group of
+    well-formed wrong answers and malformed ones (0.1 vs 0) is kept too.
+    A group whose task rewards are all equal has no right-versus-wrong signal; only the length
+    penalty, if any, still separates its completions (see shaped_advantages).
+    rewards (n,) with groups in consecutive rows -> (n / G,) bool, True for a group to keep."""
+    grouped = rewards.view(-1, group_size)  # (groups, G)
+    return grouped.max(dim=-1).values > grouped.min(dim=-1).values
+
+
+def keep_groups(rounds: list[Rollout], kept: list[list[int]], group_size: int, pad_id: int) -> Rollout:
+    """The groups kept from every round as one batch: kept[r] lists round r's kept groups in
+    order (group g is rows g·G … g·G+G-1). Rounds differ in prompt width P and completion
+    width T, so prompts are padded again on the left and completions on the right, with pad_id
+    in the ids and 0 in the masks and log-probs: no log-prob changes. N = (groups kept)·G rows."""
+    taken = []  # (round, its kept rows) for every round that kept a group
+    for batch, groups in zip(rounds, kept):
+        if groups:
+            taken.append((batch, [g * group_size + i for g in groups for i in range(group_size)]))
+    prompt_width = max(batch.prompt_ids.shape[1] for batch, _ in taken)  # P
+    completion_width = max(batch.completion_ids.shape[1] for batch, _ in taken)  # T
+
+    def left(tensor, rows, fill):  # the kept rows of a round's (n, P_r) tensor -> (rows, P)
+        return F.pad(tensor[rows], (prompt_width - tensor.shape[1], 0), value=fill)
+
+    def right(tensor, rows, fill):  # the kept rows of a round's (n, T_r) tensor -> (rows, T)
+        return F.pad(tensor[rows], (0, completion_width - tensor.shape[1]), value=fill)
+
+    return Rollout(
+        prompt_ids=torch.cat([left(batch.prompt_ids, rows, pad_id) for batch, rows in taken]),  # (N, P)
+        prompt_mask=torch.cat([left(batch.prompt_mask, rows, 0) for batch, rows in taken]),  # (N, P)
+        completion_ids=torch.cat([right(batch.completion_ids, rows, pad_id) for batch, rows in taken]),  # (N, T)
+        completion_mask=torch.cat([right(batch.completion_mask, rows, 0) for batch, rows in taken]),  # (N, T)
+        truncated=torch.cat([batch.truncated[rows] for batch, rows in taken]),  # (N,)
+        sample_logp=torch.cat([right(batch.sample_logp, rows, 0.0) for batch, rows in taken]),  # (N, T)
+        rewards=torch.cat([batch.rewards[rows] for batch, rows in taken]),  # (N,)
+        texts=[batch.texts[i] for batch, rows in taken for i in rows],
+        scores=[batch.scores[i] for batch, rows in taken for i in rows],
+    )
+
+
+def first_groups(kept: list[list[int]], limit: int) -> list[list[int]]:
+    """The first `limit` of the groups kept (kept[r]: round r's), in order. Under torchrun each rank
+    trains on as many groups as the rank that found the fewest: FSDP pairs every forward pass of
+    one rank with one of each other rank. One process: kept itself."""
+    cut, taken = [], 0
+    for groups in kept:
+        cut.append(groups[: max(limit - taken, 0)])
+        taken += len(cut[-1])
+    return cut
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int) -> torch.Tensor:
+    """DAPO's soft overlong punishment, Eq. 13, with L_max = max_length, L_cache = buffer:
+        R_length(o) = 0                              if |o| ≤ L_max − L_cache
+                      ((L_max − L_cache) − |o|) / L_cache   if L_max − L_cache < |o| ≤ L_max
+                      −1                             if |o| > L_max
+    a ramp from 0 to −1 over the last L_cache tokens, added to the task reward, so the model
+    learns to finish before the cap instead of being told its cut-off answer is simply wrong.
+    generate stops at L_max, so a truncated completion has |o| = L_max and gets −1.
+    buffer 0 turns the penalty off. lengths (N,) in tokens, EOS included -> (N,)."""
+    if buffer == 0:
+        return torch.zeros(lengths.shape, dtype=torch.float32, device=lengths.device)
+    return ((max_length - buffer - lengths.float()) / buffer).clamp(min=-1.0, max=0.0)
+
+
+def shaped_advantages(
+    rewards: torch.Tensor, lengths: torch.Tensor, group_size: int, max_length: int, buffer: int, eps: float
+):
+    """Step 5: Â_i = group-normalise(R_i + R_length(|o_i|)), the length penalty added to the task
+    reward before the group's mean and std are taken (DAPO Eq. 13 shapes the reward). So a
+    group with equal task rewards is not necessarily silent: its completions that ran into
+    the buffer get Â < 0, and the std scales even a small length difference to full size
+    (rewards 0, 0 with penalties −1/256, 0 give Â ≈ ∓0.71). rewards, lengths (N,) -> Â (N,)
+    and the penalties (N,)."""
+    length_penalty = overlong_penalty(lengths, max_length, buffer)  # (N,)
+    return group_advantages(rewards + length_penalty, group_size, eps=eps), length_penalty
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-6):
+    """GRPO's outcome advantage, DeepSeekMath Sec. 4.1.2 / DAPO Eq. 6:
+        Â_i = (R_i − mean(R_1..R_G)) / (std(R_1..R_G) + eps), the same for every token of o_i.
+    std is the unbiased (Bessel-corrected) one, as in verl and TRL. A group whose rewards are
+    all equal gets Â = 0 (0 / eps), never NaN. Dr. GRPO (scale_by_std=False) drops the
+    division, which otherwise up-weights groups that are nearly all right or all wrong.
+    rewards (N,) with groups in consecutive rows -> advantages (N,)."""
+    grouped = rewards.view(-1, group_size)  # (B, G)
+    centered = grouped - grouped.mean(dim=-1, keepdim=True)
+    if scale_by_std:
+        centered = centered / (grouped.std(dim=-1, keepdim=True) + eps)
+    return centered.flatten()
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k3 estimator of KL(π_θ ‖ π_ref) per token (Schulman 2020; DeepSeekMath Eq. 4):
+        π_ref/π_θ − log(π_ref/π_θ) − 1, unbiased under samples of π_θ and never negative.
+    logp, ref_logp (…, T) -> (…, T)."""
+    # e^20 ≈ 5e8: finite. verl clamps the log-ratio at ±20 too, and then caps k3 itself at 10 (its
+    # low_var_kl); here k3 is not capped, so a token far from π_ref keeps its whole gradient.
+    log_ratio = (ref_logp - logp).clamp(-20.0, 20.0)
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
+    """PPO's clipped surrogate per token (PPO Eq. 7; DAPO Eq. 10 with ε_low and ε_high):
+        min(r·Â, clip(r, 1 − ε_low, 1 + ε_high)·Â)
+    the pessimistic bound: once r has moved past the clip in the direction Â pushes it, the token
+    gets no gradient, so one batch cannot drag π_θ far from π_θold.
+    ratio (n, T), advantages (n, 1) or (n, T) -> (n, T)."""
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * advantages
+    return torch.min(unclipped, clipped)
+
+
+def dapo_loss(
+    logp: torch.Tensor,  # (n, T) log π_θ, with grad
+    old_logp: torch.Tensor,  # (n, T) log π_θold, recorded before the first update
+    ref_logp: torch.Tensor | None,  # (n, T) log π_ref; None when beta = 0
+    advantages: torch.Tensor,  # (n,) Â_i
+    loss_mask: torch.Tensor,  # (n, T) completion_mask, less what overlong filtering and --is_mask drop
+    args: Args,  # reads loss_type, eps_low, eps_high (or CISPO's), beta, dual_clip, entropy_coef
+    *,
+    num_tokens: int,  # Σ_i |o_i| over the whole mini-batch (Eq. 12's normaliser)
+    entropy: torch.Tensor | None = None,  # (n, T) H(π_θ(·|s_t)) with grad; None when entropy_coef = 0
+    is_weight: torch.Tensor | None = None,  # (n, T) truncated IS weights (tis_weights); None = off
+):
+    """The negative DAPO objective of one micro-batch, DAPO Eq. 8 with the token-level sum of Eq. 12:
+        J = 1/Σ_i|o_i| Σ_i Σ_t [ min(r_it Â_i, clip(r_it, 1−ε_low, 1+ε_high) Â_i) − β D_KL,it ]
+    num_tokens is Σ_i |o_i| over the whole mini-batch, not over this micro-batch: every valid
+    token weighs 1/num_tokens, whatever its completion's length and its micro-batch, so the
+    losses of the micro-batches add up to the mini-batch loss and gradient accumulation gives
+    exactly the big-batch gradient. GRPO weighs a token of o_i 1/(N·|o_i|)
+    instead: the tokens of a long completion count less each, so a long, wrong, repetitive
+    answer is penalised less per token than a short one (DAPO Sec. 3.3).
+
+    Clip-higher (Eq. 10): ε_high > ε_low leaves a low-probability token with Â > 0 room to
+    grow, which a symmetric ε caps early (DAPO Sec. 3.1: against entropy collapse); ε_low
+    stays small, since pushing a token's probability towards 0 collapses the space it samples.
+    β > 0 adds GRPO's k3 KL per token; DAPO drops it (β = 0), as the policy is meant to move far
+    from the initial model. The techniques enter as one named function each, defined in the
+    section on variants below: CISPO's objective in place of the clipped surrogate (--loss_type
+    cispo; eps_low and eps_high are then ε_low^IS and ε_high^IS), dual-clip (DAPO's verl recipe:
+    c = 10), truncated IS (is_weight), T1's entropy bonus. Returns (loss, stats): stats are sums
+    over the tokens of loss_mask."""
+    mask = loss_mask.to(logp.dtype)  # (n, T)
+    adv = advantages[:, None]  # (n, 1) Â_i, the same for every token of o_i
+    ratio = torch.exp((logp - old_logp) * mask)  # (n, T) r_it
+    eps_low, eps_high = clip_range(args)
+
+    if args.loss_type == "cispo":
+        objective = cispo_objective(logp, ratio, adv, eps_low, eps_high)  # (n, T)
+    else:
+        objective = clipped_surrogate(ratio, adv, eps_low, eps_high)  # (n, T) clip-higher: ε_high > ε_low
+    objective, dual_clipped = dual_clip(objective, adv, args.dual_clip)  # c·Â bounds Â < 0 tokens below
+    if is_weight is not None:
+        objective = is_weight * objective  # truncated IS: the policy-gradient term only
+    if args.entropy_coef > 0:
+        objective = objective + args.entropy_coef * entropy  # T1's entropy bonus c_H·H_t
+    kl = kl_k3(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)  # (n, T) D_KL,it
+    per_token = -objective
+    if args.beta > 0:
+        per_token = per_token + args.beta * kl  # (n, T) −[ objective − β·D_KL ]
+    loss = (per_token * mask).sum() / num_tokens  # token-level: 1/Σ_i|o_i| Σ_i Σ_t (Eq. 12)
+    stats = loss_stats(
+        ratio, adv, loss_mask, eps_low, eps_high, dual_clipped, kl=kl, is_weight=is_weight,
+        clips_weight=args.loss_type == "cispo",
+    )  # fmt: skip
+    return loss, stats
+
+
+@torch.no_grad()
+def loss_stats(
+    ratio: torch.Tensor,  # (n, T)
+    advantages: torch.Tensor,  # (n, 1) or (n, T)
+    loss_mask: torch.Tensor,  # (n, T)
+    eps_low: float,
+    eps_high: float,
+    dual_clipped: torch.Tensor,  # (n, T) bool, the tokens dual-clip bounded
+    kl: torch.Tensor | None = None,  # (n, T) the KL term's per-token estimate
+    is_weight: torch.Tensor | None = None,  # (n, T) truncated IS weights
+    clips_weight: bool = False,  # CISPO: the clip bounds its weight, whatever the sign of Â
+) -> dict:
+    """The loss's statistics over the tokens of loss_mask, as sums (and maxima, *_max) that
+    accumulate over micro-batches into update_metrics: tokens, the tokens the clip binds on each
+    side, those dual-clip bounds, Σ KL, the largest ratio, and the truncated IS weights."""
+    valid = loss_mask.bool()
+    low, high = (ratio < 1 - eps_low), (ratio > 1 + eps_high)
+    if not clips_weight:  # the clipped surrogate binds only where it cuts the gradient
+        low, high = low & (advantages < 0), high & (advantages > 0)
+    stats = {
+        "tokens": valid.sum().item(),
+        "clip_low": (valid & low).sum().item(),
+        "clip_high": (valid & high).sum().item(),
+        "clip_dual": (valid & dual_clipped).sum().item(),
+        "ratio_max": ratio[valid].max().item() if valid.any() else 1.0,
+    }
+    if kl is not None:
+        stats["kl"] = (kl * loss_mask.to(kl.dtype)).sum().item()
+    if is_weight is not None:
+        stats |= tis_stats(is_weight, valid)
+    return stats
+
+
+def on_policy(args: Args) -> bool:
+    """True when the batch trains one update (μ = 1 and one mini-batch): π_θold is then the π_θ of
+    that update's forward pass, before its optimizer step, which step 4 need not score."""
+    return args.num_iterations == 1 and args.num_mini_batches == 1
+
+
+def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contextlib.nullcontext) -> tuple[dict, dict]:
+    """Step 6's forward and backward over one mini-batch, micro_batch_size sequences at a time;
+    gradients accumulate in .grad. batch holds (n, …) tensors: prompt_ids, prompt_mask,
+    completion_ids, completion_mask, truncated, sample_logp, old_logp (None: see below), ref_logp
+    (or None), advantages. amp() is the autocast context of the forward pass (backward runs outside
+    it, as PyTorch advises). Returns (totals, recorded): the summed loss and token statistics of the
+    mini-batch, and, when batch["old_logp"] is None, this pass's log π_θ and entropy (n, T), no
+    grad, in batch's row order, standing in for step 4's (on-policy, old_and_ref_logprobs);
+    otherwise {}.
+
+    The token-level loss divides by the valid tokens of the whole mini-batch (DAPO Eq. 12),
+    counted here, once, before the micro-batches. With overlong_filter a truncated completion
+    leaves the loss and that count alike (DAPO Sec. 3.4): a cut-off answer is scored wrong
+    whatever its reasoning was worth, which is noise, not signal.
+
+    On-policy π_θold is π_θ itself, so old = sg(log π_θ) sets the ratio to exactly 1, with the
+    gradient ∇log π_θ: the recorded old_logp come from other kernel shapes and in bf16 differ by
+    noise, which would show as clipped tokens. The gradient is the same either way."""
+    loss_mask = batch["completion_mask"]  # (n, T)
+    if args.overlong_filter:
+        loss_mask = loss_mask * ~batch["truncated"][:, None]
+    loss_mask, totals = masked_importance(batch, loss_mask, args)  # (n, T): less what --is_mask drops
+    # Under torchrun every rank's tokens (FSDP sums the ranks' gradients): one process's normaliser.
+    num_tokens = max(all_reduce(loss_mask.sum().item()), 1)  # every completion filtered out: loss 0, not NaN
+    batch = {**batch, "loss_mask": loss_mask}
+    record = batch["old_logp"] is None  # this forward pass stands in for step 4's
+    recorded = {name: torch.zeros_like(loss_mask, dtype=torch.float32) for name in ("old_logp", "entropy")}
+    for rows, micro in micro_batches(batch, args.micro_batch_size):
+        with amp():
+            logp, entropy = sequence_logprobs(
+                policy, micro["prompt_ids"], micro["prompt_mask"], micro["completion_ids"], micro["completion_mask"],
+                temperature=args.temperature, vocab_size=vocab_size, chunk_size=args.micro_batch_size,
+                with_entropy=record or args.entropy_coef > 0,  # for the metrics; T1's bonus with grad
+                entropy_grad=args.entropy_coef > 0,
+            )  # (m, T) each  # fmt: skip
+            old_logp = logp.detach() if on_policy(args) else micro["old_logp"]
+            is_weight = None
+            if args.tis_cap:
+                is_weight = tis_weights(old_logp, micro["sample_logp"], micro["completion_mask"], args.tis_cap)
+            loss, stats = dapo_loss(
+                logp, old_logp, micro["ref_logp"], micro["advantages"], micro["loss_mask"], args,
+                num_tokens=num_tokens, entropy=entropy, is_weight=is_weight,
+            )  # fmt: skip
+        loss.backward()
+        accumulate(totals, {"loss": loss.item(), **stats})
+        if record:
+            recorded["old_logp"][rows], recorded["entropy"][rows] = logp.detach(), entropy.detach()
+    return totals, recorded if record else {}
+
+
+# ----------------------------------------------------------------------------------------
+# Variants and sampler/trainer corrections, each one function the loss or train() reads: CISPO,
+# dual-clip, truncated and masked importance sampling, T1's moving reference (shared with grpo.py).
+
+
+def clip_range(args: Args) -> tuple[float, float]:
+    """(ε_low, ε_high) of the clip that --loss_type uses: clip-higher's ε_low and ε_high (DAPO Eq. 10),
+    or CISPO's ε^IS for its weight (MiniMax-M1 Eq. 5)."""
+    return (args.cispo_eps_low, args.cispo_eps_high) if args.loss_type == "cispo" else (args.eps_low, args.eps_high)
+
+
+def cispo_objective(
+    logp: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float
+) -> torch.Tensor:
+    """CISPO's per-token objective (MiniMax 2025, MiniMax-M1, arXiv 2506.13585, Sec. 3.1, Eq. 4-5):
+        sg(r̂_t) · Â · log π_θ(o_t),   r̂_t = clip(r_t, 1 − ε_low^IS, 1 + ε_high^IS)
+    The IS weight is clipped and carries no gradient, so ∇ = r̂_t·Â·∇log π_θ for every token: no
+    token loses its gradient to the clip, as a PPO-clipped token does once r leaves [1 − ε, 1 + ε]
+    (M1's case: the rare reflective tokens, "However", "Wait", are the ones whose ratio runs away).
+    At r = 1 (on-policy) it is the plain policy gradient. Fidelity: Eq. 4's objective exactly, with
+    its token-level normaliser 1/Σ_i|o_i| (the caller's num_tokens); M1 sets ε_low^IS large (no
+    lower bound) and tunes ε_high^IS without publishing it: the default cap 1 + ε_high^IS = 4 is ours.
+    logp, ratio (n, T), advantages (n, 1) -> (n, T)."""
+    weight = ratio.clamp(1 - eps_low, 1 + eps_high).detach()  # (n, T) sg(r̂_t)
+    return weight * advantages * logp
+
+
+def dual_clip(objective: torch.Tensor, advantages: torch.Tensor, c: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dual-clip PPO (Ye et al. 2020, arXiv 1912.09729, Eq. 4): the objective of a token with Â < 0
+    is bounded below by c·Â, c > 1,
+        max(min(r·Â, clip(r, 1−ε_low, 1+ε_high)·Â), c·Â)   where Â < 0
+    since min(·) there is r·Â, unbounded as r grows: a token whose ratio exploded cannot dominate
+    the batch, and a bounded token gets no gradient. Â ≥ 0 tokens are left as they are. c = 0: off.
+    objective (n, T), advantages (n, 1) or (n, T) -> the objective (n, T) and the bounded tokens (n, T)."""
+    if c <= 0:
+        return objective, torch.zeros_like(objective, dtype=torch.bool)
+    bound = c * advantages.expand_as(objective)  # (n, T)
+    bounded = (advantages < 0) & (objective < bound)
+    return torch.where(bounded, bound, objective), bounded
+
+
+def tis_weights(old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_mask: torch.Tensor, cap: float):
+    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you
+    off-policy RL training"): the sampler (generate, in its kernels and precision) and the trainer
+    (sequence_logprobs) give the same token different probabilities, so a batch sampled from
+    π_sampler is slightly off-policy for π_θold. Each token's policy-gradient term is weighted by
+        w_t = min(π_θold(y_t) / π_sampler(y_t), C)
+    the importance ratio that corrects for it, truncated at C to bound its variance (Yao et al.
+    use C = 2). A constant, no gradient. π_sampler is sample_logp, recorded before top-p (as
+    verl's and vLLM's raw log-probs): with --top_p < 1 the weight leaves the truncation of the
+    distribution uncorrected. old_logp, sample_logp, completion_mask (n, T) -> w (n, T), 1 where masked."""
+    log_ratio = ((old_logp - sample_logp) * completion_mask).clamp(max=20.0)  # e^20: finite, as in kl_k3
+    return torch.exp(log_ratio).clamp(max=cap).detach()
+
+
+def tis_stats(is_weight: torch.Tensor, valid: torch.Tensor) -> dict:
+    """Sums and the max of the truncated IS weights over the valid tokens, for update_metrics."""
+    weights = is_weight[valid]
+    return {
+        "tis_weight": weights.sum().item(),
+        "tis_weight_max": weights.max().item() if weights.numel() else 1.0,  # C when any token was capped
+    }
+
+
+def importance_mask(
+    old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_mask: torch.Tensor, bounds: tuple, level: str
+) -> torch.Tensor:
+    """Masked importance sampling: where truncated IS (tis_weights) reweights a token that the sampler
+    and the trainer score differently, this drops it. IcePop (Ling Team 2025, Ring-1T, arXiv 2510.18855)
+    keeps a token's policy-gradient term only while k_t = π_θold(y_t) / π_sampler(y_t) lies in [α, β]
+    (its M(k; α, β)), as TRL, verl, SkyRL, OpenRLHF and slime do; a token far outside is a numerical
+    accident of one of the two passes, and reweighting it, even truncated, trains on that accident.
+    level "sequence" judges a completion as a whole, by the geometric mean of its ratios,
+    exp(mean_t log k_t), and keeps or drops all of its tokens (one row of GSPO's kind of ratio).
+    Fidelity: IcePop's mask exactly; its M also weights a kept token by k_t, which is --tis_cap C
+    with C ≥ β (docs/techniques.md). The sequence level is not IcePop's: the geometric-mean rule.
+    old_logp, sample_logp, completion_mask (n, T), bounds (α, β) -> keep (n, T) in completion_mask's
+    dtype: 1 for a valid token that stays, 0 for one masked out and for padding. No gradient."""
+    low, high = bounds
+    log_ratio = ((old_logp - sample_logp) * completion_mask).detach()  # (n, T) log k_t, 0 on padding
+    if level == "sequence":
+        lengths = completion_mask.sum(-1, keepdim=True).clamp(min=1)  # (n, 1) |o_i|
+        log_ratio = (log_ratio.sum(-1, keepdim=True) / lengths).expand_as(log_ratio)  # (n, T) log of the mean
+    ratio = torch.exp(log_ratio)  # overflow gives inf, which is outside [α, β] as it should be
+    return completion_mask * ((ratio >= low) & (ratio <= high)).to(completion_mask.dtype)
+
+
+def masked_importance(batch: dict, loss_mask: torch.Tensor, args) -> tuple[torch.Tensor, dict]:
+    """--is_mask over a whole mini-batch (importance_mask), before its micro-batches, so the loss's
+    normalisers can count what stays: batch["old_logp"] is π_θold, which step 4 scores whenever
+    --is_mask is on (on-policy too). loss_mask (n, T): the tokens the loss would train on without
+    it. Returns those less the masked ones (n, T), loss_mask itself when off, and the counts
+    update_metrics turns into is_mask/* (empty when off)."""
+    bounds = is_mask_bounds(args.is_mask)
+    if bounds is None:
+        return loss_mask, {}
+    keep = importance_mask(batch["old_logp"], batch["sample_logp"], loss_mask, bounds, args.is_mask_level)
+    counts = {
+        "masked_tokens": (loss_mask.sum() - keep.sum()).item(),
+        "masked_sequences": ((loss_mask.sum(-1) > 0) & (keep.sum(-1) == 0)).sum().item(),
+        "sequences": (loss_mask.sum(-1) > 0).sum().item(),
+    }
+    return keep, counts
+
+
+@torch.no_grad()
+def ema_update(reference, policy, decay: float) -> None:
+    """T1's moving reference (Hou et al. 2025, arXiv 2501.11651), after each optimizer step:
+        θ_ref ← λ·θ_ref + (1 − λ)·θ
+    parameter by parameter, so the KL term anchors the policy to an average of its recent
+    weights (over about 1/(1 − λ) steps) rather than to the start, and stops holding back
+    progress once the policy has moved far. The copy is the reference model β > 0 already
+    loads, on the policy's device and in its weight dtype: no extra memory. decay 0: frozen."""
+    if not decay:
+        return
+    weights = dict(policy.named_parameters())
+    for name, ref_param in reference.named_parameters():
+        ref_param.lerp_(weights[name].to(ref_param.dtype), 1 - decay)
+
+
+# ----------------------------------------------------------------------------------------
+# Training: train() runs the numbered steps of the docstring; its metrics and helpers follow.
+
+
+def train(args: Args) -> Path:
+    """Runs DAPO and returns the run directory."""
+    check_args(args)
+    device = init_distributed(resolve_device(args.device))  # under torchrun: this rank's device
+    check_distributed(args, args.batch_size, args.gen_batch_size)  # prompts split over K ranks, groups whole
+    weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
+    amp = functools.partial(autocast, device, compute_dtype)  # bf16 autocast on a GPU, nothing on the CPU
+    seed_everything(rank_seed(args.seed))  # --seed itself in one process
+    # The task first: a wrong --task or --data_dir stops before any model loads.
+    task = training_task(args)  # --task, its data and --reward_fn
+    heldout = heldout_task(args) if args.eval_every else None
+    policy, tokenizer, eos_ids = load_policy(args, device, weight_dtype, compute_dtype)  # --lora_rank: LoRA adapters
+    shard_model(policy, compute_dtype).train()  # FSDP2 under torchrun, one unit per decoder layer; else unchanged
+    reference = (
+        shard_model(load_reference(args, policy, device, weight_dtype), compute_dtype) if args.beta > 0 else None
+    )
+    vocab_size = len(tokenizer)  # ids the tokenizer has; the embedding may have more rows
+    optimizer, scheduler = make_optimizer(policy, args.lr, args)  # AdamW, linear warm-up
+    evaluate = functools.partial(  # run.end_step calls it every eval_every steps and at the end
+        evaluate_heldout, policy, tokenizer, eos_ids, heldout, args.max_new_tokens, args.eval_batch_size, amp
+    )
+    resumable = {"optimizer": optimizer, "scheduler": scheduler}
+    if args.ref_ema_decay:  # T1's reference moves with the policy: a resumed run needs where it was
+        resumable["reference"] = reference
+    run = Run(
+        args, "dapo", policy, tokenizer, resumable=resumable, same_on_resume=SAME_ON_RESUME, evaluate=evaluate,
+        state={"rounds": 0}, reward_key="sampling/reward_mean",  # rounds generated: the place in the prompt stream
+        compute_dtype=compute_dtype,  # checkpoints in bf16 on a GPU, the fp32 masters in the newest's trainer state
+    )  # fmt: skip
+    # Without dynamic sampling a step is one round of B prompts, exactly as in grpo.py.
+    round_size = (args.gen_batch_size or args.batch_size) if args.dynamic_sampling else args.batch_size
+    max_rounds, share = (args.max_gen_rounds if args.dynamic_sampling else 1), args.batch_size // world_size()
+
+    with run:  # Ctrl-C stops with one line naming the newest checkpoint
+        for step in run.steps():
+            # 1-3. Dynamic sampling (DAPO Eq. 11, Algorithm 1): rounds of fresh prompts, G completions each from π_θold,
+            #      all scored, until B groups (B/K a rank) have rewards not all equal or max_rounds ran; else one round.
+            rounds, kept = [], []  # every round's Rollout; the groups kept of each
+            while all_reduce(sum(map(len, kept)), "min") < share and len(rounds) < max_rounds:  # ranks in step
+                stream = run.state["rounds"] + len(rounds)  # this round's place in the prompt stream
+                problems = [task.problems[i] for i in prompt_indices(stream, round_size, len(task.problems), args.seed)]
+                with unsharded(policy):  # under torchrun: full weights for the decode loop, 1/K of the prompts
+                    sampled = rollout(
+                        policy, tokenizer, eos_ids, task, my_share(problems), group_size=args.group_size,
+                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, amp=amp,
+                    )  # fmt: skip
+                informative = informative_groups(sampled.rewards, args.group_size).tolist()  # a bool per group
+                groups = [g for g, keep in enumerate(informative) if keep or not args.dynamic_sampling]
+                rounds.append(sampled)
+                kept.append(groups[: share - sum(map(len, kept))])  # B groups at most in all
+            kept = first_groups(kept, all_reduce(sum(map(len, kept)), "min"))  # as many on every rank: FSDP pairs
+            groups_kept, run.state["rounds"] = sum(map(len, kept)), run.state["rounds"] + len(rounds)  # state: saved
+            sampling = all_reduce_metrics(sampling_metrics(rounds, groups_kept, args.group_size, world_size()))
+            seconds = {phase: sum(sampled.seconds[phase] for sampled in rounds) for phase in ("generate", "reward")}
+            if not groups_kept:  # max_rounds rounds without one informative group: no update this step
+                run.end_step(step, sampling, seconds)
+                continue
+            batch = keep_groups(rounds, kept, args.group_size, tokenizer.pad_token_id)
+            num_sequences = len(batch.texts)  # N = (groups kept)·G, at most B·G
+
+            # 4. Log-probs of the sampled tokens under π_θold and π_ref, no grad. On-policy (μ = 1, one
+            #    mini-batch) the update's forward pass gives π_θold's: only π_ref is scored here, unless
+            #    --is_mask must know which tokens stay before the update counts its normalisers.
+            timer = time.perf_counter()
+            old_logp, entropy, ref_logp = old_and_ref_logprobs(
+                policy, reference, batch, args, vocab_size, amp, score_policy=not on_policy(args) or bool(args.is_mask)
+            )  # (N, T) each; old_logp and entropy None until step 6 when on-policy
+            seconds_logprobs = time.perf_counter() - timer
+
+            # 5. Group-relative advantages of the task reward plus the overlong penalty (DAPO Eq. 13).
+            advantages, length_penalty = shaped_advantages(
+                batch.rewards, batch.completion_mask.sum(-1), args.group_size, args.max_new_tokens,
+                args.overlong_buffer, args.adv_eps,
+            )  # (N,), (N,)  # fmt: skip
+
+            # 6. μ iterations over shuffled mini-batches; one optimizer step per mini-batch.
+            timer = time.perf_counter()
+            tensors = {
+                "prompt_ids": batch.prompt_ids,
+                "prompt_mask": batch.prompt_mask,
+                "completion_ids": batch.completion_ids,
+                "completion_mask": batch.completion_mask,
+                "truncated": batch.truncated,
+                "sample_logp": batch.sample_logp,
+                "old_logp": old_logp,
+                "ref_logp": ref_logp,
+                "advantages": advantages,
+            }
+            update, grad_norms = {}, []
+            for _ in range(args.num_iterations):
+                # A fresh random split into mini-batches each iteration, a group's rows in one (whole_groups).
+                order = whole_groups(torch.randperm(num_sequences, device=device), args.group_size)  # (N,)
+                # N < B·G need not split evenly: tensor_split makes sizes differ by at most one row.
+                for rows in order.tensor_split(min(args.num_mini_batches, num_sequences)):
+                    mini = {k: v[rows] if v is not None else None for k, v in tensors.items()}
+                    totals, recorded = policy_backward(policy, mini, args, vocab_size, amp)
+                    if recorded:  # on-policy: step 4's log-probs and entropy, in the batch's row order again
+                        old_logp, entropy = (recorded[name][rows.argsort()] for name in ("old_logp", "entropy"))
+                    none = not all_reduce(totals["tokens"])  # no token left (overlong filter, --is_mask): no step
+                    grad_norms.append(optimizer_step(policy, optimizer, args.max_grad_norm, skip=none))
+                    ema_update(reference, policy, 0.0 if none else args.ref_ema_decay)  # T1; 0: none
+                    accumulate(update, totals)
+            learning_rate = scheduler.get_last_lr()[0]  # the rate this step trained with
+            scheduler.step()
+            seconds |= {"logprobs": seconds_logprobs, "update": time.perf_counter() - timer}
+
+            # 7-9. Every metric from the tensors the loss used, masked, over the whole batch (every rank's); then
+            #      Run.end_step: the held-out evaluation when due, the metrics row and samples, a checkpoint when due.
+            metrics = {
+                **all_reduce_metrics(step_metrics(batch, entropy, old_logp, args.group_size)),
+                **sampling,
+                "reward/overlong_penalty": all_reduce(length_penalty.mean().item()) / world_size(),
+                **update_metrics(all_reduce_totals(update), grad_norms, learning_rate),
+                "throughput/tokens_per_s": all_reduce(sum(r.completion_mask.sum() for r in rounds).item())
+                / seconds["generate"],
+            }
+            run.end_step(step, metrics, seconds, batch)
+        run.save_final()
+    return run.dir
+
+
+def update_metrics(update: dict, grad_norms: list[float], learning_rate: float) -> dict:
+    """Statistics of step 6, from the sums policy_backward collected over every micro-batch
+    (never the last micro-batch alone)."""
+    tokens = max(update["tokens"], 1)  # overlong filtering or --is_mask may have dropped every token
+    metrics = {
+        "loss/policy": update["loss"] / len(grad_norms),  # mean over the optimizer steps
+        "kl/mean": update["kl"] / tokens,
+        "clip/low": update["clip_low"] / tokens,
+        "clip/high": update["clip_high"] / tokens,
+        "clip/fraction": (update["clip_low"] + update["clip_high"]) / tokens,
+        "clip/dual": update["clip_dual"] / tokens,
+        "clip/ratio_max": update["ratio_max"],
+        "optim/grad_norm": sum(grad_norms) / len(grad_norms),
+        "optim/lr": learning_rate,
+    }
+    if "tis_weight" in update and update["tokens"]:  # --tis_cap: the truncated IS weights the loss used
+        metrics |= {"tis/weight_mean": update["tis_weight"] / tokens, "tis/weight_max": update["tis_weight_max"]}
+    return metrics | is_mask_metrics(update)
+
+
+def is_mask_metrics(update: dict) -> dict:
+    """is_mask/* from masked_importance's counts (none without --is_mask): the fractions of the valid
+    tokens and of the completions that masked IS took out of the loss, over every update of the step."""
+    if "masked_tokens" not in update:
+        return {}
+    return {
+        "is_mask/token_fraction": update["masked_tokens"] / max(update["tokens"] + update["masked_tokens"], 1),
+        "is_mask/sequence_fraction": update["masked_sequences"] / max(update["sequences"], 1),
+    }
+
+
+def step_metrics(batch: Rollout, entropy: torch.Tensor, old_logp: torch.Tensor, group_size: int) -> dict:
+    """Rollout statistics of the batch a step trains on, with the entropy and old_logp (N, T)
+    that step 4 computed for it (on-policy: the update's forward pass, see old_and_ref_logprobs)."""
+    mask = batch.completion_mask.bool()
+    lengths = batch.completion_mask.sum(-1).float()  # (N,)
+    rewards, scores = batch.rewards, batch.scores
+    grouped = rewards.view(-1, group_size)  # (B, G)
+    return {
+        "reward/mean": rewards.mean().item(),
+        "reward/std": rewards.std().item() if rewards.numel() > 1 else 0.0,
+        "reward/accuracy": sum(s.correct for s in scores) / len(scores),
+        "reward/format": sum(s.formatted for s in scores) / len(scores),
+        "reward/fn_failed": sum(s.failed for s in scores) / len(scores),  # --reward_fn raised, timed out, no number
+        "reward/zero_std_groups": (grouped.max(-1).values == grouped.min(-1).values).float().mean().item(),
+        "completion/length_mean": lengths.mean().item(),
+        "completion/length_max": lengths.max().item(),
+        "completion/truncated": batch.truncated.float().mean().item(),
+        "policy/entropy": entropy[mask].mean().item(),
+        # Sampler and scorer must agree, or every ratio is off before any update: ~1e-6 in fp32, more in bf16.
+        "policy/sample_logp_diff": (batch.sample_logp - old_logp)[mask].abs().mean().item(),
+        "policy/sample_logp_diff_max": (batch.sample_logp - old_logp)[mask].abs().max().item(),
+    }
+
+
+def sampling_metrics(rounds: list[Rollout], groups_kept: int, group_size: int, ranks: int = 1) -> dict:
+    """Dynamic sampling's record of one step, over every completion generated, kept or not:
+    the mean reward is the policy's own score (the kept groups, chosen for having mixed
+    rewards, would bias it), and a step whose completions all hit the length cap keeps no
+    group (all rewards 0) yet must still show its lengths and truncations. The counts are of all
+    `ranks` ranks (under torchrun each generates and keeps as many groups)."""
+    rewards = torch.cat([batch.rewards for batch in rounds])  # (every completion,)
+    lengths = torch.cat([batch.completion_mask.sum(-1) for batch in rounds]).float()
+    return {
+        "sampling/rounds": len(rounds),
+        "sampling/groups_generated": ranks * rewards.numel() // group_size,
+        "sampling/groups_kept": ranks * groups_kept,
+        "sampling/reward_mean": rewards.mean().item(),
+        "sampling/length_mean": lengths.mean().item(),
+        "sampling/truncated": torch.cat([batch.truncated for batch in rounds]).float().mean().item(),
+        # over every completion too (a step that keeps no group still shows its failed rewards)
+        "reward/fn_failed": sum(s.failed for batch in rounds for s in batch.scores) / rewards.numel(),
+    }
+
+
+def whole_groups(order: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Keeps the rows of a group in one mini-batch, so that its prompt is forwarded once
+    (forward_completions): the groups in the order in which their first row comes in `order`, a
+    uniformly random permutation of the rows, each group's rows after one another. That is a
+    uniformly random permutation of the groups (all of G rows, so by symmetry every order of them
+    is as likely), drawn from the same random numbers as before: the random stream is unchanged.
+    order (N,) -> (N,)."""
+    position = torch.empty_like(order)
+    position[order] = torch.arange(len(order), device=order.device)  # where each row comes in `order`
+    groups = position.view(-1, group_size).amin(dim=-1).argsort()  # (N/G,) by their first row
+    return (groups[:, None] * group_size + torch.arange(group_size, device=order.device)).flatten()
+
+
+def optimizer_step(model, optimizer, max_grad_norm: float, skip: bool = False) -> float:
+    """Clips the gradient norm, steps, and frees the gradients (set to None, not zeros), so
+    that actor and critic gradients never exist at the same time, nor one step's during the
+    next generation. skip: no step, where a mini-batch had no token to learn from (momentum
+    alone must not move θ). Returns the norm before clipping."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item()
+    if not skip:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def accumulate(totals: dict, stats: dict) -> None:
+    """Adds one micro-batch's statistics into running totals: sums, except the maxima (*_max)."""
+    for key, value in stats.items():
+        totals[key] = max(totals.get(key, value), value) if key.endswith("_max") else totals.get(key, 0) + value
+
+
+def evaluate_heldout(
+    policy, tokenizer, eos_ids, task, max_new_tokens: int, batch_size: int, amp=contextlib.nullcontext
+):
+    """Greedy (temperature 0) accuracy on the held-out problems of `task` (rewards.py's
+    load_heldout_task: problems no training step samples), the same decoding evaluate.py
+    uses by default. Greedy decoding draws no random numbers, so evaluating does not change
+    what training samples next (a resumed run stays exact). amp() is the autocast context.
+    Returns the eval/ metrics, means over the problems."""
+    start = time.perf_counter()
+    scores, lengths, truncations = [], [], []
+    for first in range(0, len(task.problems), batch_size):
+        problems = task.problems[first : first + batch_size]
+        batch = rollout(  # greedy: one completion per problem, temperature 0
+            policy, tokenizer, eos_ids, task, problems, group_size=1, max_new_tokens=max_new_tokens,
+            temperature=0.0, top_p=1.0, amp=amp,
+        )  # fmt: skip
+        scores += batch.scores
+        lengths += batch.completion_mask.sum(-1).tolist()
+        truncations += batch.truncated.tolist()
+    return {
+        "eval/accuracy": sum(s.strict for s in scores) / len(scores),  # the answer where the prompt asks
+        "eval/reward": sum(s.reward for s in scores) / len(scores),
+        "eval/format": sum(s.formatted for s in scores) / len(scores),
+        "eval/length_mean": sum(lengths) / len(lengths),
+        "eval/truncated": sum(truncations) / len(truncations),
+        "eval/seconds": time.perf_counter() - start,
+    }
+
+
+# ----------------------------------------------------------------------------------------
+# TRY NOT TO MODIFY: the sampler, steps 1-4's machinery. A reader may skip it: rollout() returns
+# the Rollout above, sequence_logprobs() the log-probs the loss reads. docs/speed.md explains
+# each speed feature of generate().
+
+
+def rollout(
+    policy,
+    tokenizer,
+    eos_ids: list[int],
+    task,  # a rewards.Task: its prompts and its reward
+    problems: list[dict],  # items of task.problems, one group each
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    amp=contextlib.nullcontext,
+) -> Rollout:
+    """Steps 1-3 for a list of problems: 1. each problem's prompt through the chat template,
+    repeated G times; 2. G completions of each from the policy as it is now (π_θold), sampled
+    with the KV cache; 3. every completion decoded and scored with the task's rule-based reward.
+    temperature 0 is greedy decoding (held-out evaluation). amp() is the autocast context."""
+    device = next(policy.parameters()).device
+    timer = time.perf_counter()
+    conversations = [task.messages(problem) for problem in problems]
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, conversations, group_size, device)  # (n, P)
+    with amp():
+        completion_ids, completion_mask, truncated, sample_logp = generate(
+            policy, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+            pad_id=tokenizer.pad_token_id, vocab_size=len(tokenizer), temperature=temperature, top_p=top_p,
+        )  # (n, T), (n, T), (n,), (n, T)  # fmt: skip
+    seconds = {"generate": time.perf_counter() - timer}
+    timer = time.perf_counter()
+    lengths = completion_mask.sum(-1).tolist()
+    texts = tokenizer.batch_decode(
+        [ids[:length] for ids, length in zip(completion_ids.tolist(), lengths)], skip_special_tokens=True
+    )
+    # A completion cut at max_new_tokens passes its truncation on: GSM8K's reward gives it 0.
+    cut = truncated.tolist()
+    scores = [task.score(text, problems[i // group_size], cut[i]) for i, text in enumerate(texts)]
+    rewards = torch.tensor([s.reward for s in scores], dtype=torch.float32, device=device)  # (n,)
+    seconds["reward"] = time.perf_counter() - timer
+    return Rollout(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        truncated=truncated,
+        sample_logp=sample_logp,
+        rewards=rewards,
+        texts=texts,
+        scores=scores,
+        seconds=seconds,
+    )
 
 
 def prompt_indices(step: int, batch_size: int, num_problems: int, seed: int) -> list[int]:
@@ -293,6 +920,203 @@ def encode_prompts(tokenizer, conversations: list[list[dict]], group_size: int, 
     prompt_ids = encoded["input_ids"].repeat_interleave(group_size, dim=0).to(device)  # (N, P)
     prompt_mask = encoded["attention_mask"].repeat_interleave(group_size, dim=0).to(device)  # (N, P)
     return prompt_ids, prompt_mask
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompt_ids: torch.Tensor,  # (N, P) left padded
+    prompt_mask: torch.Tensor,  # (N, P) 1 for prompt tokens, 0 for padding
+    max_new_tokens: int,
+    eos_ids: list[int],
+    pad_id: int,
+    vocab_size: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    check_every: int | None = None,
+    compact_below: float = 0.5,
+):
+    """Autoregressive sampling with a KV cache: one forward pass over the prompts, then one
+    single-token pass per new token that reuses every earlier key and value.
+
+    temperature 0 means greedy. Only ids below vocab_size are ever sampled (Qwen's embedding
+    has ~270 more rows than its tokenizer has tokens). A completion ends with the first EOS
+    id it samples; that EOS is part of the completion (it is what teaches the model to stop),
+    and later positions hold pad_id with mask 0. Returns
+      completion_ids  (N, T) T ≤ max_new_tokens: the longest completion, right padded
+      completion_mask (N, T) 1 up to and including the EOS
+      truncated       (N,)   True where no EOS came within max_new_tokens
+      sample_logp     (N, T) log π(token) under the sampling distribution, before top-p
+                             (the one sequence_logprobs scores), 0 where masked
+
+    What makes it fast, none of which changes the distribution sampled from:
+    - the cache (KVCache) and the attention mask are allocated once, for P + max_new_tokens
+      positions, and written in place: nothing grows by torch.cat; keys and values are kept in
+      the compute dtype;
+    - encode_prompts repeats each prompt G times in a row: each distinct prompt is prefilled
+      once and its keys and values copied into the rows of its G completions;
+    - the one-token step attends over the filled part of the cache only, in a few fixed widths
+      (decode_widths), and reads each cached key and value once, whatever the number of query
+      heads sharing it (grouped_decode_attention);
+    - under autocast the LM head computes in fp32 (fp32_lm_head), as sequence_logprobs' does:
+      the logits the sampler draws from are not rounded to bf16;
+    - the host learns whether every row has ended only every check_every tokens (None: 16 on
+      CUDA, so the GPU never waits for it; 1 on the CPU, where asking costs nothing and a row
+      that ended is not decoded on for up to 15 tokens); the tokens drawn past the last EOS are
+      cut off, and the random generator is set back to where it stood after the last token kept;
+    - at those checks, once at most compact_below of the rows decoded are still unfinished,
+      the finished rows leave the batch (KVCache.keep_rows): the rest of the decode runs on
+      the live rows only. Each row's distribution is unchanged, but the random numbers go to
+      other rows than without it, so the tokens sampled for a seed differ (greedy ones do not);
+      compact_below 0 never compacts;
+    - on CUDA the one-token step is captured as a CUDA graph per width and batch size, the
+      graphs of one call sharing one memory pool (cuda_graph); on the CPU, and under torchrun,
+      the same step runs eagerly: FSDP2's root pre-forward hook makes its all-gather streams
+      wait on the current stream, which a capture cannot join.
+    The mask is an additive (N, 1, q, S) bias, transformers' 4D format, cut to the width the
+    step attends over: the model uses it as it is (sdpa and eager attention, its defaults, take it),
+    adding no sliding window of its own. So there is one mask per attention type of the model's
+    layers (attention_windows), a sliding layer's hiding what lies past its window, handed over
+    as one tensor when every layer is alike and as {layer type: mask} when they mix (Gemma 2/3).
+    """
+    was_training = model.training
+    model.eval()  # no dropout, and gradient checkpointing (train-mode only) keeps the cache
+    device = prompt_ids.device
+    cuda = device.type == "cuda"
+    if cuda and device.index != torch.cuda.current_device():  # streams and graphs go to the current device
+        raise ValueError(f"generate on {device} while cuda:{torch.cuda.current_device()} is current: set_device first")
+    num_rows, prompt_length = prompt_ids.shape  # N, P
+    length = prompt_length + max_new_tokens  # S
+    masked = -1e30  # the bias of a position not attended to: exp() of it is 0, finite in bf16 and fp32
+    eos = torch.tensor(eos_ids, device=device)
+    cache = KVCache(num_rows, length)
+    windows = attention_windows(model)  # attention type -> window; a mask per type
+
+    def by_type(masks: dict):  # what the model takes: one mask for every layer, or one per layer type
+        return masks if len(masks) > 1 else next(iter(masks.values()))
+
+    cache_name = cache_argument(model)  # the keyword the model takes it by
+    check_every = check_every or (16 if cuda else 1)
+
+    # Prefill each distinct prompt once (B rows), then copy its keys and values G times.
+    distinct, counts = torch.unique_consecutive(torch.cat([prompt_ids, prompt_mask], -1), dim=0, return_counts=True)
+    distinct_ids, distinct_mask = distinct[:, :prompt_length], distinct[:, prompt_length:]  # (B, P)
+    # Left padding shifts every prompt; positions count real tokens only, so a prompt
+    # scores the same whatever batch it is in.
+    position_ids = (distinct_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
+    causal = torch.ones(prompt_length, prompt_length, dtype=torch.bool, device=device).tril()  # (P, P) keys ≤ query
+    visible = torch.zeros(len(counts), prompt_length, prompt_length, dtype=torch.bool, device=device)  # (B, P, P)
+    visible[:] = causal & distinct_mask[:, None, :].bool()
+    columns = torch.arange(prompt_length, device=device)  # (P,) key columns; a query's column is its row
+    prefill_masks = {  # (B, 1, P, P) per attention type: causal, padding hidden, keys in the window only
+        kind: torch.where(visible & (columns[:, None] - columns < (window or length)), 0.0, masked)[:, None]
+        for kind, window in windows.items()
+    }
+    cache.slots, cache.width = columns, prompt_length
+    with fp32_lm_head(model):
+        out = model(
+            input_ids=distinct_ids,
+            attention_mask=by_type(prefill_masks),
+            position_ids=position_ids,
+            **{cache_name: cache},
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    cache.repeat_rows(counts)
+    logits = out.logits[:, -1, :vocab_size].float().repeat_interleave(counts, dim=0, output_size=num_rows)  # (N, V)
+
+    # The one-token step reads these buffers, which change only in place (and when rows leave).
+    token_in = torch.full((num_rows, 1), pad_id, device=device)  # (n, 1) the token just sampled
+    position = position_ids[:, -1:].repeat_interleave(counts, dim=0, output_size=num_rows) + 1  # (n, 1)
+    cache.slots = torch.tensor([prompt_length], device=device)  # (1,) the column its key and value go to
+    bias = torch.full((num_rows, 1, 1, length), masked, device=device)  # (n, 1, 1, S)
+    bias[:, 0, 0, :prompt_length].masked_fill_(prompt_mask.bool(), 0.0)  # the prompt, not its padding
+    biases = {kind: bias.clone() for kind in windows}  # (n, 1, 1, S) each: the one-token step's masks
+    for kind, window in windows.items():  # the first query, column P, sees columns P-window+1 … P
+        if window:
+            biases[kind][..., : max(prompt_length - window + 1, 0)] = masked
+    widths = decode_widths(prompt_length, max_new_tokens)
+
+    def step(width: int):
+        cache.width = width
+        with grouped_attention(model), fp32_lm_head(model):
+            out = model(
+                input_ids=token_in,
+                attention_mask=by_type({kind: bias[..., :width] for kind, bias in biases.items()}),
+                position_ids=position,
+                **{cache_name: cache},
+                use_cache=True,
+            )
+        return out.logits[:, -1, :vocab_size].float()  # (n, V) ids ≥ vocab_size are cut off
+
+    graphs, pool = {}, None  # on CUDA: width -> captured step, for the rows decoded now
+    if cuda and not torch.distributed.is_initialized():
+        pool = torch.cuda.graph_pool_handle()
+    completion_ids = torch.full((num_rows, max_new_tokens), pad_id, device=device)  # (N, max_new_tokens)
+    completion_mask = torch.zeros(num_rows, max_new_tokens, dtype=torch.long, device=device)
+    sample_logp = torch.zeros(num_rows, max_new_tokens, device=device)
+    finished = torch.zeros(num_rows, dtype=torch.bool, device=device)  # (n,) of the rows decoded
+    rows = torch.arange(num_rows, device=device)  # (n,) the row of the output each decoded row is
+    rng_states = []  # rng_states[t]: the state of the random generator before token t was drawn
+    for t in range(max_new_tokens):
+        # logit − logsumexp, the formula sequence_logprobs scores with, not F.log_softmax: on the
+        # CPU that kernel sums exp(x − max) in 16 (AVX-512) or 8 (AVX2) fp32 running sums, and in
+        # the one holding the max (exp 0 = 1) every later term below 2^-24 rounds away. A confident
+        # model over a 150k vocabulary then gets log π of every token ~1e-5 too high.
+        if temperature > 0:
+            rng_states.append(torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state())
+            scaled = logits / temperature  # (n, V)
+            logp = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)  # (n, V)
+            token = torch.multinomial(top_p_filter(logp.exp(), top_p), 1).squeeze(-1)  # (n,)
+            token_logp = logp.gather(-1, token[:, None]).squeeze(-1)  # (n,)
+        else:  # greedy: the log-probability of the chosen token only, no (n, V) log-softmax
+            token = logits.argmax(dim=-1)  # (n,)
+            token_logp = logits.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # (n,)
+        alive = ~finished
+        completion_ids[rows, t] = torch.where(alive, token, pad_id)
+        completion_mask[rows, t] = alive.long()
+        sample_logp[rows, t] = torch.where(alive, token_logp, 0.0)
+        finished = finished | (alive & torch.isin(token, eos))
+        if t == max_new_tokens - 1:
+            break
+        if (t + 1) % check_every == 0:  # the only host syncs
+            live = (~finished).nonzero().squeeze(-1)  # (n',)
+            if len(live) == 0:
+                break
+            if len(live) <= compact_below * len(rows):  # the finished rows leave the batch
+                rows, finished, token = rows[live], finished[live], token[live]
+                token_in, position = token_in[live], position[live]
+                biases = {kind: bias[live] for kind, bias in biases.items()}
+                cache.keep_rows(live)
+                graphs = {}  # new buffers, new graphs
+        token_in.copy_(token[:, None])
+        for kind, window in windows.items():
+            biases[kind].index_fill_(-1, cache.slots, 0.0)  # later tokens attend to this one (column P+t)…
+            if window and prompt_length + t >= window:  # …and, in a window, no longer to column P+t-window
+                biases[kind].index_fill_(-1, cache.slots - window, masked)
+        width = next(w for w in widths if w > prompt_length + t)  # holds columns 0 … P+t
+        if pool is not None and width not in graphs:
+            graphs[width] = captured_or_none(functools.partial(step, width), pool)
+        replay = graphs.get(width)  # None: eager, as on the CPU (no CUDA, torchrun, or a capture that failed)
+        logits = replay() if replay is not None else step(width)  # (n, V)
+        position += 1
+        cache.slots += 1
+    model.train(was_training)
+    truncated = torch.zeros(num_rows, dtype=torch.bool, device=device)  # (N,) the rows that left had ended
+    truncated[rows] = ~finished
+    num_tokens = completion_mask.sum(-1).max().item()  # T: the longest completion, its EOS included
+    if num_tokens < len(rng_states):  # tokens were drawn past the last EOS: as if they never were
+        if cuda:
+            torch.cuda.set_rng_state(rng_states[num_tokens], device)
+        else:
+            torch.set_rng_state(rng_states[num_tokens])
+    cut = slice(0, num_tokens)
+    return (
+        completion_ids[:, cut].contiguous(),
+        completion_mask[:, cut].contiguous(),
+        truncated,
+        sample_logp[:, cut].contiguous(),
+    )
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -497,267 +1321,97 @@ def captured_or_none(step, pool):
         return None
 
 
-@torch.no_grad()
-def generate(
+# ----------------------------------------------------------------------------------------
+# Scoring: log-probs of the sampled tokens, each prompt forwarded once per group
+
+
+def old_and_ref_logprobs(policy, reference, batch: Rollout, args, vocab_size: int, amp, score_policy: bool):
+    """Step 4, no grad: log π_θold and log π_ref of every sampled token, from logits / temperature,
+    logprob_chunk_size sequences at a time (sequence_logprobs), and the entropy of π_θold.
+    Returns old_logp, entropy, ref_logp, (N, T) each; ref_logp is None without a reference.
+
+    score_policy False skips the policy's pass and returns None for old_logp and entropy. That
+    is exact on-policy (one update over one mini-batch, μ = 1): π_θold is then the π_θ of the
+    update's own forward pass, before its optimizer step, and that pass computes log π_θ anyway.
+    The loss never read this pass's old_logp there (the ratio is exp(logp − logp.detach()) = 1,
+    see policy_backward); only the metrics did, and policy_backward hands them its log-probs,
+    detached, and the entropy of the same logits. One no-grad forward pass over N sequences
+    less: about half of step 4. With μ > 1 or several mini-batches θ moves between the updates,
+    and the ratios need the log-probs of θ as it sampled: the pass runs."""
+    sequences = batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
+    old_logp, entropy, ref_logp = None, None, None
+    policy.eval()  # same mode as sampling (matters for models with dropout)
+    with torch.no_grad(), amp():
+        if score_policy:
+            old_logp, entropy = sequence_logprobs(
+                policy, *sequences, args.temperature, vocab_size, args.logprob_chunk_size, with_entropy=True
+            )  # (N, T), (N, T)
+        if reference is not None:
+            ref_logp, _ = sequence_logprobs(
+                reference, *sequences, args.temperature, vocab_size, args.logprob_chunk_size
+            )  # (N, T)
+    policy.train()
+    return old_logp, entropy, ref_logp
+
+
+def sequence_logprobs(
     model,
-    prompt_ids: torch.Tensor,  # (N, P) left padded
-    prompt_mask: torch.Tensor,  # (N, P) 1 for prompt tokens, 0 for padding
-    max_new_tokens: int,
-    eos_ids: list[int],
-    pad_id: int,
-    vocab_size: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    check_every: int | None = None,
-    compact_below: float = 0.5,
-):
-    """Autoregressive sampling with a KV cache: one forward pass over the prompts, then one
-    single-token pass per new token that reuses every earlier key and value.
-
-    temperature 0 means greedy. Only ids below vocab_size are ever sampled (Qwen's embedding
-    has ~270 more rows than its tokenizer has tokens). A completion ends with the first EOS
-    id it samples; that EOS is part of the completion (it is what teaches the model to stop),
-    and later positions hold pad_id with mask 0. Returns
-      completion_ids  (N, T) T ≤ max_new_tokens: the longest completion, right padded
-      completion_mask (N, T) 1 up to and including the EOS
-      truncated       (N,)   True where no EOS came within max_new_tokens
-      sample_logp     (N, T) log π(token) under the sampling distribution, before top-p
-                             (the one sequence_logprobs scores), 0 where masked
-
-    What makes it fast, none of which changes the distribution sampled from:
-    - the cache (KVCache) and the attention mask are allocated once, for P + max_new_tokens
-      positions, and written in place: nothing grows by torch.cat; keys and values are kept in
-      the compute dtype;
-    - encode_prompts repeats each prompt G times in a row: each distinct prompt is prefilled
-      once and its keys and values copied into the rows of its G completions;
-    - the one-token step attends over the filled part of the cache only, in a few fixed widths
-      (decode_widths), and reads each cached key and value once, whatever the number of query
-      heads sharing it (grouped_decode_attention);
-    - under autocast the LM head computes in fp32 (fp32_lm_head), as sequence_logprobs' does:
-      the logits the sampler draws from are not rounded to bf16;
-    - the host learns whether every row has ended only every check_every tokens (None: 16 on
-      CUDA, so the GPU never waits for it; 1 on the CPU, where asking costs nothing and a row
-      that ended is not decoded on for up to 15 tokens); the tokens drawn past the last EOS are
-      cut off, and the random generator is set back to where it stood after the last token kept;
-    - at those checks, once at most compact_below of the rows decoded are still unfinished,
-      the finished rows leave the batch (KVCache.keep_rows): the rest of the decode runs on
-      the live rows only. Each row's distribution is unchanged, but the random numbers go to
-      other rows than without it, so the tokens sampled for a seed differ (greedy ones do not);
-      compact_below 0 never compacts;
-    - on CUDA the one-token step is captured as a CUDA graph per width and batch size, the
-      graphs of one call sharing one memory pool (cuda_graph); on the CPU, and under torchrun,
-      the same step runs eagerly: FSDP2's root pre-forward hook makes its all-gather streams
-      wait on the current stream, which a capture cannot join.
-    The mask is an additive (N, 1, q, S) bias, transformers' 4D format, cut to the width the
-    step attends over: the model uses it as it is (sdpa and eager attention, its defaults, take it),
-    adding no sliding window of its own. So there is one mask per attention type of the model's
-    layers (attention_windows), a sliding layer's hiding what lies past its window, handed over
-    as one tensor when every layer is alike and as {layer type: mask} when they mix (Gemma 2/3).
-    """
-    was_training = model.training
-    model.eval()  # no dropout, and gradient checkpointing (train-mode only) keeps the cache
-    device = prompt_ids.device
-    cuda = device.type == "cuda"
-    if cuda and device.index != torch.cuda.current_device():  # streams and graphs go to the current device
-        raise ValueError(f"generate on {device} while cuda:{torch.cuda.current_device()} is current: set_device first")
-    num_rows, prompt_length = prompt_ids.shape  # N, P
-    length = prompt_length + max_new_tokens  # S
-    masked = -1e30  # the bias of a position not attended to: exp() of it is 0, finite in bf16 and fp32
-    eos = torch.tensor(eos_ids, device=device)
-    cache = KVCache(num_rows, length)
-    windows = attention_windows(model)  # attention type -> window; a mask per type
-
-    def by_type(masks: dict):  # what the model takes: one mask for every layer, or one per layer type
-        return masks if len(masks) > 1 else next(iter(masks.values()))
-
-    cache_name = cache_argument(model)  # the keyword the model takes it by
-    check_every = check_every or (16 if cuda else 1)
-
-    # Prefill each distinct prompt once (B rows), then copy its keys and values G times.
-    distinct, counts = torch.unique_consecutive(torch.cat([prompt_ids, prompt_mask], -1), dim=0, return_counts=True)
-    distinct_ids, distinct_mask = distinct[:, :prompt_length], distinct[:, prompt_length:]  # (B, P)
-    # Left padding shifts every prompt; positions count real tokens only, so a prompt
-    # scores the same whatever batch it is in.
-    position_ids = (distinct_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
-    causal = torch.ones(prompt_length, prompt_length, dtype=torch.bool, device=device).tril()  # (P, P) keys ≤ query
-    visible = torch.zeros(len(counts), prompt_length, prompt_length, dtype=torch.bool, device=device)  # (B, P, P)
-    visible[:] = causal & distinct_mask[:, None, :].bool()
-    columns = torch.arange(prompt_length, device=device)  # (P,) key columns; a query's column is its row
-    prefill_masks = {  # (B, 1, P, P) per attention type: causal, padding hidden, keys in the window only
-        kind: torch.where(visible & (columns[:, None] - columns < (window or length)), 0.0, masked)[:, None]
-        for kind, window in windows.items()
-    }
-    cache.slots, cache.width = columns, prompt_length
-    with fp32_lm_head(model):
-        out = model(
-            input_ids=distinct_ids,
-            attention_mask=by_type(prefill_masks),
-            position_ids=position_ids,
-            **{cache_name: cache},
-            use_cache=True,
-            logits_to_keep=1,
-        )
-    cache.repeat_rows(counts)
-    logits = out.logits[:, -1, :vocab_size].float().repeat_interleave(counts, dim=0, output_size=num_rows)  # (N, V)
-
-    # The one-token step reads these buffers, which change only in place (and when rows leave).
-    token_in = torch.full((num_rows, 1), pad_id, device=device)  # (n, 1) the token just sampled
-    position = position_ids[:, -1:].repeat_interleave(counts, dim=0, output_size=num_rows) + 1  # (n, 1)
-    cache.slots = torch.tensor([prompt_length], device=device)  # (1,) the column its key and value go to
-    bias = torch.full((num_rows, 1, 1, length), masked, device=device)  # (n, 1, 1, S)
-    bias[:, 0, 0, :prompt_length].masked_fill_(prompt_mask.bool(), 0.0)  # the prompt, not its padding
-    biases = {kind: bias.clone() for kind in windows}  # (n, 1, 1, S) each: the one-token step's masks
-    for kind, window in windows.items():  # the first query, column P, sees columns P-window+1 … P
-        if window:
-            biases[kind][..., : max(prompt_length - window + 1, 0)] = masked
-    widths = decode_widths(prompt_length, max_new_tokens)
-
-    def step(width: int):
-        cache.width = width
-        with grouped_attention(model), fp32_lm_head(model):
-            out = model(
-                input_ids=token_in,
-                attention_mask=by_type({kind: bias[..., :width] for kind, bias in biases.items()}),
-                position_ids=position,
-                **{cache_name: cache},
-                use_cache=True,
-            )
-        return out.logits[:, -1, :vocab_size].float()  # (n, V) ids ≥ vocab_size are cut off
-
-    graphs, pool = {}, None  # on CUDA: width -> captured step, for the rows decoded now
-    if cuda and not torch.distributed.is_initialized():
-        pool = torch.cuda.graph_pool_handle()
-    completion_ids = torch.full((num_rows, max_new_tokens), pad_id, device=device)  # (N, max_new_tokens)
-    completion_mask = torch.zeros(num_rows, max_new_tokens, dtype=torch.long, device=device)
-    sample_logp = torch.zeros(num_rows, max_new_tokens, device=device)
-    finished = torch.zeros(num_rows, dtype=torch.bool, device=device)  # (n,) of the rows decoded
-    rows = torch.arange(num_rows, device=device)  # (n,) the row of the output each decoded row is
-    rng_states = []  # rng_states[t]: the state of the random generator before token t was drawn
-    for t in range(max_new_tokens):
-        # logit − logsumexp, the formula sequence_logprobs scores with, not F.log_softmax: on the
-        # CPU that kernel sums exp(x − max) in 16 (AVX-512) or 8 (AVX2) fp32 running sums, and in
-        # the one holding the max (exp 0 = 1) every later term below 2^-24 rounds away. A confident
-        # model over a 150k vocabulary then gets log π of every token ~1e-5 too high.
-        if temperature > 0:
-            rng_states.append(torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state())
-            scaled = logits / temperature  # (n, V)
-            logp = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)  # (n, V)
-            token = torch.multinomial(top_p_filter(logp.exp(), top_p), 1).squeeze(-1)  # (n,)
-            token_logp = logp.gather(-1, token[:, None]).squeeze(-1)  # (n,)
-        else:  # greedy: the log-probability of the chosen token only, no (n, V) log-softmax
-            token = logits.argmax(dim=-1)  # (n,)
-            token_logp = logits.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # (n,)
-        alive = ~finished
-        completion_ids[rows, t] = torch.where(alive, token, pad_id)
-        completion_mask[rows, t] = alive.long()
-        sample_logp[rows, t] = torch.where(alive, token_logp, 0.0)
-        finished = finished | (alive & torch.isin(token, eos))
-        if t == max_new_tokens - 1:
-            break
-        if (t + 1) % check_every == 0:  # the only host syncs
-            live = (~finished).nonzero().squeeze(-1)  # (n',)
-            if len(live) == 0:
-                break
-            if len(live) <= compact_below * len(rows):  # the finished rows leave the batch
-                rows, finished, token = rows[live], finished[live], token[live]
-                token_in, position = token_in[live], position[live]
-                biases = {kind: bias[live] for kind, bias in biases.items()}
-                cache.keep_rows(live)
-                graphs = {}  # new buffers, new graphs
-        token_in.copy_(token[:, None])
-        for kind, window in windows.items():
-            biases[kind].index_fill_(-1, cache.slots, 0.0)  # later tokens attend to this one (column P+t)…
-            if window and prompt_length + t >= window:  # …and, in a window, no longer to column P+t-window
-                biases[kind].index_fill_(-1, cache.slots - window, masked)
-        width = next(w for w in widths if w > prompt_length + t)  # holds columns 0 … P+t
-        if pool is not None and width not in graphs:
-            graphs[width] = captured_or_none(functools.partial(step, width), pool)
-        replay = graphs.get(width)  # None: eager, as on the CPU (no CUDA, torchrun, or a capture that failed)
-        logits = replay() if replay is not None else step(width)  # (n, V)
-        position += 1
-        cache.slots += 1
-    model.train(was_training)
-    truncated = torch.zeros(num_rows, dtype=torch.bool, device=device)  # (N,) the rows that left had ended
-    truncated[rows] = ~finished
-    num_tokens = completion_mask.sum(-1).max().item()  # T: the longest completion, its EOS included
-    if num_tokens < len(rng_states):  # tokens were drawn past the last EOS: as if they never were
-        if cuda:
-            torch.cuda.set_rng_state(rng_states[num_tokens], device)
-        else:
-            torch.set_rng_state(rng_states[num_tokens])
-    cut = slice(0, num_tokens)
-    return (
-        completion_ids[:, cut].contiguous(),
-        completion_mask[:, cut].contiguous(),
-        truncated,
-        sample_logp[:, cut].contiguous(),
-    )
-
-
-@dataclass
-class Rollout:
-    """What steps 1-3 produce: n = (prompts)·G rows, the group of prompt i in rows i·G … i·G+G-1."""
-
-    prompt_ids: torch.Tensor  # (n, P) left padded
-    prompt_mask: torch.Tensor  # (n, P) 1 for prompt tokens, 0 for padding
-    completion_ids: torch.Tensor  # (n, T) right padded with the pad id
-    completion_mask: torch.Tensor  # (n, T) 1 up to and including the EOS
-    truncated: torch.Tensor  # (n,) True where no EOS came within max_new_tokens
-    sample_logp: torch.Tensor  # (n, T) log π of each sampled token, as generate drew it
-    rewards: torch.Tensor  # (n,) the task's rule-based reward
-    texts: list[str]  # the n completions, decoded
-    scores: list[Score]  # the n grades: reward, correct, formatted, strict
-    seconds: dict[str, float] = field(default_factory=dict)  # time rollout() spent generating and scoring
-
-
-def rollout(
-    policy,
-    tokenizer,
-    eos_ids: list[int],
-    task,  # a rewards.Task: its prompts and its reward
-    problems: list[dict],  # items of task.problems, one group each
-    group_size: int,
-    max_new_tokens: int,
+    prompt_ids: torch.Tensor,  # (N, P)
+    prompt_mask: torch.Tensor,  # (N, P)
+    completion_ids: torch.Tensor,  # (N, T)
+    completion_mask: torch.Tensor,  # (N, T)
     temperature: float,
-    top_p: float,
-    amp=contextlib.nullcontext,
-) -> Rollout:
-    """Steps 1-3 for a list of problems: 1. each problem's prompt through the chat template,
-    repeated G times; 2. G completions of each from the policy as it is now (π_θold), sampled
-    with the KV cache; 3. every completion decoded and scored with the task's rule-based reward.
-    temperature 0 is greedy decoding (held-out evaluation). amp() is the autocast context."""
-    device = next(policy.parameters()).device
-    timer = time.perf_counter()
-    conversations = [task.messages(problem) for problem in problems]
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, conversations, group_size, device)  # (n, P)
-    with amp():
-        completion_ids, completion_mask, truncated, sample_logp = generate(
-            policy, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-            pad_id=tokenizer.pad_token_id, vocab_size=len(tokenizer), temperature=temperature, top_p=top_p,
-        )  # (n, T), (n, T), (n,), (n, T)  # fmt: skip
-    seconds = {"generate": time.perf_counter() - timer}
-    timer = time.perf_counter()
-    lengths = completion_mask.sum(-1).tolist()
-    texts = tokenizer.batch_decode(
-        [ids[:length] for ids, length in zip(completion_ids.tolist(), lengths)], skip_special_tokens=True
-    )
-    # A completion cut at max_new_tokens passes its truncation on: GSM8K's reward gives it 0.
-    cut = truncated.tolist()
-    scores = [task.score(text, problems[i // group_size], cut[i]) for i, text in enumerate(texts)]
-    rewards = torch.tensor([s.reward for s in scores], dtype=torch.float32, device=device)  # (n,)
-    seconds["reward"] = time.perf_counter() - timer
-    return Rollout(
-        prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask,
-        completion_ids=completion_ids,
-        completion_mask=completion_mask,
-        truncated=truncated,
-        sample_logp=sample_logp,
-        rewards=rewards,
-        texts=texts,
-        scores=scores,
-        seconds=seconds,
-    )
+    vocab_size: int,
+    chunk_size: int,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+):
+    """log π(o_t | q, o_<t) of every completion token, from logits / temperature restricted to
+    the tokenizer's vocabulary, exactly as `generate` sampled them. Rows go through the model
+    chunk_size at a time, so at most a (chunk_size, T, V) fp32 tensor exists, never (N, T, V);
+    the chunks take the rows in order of length (length_order) and each is cut to its own
+    longest prompt and completion (trim_padding): no forward pass computes padding that a longer
+    row elsewhere in the rollout forced on it. The rows come back in the order they came in.
+    Returns logp (N, T) and, with with_entropy, the entropy of π at each position (N, T);
+    both 0 where completion_mask is 0. logp is differentiable when called with grad enabled;
+    the entropy only with entropy_grad too (PPO's entropy bonus): otherwise no (n, T, V)
+    softmax is kept for a backward pass that does not need it.
+    """
+    num_tokens = completion_ids.shape[1]  # T
+    scale = temperature if temperature > 0 else 1.0
+    order = length_order(prompt_ids, prompt_mask, completion_mask)  # chunks of whole groups of similar length
+    logps, entropies = [], []
+    for start in range(0, completion_ids.shape[0], chunk_size):
+        rows = order[start : start + chunk_size]
+        chunk = trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows])
+        kept = chunk[2].shape[1]  # t ≤ T: the chunk's longest completion
+        with fp32_lm_head(model):  # fp32 logits, as generate's
+            logits = forward_completions(model, *chunk)[..., :vocab_size]  # (n, t, V) position p-1+j: token j
+        # (n, t, V) fp32 from the head (a no-op .float()), divided in place: no second fp32 (n, t, V)
+        # tensor (5 GB at 8 × 1024 × 151,665), and no backward needs the undivided one
+        logits = logits.float().div_(scale)
+        log_normaliser = torch.logsumexp(logits, dim=-1)  # (n, t)
+        token_logits = logits.gather(-1, chunk[2][:, :, None]).squeeze(-1)  # (n, t)
+        logps.append(torch.nn.functional.pad(token_logits - log_normaliser, (0, num_tokens - kept)))  # (n, T)
+        if with_entropy:  # H = log Z - Σ_v p_v · logit_v
+            with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+                entropy = log_normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # (n, t)
+                entropies.append(torch.nn.functional.pad(entropy, (0, num_tokens - kept)))  # (n, T)
+    mask = completion_mask.to(logits.dtype)
+    unsort = order.argsort()  # the rows back in the order they came in
+    logp = torch.cat(logps)[unsort] * mask  # (N, T)
+    return (logp, torch.cat(entropies)[unsort] * mask) if with_entropy else (logp, None)
+
+
+def micro_batches(batch: dict, size: int):
+    """The rows of a mini-batch (a dict of (n, …) tensors, None kept as None) in micro-batches of
+    `size`, taken in length_order: rows of similar length together, so that a micro-batch's forward
+    pass computes little padding (trim_padding), and a group's rows together, so that its prompt
+    runs once (forward_completions). Yields (rows, micro): rows (m,) are the micro-batch's indices
+    in `batch`, where what it computes goes back (`recorded[rows] = …`: input order again)."""
+    order = length_order(batch["prompt_ids"], batch["prompt_mask"], batch["completion_mask"])  # (n,)
+    for rows in order.split(size):
+        yield rows, {k: v[rows] if v is not None else None for k, v in batch.items()}
 
 
 def length_order(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
@@ -841,740 +1495,94 @@ def forward_completions(
     return out
 
 
-def sequence_logprobs(
-    model,
-    prompt_ids: torch.Tensor,  # (N, P)
-    prompt_mask: torch.Tensor,  # (N, P)
-    completion_ids: torch.Tensor,  # (N, T)
-    completion_mask: torch.Tensor,  # (N, T)
-    temperature: float,
-    vocab_size: int,
-    chunk_size: int,
-    with_entropy: bool = False,
-    entropy_grad: bool = False,
-):
-    """log π(o_t | q, o_<t) of every completion token, from logits / temperature restricted to
-    the tokenizer's vocabulary, exactly as `generate` sampled them. Rows go through the model
-    chunk_size at a time, so at most a (chunk_size, T, V) fp32 tensor exists, never (N, T, V);
-    the chunks take the rows in order of length (length_order) and each is cut to its own
-    longest prompt and completion (trim_padding): no forward pass computes padding that a longer
-    row elsewhere in the rollout forced on it. The rows come back in the order they came in.
-    Returns logp (N, T) and, with with_entropy, the entropy of π at each position (N, T);
-    both 0 where completion_mask is 0. logp is differentiable when called with grad enabled;
-    the entropy only with entropy_grad too (PPO's entropy bonus): otherwise no (n, T, V)
-    softmax is kept for a backward pass that does not need it.
-    """
-    num_tokens = completion_ids.shape[1]  # T
-    scale = temperature if temperature > 0 else 1.0
-    order = length_order(prompt_ids, prompt_mask, completion_mask)  # chunks of whole groups of similar length
-    logps, entropies = [], []
-    for start in range(0, completion_ids.shape[0], chunk_size):
-        rows = order[start : start + chunk_size]
-        chunk = trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows])
-        kept = chunk[2].shape[1]  # t ≤ T: the chunk's longest completion
-        with fp32_lm_head(model):  # fp32 logits, as generate's
-            logits = forward_completions(model, *chunk)[..., :vocab_size]  # (n, t, V) position p-1+j: token j
-        # (n, t, V) fp32 from the head (a no-op .float()), divided in place: no second fp32 (n, t, V)
-        # tensor (5 GB at 8 × 1024 × 151,665), and no backward needs the undivided one
-        logits = logits.float().div_(scale)
-        log_normaliser = torch.logsumexp(logits, dim=-1)  # (n, t)
-        token_logits = logits.gather(-1, chunk[2][:, :, None]).squeeze(-1)  # (n, t)
-        logps.append(torch.nn.functional.pad(token_logits - log_normaliser, (0, num_tokens - kept)))  # (n, T)
-        if with_entropy:  # H = log Z - Σ_v p_v · logit_v
-            with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
-                entropy = log_normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # (n, t)
-                entropies.append(torch.nn.functional.pad(entropy, (0, num_tokens - kept)))  # (n, T)
-    mask = completion_mask.to(logits.dtype)
-    unsort = order.argsort()  # the rows back in the order they came in
-    logp = torch.cat(logps)[unsort] * mask  # (N, T)
-    return (logp, torch.cat(entropies)[unsort] * mask) if with_entropy else (logp, None)
-
-
-def old_and_ref_logprobs(policy, reference, batch: Rollout, args, vocab_size: int, amp, score_policy: bool):
-    """Step 4, no grad: log π_θold and log π_ref of every sampled token, from logits / temperature,
-    logprob_chunk_size sequences at a time (sequence_logprobs), and the entropy of π_θold.
-    Returns old_logp, entropy, ref_logp, (N, T) each; ref_logp is None without a reference.
-
-    score_policy False skips the policy's pass and returns None for old_logp and entropy. That
-    is exact on-policy (one update over one mini-batch, μ = 1): π_θold is then the π_θ of the
-    update's own forward pass, before its optimizer step, and that pass computes log π_θ anyway.
-    The loss never read this pass's old_logp there (the ratio is exp(logp − logp.detach()) = 1,
-    see policy_backward); only the metrics did, and policy_backward hands them its log-probs,
-    detached, and the entropy of the same logits. One no-grad forward pass over N sequences
-    less: about half of step 4. With μ > 1 or several mini-batches θ moves between the updates,
-    and the ratios need the log-probs of θ as it sampled: the pass runs."""
-    sequences = batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
-    old_logp, entropy, ref_logp = None, None, None
-    policy.eval()  # same mode as sampling (matters for models with dropout)
-    with torch.no_grad(), amp():
-        if score_policy:
-            old_logp, entropy = sequence_logprobs(
-                policy, *sequences, args.temperature, vocab_size, args.logprob_chunk_size, with_entropy=True
-            )  # (N, T), (N, T)
-        if reference is not None:
-            ref_logp, _ = sequence_logprobs(
-                reference, *sequences, args.temperature, vocab_size, args.logprob_chunk_size
-            )  # (N, T)
-    policy.train()
-    return old_logp, entropy, ref_logp
-
-
 # ----------------------------------------------------------------------------------------
-# ALGO LOGIC: dynamic sampling (DAPO Eq. 11)
-
-
-def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """DAPO Eq. 11's constraint 0 < |{o_i correct}| < G, read as "the G task rewards are not all
-    equal": with DAPO's ±1 reward the two are the same; with Countdown's 1 / 0.1 / 0 a group of
-    well-formed wrong answers and malformed ones (0.1 vs 0) is kept too.
-    A group whose task rewards are all equal has no right-versus-wrong signal; only the length
-    penalty, if any, still separates its completions (see shaped_advantages).
-    rewards (n,) with groups in consecutive rows -> (n / G,) bool, True for a group to keep."""
-    grouped = rewards.view(-1, group_size)  # (groups, G)
-    return grouped.max(dim=-1).values > grouped.min(dim=-1).values
-
-
-def keep_groups(rounds: list[Rollout], kept: list[list[int]], group_size: int, pad_id: int) -> Rollout:
-    """The groups kept from every round as one batch: kept[r] lists round r's kept groups in
-    order (group g is rows g·G … g·G+G-1). Rounds differ in prompt width P and completion
-    width T, so prompts are padded again on the left and completions on the right, with pad_id
-    in the ids and 0 in the masks and log-probs: no log-prob changes. N = (groups kept)·G rows."""
-    taken = []  # (round, its kept rows) for every round that kept a group
-    for batch, groups in zip(rounds, kept):
-        if groups:
-            taken.append((batch, [g * group_size + i for g in groups for i in range(group_size)]))
-    prompt_width = max(batch.prompt_ids.shape[1] for batch, _ in taken)  # P
-    completion_width = max(batch.completion_ids.shape[1] for batch, _ in taken)  # T
-
-    def left(tensor, rows, fill):  # the kept rows of a round's (n, P_r) tensor -> (rows, P)
-        return F.pad(tensor[rows], (prompt_width - tensor.shape[1], 0), value=fill)
-
-    def right(tensor, rows, fill):  # the kept rows of a round's (n, T_r) tensor -> (rows, T)
-        return F.pad(tensor[rows], (0, completion_width - tensor.shape[1]), value=fill)
-
-    return Rollout(
-        prompt_ids=torch.cat([left(batch.prompt_ids, rows, pad_id) for batch, rows in taken]),  # (N, P)
-        prompt_mask=torch.cat([left(batch.prompt_mask, rows, 0) for batch, rows in taken]),  # (N, P)
-        completion_ids=torch.cat([right(batch.completion_ids, rows, pad_id) for batch, rows in taken]),  # (N, T)
-        completion_mask=torch.cat([right(batch.completion_mask, rows, 0) for batch, rows in taken]),  # (N, T)
-        truncated=torch.cat([batch.truncated[rows] for batch, rows in taken]),  # (N,)
-        sample_logp=torch.cat([right(batch.sample_logp, rows, 0.0) for batch, rows in taken]),  # (N, T)
-        rewards=torch.cat([batch.rewards[rows] for batch, rows in taken]),  # (N,)
-        texts=[batch.texts[i] for batch, rows in taken for i in rows],
-        scores=[batch.scores[i] for batch, rows in taken for i in rows],
-    )
-
-
-def first_groups(kept: list[list[int]], limit: int) -> list[list[int]]:
-    """The first `limit` of the groups kept (kept[r]: round r's), in order. Under torchrun each rank
-    trains on as many groups as the rank that found the fewest: FSDP pairs every forward pass of
-    one rank with one of each other rank. One process: kept itself."""
-    cut, taken = [], 0
-    for groups in kept:
-        cut.append(groups[: max(limit - taken, 0)])
-        taken += len(cut[-1])
-    return cut
-
-
-def sampling_metrics(rounds: list[Rollout], groups_kept: int, group_size: int, ranks: int = 1) -> dict:
-    """Dynamic sampling's record of one step, over every completion generated, kept or not:
-    the mean reward is the policy's own score (the kept groups, chosen for having mixed
-    rewards, would bias it), and a step whose completions all hit the length cap keeps no
-    group (all rewards 0) yet must still show its lengths and truncations. The counts are of all
-    `ranks` ranks (under torchrun each generates and keeps as many groups)."""
-    rewards = torch.cat([batch.rewards for batch in rounds])  # (every completion,)
-    lengths = torch.cat([batch.completion_mask.sum(-1) for batch in rounds]).float()
-    return {
-        "sampling/rounds": len(rounds),
-        "sampling/groups_generated": ranks * rewards.numel() // group_size,
-        "sampling/groups_kept": ranks * groups_kept,
-        "sampling/reward_mean": rewards.mean().item(),
-        "sampling/length_mean": lengths.mean().item(),
-        "sampling/truncated": torch.cat([batch.truncated for batch in rounds]).float().mean().item(),
-        # over every completion too (a step that keeps no group still shows its failed rewards)
-        "reward/fn_failed": sum(s.failed for batch in rounds for s in batch.scores) / rewards.numel(),
-    }
-
-
-# ----------------------------------------------------------------------------------------
-# ALGO LOGIC: advantages, overlong shaping and the DAPO loss
-
-
-def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-6):
-    """GRPO's outcome advantage, DeepSeekMath Sec. 4.1.2 / DAPO Eq. 6:
-        Â_i = (R_i − mean(R_1..R_G)) / (std(R_1..R_G) + eps), the same for every token of o_i.
-    std is the unbiased (Bessel-corrected) one, as in verl and TRL. A group whose rewards are
-    all equal gets Â = 0 (0 / eps), never NaN. Dr. GRPO (scale_by_std=False) drops the
-    division, which otherwise up-weights groups that are nearly all right or all wrong.
-    rewards (N,) with groups in consecutive rows -> advantages (N,)."""
-    grouped = rewards.view(-1, group_size)  # (B, G)
-    centered = grouped - grouped.mean(dim=-1, keepdim=True)
-    if scale_by_std:
-        centered = centered / (grouped.std(dim=-1, keepdim=True) + eps)
-    return centered.flatten()
-
-
-def tis_weights(old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_mask: torch.Tensor, cap: float):
-    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you
-    off-policy RL training"): the sampler (generate, in its kernels and precision) and the trainer
-    (sequence_logprobs) give the same token different probabilities, so a batch sampled from
-    π_sampler is slightly off-policy for π_θold. Each token's policy-gradient term is weighted by
-        w_t = min(π_θold(y_t) / π_sampler(y_t), C)
-    the importance ratio that corrects for it, truncated at C to bound its variance (Yao et al.
-    use C = 2). A constant, no gradient. π_sampler is sample_logp, recorded before top-p (as
-    verl's and vLLM's raw log-probs): with --top_p < 1 the weight leaves the truncation of the
-    distribution uncorrected. old_logp, sample_logp, completion_mask (n, T) -> w (n, T), 1 where masked."""
-    log_ratio = ((old_logp - sample_logp) * completion_mask).clamp(max=20.0)  # e^20: finite, as in kl_k3
-    return torch.exp(log_ratio).clamp(max=cap).detach()
-
-
-def importance_mask(
-    old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_mask: torch.Tensor, bounds: tuple, level: str
-) -> torch.Tensor:
-    """Masked importance sampling: where truncated IS (tis_weights) reweights a token that the sampler
-    and the trainer score differently, this drops it. IcePop (Ling Team 2025, Ring-1T, arXiv 2510.18855)
-    keeps a token's policy-gradient term only while k_t = π_θold(y_t) / π_sampler(y_t) lies in [α, β]
-    (its M(k; α, β)), as TRL, verl, SkyRL, OpenRLHF and slime do; a token far outside is a numerical
-    accident of one of the two passes, and reweighting it, even truncated, trains on that accident.
-    level "sequence" judges a completion as a whole, by the geometric mean of its ratios,
-    exp(mean_t log k_t), and keeps or drops all of its tokens (one row of GSPO's kind of ratio).
-    Fidelity: IcePop's mask exactly; its M also weights a kept token by k_t, which is --tis_cap C
-    with C ≥ β (docs/techniques.md). The sequence level is not IcePop's: the geometric-mean rule.
-    old_logp, sample_logp, completion_mask (n, T), bounds (α, β) -> keep (n, T) in completion_mask's
-    dtype: 1 for a valid token that stays, 0 for one masked out and for padding. No gradient."""
-    low, high = bounds
-    log_ratio = ((old_logp - sample_logp) * completion_mask).detach()  # (n, T) log k_t, 0 on padding
-    if level == "sequence":
-        lengths = completion_mask.sum(-1, keepdim=True).clamp(min=1)  # (n, 1) |o_i|
-        log_ratio = (log_ratio.sum(-1, keepdim=True) / lengths).expand_as(log_ratio)  # (n, T) log of the mean
-    ratio = torch.exp(log_ratio)  # overflow gives inf, which is outside [α, β] as it should be
-    return completion_mask * ((ratio >= low) & (ratio <= high)).to(completion_mask.dtype)
-
-
-def cispo_objective(
-    logp: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float
-) -> torch.Tensor:
-    """CISPO's per-token objective (MiniMax 2025, MiniMax-M1, arXiv 2506.13585, Sec. 3.1, Eq. 4-5):
-        sg(r̂_t) · Â · log π_θ(o_t),   r̂_t = clip(r_t, 1 − ε_low^IS, 1 + ε_high^IS)
-    The IS weight is clipped and carries no gradient, so ∇ = r̂_t·Â·∇log π_θ for every token: no
-    token loses its gradient to the clip, as a PPO-clipped token does once r leaves [1 − ε, 1 + ε]
-    (M1's case: the rare reflective tokens, "However", "Wait", are the ones whose ratio runs away).
-    At r = 1 (on-policy) it is the plain policy gradient. Fidelity: Eq. 4's objective exactly, with
-    its token-level normaliser 1/Σ_i|o_i| (the caller's num_tokens); M1 sets ε_low^IS large (no
-    lower bound) and tunes ε_high^IS without publishing it: the default cap 1 + ε_high^IS = 4 is ours.
-    logp, ratio (n, T), advantages (n, 1) -> (n, T)."""
-    weight = ratio.clamp(1 - eps_low, 1 + eps_high).detach()  # (n, T) sg(r̂_t)
-    return weight * advantages * logp
-
-
-def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """k3 estimator of KL(π_θ ‖ π_ref) per token (Schulman 2020; DeepSeekMath Eq. 4):
-        π_ref/π_θ − log(π_ref/π_θ) − 1, unbiased under samples of π_θ and never negative.
-    logp, ref_logp (…, T) -> (…, T)."""
-    # e^20 ≈ 5e8: finite. verl clamps the log-ratio at ±20 too, and then caps k3 itself at 10 (its
-    # low_var_kl); here k3 is not capped, so a token far from π_ref keeps its whole gradient.
-    log_ratio = (ref_logp - logp).clamp(-20.0, 20.0)
-    return torch.exp(log_ratio) - log_ratio - 1
-
-
-def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int) -> torch.Tensor:
-    """DAPO's soft overlong punishment, Eq. 13, with L_max = max_length, L_cache = buffer:
-        R_length(o) = 0                              if |o| ≤ L_max − L_cache
-                      ((L_max − L_cache) − |o|) / L_cache   if L_max − L_cache < |o| ≤ L_max
-                      −1                             if |o| > L_max
-    a ramp from 0 to −1 over the last L_cache tokens, added to the task reward, so the model
-    learns to finish before the cap instead of being told its cut-off answer is simply wrong.
-    generate stops at L_max, so a truncated completion has |o| = L_max and gets −1.
-    buffer 0 turns the penalty off. lengths (N,) in tokens, EOS included -> (N,)."""
-    if buffer == 0:
-        return torch.zeros(lengths.shape, dtype=torch.float32, device=lengths.device)
-    return ((max_length - buffer - lengths.float()) / buffer).clamp(min=-1.0, max=0.0)
-
-
-def shaped_advantages(
-    rewards: torch.Tensor, lengths: torch.Tensor, group_size: int, max_length: int, buffer: int, eps: float
-):
-    """Step 5: Â_i = group-normalise(R_i + R_length(|o_i|)), the length penalty added to the task
-    reward before the group's mean and std are taken (DAPO Eq. 13 shapes the reward). So a
-    group with equal task rewards is not necessarily silent: its completions that ran into
-    the buffer get Â < 0, and the std scales even a small length difference to full size
-    (rewards 0, 0 with penalties −1/256, 0 give Â ≈ ∓0.71). rewards, lengths (N,) -> Â (N,)
-    and the penalties (N,)."""
-    length_penalty = overlong_penalty(lengths, max_length, buffer)  # (N,)
-    return group_advantages(rewards + length_penalty, group_size, eps=eps), length_penalty
-
-
-def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
-    """PPO's clipped surrogate per token (PPO Eq. 7; DAPO Eq. 10 with ε_low and ε_high):
-        min(r·Â, clip(r, 1 − ε_low, 1 + ε_high)·Â)
-    the pessimistic bound: once r has moved past the clip in the direction Â pushes it, the token
-    gets no gradient, so one batch cannot drag π_θ far from π_θold.
-    ratio (n, T), advantages (n, 1) or (n, T) -> (n, T)."""
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * advantages
-    return torch.min(unclipped, clipped)
-
-
-def dapo_loss(
-    logp: torch.Tensor,  # (n, T) log π_θ, with grad
-    old_logp: torch.Tensor,  # (n, T) log π_θold, recorded before the first update
-    ref_logp: torch.Tensor | None,  # (n, T) log π_ref; None when beta = 0
-    advantages: torch.Tensor,  # (n,) Â_i
-    loss_mask: torch.Tensor,  # (n, T) completion_mask, less what overlong filtering and --is_mask drop
-    args: Args,  # reads loss_type, eps_low, eps_high (or CISPO's), beta, dual_clip, entropy_coef
-    *,
-    num_tokens: int,  # Σ_i |o_i| over the whole mini-batch (Eq. 12's normaliser)
-    entropy: torch.Tensor | None = None,  # (n, T) H(π_θ(·|s_t)) with grad; None when entropy_coef = 0
-    is_weight: torch.Tensor | None = None,  # (n, T) truncated IS weights (tis_weights); None = off
-):
-    """The negative DAPO objective of one micro-batch, DAPO Eq. 8 with the token-level sum of Eq. 12:
-        J = 1/Σ_i|o_i| Σ_i Σ_t [ min(r_it Â_i, clip(r_it, 1−ε_low, 1+ε_high) Â_i) − β D_KL,it ]
-    num_tokens is Σ_i |o_i| over the whole mini-batch, not over this micro-batch: every valid
-    token weighs 1/num_tokens, whatever its completion's length and its micro-batch, so the
-    losses of the micro-batches add up to the mini-batch loss and gradient accumulation gives
-    exactly the big-batch gradient. GRPO weighs a token of o_i 1/(N·|o_i|)
-    instead: the tokens of a long completion count less each, so a long, wrong, repetitive
-    answer is penalised less per token than a short one (DAPO Sec. 3.3).
-
-    Clip-higher (Eq. 10): ε_high > ε_low leaves a low-probability token with Â > 0 room to
-    grow, which a symmetric ε caps early (DAPO Sec. 3.1: against entropy collapse); ε_low
-    stays small, since pushing a token's probability towards 0 collapses the space it samples.
-    β > 0 adds GRPO's k3 KL per token; DAPO drops it (β = 0), as the policy is meant to move far
-    from the initial model. The techniques enter as one named function each, defined in the
-    section on variants below: CISPO's objective in place of the clipped surrogate (--loss_type
-    cispo; eps_low and eps_high are then ε_low^IS and ε_high^IS), dual-clip (DAPO's verl recipe:
-    c = 10), truncated IS (is_weight), T1's entropy bonus. Returns (loss, stats): stats are sums
-    over the tokens of loss_mask."""
-    mask = loss_mask.to(logp.dtype)  # (n, T)
-    adv = advantages[:, None]  # (n, 1) Â_i, the same for every token of o_i
-    ratio = torch.exp((logp - old_logp) * mask)  # (n, T) r_it
-    eps_low, eps_high = clip_range(args)
-
-    if args.loss_type == "cispo":
-        objective = cispo_objective(logp, ratio, adv, eps_low, eps_high)  # (n, T)
-    else:
-        objective = clipped_surrogate(ratio, adv, eps_low, eps_high)  # (n, T) clip-higher: ε_high > ε_low
-    objective, dual_clipped = dual_clip(objective, adv, args.dual_clip)  # c·Â bounds Â < 0 tokens below
-    if is_weight is not None:
-        objective = is_weight * objective  # truncated IS: the policy-gradient term only
-    if args.entropy_coef > 0:
-        objective = objective + args.entropy_coef * entropy  # T1's entropy bonus c_H·H_t
-    kl = kl_k3(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)  # (n, T) D_KL,it
-    per_token = -objective
-    if args.beta > 0:
-        per_token = per_token + args.beta * kl  # (n, T) −[ objective − β·D_KL ]
-    loss = (per_token * mask).sum() / num_tokens  # token-level: 1/Σ_i|o_i| Σ_i Σ_t (Eq. 12)
-    stats = loss_stats(
-        ratio, adv, loss_mask, eps_low, eps_high, dual_clipped, kl=kl, is_weight=is_weight,
-        clips_weight=args.loss_type == "cispo",
-    )  # fmt: skip
-    return loss, stats
-
-
-@torch.no_grad()
-def loss_stats(
-    ratio: torch.Tensor,  # (n, T)
-    advantages: torch.Tensor,  # (n, 1) or (n, T)
-    loss_mask: torch.Tensor,  # (n, T)
-    eps_low: float,
-    eps_high: float,
-    dual_clipped: torch.Tensor,  # (n, T) bool, the tokens dual-clip bounded
-    kl: torch.Tensor | None = None,  # (n, T) the KL term's per-token estimate
-    is_weight: torch.Tensor | None = None,  # (n, T) truncated IS weights
-    clips_weight: bool = False,  # CISPO: the clip bounds its weight, whatever the sign of Â
-) -> dict:
-    """The loss's statistics over the tokens of loss_mask, as sums (and maxima, *_max) that
-    accumulate over micro-batches into update_metrics: tokens, the tokens the clip binds on each
-    side, those dual-clip bounds, Σ KL, the largest ratio, and the truncated IS weights."""
-    valid = loss_mask.bool()
-    low, high = (ratio < 1 - eps_low), (ratio > 1 + eps_high)
-    if not clips_weight:  # the clipped surrogate binds only where it cuts the gradient
-        low, high = low & (advantages < 0), high & (advantages > 0)
-    stats = {
-        "tokens": valid.sum().item(),
-        "clip_low": (valid & low).sum().item(),
-        "clip_high": (valid & high).sum().item(),
-        "clip_dual": (valid & dual_clipped).sum().item(),
-        "ratio_max": ratio[valid].max().item() if valid.any() else 1.0,
-    }
-    if kl is not None:
-        stats["kl"] = (kl * loss_mask.to(kl.dtype)).sum().item()
-    if is_weight is not None:
-        stats |= tis_stats(is_weight, valid)
-    return stats
-
-
-def tis_stats(is_weight: torch.Tensor, valid: torch.Tensor) -> dict:
-    """Sums and the max of the truncated IS weights over the valid tokens, for update_metrics."""
-    weights = is_weight[valid]
-    return {
-        "tis_weight": weights.sum().item(),
-        "tis_weight_max": weights.max().item() if weights.numel() else 1.0,  # C when any token was capped
-    }
-
-
-def on_policy(args: Args) -> bool:
-    """True when the batch trains one update (μ = 1 and one mini-batch): π_θold is then the π_θ of
-    that update's forward pass, before its optimizer step, which step 4 need not score."""
-    return args.num_iterations == 1 and args.num_mini_batches == 1
-
-
-def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contextlib.nullcontext) -> tuple[dict, dict]:
-    """Step 6's forward and backward over one mini-batch, micro_batch_size sequences at a time;
-    gradients accumulate in .grad. batch holds (n, …) tensors: prompt_ids, prompt_mask,
-    completion_ids, completion_mask, truncated, sample_logp, old_logp (None: see below), ref_logp
-    (or None), advantages. amp() is the autocast context of the forward pass (backward runs outside
-    it, as PyTorch advises). Returns (totals, recorded): the summed loss and token statistics of the
-    mini-batch, and, when batch["old_logp"] is None, this pass's log π_θ and entropy (n, T), no
-    grad, in batch's row order, standing in for step 4's (on-policy, old_and_ref_logprobs);
-    otherwise {}.
-
-    The token-level loss divides by the valid tokens of the whole mini-batch (DAPO Eq. 12),
-    counted here, once, before the micro-batches. With overlong_filter a truncated completion
-    leaves the loss and that count alike (DAPO Sec. 3.4): a cut-off answer is scored wrong
-    whatever its reasoning was worth, which is noise, not signal.
-
-    On-policy π_θold is π_θ itself, so old = sg(log π_θ) sets the ratio to exactly 1, with the
-    gradient ∇log π_θ: the recorded old_logp come from other kernel shapes and in bf16 differ by
-    noise, which would show as clipped tokens. The gradient is the same either way."""
-    loss_mask = batch["completion_mask"]  # (n, T)
-    if args.overlong_filter:
-        loss_mask = loss_mask * ~batch["truncated"][:, None]
-    loss_mask, totals = masked_importance(batch, loss_mask, args)  # (n, T): less what --is_mask drops
-    # Under torchrun every rank's tokens (FSDP sums the ranks' gradients): one process's normaliser.
-    num_tokens = max(all_reduce(loss_mask.sum().item()), 1)  # every completion filtered out: loss 0, not NaN
-    batch = {**batch, "loss_mask": loss_mask}
-    record = batch["old_logp"] is None  # this forward pass stands in for step 4's
-    recorded = {name: torch.zeros_like(loss_mask, dtype=torch.float32) for name in ("old_logp", "entropy")}
-    for rows, micro in micro_batches(batch, args.micro_batch_size):
-        with amp():
-            logp, entropy = sequence_logprobs(
-                policy, micro["prompt_ids"], micro["prompt_mask"], micro["completion_ids"], micro["completion_mask"],
-                temperature=args.temperature, vocab_size=vocab_size, chunk_size=args.micro_batch_size,
-                with_entropy=record or args.entropy_coef > 0,  # for the metrics; T1's bonus with grad
-                entropy_grad=args.entropy_coef > 0,
-            )  # (m, T) each  # fmt: skip
-            old_logp = logp.detach() if on_policy(args) else micro["old_logp"]
-            is_weight = None
-            if args.tis_cap:
-                is_weight = tis_weights(old_logp, micro["sample_logp"], micro["completion_mask"], args.tis_cap)
-            loss, stats = dapo_loss(
-                logp, old_logp, micro["ref_logp"], micro["advantages"], micro["loss_mask"], args,
-                num_tokens=num_tokens, entropy=entropy, is_weight=is_weight,
-            )  # fmt: skip
-        loss.backward()
-        accumulate(totals, {"loss": loss.item(), **stats})
-        if record:
-            recorded["old_logp"][rows], recorded["entropy"][rows] = logp.detach(), entropy.detach()
-    return totals, recorded if record else {}
-
-
-def micro_batches(batch: dict, size: int):
-    """The rows of a mini-batch (a dict of (n, …) tensors, None kept as None) in micro-batches of
-    `size`, taken in length_order: rows of similar length together, so that a micro-batch's forward
-    pass computes little padding (trim_padding), and a group's rows together, so that its prompt
-    runs once (forward_completions). Yields (rows, micro): rows (m,) are the micro-batch's indices
-    in `batch`, where what it computes goes back (`recorded[rows] = …`: input order again)."""
-    order = length_order(batch["prompt_ids"], batch["prompt_mask"], batch["completion_mask"])  # (n,)
-    for rows in order.split(size):
-        yield rows, {k: v[rows] if v is not None else None for k, v in batch.items()}
-
-
-def clip_range(args: Args) -> tuple[float, float]:
-    """(ε_low, ε_high) of the clip that --loss_type uses: clip-higher's ε_low and ε_high (DAPO Eq. 10),
-    or CISPO's ε^IS for its weight (MiniMax-M1 Eq. 5)."""
-    return (args.cispo_eps_low, args.cispo_eps_high) if args.loss_type == "cispo" else (args.eps_low, args.eps_high)
-
-
-def dual_clip(objective: torch.Tensor, advantages: torch.Tensor, c: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dual-clip PPO (Ye et al. 2020, arXiv 1912.09729, Eq. 4): the objective of a token with Â < 0
-    is bounded below by c·Â, c > 1,
-        max(min(r·Â, clip(r, 1−ε_low, 1+ε_high)·Â), c·Â)   where Â < 0
-    since min(·) there is r·Â, unbounded as r grows: a token whose ratio exploded cannot dominate
-    the batch, and a bounded token gets no gradient. Â ≥ 0 tokens are left as they are. c = 0: off.
-    objective (n, T), advantages (n, 1) or (n, T) -> the objective (n, T) and the bounded tokens (n, T)."""
-    if c <= 0:
-        return objective, torch.zeros_like(objective, dtype=torch.bool)
-    bound = c * advantages.expand_as(objective)  # (n, T)
-    bounded = (advantages < 0) & (objective < bound)
-    return torch.where(bounded, bound, objective), bounded
-
-
-def masked_importance(batch: dict, loss_mask: torch.Tensor, args) -> tuple[torch.Tensor, dict]:
-    """--is_mask over a whole mini-batch (importance_mask), before its micro-batches, so the loss's
-    normalisers can count what stays: batch["old_logp"] is π_θold, which step 4 scores whenever
-    --is_mask is on (on-policy too). loss_mask (n, T): the tokens the loss would train on without
-    it. Returns those less the masked ones (n, T), loss_mask itself when off, and the counts
-    update_metrics turns into is_mask/* (empty when off)."""
-    bounds = is_mask_bounds(args.is_mask)
-    if bounds is None:
-        return loss_mask, {}
-    keep = importance_mask(batch["old_logp"], batch["sample_logp"], loss_mask, bounds, args.is_mask_level)
-    counts = {
-        "masked_tokens": (loss_mask.sum() - keep.sum()).item(),
-        "masked_sequences": ((loss_mask.sum(-1) > 0) & (keep.sum(-1) == 0)).sum().item(),
-        "sequences": (loss_mask.sum(-1) > 0).sum().item(),
-    }
-    return keep, counts
-
-
-def whole_groups(order: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Keeps the rows of a group in one mini-batch, so that its prompt is forwarded once
-    (forward_completions): the groups in the order in which their first row comes in `order`, a
-    uniformly random permutation of the rows, each group's rows after one another. That is a
-    uniformly random permutation of the groups (all of G rows, so by symmetry every order of them
-    is as likely), drawn from the same random numbers as before: the random stream is unchanged.
-    order (N,) -> (N,)."""
-    position = torch.empty_like(order)
-    position[order] = torch.arange(len(order), device=order.device)  # where each row comes in `order`
-    groups = position.view(-1, group_size).amin(dim=-1).argsort()  # (N/G,) by their first row
-    return (groups[:, None] * group_size + torch.arange(group_size, device=order.device)).flatten()
-
-
-def optimizer_step(model, optimizer, max_grad_norm: float, skip: bool = False) -> float:
-    """Clips the gradient norm, steps, and frees the gradients (set to None, not zeros), so
-    that actor and critic gradients never exist at the same time, nor one step's during the
-    next generation. skip: no step, where a mini-batch had no token to learn from (momentum
-    alone must not move θ). Returns the norm before clipping."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item()
-    if not skip:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm
-
-
-@torch.no_grad()
-def ema_update(reference, policy, decay: float) -> None:
-    """T1's moving reference (Hou et al. 2025, arXiv 2501.11651), after each optimizer step:
-        θ_ref ← λ·θ_ref + (1 − λ)·θ
-    parameter by parameter, so the KL term anchors the policy to an average of its recent
-    weights (over about 1/(1 − λ) steps) rather than to the start, and stops holding back
-    progress once the policy has moved far. The copy is the reference model β > 0 already
-    loads, on the policy's device and in its weight dtype: no extra memory. decay 0: frozen."""
-    if not decay:
-        return
-    weights = dict(policy.named_parameters())
-    for name, ref_param in reference.named_parameters():
-        ref_param.lerp_(weights[name].to(ref_param.dtype), 1 - decay)
-
-
-def accumulate(totals: dict, stats: dict) -> None:
-    """Adds one micro-batch's statistics into running totals: sums, except the maxima (*_max)."""
-    for key, value in stats.items():
-        totals[key] = max(totals.get(key, value), value) if key.endswith("_max") else totals.get(key, 0) + value
-
-
-# ----------------------------------------------------------------------------------------
-# Held-out evaluation
-
-
-def evaluate_heldout(
-    policy, tokenizer, eos_ids, task, max_new_tokens: int, batch_size: int, amp=contextlib.nullcontext
-):
-    """Greedy (temperature 0) accuracy on the held-out problems of `task` (rewards.py's
-    load_heldout_task: problems no training step samples), the same decoding evaluate.py
-    uses by default. Greedy decoding draws no random numbers, so evaluating does not change
-    what training samples next (a resumed run stays exact). amp() is the autocast context.
-    Returns the eval/ metrics, means over the problems."""
-    start = time.perf_counter()
-    scores, lengths, truncations = [], [], []
-    for first in range(0, len(task.problems), batch_size):
-        problems = task.problems[first : first + batch_size]
-        batch = rollout(  # greedy: one completion per problem, temperature 0
-            policy, tokenizer, eos_ids, task, problems, group_size=1, max_new_tokens=max_new_tokens,
-            temperature=0.0, top_p=1.0, amp=amp,
-        )  # fmt: skip
-        scores += batch.scores
-        lengths += batch.completion_mask.sum(-1).tolist()
-        truncations += batch.truncated.tolist()
-    return {
-        "eval/accuracy": sum(s.strict for s in scores) / len(scores),  # the answer where the prompt asks
-        "eval/reward": sum(s.reward for s in scores) / len(scores),
-        "eval/format": sum(s.formatted for s in scores) / len(scores),
-        "eval/length_mean": sum(lengths) / len(lengths),
-        "eval/truncated": sum(truncations) / len(truncations),
-        "eval/seconds": time.perf_counter() - start,
-    }
-
-
-# ----------------------------------------------------------------------------------------
-# Training
-
-
-def train(args: Args) -> Path:
-    """Runs DAPO and returns the run directory."""
-    check_args(args)
-    device = init_distributed(resolve_device(args.device))  # under torchrun: this rank's device
-    check_distributed(args, args.batch_size, args.gen_batch_size)  # prompts split over K ranks, groups whole
-    weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
-    amp = functools.partial(autocast, device, compute_dtype)  # bf16 autocast on a GPU, nothing on the CPU
-    seed_everything(rank_seed(args.seed))  # --seed itself in one process
-    # The task first: a wrong --task or --data_dir stops before any model loads.
-    task = training_task(args)  # --task, its data and --reward_fn
-    heldout = heldout_task(args) if args.eval_every else None
-    policy, tokenizer, eos_ids = load_policy(args, device, weight_dtype, compute_dtype)  # --lora_rank: LoRA adapters
-    shard_model(policy, compute_dtype).train()  # FSDP2 under torchrun, one unit per decoder layer; else unchanged
-    reference = (
-        shard_model(load_reference(args, policy, device, weight_dtype), compute_dtype) if args.beta > 0 else None
-    )
-    vocab_size = len(tokenizer)  # ids the tokenizer has; the embedding may have more rows
-    optimizer, scheduler = make_optimizer(policy, args.lr, args)  # AdamW, linear warm-up
-    evaluate = functools.partial(  # run.end_step calls it every eval_every steps and at the end
-        evaluate_heldout, policy, tokenizer, eos_ids, heldout, args.max_new_tokens, args.eval_batch_size, amp
-    )
-    resumable = {"optimizer": optimizer, "scheduler": scheduler}
-    if args.ref_ema_decay:  # T1's reference moves with the policy: a resumed run needs where it was
-        resumable["reference"] = reference
-    run = Run(
-        args, "dapo", policy, tokenizer, resumable=resumable, same_on_resume=SAME_ON_RESUME, evaluate=evaluate,
-        state={"rounds": 0}, reward_key="sampling/reward_mean",  # rounds generated: the place in the prompt stream
-        compute_dtype=compute_dtype,  # checkpoints in bf16 on a GPU, the fp32 masters in the newest's trainer state
-    )  # fmt: skip
-    # Without dynamic sampling a step is one round of B prompts, exactly as in grpo.py.
-    round_size = (args.gen_batch_size or args.batch_size) if args.dynamic_sampling else args.batch_size
-    max_rounds, share = (args.max_gen_rounds if args.dynamic_sampling else 1), args.batch_size // world_size()
-
-    with run:  # Ctrl-C stops with one line naming the newest checkpoint
-        for step in run.steps():
-            # 1-3. Dynamic sampling (DAPO Eq. 11, Algorithm 1): rounds of fresh prompts, G completions each from π_θold,
-            #      all scored, until B groups (B/K a rank) have rewards not all equal or max_rounds ran; else one round.
-            rounds, kept = [], []  # every round's Rollout; the groups kept of each
-            while all_reduce(sum(map(len, kept)), "min") < share and len(rounds) < max_rounds:  # ranks in step
-                stream = run.state["rounds"] + len(rounds)  # this round's place in the prompt stream
-                problems = [task.problems[i] for i in prompt_indices(stream, round_size, len(task.problems), args.seed)]
-                with unsharded(policy):  # under torchrun: full weights for the decode loop, 1/K of the prompts
-                    sampled = rollout(
-                        policy, tokenizer, eos_ids, task, my_share(problems), group_size=args.group_size,
-                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, amp=amp,
-                    )  # fmt: skip
-                informative = informative_groups(sampled.rewards, args.group_size).tolist()  # a bool per group
-                groups = [g for g, keep in enumerate(informative) if keep or not args.dynamic_sampling]
-                rounds.append(sampled)
-                kept.append(groups[: share - sum(map(len, kept))])  # B groups at most in all
-            kept = first_groups(kept, all_reduce(sum(map(len, kept)), "min"))  # as many on every rank: FSDP pairs
-            groups_kept, run.state["rounds"] = sum(map(len, kept)), run.state["rounds"] + len(rounds)  # state: saved
-            sampling = all_reduce_metrics(sampling_metrics(rounds, groups_kept, args.group_size, world_size()))
-            seconds = {phase: sum(sampled.seconds[phase] for sampled in rounds) for phase in ("generate", "reward")}
-            if not groups_kept:  # max_rounds rounds without one informative group: no update this step
-                run.end_step(step, sampling, seconds)
-                continue
-            batch = keep_groups(rounds, kept, args.group_size, tokenizer.pad_token_id)
-            num_sequences = len(batch.texts)  # N = (groups kept)·G, at most B·G
-
-            # 4. Log-probs of the sampled tokens under π_θold and π_ref, no grad. On-policy (μ = 1, one
-            #    mini-batch) the update's forward pass gives π_θold's: only π_ref is scored here, unless
-            #    --is_mask must know which tokens stay before the update counts its normalisers.
-            timer = time.perf_counter()
-            old_logp, entropy, ref_logp = old_and_ref_logprobs(
-                policy, reference, batch, args, vocab_size, amp, score_policy=not on_policy(args) or bool(args.is_mask)
-            )  # (N, T) each; old_logp and entropy None until step 6 when on-policy
-            seconds_logprobs = time.perf_counter() - timer
-
-            # 5. Group-relative advantages of the task reward plus the overlong penalty (DAPO Eq. 13).
-            advantages, length_penalty = shaped_advantages(
-                batch.rewards, batch.completion_mask.sum(-1), args.group_size, args.max_new_tokens,
-                args.overlong_buffer, args.adv_eps,
-            )  # (N,), (N,)  # fmt: skip
-
-            # 6. μ iterations over shuffled mini-batches; one optimizer step per mini-batch.
-            timer = time.perf_counter()
-            tensors = {
-                "prompt_ids": batch.prompt_ids,
-                "prompt_mask": batch.prompt_mask,
-                "completion_ids": batch.completion_ids,
-                "completion_mask": batch.completion_mask,
-                "truncated": batch.truncated,
-                "sample_logp": batch.sample_logp,
-                "old_logp": old_logp,
-                "ref_logp": ref_logp,
-                "advantages": advantages,
-            }
-            update, grad_norms = {}, []
-            for _ in range(args.num_iterations):
-                # A fresh random split into mini-batches each iteration, a group's rows in one (whole_groups).
-                order = whole_groups(torch.randperm(num_sequences, device=device), args.group_size)  # (N,)
-                # N < B·G need not split evenly: tensor_split makes sizes differ by at most one row.
-                for rows in order.tensor_split(min(args.num_mini_batches, num_sequences)):
-                    mini = {k: v[rows] if v is not None else None for k, v in tensors.items()}
-                    totals, recorded = policy_backward(policy, mini, args, vocab_size, amp)
-                    if recorded:  # on-policy: step 4's log-probs and entropy, in the batch's row order again
-                        old_logp, entropy = (recorded[name][rows.argsort()] for name in ("old_logp", "entropy"))
-                    none = not all_reduce(totals["tokens"])  # no token left (overlong filter, --is_mask): no step
-                    grad_norms.append(optimizer_step(policy, optimizer, args.max_grad_norm, skip=none))
-                    ema_update(reference, policy, 0.0 if none else args.ref_ema_decay)  # T1; 0: none
-                    accumulate(update, totals)
-            learning_rate = scheduler.get_last_lr()[0]  # the rate this step trained with
-            scheduler.step()
-            seconds |= {"logprobs": seconds_logprobs, "update": time.perf_counter() - timer}
-
-            # 7-9. Every metric from the tensors the loss used, masked, over the whole batch (every rank's); then
-            #      Run.end_step: the held-out evaluation when due, the metrics row and samples, a checkpoint when due.
-            metrics = {
-                **all_reduce_metrics(step_metrics(batch, entropy, old_logp, args.group_size)),
-                **sampling,
-                "reward/overlong_penalty": all_reduce(length_penalty.mean().item()) / world_size(),
-                **update_metrics(all_reduce_totals(update), grad_norms, learning_rate),
-                "throughput/tokens_per_s": all_reduce(sum(r.completion_mask.sum() for r in rounds).item())
-                / seconds["generate"],
-            }
-            run.end_step(step, metrics, seconds, batch)
-        run.save_final()
-    return run.dir
-
-
-def update_metrics(update: dict, grad_norms: list[float], learning_rate: float) -> dict:
-    """Statistics of step 6, from the sums policy_backward collected over every micro-batch
-    (never the last micro-batch alone)."""
-    tokens = max(update["tokens"], 1)  # overlong filtering or --is_mask may have dropped every token
-    metrics = {
-        "loss/policy": update["loss"] / len(grad_norms),  # mean over the optimizer steps
-        "kl/mean": update["kl"] / tokens,
-        "clip/low": update["clip_low"] / tokens,
-        "clip/high": update["clip_high"] / tokens,
-        "clip/fraction": (update["clip_low"] + update["clip_high"]) / tokens,
-        "clip/dual": update["clip_dual"] / tokens,
-        "clip/ratio_max": update["ratio_max"],
-        "optim/grad_norm": sum(grad_norms) / len(grad_norms),
-        "optim/lr": learning_rate,
-    }
-    if "tis_weight" in update and update["tokens"]:  # --tis_cap: the truncated IS weights the loss used
-        metrics |= {"tis/weight_mean": update["tis_weight"] / tokens, "tis/weight_max": update["tis_weight_max"]}
-    return metrics | is_mask_metrics(update)
-
-
-def is_mask_metrics(update: dict) -> dict:
-    """is_mask/* from masked_importance's counts (none without --is_mask): the fractions of the valid
-    tokens and of the completions that masked IS took out of the loss, over every update of the step."""
-    if "masked_tokens" not in update:
-        return {}
-    return {
-        "is_mask/token_fraction": update["masked_tokens"] / max(update["tokens"] + update["masked_tokens"], 1),
-        "is_mask/sequence_fraction": update["masked_sequences"] / max(update["sequences"], 1),
-    }
-
-
-def step_metrics(batch: Rollout, entropy: torch.Tensor, old_logp: torch.Tensor, group_size: int) -> dict:
-    """Rollout statistics of the batch a step trains on, with the entropy and old_logp (N, T)
-    that step 4 computed for it (on-policy: the update's forward pass, see old_and_ref_logprobs)."""
-    mask = batch.completion_mask.bool()
-    lengths = batch.completion_mask.sum(-1).float()  # (N,)
-    rewards, scores = batch.rewards, batch.scores
-    grouped = rewards.view(-1, group_size)  # (B, G)
-    return {
-        "reward/mean": rewards.mean().item(),
-        "reward/std": rewards.std().item() if rewards.numel() > 1 else 0.0,
-        "reward/accuracy": sum(s.correct for s in scores) / len(scores),
-        "reward/format": sum(s.formatted for s in scores) / len(scores),
-        "reward/fn_failed": sum(s.failed for s in scores) / len(scores),  # --reward_fn raised, timed out, no number
-        "reward/zero_std_groups": (grouped.max(-1).values == grouped.min(-1).values).float().mean().item(),
-        "completion/length_mean": lengths.mean().item(),
-        "completion/length_max": lengths.max().item(),
-        "completion/truncated": batch.truncated.float().mean().item(),
-        "policy/entropy": entropy[mask].mean().item(),
-        # Sampler and scorer must agree, or every ratio is off before any update: ~1e-6 in fp32, more in bf16.
-        "policy/sample_logp_diff": (batch.sample_logp - old_logp)[mask].abs().mean().item(),
-        "policy/sample_logp_diff_max": (batch.sample_logp - old_logp)[mask].abs().max().item(),
-    }
+# Argument checks: a setting that cannot work stops before anything loads.
+
+
+def check_args(args: Args) -> None:
+    """Stops with a message on settings that cannot work, before anything is loaded."""
+    problems = check_run_args(args)
+    if args.group_size < 2:
+        problems.append("--group_size must be at least 2: a group of one has no relative advantage.")
+    if not 0 <= args.eps_low < 1 or args.eps_high < 0:
+        problems.append("Clip ranges need 0 <= --eps_low < 1 and --eps_high >= 0 (DAPO: 0.2 and 0.28).")
+    if args.loss_type not in ("dapo", "cispo"):
+        problems.append(f"--loss_type {args.loss_type!r} is not one of: dapo, cispo.")
+    if args.loss_type == "cispo" and args.dual_clip:
+        problems.append("--loss_type cispo clips the IS weight, not the objective: dual-clip has nothing to bound (0).")
+    if args.cispo_eps_low < 0 or args.cispo_eps_high <= 0:
+        problems.append(
+            f"CISPO needs --cispo_eps_low >= 0 and --cispo_eps_high > 0 (got {args.cispo_eps_low}, "
+            f"{args.cispo_eps_high}); 1 and 3 (the defaults): no lower bound, a cap of 4."
+        )
+    if not 0 <= args.overlong_buffer <= args.max_new_tokens:
+        problems.append(
+            f"--overlong_buffer (L_cache) must be between 0 (off) and --max_new_tokens (L_max = "
+            f"{args.max_new_tokens}): the penalty ramps over the last L_cache tokens before L_max. "
+            f"Pass e.g. --overlong_buffer {args.max_new_tokens // 4}, or 0 for no length penalty."
+        )
+    if args.gen_batch_size and not args.dynamic_sampling:
+        problems.append("--gen_batch_size sets the rounds of dynamic sampling: use it with --dynamic_sampling true.")
+    if args.gen_batch_size < 0 or args.max_gen_rounds < 1:
+        problems.append("--gen_batch_size must be at least 1 (or 0 for batch_size); --max_gen_rounds at least 1.")
+    if args.num_mini_batches < 1 or (args.batch_size * args.group_size) % args.num_mini_batches:
+        problems.append("--num_mini_batches must be at least 1 and divide batch_size * group_size.")
+    if args.temperature <= 0 or not 0 < args.top_p <= 1:
+        problems.append("Training needs --temperature > 0 and 0 < --top_p <= 1.")
+    for name in ("beta", "adv_eps"):
+        if getattr(args, name) < 0:
+            problems.append(f"--{name} must be >= 0 (got {getattr(args, name)}).")
+    if args.dual_clip and args.dual_clip <= 1:
+        problems.append("--dual_clip must be > 1 (e.g. 3), or 0 to disable it.")
+    problems += check_technique_args(args)
+    if args.eval_every < 0 or (args.eval_every and (args.eval_problems < 1 or args.eval_batch_size < 1)):
+        problems.append("--eval_every must be >= 0, and with it --eval_problems and --eval_batch_size >= 1.")
+    for name in ("batch_size", "max_new_tokens", "micro_batch_size", "logprob_chunk_size", "num_iterations"):
+        if getattr(args, name) < 1:
+            problems.append(f"--{name} must be at least 1.")
+    if problems:
+        raise SystemExit("Invalid arguments:\n  " + "\n  ".join(problems))
+
+
+def check_technique_args(args: Args) -> list[str]:
+    """The ranges of the entropy bonus, the moving reference, truncated and masked IS (grpo.py, dapo.py)."""
+    problems = []
+    if args.entropy_coef < 0:
+        problems.append(f"--entropy_coef must be >= 0 (got {args.entropy_coef}); T1 adds a small bonus, e.g. 0.001.")
+    if not 0 <= args.ref_ema_decay < 1:
+        problems.append(f"--ref_ema_decay must be in [0, 1) (got {args.ref_ema_decay}), e.g. 0.99; 0 = frozen.")
+    elif args.ref_ema_decay and (args.beta == 0 or args.lora_rank):
+        problems.append("--ref_ema_decay moves the reference of the KL term: it needs --beta > 0 and --lora_rank 0.")
+    elif args.ref_ema_decay and args.dtype == "bfloat16":  # 8 significant bits: a step of (1−λ)·gap rounds away
+        problems.append("--ref_ema_decay needs fp32 weights: with --dtype bfloat16 the reference would never move.")
+    if args.tis_cap and args.tis_cap < 1:
+        problems.append(f"--tis_cap must be >= 1, or 0 to disable it (got {args.tis_cap}); Yao et al. use 2.")
+    return problems + check_is_mask(args)
+
+
+def check_is_mask(args) -> list[str]:
+    """The range of --is_mask α,β and --is_mask_level (all three scripts)."""
+    if args.is_mask_level not in ("token", "sequence"):
+        return [f"--is_mask_level {args.is_mask_level!r} is not one of: token, sequence."]
+    try:
+        is_mask_bounds(args.is_mask)
+    except ValueError as error:
+        return [str(error)]
+    return []
+
+
+def is_mask_bounds(text: str) -> tuple[float, float] | None:
+    """--is_mask "α,β" -> (α, β), with 0 <= α < 1 < β so that a token on which sampler and trainer
+    agree (ratio 1) always stays; "" -> None (off). A ValueError says what was wrong."""
+    if not text:
+        return None
+    try:
+        low, high = (float(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"--is_mask takes two numbers α,β, e.g. 0.5,5 (IcePop's), not {text!r}.") from None
+    if not 0 <= low < 1 < high:
+        raise ValueError(f"--is_mask α,β needs 0 <= α < 1 < β (got {text}): a ratio of 1 must stay, e.g. 0.5,5.")
+    return low, high
 
 
 if __name__ == "__main__":

@@ -182,77 +182,871 @@ VALUE_HEAD_FILE = "value_head.safetensors"  # the critic's scalar head, beside i
 SAME_ON_RESUME += ("data_file", "data_split", "prompt_key", "answer_key", "eval_data_file")  # --task file's rows
 
 
-def check_args(args: Args) -> None:
-    """Stops with a message on settings that cannot work, before anything is loaded."""
-    problems = check_run_args(args)
-    if args.num_mini_batches < 1 or (args.batch_size * args.group_size) % args.num_mini_batches:
-        problems.append("--num_mini_batches must be at least 1 and divide batch_size * group_size.")
-    if args.temperature <= 0 or not 0 < args.top_p <= 1:
-        problems.append("Training needs --temperature > 0 and 0 < --top_p <= 1.")
-    if args.critic_lr is not None and not args.critic_lr > 0:
-        problems.append(f"--critic_lr must be > 0 (got {args.critic_lr}); the critic learns from scratch: ~10× --lr.")
-    if args.dual_clip and args.dual_clip <= 1:
-        problems.append("--dual_clip must be > 1 (e.g. 3), or 0 to disable it.")
-    for name in ("gamma", "lam_actor", "lam_critic"):
-        if not 0 <= getattr(args, name) <= 1:
-            problems.append(f"--{name} must be between 0 and 1.")
-    if not 0 <= args.eps_low < 1 or args.eps_high < 0:
-        problems.append(
-            "Clip ranges need 0 <= --eps_low < 1 and --eps_high >= 0 (PPO: 0.2 and 0.2; VAPO: 0.2 and 0.28)."
-        )
-    if args.pos_lm_coef < 0:
-        problems.append(f"--pos_lm_coef must be >= 0 (got {args.pos_lm_coef}); VAPO uses 0.1.")
-    if args.tis_cap and args.tis_cap < 1:
-        problems.append(f"--tis_cap must be >= 1, or 0 to disable it (got {args.tis_cap}); Yao et al. use 2.")
-    problems += check_is_mask(args)
-    for name in ("eps_value", "lam_alpha", "whiten_eps"):
-        if getattr(args, name) <= 0:
-            problems.append(f"--{name} must be > 0.")
-    for name in ("beta", "entropy_coef", "value_warmup_steps"):
-        if getattr(args, name) < 0:
-            problems.append(f"--{name} must be >= 0.")
-    if args.value_warmup_steps >= args.max_steps > 0:
-        problems.append("--value_warmup_steps must be below --max_steps, or the policy never learns.")
-    if args.eval_every < 0 or (args.eval_every and (args.eval_problems < 1 or args.eval_batch_size < 1)):
-        problems.append("--eval_every must be >= 0, and with it --eval_problems and --eval_batch_size >= 1.")
-    for name in ("batch_size", "group_size", "max_new_tokens", "micro_batch_size", "logprob_chunk_size", "ppo_epochs"):
-        if getattr(args, name) < 1:
-            problems.append(f"--{name} must be at least 1.")
-    if args.resume_from and not (Path(args.resume_from) / CRITIC_DIR / VALUE_HEAD_FILE).exists():
-        problems.append(
-            f"--resume_from {args.resume_from} has no {CRITIC_DIR}/{VALUE_HEAD_FILE}: not a ppo.py checkpoint."
-        )
-    if problems:
-        raise SystemExit("Invalid arguments:\n  " + "\n  ".join(problems))
+@dataclass
+class Rollout:
+    """What steps 1-3 produce: n = (prompts)·G rows, the group of prompt i in rows i·G … i·G+G-1."""
 
-
-def check_is_mask(args) -> list[str]:
-    """The range of --is_mask α,β and --is_mask_level (all three scripts)."""
-    if args.is_mask_level not in ("token", "sequence"):
-        return [f"--is_mask_level {args.is_mask_level!r} is not one of: token, sequence."]
-    try:
-        is_mask_bounds(args.is_mask)
-    except ValueError as error:
-        return [str(error)]
-    return []
-
-
-def is_mask_bounds(text: str) -> tuple[float, float] | None:
-    """--is_mask "α,β" -> (α, β), with 0 <= α < 1 < β so that a token on which sampler and trainer
-    agree (ratio 1) always stays; "" -> None (off). A ValueError says what was wrong."""
-    if not text:
-        return None
-    try:
-        low, high = (float(part) for part in text.split(","))
-    except ValueError:
-        raise ValueError(f"--is_mask takes two numbers α,β, e.g. 0.5,5 (IcePop's), not {text!r}.") from None
-    if not 0 <= low < 1 < high:
-        raise ValueError(f"--is_mask α,β needs 0 <= α < 1 < β (got {text}): a ratio of 1 must stay, e.g. 0.5,5.")
-    return low, high
+    prompt_ids: torch.Tensor  # (n, P) left padded
+    prompt_mask: torch.Tensor  # (n, P) 1 for prompt tokens, 0 for padding
+    completion_ids: torch.Tensor  # (n, T) right padded with the pad id
+    completion_mask: torch.Tensor  # (n, T) 1 up to and including the EOS
+    truncated: torch.Tensor  # (n,) True where no EOS came within max_new_tokens
+    sample_logp: torch.Tensor  # (n, T) log π of each sampled token, as generate drew it
+    rewards: torch.Tensor  # (n,) the task's rule-based reward
+    texts: list[str]  # the n completions, decoded
+    scores: list[Score]  # the n grades: reward, correct, formatted, strict
+    seconds: dict[str, float] = field(default_factory=dict)  # time rollout() spent generating and scoring
 
 
 # ----------------------------------------------------------------------------------------
-# Sampling
+# ALGO LOGIC: per-token rewards, GAE, the PPO losses and their backward passes
+
+
+def token_rewards(
+    rewards: torch.Tensor,  # (N,) task reward R_i
+    old_logp: torch.Tensor | None,  # (N, T) log π_θold; None when beta = 0 (step 4 may skip it)
+    ref_logp: torch.Tensor | None,  # (N, T) log π_ref; None when beta = 0
+    completion_mask: torch.Tensor,  # (N, T)
+    beta: float,
+) -> torch.Tensor:
+    """The reward of every completion token (InstructGPT Eq. 2, spread over tokens):
+        r_t = −β · (log π_θold(o_t) − log π_ref(o_t))  +  R_i if t is the last token of o_i
+    The KL term is the k1 estimate, whose sum over a completion is an unbiased estimate of
+    KL(π_θold ‖ π_ref) for it. The last token is the EOS, or the last token of a truncated
+    completion (generate emits at least one token, so every row has one). Returns (N, T),
+    0 where completion_mask is 0."""
+    mask = completion_mask.to(rewards.dtype)
+    kl = old_logp - ref_logp if ref_logp is not None else torch.zeros_like(mask)  # (N, T) k1
+    per_token = -beta * kl * mask  # (N, T)
+    last = completion_mask.sum(-1, keepdim=True) - 1  # (N, 1) index of the last valid token
+    return per_token.scatter_add(1, last, rewards[:, None].to(per_token.dtype))
+
+
+def gae(
+    per_token_rewards: torch.Tensor,  # (N, T) r_t
+    values: torch.Tensor,  # (N, T) V(s_t)
+    completion_mask: torch.Tensor,  # (N, T), valid tokens a prefix of each row (right padding)
+    gamma: float,
+    lam: float | torch.Tensor,  # λ, or (N,) one λ per completion (length-adaptive)
+):
+    """Generalised advantage estimation, GAE Eq. 16 / PPO Eq. 11-12:
+        δ_t = r_t + γ V(s_{t+1}) − V(s_t),   Â_t = Σ_l (γλ)^l δ_{t+l} = δ_t + γλ Â_{t+1}
+    with V = 0 and Â = 0 after the last valid token: the episode ends there. The return
+    target of the critic is R_t = Â_t + V(s_t) (the λ-return). Returns advantages, returns
+    (N, T), 0 where completion_mask is 0."""
+    mask = completion_mask.to(values.dtype)
+    rewards, values = per_token_rewards * mask, values * mask  # padding: r = 0, V = 0, so δ = 0
+    lam = torch.as_tensor(lam, dtype=values.dtype, device=values.device).reshape(-1)  # (N,) or (1,)
+    next_value = torch.zeros_like(values[:, 0])  # (N,) V(s_{t+1})
+    next_advantage = torch.zeros_like(values[:, 0])  # (N,) Â_{t+1}
+    advantages = []
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_advantage = delta + gamma * lam * next_advantage
+        next_value = values[:, t]
+        advantages.append(next_advantage)
+    advantages = torch.stack(advantages[::-1], dim=1) * mask  # (N, T)
+    return advantages, (advantages + values) * mask
+
+
+def masked_whiten(x: torch.Tensor, completion_mask: torch.Tensor, eps: float, total=lambda sum_: sum_) -> torch.Tensor:
+    """(x − mean) / sqrt(var + eps), mean and variance over the valid tokens of the whole batch
+    (not per sequence, not per micro-batch), the population variance. total(sum): the sum over
+    the whole batch (under torchrun common.all_reduce, as this rank holds only its share).
+    x, mask (N, T) -> (N, T), 0 where masked."""
+    mask = completion_mask.to(x.dtype)
+    count = total(mask.sum())
+    mean = total((x * mask).sum()) / count
+    variance = total(((x - mean) ** 2 * mask).sum()) / count
+    return (x - mean) * torch.rsqrt(variance + eps) * mask
+
+
+def advantages_and_returns(
+    rewards: torch.Tensor,  # (N,) the task's reward of each completion
+    old_logp: torch.Tensor,  # (N, T) log π_θold (with β > 0; else unused)
+    ref_logp: torch.Tensor | None,  # (N, T) log π_ref; None when beta = 0
+    old_values: torch.Tensor,  # (N, T) V_φold(s_t)
+    completion_mask: torch.Tensor,  # (N, T)
+    args: Args,
+):
+    """Step 5: the per-token rewards (token_rewards), then GAE twice over them with the critic's
+    values: with λ_actor (VAPO: length-adaptive) for the policy's advantages, with λ_critic for the
+    critic's return targets (VAPO's decoupled GAE). Returns the raw advantages, the advantages the
+    policy trains on (whitened over the batch's valid tokens unless --whiten_advantages false) and
+    the returns, (N, T) each."""
+    per_token_reward = token_rewards(rewards, old_logp, ref_logp, completion_mask, args.beta)  # (N, T)
+    lengths = completion_mask.sum(-1)  # (N,)
+    lam_actor = adaptive_lambda(lengths, args.lam_alpha) if args.length_adaptive_lam else args.lam_actor
+    raw_advantages, _ = gae(per_token_reward, old_values, completion_mask, args.gamma, lam_actor)
+    _, returns = gae(per_token_reward, old_values, completion_mask, args.gamma, args.lam_critic)
+    # Whitened, Â has unit scale even in a batch whose returns hardly vary (every completion
+    # 0.1): the critic's noise then pushes the policy as hard as a right answer would.
+    advantages = raw_advantages  # (N, T)
+    if args.whiten_advantages:
+        advantages = masked_whiten(raw_advantages, completion_mask, args.whiten_eps, all_reduce)
+    return raw_advantages, advantages, returns
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k3 estimator of KL(π_θ ‖ π_ref) per token (Schulman 2020; DeepSeekMath Eq. 4):
+        π_ref/π_θ − log(π_ref/π_θ) − 1, unbiased under samples of π_θ and never negative.
+    logp, ref_logp (…, T) -> (…, T)."""
+    # e^20 ≈ 5e8: finite. verl clamps the log-ratio at ±20 too, and then caps k3 itself at 10 (its
+    # low_var_kl); here k3 is not capped, so a token far from π_ref keeps its whole gradient.
+    log_ratio = (ref_logp - logp).clamp(-20.0, 20.0)
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
+    """PPO's clipped surrogate per token (PPO Eq. 7; DAPO Eq. 10 with ε_low and ε_high):
+        min(r·Â, clip(r, 1 − ε_low, 1 + ε_high)·Â)
+    the pessimistic bound: once r has moved past the clip in the direction Â pushes it, the token
+    gets no gradient, so one batch cannot drag π_θ far from π_θold.
+    ratio (n, T), advantages (n, 1) or (n, T) -> (n, T)."""
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * advantages
+    return torch.min(unclipped, clipped)
+
+
+def ppo_loss(
+    logp: torch.Tensor,  # (n, T) log π_θ, with grad
+    old_logp: torch.Tensor,  # (n, T) log π_θold, recorded before the first update
+    advantages: torch.Tensor,  # (n, T) Â_t, whitened unless --whiten_advantages false
+    loss_mask: torch.Tensor,  # (n, T) completion_mask, less what --is_mask drops
+    args: Args,  # reads eps_low, eps_high, dual_clip, entropy_coef
+    *,
+    num_tokens: int,  # the valid tokens of the whole mini-batch
+    entropy: torch.Tensor | None = None,  # (n, T) H(π_θ(·|s_t)) with grad; None when entropy_coef = 0
+    is_weight: torch.Tensor | None = None,  # (n, T) truncated IS weights (tis_weights); None = off
+):
+    """The negative PPO objective of one micro-batch, PPO Eq. 7 (plus Eq. 9's entropy bonus):
+        J = 1/|tokens| Σ_i Σ_t [ min(r_t Â_t, clip(r_t, 1−ε_low, 1+ε_high) Â_t) + c_2 H_t ]
+    a mean over the valid tokens of the whole mini-batch (VAPO's token-level loss, as DAPO
+    Eq. 12): num_tokens counts them all, so the micro-batch losses add up to the mini-batch
+    loss and gradient accumulation gives exactly the big-batch gradient. The value loss is a
+    separate function: actor and critic are separate networks with separate optimizers, so
+    nothing is gained by summing.
+    ε_low = ε_high is PPO's symmetric clip; ε_high > ε_low is clip-higher (DAPO Eq. 10, which
+    VAPO adopts with 0.2 and 0.28): a low-probability token with Â > 0 keeps room to grow.
+    Dual-clip and truncated IS (is_weight) enter as one named function each, defined in the
+    section on variants below. Returns (loss, stats): stats are sums over the tokens of loss_mask."""
+    mask = loss_mask.to(logp.dtype)  # (n, T)
+    ratio = torch.exp((logp - old_logp) * mask)  # (n, T) r_t
+    objective = clipped_surrogate(ratio, advantages, args.eps_low, args.eps_high)  # (n, T)
+    objective, dual_clipped = dual_clip(objective, advantages, args.dual_clip)  # c·Â bounds Â < 0 tokens below
+    if is_weight is not None:
+        objective = is_weight * objective  # truncated IS: the clipped term only
+    if args.entropy_coef > 0:
+        objective = objective + args.entropy_coef * entropy  # PPO Eq. 9's bonus c_2·H_t
+    loss = -(objective * mask).sum() / num_tokens
+    stats = loss_stats(ratio, advantages, loss_mask, args.eps_low, args.eps_high, dual_clipped, is_weight=is_weight)
+    return loss, stats
+
+
+def value_loss(
+    values: torch.Tensor,  # (n, T) V_φ(s_t), with grad
+    old_values: torch.Tensor,  # (n, T) V_φold(s_t), recorded with the rollout
+    returns: torch.Tensor,  # (n, T) R_t, the GAE return targets
+    completion_mask: torch.Tensor,  # (n, T)
+    eps_value: float,
+    num_tokens: int,
+):
+    """The clipped value loss (PPO Eq. 9's L^VF with the clipping of OpenAI baselines' PPO2):
+        L = 1/|tokens| Σ ½ · max((V − R_t)², (clip(V, V_old − ε_v, V_old + ε_v) − R_t)²)
+    The max makes it pessimistic: a value that moved more than ε_v from V_old gets no gradient
+    toward the target once the clipped error is the larger. Normalised by the mini-batch's
+    token count, as ppo_loss. Returns (loss, stats): stats are sums over valid tokens."""
+    mask = completion_mask.to(values.dtype)
+    clipped = old_values + (values - old_values).clamp(-eps_value, eps_value)  # (n, T)
+    unclipped_error = (values - returns) ** 2
+    clipped_error = (clipped - returns) ** 2
+    loss = (0.5 * torch.max(unclipped_error, clipped_error) * mask).sum() / num_tokens
+    with torch.no_grad():
+        valid = completion_mask.bool()
+        stats = {
+            "tokens": valid.sum().item(),
+            "value_clipped": (valid & (clipped_error > unclipped_error)).sum().item(),
+        }
+    return loss, stats
+
+
+@torch.no_grad()
+def loss_stats(
+    ratio: torch.Tensor,  # (n, T)
+    advantages: torch.Tensor,  # (n, 1) or (n, T)
+    loss_mask: torch.Tensor,  # (n, T)
+    eps_low: float,
+    eps_high: float,
+    dual_clipped: torch.Tensor,  # (n, T) bool, the tokens dual-clip bounded
+    kl: torch.Tensor | None = None,  # (n, T) the KL term's per-token estimate
+    is_weight: torch.Tensor | None = None,  # (n, T) truncated IS weights
+    clips_weight: bool = False,  # CISPO: the clip bounds its weight, whatever the sign of Â
+) -> dict:
+    """The loss's statistics over the tokens of loss_mask, as sums (and maxima, *_max) that
+    accumulate over micro-batches into update_metrics: tokens, the tokens the clip binds on each
+    side, those dual-clip bounds, Σ KL, the largest ratio, and the truncated IS weights."""
+    valid = loss_mask.bool()
+    low, high = (ratio < 1 - eps_low), (ratio > 1 + eps_high)
+    if not clips_weight:  # the clipped surrogate binds only where it cuts the gradient
+        low, high = low & (advantages < 0), high & (advantages > 0)
+    stats = {
+        "tokens": valid.sum().item(),
+        "clip_low": (valid & low).sum().item(),
+        "clip_high": (valid & high).sum().item(),
+        "clip_dual": (valid & dual_clipped).sum().item(),
+        "ratio_max": ratio[valid].max().item() if valid.any() else 1.0,
+    }
+    if kl is not None:
+        stats["kl"] = (kl * loss_mask.to(kl.dtype)).sum().item()
+    if is_weight is not None:
+        stats |= tis_stats(is_weight, valid)
+    return stats
+
+
+def on_policy(args: Args) -> bool:
+    """True when the batch trains one update (K = 1 epoch and one mini-batch): π_θold is then the π_θ
+    of that update's forward pass, before its optimizer step, which step 4 need not score."""
+    return args.ppo_epochs == 1 and args.num_mini_batches == 1
+
+
+def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contextlib.nullcontext) -> tuple[dict, dict]:
+    """Step 6's forward and backward of the policy over one mini-batch, micro_batch_size sequences
+    at a time; gradients accumulate in .grad. batch holds (n, …) tensors: prompt_ids, prompt_mask,
+    completion_ids, completion_mask, sample_logp, old_logp (None: see below), advantages, positive
+    (and the critic's old_values and returns, unused here). amp() is the autocast context of the
+    forward pass. Returns (totals, recorded): the summed loss and token statistics of the
+    mini-batch, and, when batch["old_logp"] is None, this pass's log π_θ and entropy (n, T), no
+    grad, in batch's row order, standing in for step 4's (on-policy with β = 0, see train);
+    otherwise {}.
+
+    On-policy π_θold is π_θ itself, so old = sg(log π_θ) sets the ratio to exactly 1, with the
+    gradient ∇log π_θ, as in grpo.py: the gradient is the same, kernel noise is gone.
+    A token --is_mask drops leaves ppo_loss and its token count; VAPO's NLL term, a supervised loss
+    on the correct completions that no importance ratio enters, keeps it."""
+    loss_mask, totals = masked_importance(batch, batch["completion_mask"], args)  # (n, T): less what --is_mask drops
+    # The whole mini-batch's tokens, for every micro-batch; under torchrun every rank's (FSDP sums
+    # the ranks' gradients): the normalisers of one process's loss. max(…, 1): all masked, loss 0.
+    num_tokens = max(all_reduce(loss_mask.sum().item()), 1)
+    batch = {**batch, "loss_mask": loss_mask}
+    if args.pos_lm_coef > 0:  # VAPO's Σ_{o_i∈T} |o_i| over the whole mini-batch
+        num_positive_tokens = all_reduce((batch["completion_mask"] * batch["positive"][:, None]).sum().item())
+    record = batch["old_logp"] is None  # this forward pass stands in for step 4's
+    recorded = {name: torch.zeros_like(loss_mask, dtype=torch.float32) for name in ("old_logp", "entropy")}
+    for rows, micro in micro_batches(batch, args.micro_batch_size):
+        with amp():
+            logp, entropy = sequence_logprobs(
+                policy, micro["prompt_ids"], micro["prompt_mask"], micro["completion_ids"], micro["completion_mask"],
+                temperature=args.temperature, vocab_size=vocab_size, chunk_size=args.micro_batch_size,
+                with_entropy=args.entropy_coef > 0 or record, entropy_grad=args.entropy_coef > 0,
+            )  # (m, T) each  # fmt: skip
+            old_logp = logp.detach() if on_policy(args) else micro["old_logp"]
+            is_weight = None
+            if args.tis_cap:
+                is_weight = tis_weights(old_logp, micro["sample_logp"], micro["completion_mask"], args.tis_cap)
+            loss, stats = ppo_loss(
+                logp, old_logp, micro["advantages"], micro["loss_mask"], args, num_tokens=num_tokens,
+                entropy=entropy, is_weight=is_weight,
+            )  # fmt: skip
+            if args.pos_lm_coef > 0:
+                nll = positive_lm_loss(logp, micro["completion_mask"], micro["positive"], num_positive_tokens)
+                loss = loss + args.pos_lm_coef * nll
+                stats |= {
+                    "pos_nll": nll.item(),
+                    "pos_tokens": (micro["completion_mask"] * micro["positive"][:, None]).sum().item(),
+                }
+        loss.backward()
+        accumulate(totals, {"loss": loss.item(), **stats})
+        if record:
+            recorded["old_logp"][rows], recorded["entropy"][rows] = logp.detach(), entropy.detach()
+    return totals, recorded if record else {}
+
+
+def critic_backward(critic: "Critic", batch: dict, args: Args, amp=contextlib.nullcontext) -> dict:
+    """Step 6's forward and backward of the critic over one mini-batch (the same rows the policy
+    just trained on), micro_batch_size sequences at a time, the value loss normalised by the
+    mini-batch's token count. Returns the summed loss and statistics of the whole mini-batch."""
+    num_tokens = all_reduce(batch["completion_mask"].sum().item())  # under torchrun every rank's
+    totals = {}
+    for _, micro in micro_batches(batch, args.micro_batch_size):
+        with amp():
+            values = critic_values(
+                critic, micro["prompt_ids"], micro["prompt_mask"], micro["completion_ids"], micro["completion_mask"],
+                chunk_size=args.micro_batch_size,
+            )  # (m, T)  # fmt: skip
+            loss, stats = value_loss(
+                values, micro["old_values"], micro["returns"], micro["completion_mask"], eps_value=args.eps_value,
+                num_tokens=num_tokens,
+            )  # fmt: skip
+        loss.backward()
+        accumulate(totals, {"loss": loss.item(), **stats})
+    return totals
+
+
+# ----------------------------------------------------------------------------------------
+# Variants and sampler/trainer corrections, each one function the loss or train() reads: VAPO's
+# length-adaptive λ and positive-example LM loss, dual-clip, truncated and masked importance sampling.
+
+
+def adaptive_lambda(lengths: torch.Tensor, alpha: float) -> torch.Tensor:
+    """VAPO's length-adaptive GAE (Sec. 3): λ_actor = 1 − 1/(α·|o_i|) per completion, so that
+    Σ_t λ^t ≈ 1/(1 − λ) = α·|o_i| grows with the length and a long answer's final reward still
+    reaches its first tokens. The formula is negative for |o_i| < 1/α: clamped at 0 (plain
+    one-step TD). lengths (N,) -> λ (N,)."""
+    return (1 - 1 / (alpha * lengths.to(torch.float32))).clamp(min=0.0)
+
+
+def positive_lm_loss(
+    logp: torch.Tensor,  # (n, T) log π_θ, with grad
+    completion_mask: torch.Tensor,  # (n, T)
+    positive: torch.Tensor,  # (n,) True for a completion the task scored correct
+    num_positive_tokens: int,
+):
+    """VAPO's positive-example LM loss (Yue et al. 2025, arXiv 2504.05118, Sec. 3): the negative
+    log-likelihood of the correct completions of the batch, T,
+        L_NLL = −1/Σ_{o_i∈T} |o_i| · Σ_{o_i∈T} Σ_t log π_θ(o_i,t)
+    added to the policy loss with weight μ. Imitating its own correct answers extracts more
+    from each rare success than the policy gradient alone does, where rewards are sparse.
+    "Correct" is the task's verdict (Score.correct), VAPO's choice on its 0/1-reward math data;
+    on Countdown that leaves out the 0.1 format-only reward. num_positive_tokens counts the
+    whole mini-batch, as ppo_loss's num_tokens; none (no correct completion): 0."""
+    positive_mask = completion_mask.to(logp.dtype) * positive[:, None]  # (n, T)
+    return -(logp * positive_mask).sum() / max(num_positive_tokens, 1)
+
+
+def dual_clip(objective: torch.Tensor, advantages: torch.Tensor, c: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dual-clip PPO (Ye et al. 2020, arXiv 1912.09729, Eq. 4): the objective of a token with Â < 0
+    is bounded below by c·Â, c > 1,
+        max(min(r·Â, clip(r, 1−ε_low, 1+ε_high)·Â), c·Â)   where Â < 0
+    since min(·) there is r·Â, unbounded as r grows: a token whose ratio exploded cannot dominate
+    the batch, and a bounded token gets no gradient. Â ≥ 0 tokens are left as they are. c = 0: off.
+    objective (n, T), advantages (n, 1) or (n, T) -> the objective (n, T) and the bounded tokens (n, T)."""
+    if c <= 0:
+        return objective, torch.zeros_like(objective, dtype=torch.bool)
+    bound = c * advantages.expand_as(objective)  # (n, T)
+    bounded = (advantages < 0) & (objective < bound)
+    return torch.where(bounded, bound, objective), bounded
+
+
+def tis_weights(old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_mask: torch.Tensor, cap: float):
+    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you
+    off-policy RL training"): the sampler (generate, in its kernels and precision) and the trainer
+    (sequence_logprobs) give the same token different probabilities, so a batch sampled from
+    π_sampler is slightly off-policy for π_θold. Each token's policy-gradient term is weighted by
+        w_t = min(π_θold(y_t) / π_sampler(y_t), C)
+    the importance ratio that corrects for it, truncated at C to bound its variance (Yao et al.
+    use C = 2). A constant, no gradient. π_sampler is sample_logp, recorded before top-p (as
+    verl's and vLLM's raw log-probs): with --top_p < 1 the weight leaves the truncation of the
+    distribution uncorrected. old_logp, sample_logp, completion_mask (n, T) -> w (n, T), 1 where masked."""
+    log_ratio = ((old_logp - sample_logp) * completion_mask).clamp(max=20.0)  # e^20: finite, as in kl_k3
+    return torch.exp(log_ratio).clamp(max=cap).detach()
+
+
+def tis_stats(is_weight: torch.Tensor, valid: torch.Tensor) -> dict:
+    """Sums and the max of the truncated IS weights over the valid tokens, for update_metrics."""
+    weights = is_weight[valid]
+    return {
+        "tis_weight": weights.sum().item(),
+        "tis_weight_max": weights.max().item() if weights.numel() else 1.0,  # C when any token was capped
+    }
+
+
+def importance_mask(
+    old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_mask: torch.Tensor, bounds: tuple, level: str
+) -> torch.Tensor:
+    """Masked importance sampling: where truncated IS (tis_weights) reweights a token that the sampler
+    and the trainer score differently, this drops it. IcePop (Ling Team 2025, Ring-1T, arXiv 2510.18855)
+    keeps a token's policy-gradient term only while k_t = π_θold(y_t) / π_sampler(y_t) lies in [α, β]
+    (its M(k; α, β)), as TRL, verl, SkyRL, OpenRLHF and slime do; a token far outside is a numerical
+    accident of one of the two passes, and reweighting it, even truncated, trains on that accident.
+    level "sequence" judges a completion as a whole, by the geometric mean of its ratios,
+    exp(mean_t log k_t), and keeps or drops all of its tokens (one row of GSPO's kind of ratio).
+    Fidelity: IcePop's mask exactly; its M also weights a kept token by k_t, which is --tis_cap C
+    with C ≥ β (docs/techniques.md). The sequence level is not IcePop's: the geometric-mean rule.
+    old_logp, sample_logp, completion_mask (n, T), bounds (α, β) -> keep (n, T) in completion_mask's
+    dtype: 1 for a valid token that stays, 0 for one masked out and for padding. No gradient."""
+    low, high = bounds
+    log_ratio = ((old_logp - sample_logp) * completion_mask).detach()  # (n, T) log k_t, 0 on padding
+    if level == "sequence":
+        lengths = completion_mask.sum(-1, keepdim=True).clamp(min=1)  # (n, 1) |o_i|
+        log_ratio = (log_ratio.sum(-1, keepdim=True) / lengths).expand_as(log_ratio)  # (n, T) log of the mean
+    ratio = torch.exp(log_ratio)  # overflow gives inf, which is outside [α, β] as it should be
+    return completion_mask * ((ratio >= low) & (ratio <= high)).to(completion_mask.dtype)
+
+
+def masked_importance(batch: dict, loss_mask: torch.Tensor, args) -> tuple[torch.Tensor, dict]:
+    """--is_mask over a whole mini-batch (importance_mask), before its micro-batches, so the loss's
+    normalisers can count what stays: batch["old_logp"] is π_θold, which step 4 scores whenever
+    --is_mask is on (on-policy too). loss_mask (n, T): the tokens the loss would train on without
+    it. Returns those less the masked ones (n, T), loss_mask itself when off, and the counts
+    update_metrics turns into is_mask/* (empty when off)."""
+    bounds = is_mask_bounds(args.is_mask)
+    if bounds is None:
+        return loss_mask, {}
+    keep = importance_mask(batch["old_logp"], batch["sample_logp"], loss_mask, bounds, args.is_mask_level)
+    counts = {
+        "masked_tokens": (loss_mask.sum() - keep.sum()).item(),
+        "masked_sequences": ((loss_mask.sum(-1) > 0) & (keep.sum(-1) == 0)).sum().item(),
+        "sequences": (loss_mask.sum(-1) > 0).sum().item(),
+    }
+    return keep, counts
+
+
+# ----------------------------------------------------------------------------------------
+# Training: train() runs the numbered steps of the docstring; its metrics and helpers follow.
+
+
+def train(args: Args) -> Path:
+    """Runs PPO and returns the run directory."""
+    check_args(args)
+    device = init_distributed(resolve_device(args.device))  # under torchrun: this rank's device
+    check_distributed(args, args.batch_size)  # B prompts split over K ranks, a group never spans two
+    weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
+    amp = functools.partial(autocast, device, compute_dtype)  # bf16 autocast on a GPU, nothing on the CPU
+    seed_everything(rank_seed(args.seed))  # --seed itself in one process
+    # The task first: a wrong --task or --data_dir stops before any model loads.
+    task = training_task(args)  # --task, its data and --reward_fn
+    heldout = heldout_task(args) if args.eval_every else None
+    policy, tokenizer, eos_ids = load_policy(args, device, weight_dtype, compute_dtype)  # --lora_rank: LoRA adapters
+    shard_model(policy, compute_dtype).train()  # FSDP2 under torchrun, one unit per decoder layer; else unchanged
+    critic = load_critic(args, device, weight_dtype, compute_dtype)
+    shard_model(critic, compute_dtype, fp32_modules=("value_head",))
+    reference = (
+        shard_model(load_reference(args, policy, device, weight_dtype), compute_dtype) if args.beta > 0 else None
+    )
+    vocab_size = len(tokenizer)  # ids the tokenizer has; the embedding may have more rows
+    optimizer, scheduler = make_optimizer(policy, args.lr, args)  # AdamW, linear warm-up
+    critic_lr = args.critic_lr or 10 * (LORA_LR if args.lora_rank else FULL_LR)  # unset: 10× the actor's default
+    critic_optimizer, critic_scheduler = make_optimizer(critic, critic_lr, args)
+    evaluate = functools.partial(  # run.end_step calls it every eval_every steps and at the end
+        evaluate_heldout, policy, tokenizer, eos_ids, heldout, args.max_new_tokens, args.eval_batch_size, amp
+    )
+    resumable = {"optimizer": optimizer, "scheduler": scheduler}
+    resumable |= {"critic_optimizer": critic_optimizer, "critic_scheduler": critic_scheduler}
+    write_critic = functools.partial(save_critic, critic)  # into every checkpoint's critic/ folder
+    run = Run(
+        args, "ppo", policy, tokenizer, resumable=resumable, same_on_resume=SAME_ON_RESUME, evaluate=evaluate,
+        write_extra=write_critic, resume_only=(CRITIC_DIR,),  # the critic only resumes: the newest checkpoint keeps it
+        compute_dtype=compute_dtype,  # checkpoints in bf16 on a GPU, the fp32 masters in the newest's trainer state
+    )  # fmt: skip
+    num_sequences = args.batch_size * args.group_size // world_size()  # N, or this rank's N/K under torchrun
+
+    with run:  # Ctrl-C stops with one line naming the newest checkpoint
+        for step in run.steps():
+            # 1-3. Sample B prompts, G completions of each from π_θold, every completion scored.
+            problems = [task.problems[i] for i in prompt_indices(step, args.batch_size, len(task.problems), args.seed)]
+            with unsharded(policy):  # under torchrun: full weights for the decode loop, B/K prompts a rank
+                batch = rollout(
+                    policy, tokenizer, eos_ids, task, my_share(problems), group_size=args.group_size,
+                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, amp=amp,
+                )  # fmt: skip
+
+            # 4. Log-probs under π_θold and π_ref, and values V_φ(s_t), no grad. On-policy with β = 0,
+            #    in a step that updates the policy, only the metrics read old_logp: the update's forward
+            #    pass gives it (old_and_ref_logprobs). With β > 0 the per-token reward of step 5 needs it.
+            train_policy = step >= args.value_warmup_steps
+            timer = time.perf_counter()
+            # --is_mask needs π_θold's log-probs before the update: the pass runs with it.
+            skip_policy_pass = on_policy(args) and args.beta == 0 and train_policy and not args.is_mask
+            old_logp, entropy, ref_logp = old_and_ref_logprobs(
+                policy, reference, batch, args, vocab_size, amp, score_policy=not skip_policy_pass
+            )  # (N, T) each; old_logp and entropy None until step 6 when skipped
+            old_values = old_critic_values(critic, batch, args, amp)  # (N, T) V_φold(s_t)
+            seconds_logprobs = time.perf_counter() - timer
+
+            # 5. Per-token rewards; GAE gives the actor's Â (λ_actor, whitened unless
+            #    --whiten_advantages false) and the critic's return targets (λ_critic).
+            raw_advantages, advantages, returns = advantages_and_returns(
+                batch.rewards, old_logp, ref_logp, old_values, batch.completion_mask, args
+            )  # (N, T) each
+
+            # 6. PPO epochs over shuffled mini-batches: one actor step (none during the value
+            #    warm-up) and one critic step per mini-batch.
+            timer = time.perf_counter()
+            tensors = {
+                "prompt_ids": batch.prompt_ids,
+                "prompt_mask": batch.prompt_mask,
+                "completion_ids": batch.completion_ids,
+                "completion_mask": batch.completion_mask,
+                "sample_logp": batch.sample_logp,
+                "old_logp": old_logp,
+                "advantages": advantages,
+                "positive": torch.tensor([score.correct for score in batch.scores], device=device),  # VAPO's T
+                "old_values": old_values,
+                "returns": returns,
+            }
+            update, grad_norms, critic_update, critic_grad_norms = {}, [], {}, []
+            for _ in range(args.ppo_epochs):
+                # A fresh random split into mini-batches each epoch, a group's rows in one (whole_groups).
+                order = whole_groups(torch.randperm(num_sequences, device=device), args.group_size)  # (N,)
+                for rows in order.tensor_split(args.num_mini_batches):
+                    mini = {k: v[rows] if v is not None else None for k, v in tensors.items()}
+                    if train_policy:
+                        totals, recorded = policy_backward(policy, mini, args, vocab_size, amp)
+                        if recorded:  # on-policy: step 4's log-probs and entropy, in the batch's row order again
+                            old_logp, entropy = (recorded[name][rows.argsort()] for name in ("old_logp", "entropy"))
+                        accumulate(update, totals)
+                        none = not all_reduce(totals["tokens"] + totals.get("pos_tokens", 0))  # all masked: no step
+                        grad_norms.append(optimizer_step(policy, optimizer, args.max_grad_norm, skip=none))
+                    accumulate(critic_update, critic_backward(critic, mini, args, amp))
+                    critic_grad_norms.append(optimizer_step(critic, critic_optimizer, args.max_grad_norm))
+            learning_rates = scheduler.get_last_lr()[0], critic_scheduler.get_last_lr()[0]  # the rates this step used
+            if train_policy:  # the actor's warm-up counts the steps in which it trains
+                scheduler.step()
+            critic_scheduler.step()
+            seconds = {**batch.seconds, "logprobs": seconds_logprobs, "update": time.perf_counter() - timer}
+
+            # 7-9. Every metric from the tensors the losses used, masked, over the whole batch; then
+            #      Run.end_step: the held-out evaluation when due, the metrics row and samples, a
+            #      checkpoint when due.
+            metrics = all_reduce_metrics(  # under torchrun, over every rank's share of the batch
+                step_metrics(batch, entropy, old_logp, args.group_size)
+                | rollout_value_metrics(
+                    old_logp, ref_logp, batch.completion_mask, args.beta, raw_advantages, returns, old_values
+                )
+            )
+            update, critic_update = all_reduce_totals(update), all_reduce_totals(critic_update)
+            metrics |= {
+                **update_metrics(update, grad_norms, critic_update, critic_grad_norms, learning_rates),
+                "throughput/tokens_per_s": all_reduce(batch.completion_mask.sum().item()) / seconds["generate"],
+            }
+            run.end_step(step, metrics, seconds, batch)
+        run.save_final()
+    return run.dir
+
+
+def update_metrics(
+    update: dict, grad_norms: list[float], critic_update: dict, critic_grad_norms: list[float], learning_rates
+) -> dict:
+    """Statistics of step 6, from the sums policy_backward and critic_backward collected over
+    every micro-batch (never the last micro-batch alone). The actor's keys are absent in a
+    value warm-up step: the policy did not update, and a 0 would read as a measured loss."""
+    critic_tokens = critic_update["tokens"]
+    metrics = {
+        "loss/value": critic_update["loss"] / len(critic_grad_norms),  # mean over the optimizer steps
+        "value/clip_fraction": critic_update["value_clipped"] / critic_tokens,
+        "optim/critic_grad_norm": sum(critic_grad_norms) / len(critic_grad_norms),
+        "optim/critic_lr": learning_rates[1],
+    }
+    if not grad_norms:
+        return metrics
+    tokens = max(update["tokens"], 1)  # --is_mask may have dropped every token
+    actor = {
+        "loss/policy": update["loss"] / len(grad_norms),
+        "clip/low": update["clip_low"] / tokens,
+        "clip/high": update["clip_high"] / tokens,
+        "clip/fraction": (update["clip_low"] + update["clip_high"]) / tokens,
+        "clip/dual": update["clip_dual"] / tokens,
+        "clip/ratio_max": update["ratio_max"],
+        "optim/grad_norm": sum(grad_norms) / len(grad_norms),
+        "optim/lr": learning_rates[0],
+    }
+    if "tis_weight" in update and update["tokens"]:  # --tis_cap: the truncated IS weights the loss used
+        actor |= {"tis/weight_mean": update["tis_weight"] / tokens, "tis/weight_max": update["tis_weight_max"]}
+    if "pos_nll" in update:  # --pos_lm_coef: VAPO's NLL of the correct completions, and their token share
+        actor |= {
+            "loss/pos_nll": update["pos_nll"] / len(grad_norms),
+            "pos/token_fraction": update["pos_tokens"] / (update["tokens"] + update.get("masked_tokens", 0)),
+        }
+    return {**actor, **metrics, **is_mask_metrics(update)}
+
+
+def is_mask_metrics(update: dict) -> dict:
+    """is_mask/* from masked_importance's counts (none without --is_mask): the fractions of the valid
+    tokens and of the completions that masked IS took out of the loss, over every update of the step."""
+    if "masked_tokens" not in update:
+        return {}
+    return {
+        "is_mask/token_fraction": update["masked_tokens"] / max(update["tokens"] + update["masked_tokens"], 1),
+        "is_mask/sequence_fraction": update["masked_sequences"] / max(update["sequences"], 1),
+    }
+
+
+def rollout_value_metrics(old_logp, ref_logp, completion_mask, beta, advantages, returns, old_values) -> dict:
+    """What the critic and the per-token rewards looked like this step, over valid tokens:
+    old_logp, ref_logp (or None), mask, the advantages before whitening, returns and the
+    rollout's values, all (N, T)."""
+    valid = completion_mask.bool()
+    k1 = (old_logp - ref_logp)[valid] if ref_logp is not None else torch.zeros_like(old_logp[valid])
+    k3 = kl_k3(old_logp, ref_logp)[valid] if ref_logp is not None else torch.zeros_like(k1)
+    return {
+        "kl/mean": k3.mean().item(),
+        "kl/penalty": (beta * k1).mean().item(),
+        "value/explained_variance": explained_variance(old_values, returns, completion_mask),
+        "value/mean": old_values[valid].mean().item(),
+        "return/mean": returns[valid].mean().item(),
+        "return/std": returns[valid].std().item() if valid.sum() > 1 else 0.0,
+        "advantage/mean": advantages[valid].mean().item(),
+        "advantage/std": advantages[valid].std().item() if valid.sum() > 1 else 0.0,
+    }
+
+
+def step_metrics(batch: Rollout, entropy: torch.Tensor, old_logp: torch.Tensor, group_size: int) -> dict:
+    """Rollout statistics of the batch a step trains on, with the entropy and old_logp (N, T)
+    that step 4 computed for it (on-policy: the update's forward pass, see old_and_ref_logprobs)."""
+    mask = batch.completion_mask.bool()
+    lengths = batch.completion_mask.sum(-1).float()  # (N,)
+    rewards, scores = batch.rewards, batch.scores
+    grouped = rewards.view(-1, group_size)  # (B, G)
+    return {
+        "reward/mean": rewards.mean().item(),
+        "reward/std": rewards.std().item() if rewards.numel() > 1 else 0.0,
+        "reward/accuracy": sum(s.correct for s in scores) / len(scores),
+        "reward/format": sum(s.formatted for s in scores) / len(scores),
+        "reward/fn_failed": sum(s.failed for s in scores) / len(scores),  # --reward_fn raised, timed out, no number
+        "reward/zero_std_groups": (grouped.max(-1).values == grouped.min(-1).values).float().mean().item(),
+        "completion/length_mean": lengths.mean().item(),
+        "completion/length_max": lengths.max().item(),
+        "completion/truncated": batch.truncated.float().mean().item(),
+        "policy/entropy": entropy[mask].mean().item(),
+        # Sampler and scorer must agree, or every ratio is off before any update: ~1e-6 in fp32, more in bf16.
+        "policy/sample_logp_diff": (batch.sample_logp - old_logp)[mask].abs().mean().item(),
+        "policy/sample_logp_diff_max": (batch.sample_logp - old_logp)[mask].abs().max().item(),
+    }
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, completion_mask: torch.Tensor) -> float:
+    """1 − Var(R − V) / Var(R) over valid tokens: 1 for a perfect critic, 0 for one that only
+    knows the mean, below 0 for one worse than that. values, returns, mask (N, T). NaN when the
+    returns do not vary (the ratio is undefined); the log shows it as NaN, not as a made-up 0."""
+    valid = completion_mask.bool()
+    target, error = returns[valid], (returns - values)[valid]
+    target_variance = target.var(unbiased=False)
+    if target_variance == 0:
+        return float("nan")
+    return (1 - error.var(unbiased=False) / target_variance).item()
+
+
+def whole_groups(order: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Keeps the rows of a group in one mini-batch, so that its prompt is forwarded once
+    (forward_completions): the groups in the order in which their first row comes in `order`, a
+    uniformly random permutation of the rows, each group's rows after one another. That is a
+    uniformly random permutation of the groups (all of G rows, so by symmetry every order of them
+    is as likely), drawn from the same random numbers as before: the random stream is unchanged.
+    order (N,) -> (N,)."""
+    position = torch.empty_like(order)
+    position[order] = torch.arange(len(order), device=order.device)  # where each row comes in `order`
+    groups = position.view(-1, group_size).amin(dim=-1).argsort()  # (N/G,) by their first row
+    return (groups[:, None] * group_size + torch.arange(group_size, device=order.device)).flatten()
+
+
+def optimizer_step(model, optimizer, max_grad_norm: float, skip: bool = False) -> float:
+    """Clips the gradient norm, steps, and frees the gradients (set to None, not zeros), so
+    that actor and critic gradients never exist at the same time, nor one step's during the
+    next generation. skip: no step, where a mini-batch had no token to learn from (momentum
+    alone must not move θ). Returns the norm before clipping."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item()
+    if not skip:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def accumulate(totals: dict, stats: dict) -> None:
+    """Adds one micro-batch's statistics into running totals: sums, except the maxima (*_max)."""
+    for key, value in stats.items():
+        totals[key] = max(totals.get(key, value), value) if key.endswith("_max") else totals.get(key, 0) + value
+
+
+def evaluate_heldout(
+    policy, tokenizer, eos_ids, task, max_new_tokens: int, batch_size: int, amp=contextlib.nullcontext
+):
+    """Greedy (temperature 0) accuracy on the held-out problems of `task` (rewards.py's
+    load_heldout_task: problems no training step samples), the same decoding evaluate.py
+    uses by default. Greedy decoding draws no random numbers, so evaluating does not change
+    what training samples next (a resumed run stays exact). amp() is the autocast context.
+    Returns the eval/ metrics, means over the problems."""
+    start = time.perf_counter()
+    scores, lengths, truncations = [], [], []
+    for first in range(0, len(task.problems), batch_size):
+        problems = task.problems[first : first + batch_size]
+        batch = rollout(  # greedy: one completion per problem, temperature 0
+            policy, tokenizer, eos_ids, task, problems, group_size=1, max_new_tokens=max_new_tokens,
+            temperature=0.0, top_p=1.0, amp=amp,
+        )  # fmt: skip
+        scores += batch.scores
+        lengths += batch.completion_mask.sum(-1).tolist()
+        truncations += batch.truncated.tolist()
+    return {
+        "eval/accuracy": sum(s.strict for s in scores) / len(scores),  # the answer where the prompt asks
+        "eval/reward": sum(s.reward for s in scores) / len(scores),
+        "eval/format": sum(s.formatted for s in scores) / len(scores),
+        "eval/length_mean": sum(lengths) / len(lengths),
+        "eval/truncated": sum(truncations) / len(truncations),
+        "eval/seconds": time.perf_counter() - start,
+    }
+
+
+# ----------------------------------------------------------------------------------------
+# The critic V_φ: the policy's architecture with a scalar head, and its checkpoints
+
+
+class Critic(torch.nn.Module):
+    """V_φ(s_t): the policy's transformer (its AutoModel backbone, without the LM head) and a
+    scalar value head on the last hidden state. A separate copy: the critic's updates never
+    move the policy. The head starts at zero, so V_φ = 0 everywhere at the start (explained
+    variance 0) instead of random values that would add noise to the first advantages."""
+
+    def __init__(self, backbone):
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = torch.nn.Linear(backbone.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+        """(n, p) and (n, t) ids and masks -> (n, t) fp32 value of the state in which each completion
+        token is chosen (at position p-1+j for token j), each prompt forwarded once (forward_completions)."""
+        hidden = forward_completions(
+            self.backbone, prompt_ids, prompt_mask, completion_ids, completion_mask, output="last_hidden_state"
+        )  # (n, t, H)
+        # The head runs in fp32, outside autocast and whatever --dtype the backbone has: it is
+        # one dot product per token, and bf16 would round values near 1 to steps of ~0.004-0.008
+        # (noise GAE sums over tokens) and round critic_lr-sized updates of the head away.
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            return self.value_head(hidden.float()).squeeze(-1)
+
+
+def load_critic(args, device: torch.device, dtype: torch.dtype, compute_dtype: torch.dtype | None = None) -> Critic:
+    """The critic: its backbone from --model (or from --resume_from's critic/ folder), and its
+    head from zero (or from the checkpoint's value_head.safetensors). With --lora_rank the
+    backbone is --model's, frozen (in compute_dtype: common.frozen_dtype), under LoRA adapters
+    of its own (new, or the checkpoint's critic/adapter/), and the head trains in full."""
+    if args.lora_rank:
+        dtype = frozen_dtype(dtype, compute_dtype)
+    saved = Path(args.resume_from) / CRITIC_DIR if args.resume_from else None
+    name = str(saved) if saved and not args.lora_rank else args.model
+    path = resolve_model_name(name)
+    source, gguf = model_source(path)  # a GGUF file: from_pretrained(directory, gguf_file=name)
+    try:
+        backbone = AutoModel.from_pretrained(source, dtype=dtype, **gguf)  # drops the LM head's weights
+        if gguf:
+            dequantised(backbone)
+    except (OSError, ValueError, RuntimeError) as error:
+        raise SystemExit(
+            f"Could not load the critic's backbone from {name!r} (resolved to {path!r}): {error}"
+        ) from error
+    if args.gradient_checkpointing:
+        enable_activation_checkpointing(backbone)
+    backbone.to(device=device, dtype=dtype)
+    if args.lora_rank:  # after the cast: peft keeps the adapters of a bf16 backbone in fp32
+        backbone = with_adapters(backbone, args, saved / ADAPTER_DIR if saved else None)
+    critic = Critic(backbone)
+    critic.value_head.to(device=device, dtype=torch.float32)  # fp32 always (see Critic.forward)
+    if saved:
+        critic.value_head.load_state_dict(load_file(saved / VALUE_HEAD_FILE, device=str(device)))
+    return critic.train()
+
+
+def save_critic(critic: Critic, directory: Path) -> None:
+    """Writes the critic into a checkpoint's critic/ folder: the backbone by save_pretrained
+    (AutoModel loads it; with LoRA its adapters, in critic/adapter/) and the head in
+    value_head.safetensors. common.Run calls it on the checkpoint's staging directory, so
+    policy and critic are renamed into place together: a crash mid-save leaves the previous
+    checkpoint whole, never a policy without its critic."""
+    backbone_dir = Path(directory) / CRITIC_DIR / (ADAPTER_DIR if is_lora(critic.backbone) else "")
+    if world_size() > 1:  # torchrun: every rank gathers, rank 0 writes the full weights
+        state = full_state_dict(critic)
+        if rank() == 0:
+            backbone = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
+            critic.backbone.save_pretrained(backbone_dir, state_dict=backbone, safe_serialization=True)
+            head = {k.removeprefix("value_head."): v.contiguous() for k, v in state.items() if "value_head." in k}
+            save_file(head, Path(directory) / CRITIC_DIR / VALUE_HEAD_FILE)
+        return
+    critic.backbone.save_pretrained(backbone_dir, safe_serialization=True)
+    head = {k: v.contiguous() for k, v in critic.value_head.state_dict().items()}
+    save_file(head, Path(directory) / CRITIC_DIR / VALUE_HEAD_FILE)
+
+
+def old_critic_values(critic: Critic, batch: Rollout, args: Args, amp) -> torch.Tensor:
+    """Step 4's values V_φold(s_t) of every completion token, no grad, logprob_chunk_size sequences
+    at a time: (N, T). Autocast of its own: autocast keeps the bf16 copy of every trainable weight
+    it casts until its context ends, so one context would hold policy and critic copies at once."""
+    critic.eval()  # same mode as sampling (matters for models with dropout)
+    with torch.no_grad(), amp():
+        sequences = batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
+        old_values = critic_values(critic, *sequences, args.logprob_chunk_size)  # (N, T)
+    critic.train()
+    return old_values
+
+
+def critic_values(
+    critic: Critic,
+    prompt_ids: torch.Tensor,  # (N, P)
+    prompt_mask: torch.Tensor,  # (N, P)
+    completion_ids: torch.Tensor,  # (N, T)
+    completion_mask: torch.Tensor,  # (N, T)
+    chunk_size: int,
+) -> torch.Tensor:
+    """V_φ(s_t) for every completion position t, s_t = (q, o_<t): the state in which token t
+    is chosen, read at position P-1+t, the same position whose logits give log π(o_t) in
+    sequence_logprobs (same left padding, attention mask and position ids). chunk_size rows
+    at a time, in order of length, each chunk cut to its own longest (as sequence_logprobs).
+    Returns values (N, T), 0 where completion_mask is 0, rows in the order given; differentiable with grad."""
+    num_tokens = completion_ids.shape[1]  # T
+    order = length_order(prompt_ids, prompt_mask, completion_mask)  # chunks of whole groups, each trimmed
+    values = []
+    for start in range(0, completion_ids.shape[0], chunk_size):
+        rows = order[start : start + chunk_size]
+        chunk = trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows])
+        chunk_values = critic(*chunk)  # (n, t), t ≤ T the chunk's longest completion
+        values.append(torch.nn.functional.pad(chunk_values, (0, num_tokens - chunk_values.shape[1])))  # (n, T)
+    return torch.cat(values)[order.argsort()] * completion_mask.to(torch.float32)  # (N, T)
+
+
+# ----------------------------------------------------------------------------------------
+# TRY NOT TO MODIFY: the sampler, steps 1-4's machinery. A reader may skip it: rollout() returns
+# the Rollout above, sequence_logprobs() the log-probs the loss reads. docs/speed.md explains
+# each speed feature of generate().
+
+
+def rollout(
+    policy,
+    tokenizer,
+    eos_ids: list[int],
+    task,  # a rewards.Task: its prompts and its reward
+    problems: list[dict],  # items of task.problems, one group each
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    amp=contextlib.nullcontext,
+) -> Rollout:
+    """Steps 1-3 for a list of problems: 1. each problem's prompt through the chat template,
+    repeated G times; 2. G completions of each from the policy as it is now (π_θold), sampled
+    with the KV cache; 3. every completion decoded and scored with the task's rule-based reward.
+    temperature 0 is greedy decoding (held-out evaluation). amp() is the autocast context."""
+    device = next(policy.parameters()).device
+    timer = time.perf_counter()
+    conversations = [task.messages(problem) for problem in problems]
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, conversations, group_size, device)  # (n, P)
+    with amp():
+        completion_ids, completion_mask, truncated, sample_logp = generate(
+            policy, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+            pad_id=tokenizer.pad_token_id, vocab_size=len(tokenizer), temperature=temperature, top_p=top_p,
+        )  # (n, T), (n, T), (n,), (n, T)  # fmt: skip
+    seconds = {"generate": time.perf_counter() - timer}
+    timer = time.perf_counter()
+    lengths = completion_mask.sum(-1).tolist()
+    texts = tokenizer.batch_decode(
+        [ids[:length] for ids, length in zip(completion_ids.tolist(), lengths)], skip_special_tokens=True
+    )
+    # A completion cut at max_new_tokens passes its truncation on: GSM8K's reward gives it 0.
+    cut = truncated.tolist()
+    scores = [task.score(text, problems[i // group_size], cut[i]) for i, text in enumerate(texts)]
+    rewards = torch.tensor([s.reward for s in scores], dtype=torch.float32, device=device)  # (n,)
+    seconds["reward"] = time.perf_counter() - timer
+    return Rollout(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        truncated=truncated,
+        sample_logp=sample_logp,
+        rewards=rewards,
+        texts=texts,
+        scores=scores,
+        seconds=seconds,
+    )
 
 
 def prompt_indices(step: int, batch_size: int, num_problems: int, seed: int) -> list[int]:
@@ -275,6 +1069,203 @@ def encode_prompts(tokenizer, conversations: list[list[dict]], group_size: int, 
     prompt_ids = encoded["input_ids"].repeat_interleave(group_size, dim=0).to(device)  # (N, P)
     prompt_mask = encoded["attention_mask"].repeat_interleave(group_size, dim=0).to(device)  # (N, P)
     return prompt_ids, prompt_mask
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompt_ids: torch.Tensor,  # (N, P) left padded
+    prompt_mask: torch.Tensor,  # (N, P) 1 for prompt tokens, 0 for padding
+    max_new_tokens: int,
+    eos_ids: list[int],
+    pad_id: int,
+    vocab_size: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    check_every: int | None = None,
+    compact_below: float = 0.5,
+):
+    """Autoregressive sampling with a KV cache: one forward pass over the prompts, then one
+    single-token pass per new token that reuses every earlier key and value.
+
+    temperature 0 means greedy. Only ids below vocab_size are ever sampled (Qwen's embedding
+    has ~270 more rows than its tokenizer has tokens). A completion ends with the first EOS
+    id it samples; that EOS is part of the completion (it is what teaches the model to stop),
+    and later positions hold pad_id with mask 0. Returns
+      completion_ids  (N, T) T ≤ max_new_tokens: the longest completion, right padded
+      completion_mask (N, T) 1 up to and including the EOS
+      truncated       (N,)   True where no EOS came within max_new_tokens
+      sample_logp     (N, T) log π(token) under the sampling distribution, before top-p
+                             (the one sequence_logprobs scores), 0 where masked
+
+    What makes it fast, none of which changes the distribution sampled from:
+    - the cache (KVCache) and the attention mask are allocated once, for P + max_new_tokens
+      positions, and written in place: nothing grows by torch.cat; keys and values are kept in
+      the compute dtype;
+    - encode_prompts repeats each prompt G times in a row: each distinct prompt is prefilled
+      once and its keys and values copied into the rows of its G completions;
+    - the one-token step attends over the filled part of the cache only, in a few fixed widths
+      (decode_widths), and reads each cached key and value once, whatever the number of query
+      heads sharing it (grouped_decode_attention);
+    - under autocast the LM head computes in fp32 (fp32_lm_head), as sequence_logprobs' does:
+      the logits the sampler draws from are not rounded to bf16;
+    - the host learns whether every row has ended only every check_every tokens (None: 16 on
+      CUDA, so the GPU never waits for it; 1 on the CPU, where asking costs nothing and a row
+      that ended is not decoded on for up to 15 tokens); the tokens drawn past the last EOS are
+      cut off, and the random generator is set back to where it stood after the last token kept;
+    - at those checks, once at most compact_below of the rows decoded are still unfinished,
+      the finished rows leave the batch (KVCache.keep_rows): the rest of the decode runs on
+      the live rows only. Each row's distribution is unchanged, but the random numbers go to
+      other rows than without it, so the tokens sampled for a seed differ (greedy ones do not);
+      compact_below 0 never compacts;
+    - on CUDA the one-token step is captured as a CUDA graph per width and batch size, the
+      graphs of one call sharing one memory pool (cuda_graph); on the CPU, and under torchrun,
+      the same step runs eagerly: FSDP2's root pre-forward hook makes its all-gather streams
+      wait on the current stream, which a capture cannot join.
+    The mask is an additive (N, 1, q, S) bias, transformers' 4D format, cut to the width the
+    step attends over: the model uses it as it is (sdpa and eager attention, its defaults, take it),
+    adding no sliding window of its own. So there is one mask per attention type of the model's
+    layers (attention_windows), a sliding layer's hiding what lies past its window, handed over
+    as one tensor when every layer is alike and as {layer type: mask} when they mix (Gemma 2/3).
+    """
+    was_training = model.training
+    model.eval()  # no dropout, and gradient checkpointing (train-mode only) keeps the cache
+    device = prompt_ids.device
+    cuda = device.type == "cuda"
+    if cuda and device.index != torch.cuda.current_device():  # streams and graphs go to the current device
+        raise ValueError(f"generate on {device} while cuda:{torch.cuda.current_device()} is current: set_device first")
+    num_rows, prompt_length = prompt_ids.shape  # N, P
+    length = prompt_length + max_new_tokens  # S
+    masked = -1e30  # the bias of a position not attended to: exp() of it is 0, finite in bf16 and fp32
+    eos = torch.tensor(eos_ids, device=device)
+    cache = KVCache(num_rows, length)
+    windows = attention_windows(model)  # attention type -> window; a mask per type
+
+    def by_type(masks: dict):  # what the model takes: one mask for every layer, or one per layer type
+        return masks if len(masks) > 1 else next(iter(masks.values()))
+
+    cache_name = cache_argument(model)  # the keyword the model takes it by
+    check_every = check_every or (16 if cuda else 1)
+
+    # Prefill each distinct prompt once (B rows), then copy its keys and values G times.
+    distinct, counts = torch.unique_consecutive(torch.cat([prompt_ids, prompt_mask], -1), dim=0, return_counts=True)
+    distinct_ids, distinct_mask = distinct[:, :prompt_length], distinct[:, prompt_length:]  # (B, P)
+    # Left padding shifts every prompt; positions count real tokens only, so a prompt
+    # scores the same whatever batch it is in.
+    position_ids = (distinct_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
+    causal = torch.ones(prompt_length, prompt_length, dtype=torch.bool, device=device).tril()  # (P, P) keys ≤ query
+    visible = torch.zeros(len(counts), prompt_length, prompt_length, dtype=torch.bool, device=device)  # (B, P, P)
+    visible[:] = causal & distinct_mask[:, None, :].bool()
+    columns = torch.arange(prompt_length, device=device)  # (P,) key columns; a query's column is its row
+    prefill_masks = {  # (B, 1, P, P) per attention type: causal, padding hidden, keys in the window only
+        kind: torch.where(visible & (columns[:, None] - columns < (window or length)), 0.0, masked)[:, None]
+        for kind, window in windows.items()
+    }
+    cache.slots, cache.width = columns, prompt_length
+    with fp32_lm_head(model):
+        out = model(
+            input_ids=distinct_ids,
+            attention_mask=by_type(prefill_masks),
+            position_ids=position_ids,
+            **{cache_name: cache},
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    cache.repeat_rows(counts)
+    logits = out.logits[:, -1, :vocab_size].float().repeat_interleave(counts, dim=0, output_size=num_rows)  # (N, V)
+
+    # The one-token step reads these buffers, which change only in place (and when rows leave).
+    token_in = torch.full((num_rows, 1), pad_id, device=device)  # (n, 1) the token just sampled
+    position = position_ids[:, -1:].repeat_interleave(counts, dim=0, output_size=num_rows) + 1  # (n, 1)
+    cache.slots = torch.tensor([prompt_length], device=device)  # (1,) the column its key and value go to
+    bias = torch.full((num_rows, 1, 1, length), masked, device=device)  # (n, 1, 1, S)
+    bias[:, 0, 0, :prompt_length].masked_fill_(prompt_mask.bool(), 0.0)  # the prompt, not its padding
+    biases = {kind: bias.clone() for kind in windows}  # (n, 1, 1, S) each: the one-token step's masks
+    for kind, window in windows.items():  # the first query, column P, sees columns P-window+1 … P
+        if window:
+            biases[kind][..., : max(prompt_length - window + 1, 0)] = masked
+    widths = decode_widths(prompt_length, max_new_tokens)
+
+    def step(width: int):
+        cache.width = width
+        with grouped_attention(model), fp32_lm_head(model):
+            out = model(
+                input_ids=token_in,
+                attention_mask=by_type({kind: bias[..., :width] for kind, bias in biases.items()}),
+                position_ids=position,
+                **{cache_name: cache},
+                use_cache=True,
+            )
+        return out.logits[:, -1, :vocab_size].float()  # (n, V) ids ≥ vocab_size are cut off
+
+    graphs, pool = {}, None  # on CUDA: width -> captured step, for the rows decoded now
+    if cuda and not torch.distributed.is_initialized():
+        pool = torch.cuda.graph_pool_handle()
+    completion_ids = torch.full((num_rows, max_new_tokens), pad_id, device=device)  # (N, max_new_tokens)
+    completion_mask = torch.zeros(num_rows, max_new_tokens, dtype=torch.long, device=device)
+    sample_logp = torch.zeros(num_rows, max_new_tokens, device=device)
+    finished = torch.zeros(num_rows, dtype=torch.bool, device=device)  # (n,) of the rows decoded
+    rows = torch.arange(num_rows, device=device)  # (n,) the row of the output each decoded row is
+    rng_states = []  # rng_states[t]: the state of the random generator before token t was drawn
+    for t in range(max_new_tokens):
+        # logit − logsumexp, the formula sequence_logprobs scores with, not F.log_softmax: on the
+        # CPU that kernel sums exp(x − max) in 16 (AVX-512) or 8 (AVX2) fp32 running sums, and in
+        # the one holding the max (exp 0 = 1) every later term below 2^-24 rounds away. A confident
+        # model over a 150k vocabulary then gets log π of every token ~1e-5 too high.
+        if temperature > 0:
+            rng_states.append(torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state())
+            scaled = logits / temperature  # (n, V)
+            logp = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)  # (n, V)
+            token = torch.multinomial(top_p_filter(logp.exp(), top_p), 1).squeeze(-1)  # (n,)
+            token_logp = logp.gather(-1, token[:, None]).squeeze(-1)  # (n,)
+        else:  # greedy: the log-probability of the chosen token only, no (n, V) log-softmax
+            token = logits.argmax(dim=-1)  # (n,)
+            token_logp = logits.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # (n,)
+        alive = ~finished
+        completion_ids[rows, t] = torch.where(alive, token, pad_id)
+        completion_mask[rows, t] = alive.long()
+        sample_logp[rows, t] = torch.where(alive, token_logp, 0.0)
+        finished = finished | (alive & torch.isin(token, eos))
+        if t == max_new_tokens - 1:
+            break
+        if (t + 1) % check_every == 0:  # the only host syncs
+            live = (~finished).nonzero().squeeze(-1)  # (n',)
+            if len(live) == 0:
+                break
+            if len(live) <= compact_below * len(rows):  # the finished rows leave the batch
+                rows, finished, token = rows[live], finished[live], token[live]
+                token_in, position = token_in[live], position[live]
+                biases = {kind: bias[live] for kind, bias in biases.items()}
+                cache.keep_rows(live)
+                graphs = {}  # new buffers, new graphs
+        token_in.copy_(token[:, None])
+        for kind, window in windows.items():
+            biases[kind].index_fill_(-1, cache.slots, 0.0)  # later tokens attend to this one (column P+t)…
+            if window and prompt_length + t >= window:  # …and, in a window, no longer to column P+t-window
+                biases[kind].index_fill_(-1, cache.slots - window, masked)
+        width = next(w for w in widths if w > prompt_length + t)  # holds columns 0 … P+t
+        if pool is not None and width not in graphs:
+            graphs[width] = captured_or_none(functools.partial(step, width), pool)
+        replay = graphs.get(width)  # None: eager, as on the CPU (no CUDA, torchrun, or a capture that failed)
+        logits = replay() if replay is not None else step(width)  # (n, V)
+        position += 1
+        cache.slots += 1
+    model.train(was_training)
+    truncated = torch.zeros(num_rows, dtype=torch.bool, device=device)  # (N,) the rows that left had ended
+    truncated[rows] = ~finished
+    num_tokens = completion_mask.sum(-1).max().item()  # T: the longest completion, its EOS included
+    if num_tokens < len(rng_states):  # tokens were drawn past the last EOS: as if they never were
+        if cuda:
+            torch.cuda.set_rng_state(rng_states[num_tokens], device)
+        else:
+            torch.set_rng_state(rng_states[num_tokens])
+    cut = slice(0, num_tokens)
+    return (
+        completion_ids[:, cut].contiguous(),
+        completion_mask[:, cut].contiguous(),
+        truncated,
+        sample_logp[:, cut].contiguous(),
+    )
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -479,267 +1470,97 @@ def captured_or_none(step, pool):
         return None
 
 
-@torch.no_grad()
-def generate(
+# ----------------------------------------------------------------------------------------
+# Scoring: log-probs of the sampled tokens, each prompt forwarded once per group
+
+
+def old_and_ref_logprobs(policy, reference, batch: Rollout, args, vocab_size: int, amp, score_policy: bool):
+    """Step 4, no grad: log π_θold and log π_ref of every sampled token, from logits / temperature,
+    logprob_chunk_size sequences at a time (sequence_logprobs), and the entropy of π_θold.
+    Returns old_logp, entropy, ref_logp, (N, T) each; ref_logp is None without a reference.
+
+    score_policy False skips the policy's pass and returns None for old_logp and entropy. That
+    is exact on-policy (one update over one mini-batch, μ = 1): π_θold is then the π_θ of the
+    update's own forward pass, before its optimizer step, and that pass computes log π_θ anyway.
+    The loss never read this pass's old_logp there (the ratio is exp(logp − logp.detach()) = 1,
+    see policy_backward); only the metrics did, and policy_backward hands them its log-probs,
+    detached, and the entropy of the same logits. One no-grad forward pass over N sequences
+    less: about half of step 4. With μ > 1 or several mini-batches θ moves between the updates,
+    and the ratios need the log-probs of θ as it sampled: the pass runs."""
+    sequences = batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
+    old_logp, entropy, ref_logp = None, None, None
+    policy.eval()  # same mode as sampling (matters for models with dropout)
+    with torch.no_grad(), amp():
+        if score_policy:
+            old_logp, entropy = sequence_logprobs(
+                policy, *sequences, args.temperature, vocab_size, args.logprob_chunk_size, with_entropy=True
+            )  # (N, T), (N, T)
+        if reference is not None:
+            ref_logp, _ = sequence_logprobs(
+                reference, *sequences, args.temperature, vocab_size, args.logprob_chunk_size
+            )  # (N, T)
+    policy.train()
+    return old_logp, entropy, ref_logp
+
+
+def sequence_logprobs(
     model,
-    prompt_ids: torch.Tensor,  # (N, P) left padded
-    prompt_mask: torch.Tensor,  # (N, P) 1 for prompt tokens, 0 for padding
-    max_new_tokens: int,
-    eos_ids: list[int],
-    pad_id: int,
-    vocab_size: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    check_every: int | None = None,
-    compact_below: float = 0.5,
-):
-    """Autoregressive sampling with a KV cache: one forward pass over the prompts, then one
-    single-token pass per new token that reuses every earlier key and value.
-
-    temperature 0 means greedy. Only ids below vocab_size are ever sampled (Qwen's embedding
-    has ~270 more rows than its tokenizer has tokens). A completion ends with the first EOS
-    id it samples; that EOS is part of the completion (it is what teaches the model to stop),
-    and later positions hold pad_id with mask 0. Returns
-      completion_ids  (N, T) T ≤ max_new_tokens: the longest completion, right padded
-      completion_mask (N, T) 1 up to and including the EOS
-      truncated       (N,)   True where no EOS came within max_new_tokens
-      sample_logp     (N, T) log π(token) under the sampling distribution, before top-p
-                             (the one sequence_logprobs scores), 0 where masked
-
-    What makes it fast, none of which changes the distribution sampled from:
-    - the cache (KVCache) and the attention mask are allocated once, for P + max_new_tokens
-      positions, and written in place: nothing grows by torch.cat; keys and values are kept in
-      the compute dtype;
-    - encode_prompts repeats each prompt G times in a row: each distinct prompt is prefilled
-      once and its keys and values copied into the rows of its G completions;
-    - the one-token step attends over the filled part of the cache only, in a few fixed widths
-      (decode_widths), and reads each cached key and value once, whatever the number of query
-      heads sharing it (grouped_decode_attention);
-    - under autocast the LM head computes in fp32 (fp32_lm_head), as sequence_logprobs' does:
-      the logits the sampler draws from are not rounded to bf16;
-    - the host learns whether every row has ended only every check_every tokens (None: 16 on
-      CUDA, so the GPU never waits for it; 1 on the CPU, where asking costs nothing and a row
-      that ended is not decoded on for up to 15 tokens); the tokens drawn past the last EOS are
-      cut off, and the random generator is set back to where it stood after the last token kept;
-    - at those checks, once at most compact_below of the rows decoded are still unfinished,
-      the finished rows leave the batch (KVCache.keep_rows): the rest of the decode runs on
-      the live rows only. Each row's distribution is unchanged, but the random numbers go to
-      other rows than without it, so the tokens sampled for a seed differ (greedy ones do not);
-      compact_below 0 never compacts;
-    - on CUDA the one-token step is captured as a CUDA graph per width and batch size, the
-      graphs of one call sharing one memory pool (cuda_graph); on the CPU, and under torchrun,
-      the same step runs eagerly: FSDP2's root pre-forward hook makes its all-gather streams
-      wait on the current stream, which a capture cannot join.
-    The mask is an additive (N, 1, q, S) bias, transformers' 4D format, cut to the width the
-    step attends over: the model uses it as it is (sdpa and eager attention, its defaults, take it),
-    adding no sliding window of its own. So there is one mask per attention type of the model's
-    layers (attention_windows), a sliding layer's hiding what lies past its window, handed over
-    as one tensor when every layer is alike and as {layer type: mask} when they mix (Gemma 2/3).
-    """
-    was_training = model.training
-    model.eval()  # no dropout, and gradient checkpointing (train-mode only) keeps the cache
-    device = prompt_ids.device
-    cuda = device.type == "cuda"
-    if cuda and device.index != torch.cuda.current_device():  # streams and graphs go to the current device
-        raise ValueError(f"generate on {device} while cuda:{torch.cuda.current_device()} is current: set_device first")
-    num_rows, prompt_length = prompt_ids.shape  # N, P
-    length = prompt_length + max_new_tokens  # S
-    masked = -1e30  # the bias of a position not attended to: exp() of it is 0, finite in bf16 and fp32
-    eos = torch.tensor(eos_ids, device=device)
-    cache = KVCache(num_rows, length)
-    windows = attention_windows(model)  # attention type -> window; a mask per type
-
-    def by_type(masks: dict):  # what the model takes: one mask for every layer, or one per layer type
-        return masks if len(masks) > 1 else next(iter(masks.values()))
-
-    cache_name = cache_argument(model)  # the keyword the model takes it by
-    check_every = check_every or (16 if cuda else 1)
-
-    # Prefill each distinct prompt once (B rows), then copy its keys and values G times.
-    distinct, counts = torch.unique_consecutive(torch.cat([prompt_ids, prompt_mask], -1), dim=0, return_counts=True)
-    distinct_ids, distinct_mask = distinct[:, :prompt_length], distinct[:, prompt_length:]  # (B, P)
-    # Left padding shifts every prompt; positions count real tokens only, so a prompt
-    # scores the same whatever batch it is in.
-    position_ids = (distinct_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
-    causal = torch.ones(prompt_length, prompt_length, dtype=torch.bool, device=device).tril()  # (P, P) keys ≤ query
-    visible = torch.zeros(len(counts), prompt_length, prompt_length, dtype=torch.bool, device=device)  # (B, P, P)
-    visible[:] = causal & distinct_mask[:, None, :].bool()
-    columns = torch.arange(prompt_length, device=device)  # (P,) key columns; a query's column is its row
-    prefill_masks = {  # (B, 1, P, P) per attention type: causal, padding hidden, keys in the window only
-        kind: torch.where(visible & (columns[:, None] - columns < (window or length)), 0.0, masked)[:, None]
-        for kind, window in windows.items()
-    }
-    cache.slots, cache.width = columns, prompt_length
-    with fp32_lm_head(model):
-        out = model(
-            input_ids=distinct_ids,
-            attention_mask=by_type(prefill_masks),
-            position_ids=position_ids,
-            **{cache_name: cache},
-            use_cache=True,
-            logits_to_keep=1,
-        )
-    cache.repeat_rows(counts)
-    logits = out.logits[:, -1, :vocab_size].float().repeat_interleave(counts, dim=0, output_size=num_rows)  # (N, V)
-
-    # The one-token step reads these buffers, which change only in place (and when rows leave).
-    token_in = torch.full((num_rows, 1), pad_id, device=device)  # (n, 1) the token just sampled
-    position = position_ids[:, -1:].repeat_interleave(counts, dim=0, output_size=num_rows) + 1  # (n, 1)
-    cache.slots = torch.tensor([prompt_length], device=device)  # (1,) the column its key and value go to
-    bias = torch.full((num_rows, 1, 1, length), masked, device=device)  # (n, 1, 1, S)
-    bias[:, 0, 0, :prompt_length].masked_fill_(prompt_mask.bool(), 0.0)  # the prompt, not its padding
-    biases = {kind: bias.clone() for kind in windows}  # (n, 1, 1, S) each: the one-token step's masks
-    for kind, window in windows.items():  # the first query, column P, sees columns P-window+1 … P
-        if window:
-            biases[kind][..., : max(prompt_length - window + 1, 0)] = masked
-    widths = decode_widths(prompt_length, max_new_tokens)
-
-    def step(width: int):
-        cache.width = width
-        with grouped_attention(model), fp32_lm_head(model):
-            out = model(
-                input_ids=token_in,
-                attention_mask=by_type({kind: bias[..., :width] for kind, bias in biases.items()}),
-                position_ids=position,
-                **{cache_name: cache},
-                use_cache=True,
-            )
-        return out.logits[:, -1, :vocab_size].float()  # (n, V) ids ≥ vocab_size are cut off
-
-    graphs, pool = {}, None  # on CUDA: width -> captured step, for the rows decoded now
-    if cuda and not torch.distributed.is_initialized():
-        pool = torch.cuda.graph_pool_handle()
-    completion_ids = torch.full((num_rows, max_new_tokens), pad_id, device=device)  # (N, max_new_tokens)
-    completion_mask = torch.zeros(num_rows, max_new_tokens, dtype=torch.long, device=device)
-    sample_logp = torch.zeros(num_rows, max_new_tokens, device=device)
-    finished = torch.zeros(num_rows, dtype=torch.bool, device=device)  # (n,) of the rows decoded
-    rows = torch.arange(num_rows, device=device)  # (n,) the row of the output each decoded row is
-    rng_states = []  # rng_states[t]: the state of the random generator before token t was drawn
-    for t in range(max_new_tokens):
-        # logit − logsumexp, the formula sequence_logprobs scores with, not F.log_softmax: on the
-        # CPU that kernel sums exp(x − max) in 16 (AVX-512) or 8 (AVX2) fp32 running sums, and in
-        # the one holding the max (exp 0 = 1) every later term below 2^-24 rounds away. A confident
-        # model over a 150k vocabulary then gets log π of every token ~1e-5 too high.
-        if temperature > 0:
-            rng_states.append(torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state())
-            scaled = logits / temperature  # (n, V)
-            logp = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)  # (n, V)
-            token = torch.multinomial(top_p_filter(logp.exp(), top_p), 1).squeeze(-1)  # (n,)
-            token_logp = logp.gather(-1, token[:, None]).squeeze(-1)  # (n,)
-        else:  # greedy: the log-probability of the chosen token only, no (n, V) log-softmax
-            token = logits.argmax(dim=-1)  # (n,)
-            token_logp = logits.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # (n,)
-        alive = ~finished
-        completion_ids[rows, t] = torch.where(alive, token, pad_id)
-        completion_mask[rows, t] = alive.long()
-        sample_logp[rows, t] = torch.where(alive, token_logp, 0.0)
-        finished = finished | (alive & torch.isin(token, eos))
-        if t == max_new_tokens - 1:
-            break
-        if (t + 1) % check_every == 0:  # the only host syncs
-            live = (~finished).nonzero().squeeze(-1)  # (n',)
-            if len(live) == 0:
-                break
-            if len(live) <= compact_below * len(rows):  # the finished rows leave the batch
-                rows, finished, token = rows[live], finished[live], token[live]
-                token_in, position = token_in[live], position[live]
-                biases = {kind: bias[live] for kind, bias in biases.items()}
-                cache.keep_rows(live)
-                graphs = {}  # new buffers, new graphs
-        token_in.copy_(token[:, None])
-        for kind, window in windows.items():
-            biases[kind].index_fill_(-1, cache.slots, 0.0)  # later tokens attend to this one (column P+t)…
-            if window and prompt_length + t >= window:  # …and, in a window, no longer to column P+t-window
-                biases[kind].index_fill_(-1, cache.slots - window, masked)
-        width = next(w for w in widths if w > prompt_length + t)  # holds columns 0 … P+t
-        if pool is not None and width not in graphs:
-            graphs[width] = captured_or_none(functools.partial(step, width), pool)
-        replay = graphs.get(width)  # None: eager, as on the CPU (no CUDA, torchrun, or a capture that failed)
-        logits = replay() if replay is not None else step(width)  # (n, V)
-        position += 1
-        cache.slots += 1
-    model.train(was_training)
-    truncated = torch.zeros(num_rows, dtype=torch.bool, device=device)  # (N,) the rows that left had ended
-    truncated[rows] = ~finished
-    num_tokens = completion_mask.sum(-1).max().item()  # T: the longest completion, its EOS included
-    if num_tokens < len(rng_states):  # tokens were drawn past the last EOS: as if they never were
-        if cuda:
-            torch.cuda.set_rng_state(rng_states[num_tokens], device)
-        else:
-            torch.set_rng_state(rng_states[num_tokens])
-    cut = slice(0, num_tokens)
-    return (
-        completion_ids[:, cut].contiguous(),
-        completion_mask[:, cut].contiguous(),
-        truncated,
-        sample_logp[:, cut].contiguous(),
-    )
-
-
-@dataclass
-class Rollout:
-    """What steps 1-3 produce: n = (prompts)·G rows, the group of prompt i in rows i·G … i·G+G-1."""
-
-    prompt_ids: torch.Tensor  # (n, P) left padded
-    prompt_mask: torch.Tensor  # (n, P) 1 for prompt tokens, 0 for padding
-    completion_ids: torch.Tensor  # (n, T) right padded with the pad id
-    completion_mask: torch.Tensor  # (n, T) 1 up to and including the EOS
-    truncated: torch.Tensor  # (n,) True where no EOS came within max_new_tokens
-    sample_logp: torch.Tensor  # (n, T) log π of each sampled token, as generate drew it
-    rewards: torch.Tensor  # (n,) the task's rule-based reward
-    texts: list[str]  # the n completions, decoded
-    scores: list[Score]  # the n grades: reward, correct, formatted, strict
-    seconds: dict[str, float] = field(default_factory=dict)  # time rollout() spent generating and scoring
-
-
-def rollout(
-    policy,
-    tokenizer,
-    eos_ids: list[int],
-    task,  # a rewards.Task: its prompts and its reward
-    problems: list[dict],  # items of task.problems, one group each
-    group_size: int,
-    max_new_tokens: int,
+    prompt_ids: torch.Tensor,  # (N, P)
+    prompt_mask: torch.Tensor,  # (N, P)
+    completion_ids: torch.Tensor,  # (N, T)
+    completion_mask: torch.Tensor,  # (N, T)
     temperature: float,
-    top_p: float,
-    amp=contextlib.nullcontext,
-) -> Rollout:
-    """Steps 1-3 for a list of problems: 1. each problem's prompt through the chat template,
-    repeated G times; 2. G completions of each from the policy as it is now (π_θold), sampled
-    with the KV cache; 3. every completion decoded and scored with the task's rule-based reward.
-    temperature 0 is greedy decoding (held-out evaluation). amp() is the autocast context."""
-    device = next(policy.parameters()).device
-    timer = time.perf_counter()
-    conversations = [task.messages(problem) for problem in problems]
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, conversations, group_size, device)  # (n, P)
-    with amp():
-        completion_ids, completion_mask, truncated, sample_logp = generate(
-            policy, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-            pad_id=tokenizer.pad_token_id, vocab_size=len(tokenizer), temperature=temperature, top_p=top_p,
-        )  # (n, T), (n, T), (n,), (n, T)  # fmt: skip
-    seconds = {"generate": time.perf_counter() - timer}
-    timer = time.perf_counter()
-    lengths = completion_mask.sum(-1).tolist()
-    texts = tokenizer.batch_decode(
-        [ids[:length] for ids, length in zip(completion_ids.tolist(), lengths)], skip_special_tokens=True
-    )
-    # A completion cut at max_new_tokens passes its truncation on: GSM8K's reward gives it 0.
-    cut = truncated.tolist()
-    scores = [task.score(text, problems[i // group_size], cut[i]) for i, text in enumerate(texts)]
-    rewards = torch.tensor([s.reward for s in scores], dtype=torch.float32, device=device)  # (n,)
-    seconds["reward"] = time.perf_counter() - timer
-    return Rollout(
-        prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask,
-        completion_ids=completion_ids,
-        completion_mask=completion_mask,
-        truncated=truncated,
-        sample_logp=sample_logp,
-        rewards=rewards,
-        texts=texts,
-        scores=scores,
-        seconds=seconds,
-    )
+    vocab_size: int,
+    chunk_size: int,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+):
+    """log π(o_t | q, o_<t) of every completion token, from logits / temperature restricted to
+    the tokenizer's vocabulary, exactly as `generate` sampled them. Rows go through the model
+    chunk_size at a time, so at most a (chunk_size, T, V) fp32 tensor exists, never (N, T, V);
+    the chunks take the rows in order of length (length_order) and each is cut to its own
+    longest prompt and completion (trim_padding): no forward pass computes padding that a longer
+    row elsewhere in the rollout forced on it. The rows come back in the order they came in.
+    Returns logp (N, T) and, with with_entropy, the entropy of π at each position (N, T);
+    both 0 where completion_mask is 0. logp is differentiable when called with grad enabled;
+    the entropy only with entropy_grad too (PPO's entropy bonus): otherwise no (n, T, V)
+    softmax is kept for a backward pass that does not need it.
+    """
+    num_tokens = completion_ids.shape[1]  # T
+    scale = temperature if temperature > 0 else 1.0
+    order = length_order(prompt_ids, prompt_mask, completion_mask)  # chunks of whole groups of similar length
+    logps, entropies = [], []
+    for start in range(0, completion_ids.shape[0], chunk_size):
+        rows = order[start : start + chunk_size]
+        chunk = trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows])
+        kept = chunk[2].shape[1]  # t ≤ T: the chunk's longest completion
+        with fp32_lm_head(model):  # fp32 logits, as generate's
+            logits = forward_completions(model, *chunk)[..., :vocab_size]  # (n, t, V) position p-1+j: token j
+        # (n, t, V) fp32 from the head (a no-op .float()), divided in place: no second fp32 (n, t, V)
+        # tensor (5 GB at 8 × 1024 × 151,665), and no backward needs the undivided one
+        logits = logits.float().div_(scale)
+        log_normaliser = torch.logsumexp(logits, dim=-1)  # (n, t)
+        token_logits = logits.gather(-1, chunk[2][:, :, None]).squeeze(-1)  # (n, t)
+        logps.append(torch.nn.functional.pad(token_logits - log_normaliser, (0, num_tokens - kept)))  # (n, T)
+        if with_entropy:  # H = log Z - Σ_v p_v · logit_v
+            with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+                entropy = log_normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # (n, t)
+                entropies.append(torch.nn.functional.pad(entropy, (0, num_tokens - kept)))  # (n, T)
+    mask = completion_mask.to(logits.dtype)
+    unsort = order.argsort()  # the rows back in the order they came in
+    logp = torch.cat(logps)[unsort] * mask  # (N, T)
+    return (logp, torch.cat(entropies)[unsort] * mask) if with_entropy else (logp, None)
+
+
+def micro_batches(batch: dict, size: int):
+    """The rows of a mini-batch (a dict of (n, …) tensors, None kept as None) in micro-batches of
+    `size`, taken in length_order: rows of similar length together, so that a micro-batch's forward
+    pass computes little padding (trim_padding), and a group's rows together, so that its prompt
+    runs once (forward_completions). Yields (rows, micro): rows (m,) are the micro-batch's indices
+    in `batch`, where what it computes goes back (`recorded[rows] = …`: input order again)."""
+    order = length_order(batch["prompt_ids"], batch["prompt_mask"], batch["completion_mask"])  # (n,)
+    for rows in order.split(size):
+        yield rows, {k: v[rows] if v is not None else None for k, v in batch.items()}
 
 
 def length_order(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
@@ -823,862 +1644,77 @@ def forward_completions(
     return out
 
 
-def sequence_logprobs(
-    model,
-    prompt_ids: torch.Tensor,  # (N, P)
-    prompt_mask: torch.Tensor,  # (N, P)
-    completion_ids: torch.Tensor,  # (N, T)
-    completion_mask: torch.Tensor,  # (N, T)
-    temperature: float,
-    vocab_size: int,
-    chunk_size: int,
-    with_entropy: bool = False,
-    entropy_grad: bool = False,
-):
-    """log π(o_t | q, o_<t) of every completion token, from logits / temperature restricted to
-    the tokenizer's vocabulary, exactly as `generate` sampled them. Rows go through the model
-    chunk_size at a time, so at most a (chunk_size, T, V) fp32 tensor exists, never (N, T, V);
-    the chunks take the rows in order of length (length_order) and each is cut to its own
-    longest prompt and completion (trim_padding): no forward pass computes padding that a longer
-    row elsewhere in the rollout forced on it. The rows come back in the order they came in.
-    Returns logp (N, T) and, with with_entropy, the entropy of π at each position (N, T);
-    both 0 where completion_mask is 0. logp is differentiable when called with grad enabled;
-    the entropy only with entropy_grad too (PPO's entropy bonus): otherwise no (n, T, V)
-    softmax is kept for a backward pass that does not need it.
-    """
-    num_tokens = completion_ids.shape[1]  # T
-    scale = temperature if temperature > 0 else 1.0
-    order = length_order(prompt_ids, prompt_mask, completion_mask)  # chunks of whole groups of similar length
-    logps, entropies = [], []
-    for start in range(0, completion_ids.shape[0], chunk_size):
-        rows = order[start : start + chunk_size]
-        chunk = trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows])
-        kept = chunk[2].shape[1]  # t ≤ T: the chunk's longest completion
-        with fp32_lm_head(model):  # fp32 logits, as generate's
-            logits = forward_completions(model, *chunk)[..., :vocab_size]  # (n, t, V) position p-1+j: token j
-        # (n, t, V) fp32 from the head (a no-op .float()), divided in place: no second fp32 (n, t, V)
-        # tensor (5 GB at 8 × 1024 × 151,665), and no backward needs the undivided one
-        logits = logits.float().div_(scale)
-        log_normaliser = torch.logsumexp(logits, dim=-1)  # (n, t)
-        token_logits = logits.gather(-1, chunk[2][:, :, None]).squeeze(-1)  # (n, t)
-        logps.append(torch.nn.functional.pad(token_logits - log_normaliser, (0, num_tokens - kept)))  # (n, T)
-        if with_entropy:  # H = log Z - Σ_v p_v · logit_v
-            with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
-                entropy = log_normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # (n, t)
-                entropies.append(torch.nn.functional.pad(entropy, (0, num_tokens - kept)))  # (n, T)
-    mask = completion_mask.to(logits.dtype)
-    unsort = order.argsort()  # the rows back in the order they came in
-    logp = torch.cat(logps)[unsort] * mask  # (N, T)
-    return (logp, torch.cat(entropies)[unsort] * mask) if with_entropy else (logp, None)
-
-
-def old_and_ref_logprobs(policy, reference, batch: Rollout, args, vocab_size: int, amp, score_policy: bool):
-    """Step 4, no grad: log π_θold and log π_ref of every sampled token, from logits / temperature,
-    logprob_chunk_size sequences at a time (sequence_logprobs), and the entropy of π_θold.
-    Returns old_logp, entropy, ref_logp, (N, T) each; ref_logp is None without a reference.
-
-    score_policy False skips the policy's pass and returns None for old_logp and entropy. That
-    is exact on-policy (one update over one mini-batch, μ = 1): π_θold is then the π_θ of the
-    update's own forward pass, before its optimizer step, and that pass computes log π_θ anyway.
-    The loss never read this pass's old_logp there (the ratio is exp(logp − logp.detach()) = 1,
-    see policy_backward); only the metrics did, and policy_backward hands them its log-probs,
-    detached, and the entropy of the same logits. One no-grad forward pass over N sequences
-    less: about half of step 4. With μ > 1 or several mini-batches θ moves between the updates,
-    and the ratios need the log-probs of θ as it sampled: the pass runs."""
-    sequences = batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
-    old_logp, entropy, ref_logp = None, None, None
-    policy.eval()  # same mode as sampling (matters for models with dropout)
-    with torch.no_grad(), amp():
-        if score_policy:
-            old_logp, entropy = sequence_logprobs(
-                policy, *sequences, args.temperature, vocab_size, args.logprob_chunk_size, with_entropy=True
-            )  # (N, T), (N, T)
-        if reference is not None:
-            ref_logp, _ = sequence_logprobs(
-                reference, *sequences, args.temperature, vocab_size, args.logprob_chunk_size
-            )  # (N, T)
-    policy.train()
-    return old_logp, entropy, ref_logp
-
-
 # ----------------------------------------------------------------------------------------
-# The critic V_φ
+# Argument checks: a setting that cannot work stops before anything loads.
 
 
-class Critic(torch.nn.Module):
-    """V_φ(s_t): the policy's transformer (its AutoModel backbone, without the LM head) and a
-    scalar value head on the last hidden state. A separate copy: the critic's updates never
-    move the policy. The head starts at zero, so V_φ = 0 everywhere at the start (explained
-    variance 0) instead of random values that would add noise to the first advantages."""
+def check_args(args: Args) -> None:
+    """Stops with a message on settings that cannot work, before anything is loaded."""
+    problems = check_run_args(args)
+    if args.num_mini_batches < 1 or (args.batch_size * args.group_size) % args.num_mini_batches:
+        problems.append("--num_mini_batches must be at least 1 and divide batch_size * group_size.")
+    if args.temperature <= 0 or not 0 < args.top_p <= 1:
+        problems.append("Training needs --temperature > 0 and 0 < --top_p <= 1.")
+    if args.critic_lr is not None and not args.critic_lr > 0:
+        problems.append(f"--critic_lr must be > 0 (got {args.critic_lr}); the critic learns from scratch: ~10× --lr.")
+    if args.dual_clip and args.dual_clip <= 1:
+        problems.append("--dual_clip must be > 1 (e.g. 3), or 0 to disable it.")
+    for name in ("gamma", "lam_actor", "lam_critic"):
+        if not 0 <= getattr(args, name) <= 1:
+            problems.append(f"--{name} must be between 0 and 1.")
+    if not 0 <= args.eps_low < 1 or args.eps_high < 0:
+        problems.append(
+            "Clip ranges need 0 <= --eps_low < 1 and --eps_high >= 0 (PPO: 0.2 and 0.2; VAPO: 0.2 and 0.28)."
+        )
+    if args.pos_lm_coef < 0:
+        problems.append(f"--pos_lm_coef must be >= 0 (got {args.pos_lm_coef}); VAPO uses 0.1.")
+    if args.tis_cap and args.tis_cap < 1:
+        problems.append(f"--tis_cap must be >= 1, or 0 to disable it (got {args.tis_cap}); Yao et al. use 2.")
+    problems += check_is_mask(args)
+    for name in ("eps_value", "lam_alpha", "whiten_eps"):
+        if getattr(args, name) <= 0:
+            problems.append(f"--{name} must be > 0.")
+    for name in ("beta", "entropy_coef", "value_warmup_steps"):
+        if getattr(args, name) < 0:
+            problems.append(f"--{name} must be >= 0.")
+    if args.value_warmup_steps >= args.max_steps > 0:
+        problems.append("--value_warmup_steps must be below --max_steps, or the policy never learns.")
+    if args.eval_every < 0 or (args.eval_every and (args.eval_problems < 1 or args.eval_batch_size < 1)):
+        problems.append("--eval_every must be >= 0, and with it --eval_problems and --eval_batch_size >= 1.")
+    for name in ("batch_size", "group_size", "max_new_tokens", "micro_batch_size", "logprob_chunk_size", "ppo_epochs"):
+        if getattr(args, name) < 1:
+            problems.append(f"--{name} must be at least 1.")
+    if args.resume_from and not (Path(args.resume_from) / CRITIC_DIR / VALUE_HEAD_FILE).exists():
+        problems.append(
+            f"--resume_from {args.resume_from} has no {CRITIC_DIR}/{VALUE_HEAD_FILE}: not a ppo.py checkpoint."
+        )
+    if problems:
+        raise SystemExit("Invalid arguments:\n  " + "\n  ".join(problems))
 
-    def __init__(self, backbone):
-        super().__init__()
-        self.backbone = backbone
-        self.value_head = torch.nn.Linear(backbone.config.hidden_size, 1)
-        torch.nn.init.zeros_(self.value_head.weight)
-        torch.nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
-        """(n, p) and (n, t) ids and masks -> (n, t) fp32 value of the state in which each completion
-        token is chosen (at position p-1+j for token j), each prompt forwarded once (forward_completions)."""
-        hidden = forward_completions(
-            self.backbone, prompt_ids, prompt_mask, completion_ids, completion_mask, output="last_hidden_state"
-        )  # (n, t, H)
-        # The head runs in fp32, outside autocast and whatever --dtype the backbone has: it is
-        # one dot product per token, and bf16 would round values near 1 to steps of ~0.004-0.008
-        # (noise GAE sums over tokens) and round critic_lr-sized updates of the head away.
-        with torch.autocast(device_type=hidden.device.type, enabled=False):
-            return self.value_head(hidden.float()).squeeze(-1)
-
-
-def load_critic(args, device: torch.device, dtype: torch.dtype, compute_dtype: torch.dtype | None = None) -> Critic:
-    """The critic: its backbone from --model (or from --resume_from's critic/ folder), and its
-    head from zero (or from the checkpoint's value_head.safetensors). With --lora_rank the
-    backbone is --model's, frozen (in compute_dtype: common.frozen_dtype), under LoRA adapters
-    of its own (new, or the checkpoint's critic/adapter/), and the head trains in full."""
-    if args.lora_rank:
-        dtype = frozen_dtype(dtype, compute_dtype)
-    saved = Path(args.resume_from) / CRITIC_DIR if args.resume_from else None
-    name = str(saved) if saved and not args.lora_rank else args.model
-    path = resolve_model_name(name)
-    source, gguf = model_source(path)  # a GGUF file: from_pretrained(directory, gguf_file=name)
+def check_is_mask(args) -> list[str]:
+    """The range of --is_mask α,β and --is_mask_level (all three scripts)."""
+    if args.is_mask_level not in ("token", "sequence"):
+        return [f"--is_mask_level {args.is_mask_level!r} is not one of: token, sequence."]
     try:
-        backbone = AutoModel.from_pretrained(source, dtype=dtype, **gguf)  # drops the LM head's weights
-        if gguf:
-            dequantised(backbone)
-    except (OSError, ValueError, RuntimeError) as error:
-        raise SystemExit(
-            f"Could not load the critic's backbone from {name!r} (resolved to {path!r}): {error}"
-        ) from error
-    if args.gradient_checkpointing:
-        enable_activation_checkpointing(backbone)
-    backbone.to(device=device, dtype=dtype)
-    if args.lora_rank:  # after the cast: peft keeps the adapters of a bf16 backbone in fp32
-        backbone = with_adapters(backbone, args, saved / ADAPTER_DIR if saved else None)
-    critic = Critic(backbone)
-    critic.value_head.to(device=device, dtype=torch.float32)  # fp32 always (see Critic.forward)
-    if saved:
-        critic.value_head.load_state_dict(load_file(saved / VALUE_HEAD_FILE, device=str(device)))
-    return critic.train()
-
-
-def save_critic(critic: Critic, directory: Path) -> None:
-    """Writes the critic into a checkpoint's critic/ folder: the backbone by save_pretrained
-    (AutoModel loads it; with LoRA its adapters, in critic/adapter/) and the head in
-    value_head.safetensors. common.Run calls it on the checkpoint's staging directory, so
-    policy and critic are renamed into place together: a crash mid-save leaves the previous
-    checkpoint whole, never a policy without its critic."""
-    backbone_dir = Path(directory) / CRITIC_DIR / (ADAPTER_DIR if is_lora(critic.backbone) else "")
-    if world_size() > 1:  # torchrun: every rank gathers, rank 0 writes the full weights
-        state = full_state_dict(critic)
-        if rank() == 0:
-            backbone = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
-            critic.backbone.save_pretrained(backbone_dir, state_dict=backbone, safe_serialization=True)
-            head = {k.removeprefix("value_head."): v.contiguous() for k, v in state.items() if "value_head." in k}
-            save_file(head, Path(directory) / CRITIC_DIR / VALUE_HEAD_FILE)
-        return
-    critic.backbone.save_pretrained(backbone_dir, safe_serialization=True)
-    head = {k: v.contiguous() for k, v in critic.value_head.state_dict().items()}
-    save_file(head, Path(directory) / CRITIC_DIR / VALUE_HEAD_FILE)
-
-
-def critic_values(
-    critic: Critic,
-    prompt_ids: torch.Tensor,  # (N, P)
-    prompt_mask: torch.Tensor,  # (N, P)
-    completion_ids: torch.Tensor,  # (N, T)
-    completion_mask: torch.Tensor,  # (N, T)
-    chunk_size: int,
-) -> torch.Tensor:
-    """V_φ(s_t) for every completion position t, s_t = (q, o_<t): the state in which token t
-    is chosen, read at position P-1+t, the same position whose logits give log π(o_t) in
-    sequence_logprobs (same left padding, attention mask and position ids). chunk_size rows
-    at a time, in order of length, each chunk cut to its own longest (as sequence_logprobs).
-    Returns values (N, T), 0 where completion_mask is 0, rows in the order given; differentiable with grad."""
-    num_tokens = completion_ids.shape[1]  # T
-    order = length_order(prompt_ids, prompt_mask, completion_mask)  # chunks of whole groups, each trimmed
-    values = []
-    for start in range(0, completion_ids.shape[0], chunk_size):
-        rows = order[start : start + chunk_size]
-        chunk = trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows])
-        chunk_values = critic(*chunk)  # (n, t), t ≤ T the chunk's longest completion
-        values.append(torch.nn.functional.pad(chunk_values, (0, num_tokens - chunk_values.shape[1])))  # (n, T)
-    return torch.cat(values)[order.argsort()] * completion_mask.to(torch.float32)  # (N, T)
-
-
-# ----------------------------------------------------------------------------------------
-# ALGO LOGIC: per-token rewards, GAE, and the PPO losses
-
-
-def tis_weights(old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_mask: torch.Tensor, cap: float):
-    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you
-    off-policy RL training"): the sampler (generate, in its kernels and precision) and the trainer
-    (sequence_logprobs) give the same token different probabilities, so a batch sampled from
-    π_sampler is slightly off-policy for π_θold. Each token's policy-gradient term is weighted by
-        w_t = min(π_θold(y_t) / π_sampler(y_t), C)
-    the importance ratio that corrects for it, truncated at C to bound its variance (Yao et al.
-    use C = 2). A constant, no gradient. π_sampler is sample_logp, recorded before top-p (as
-    verl's and vLLM's raw log-probs): with --top_p < 1 the weight leaves the truncation of the
-    distribution uncorrected. old_logp, sample_logp, completion_mask (n, T) -> w (n, T), 1 where masked."""
-    log_ratio = ((old_logp - sample_logp) * completion_mask).clamp(max=20.0)  # e^20: finite, as in kl_k3
-    return torch.exp(log_ratio).clamp(max=cap).detach()
-
-
-def importance_mask(
-    old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_mask: torch.Tensor, bounds: tuple, level: str
-) -> torch.Tensor:
-    """Masked importance sampling: where truncated IS (tis_weights) reweights a token that the sampler
-    and the trainer score differently, this drops it. IcePop (Ling Team 2025, Ring-1T, arXiv 2510.18855)
-    keeps a token's policy-gradient term only while k_t = π_θold(y_t) / π_sampler(y_t) lies in [α, β]
-    (its M(k; α, β)), as TRL, verl, SkyRL, OpenRLHF and slime do; a token far outside is a numerical
-    accident of one of the two passes, and reweighting it, even truncated, trains on that accident.
-    level "sequence" judges a completion as a whole, by the geometric mean of its ratios,
-    exp(mean_t log k_t), and keeps or drops all of its tokens (one row of GSPO's kind of ratio).
-    Fidelity: IcePop's mask exactly; its M also weights a kept token by k_t, which is --tis_cap C
-    with C ≥ β (docs/techniques.md). The sequence level is not IcePop's: the geometric-mean rule.
-    old_logp, sample_logp, completion_mask (n, T), bounds (α, β) -> keep (n, T) in completion_mask's
-    dtype: 1 for a valid token that stays, 0 for one masked out and for padding. No gradient."""
-    low, high = bounds
-    log_ratio = ((old_logp - sample_logp) * completion_mask).detach()  # (n, T) log k_t, 0 on padding
-    if level == "sequence":
-        lengths = completion_mask.sum(-1, keepdim=True).clamp(min=1)  # (n, 1) |o_i|
-        log_ratio = (log_ratio.sum(-1, keepdim=True) / lengths).expand_as(log_ratio)  # (n, T) log of the mean
-    ratio = torch.exp(log_ratio)  # overflow gives inf, which is outside [α, β] as it should be
-    return completion_mask * ((ratio >= low) & (ratio <= high)).to(completion_mask.dtype)
-
-
-def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """k3 estimator of KL(π_θ ‖ π_ref) per token (Schulman 2020; DeepSeekMath Eq. 4):
-        π_ref/π_θ − log(π_ref/π_θ) − 1, unbiased under samples of π_θ and never negative.
-    logp, ref_logp (…, T) -> (…, T)."""
-    # e^20 ≈ 5e8: finite. verl clamps the log-ratio at ±20 too, and then caps k3 itself at 10 (its
-    # low_var_kl); here k3 is not capped, so a token far from π_ref keeps its whole gradient.
-    log_ratio = (ref_logp - logp).clamp(-20.0, 20.0)
-    return torch.exp(log_ratio) - log_ratio - 1
-
-
-def token_rewards(
-    rewards: torch.Tensor,  # (N,) task reward R_i
-    old_logp: torch.Tensor | None,  # (N, T) log π_θold; None when beta = 0 (step 4 may skip it)
-    ref_logp: torch.Tensor | None,  # (N, T) log π_ref; None when beta = 0
-    completion_mask: torch.Tensor,  # (N, T)
-    beta: float,
-) -> torch.Tensor:
-    """The reward of every completion token (InstructGPT Eq. 2, spread over tokens):
-        r_t = −β · (log π_θold(o_t) − log π_ref(o_t))  +  R_i if t is the last token of o_i
-    The KL term is the k1 estimate, whose sum over a completion is an unbiased estimate of
-    KL(π_θold ‖ π_ref) for it. The last token is the EOS, or the last token of a truncated
-    completion (generate emits at least one token, so every row has one). Returns (N, T),
-    0 where completion_mask is 0."""
-    mask = completion_mask.to(rewards.dtype)
-    kl = old_logp - ref_logp if ref_logp is not None else torch.zeros_like(mask)  # (N, T) k1
-    per_token = -beta * kl * mask  # (N, T)
-    last = completion_mask.sum(-1, keepdim=True) - 1  # (N, 1) index of the last valid token
-    return per_token.scatter_add(1, last, rewards[:, None].to(per_token.dtype))
-
-
-def gae(
-    per_token_rewards: torch.Tensor,  # (N, T) r_t
-    values: torch.Tensor,  # (N, T) V(s_t)
-    completion_mask: torch.Tensor,  # (N, T), valid tokens a prefix of each row (right padding)
-    gamma: float,
-    lam: float | torch.Tensor,  # λ, or (N,) one λ per completion (length-adaptive)
-):
-    """Generalised advantage estimation, GAE Eq. 16 / PPO Eq. 11-12:
-        δ_t = r_t + γ V(s_{t+1}) − V(s_t),   Â_t = Σ_l (γλ)^l δ_{t+l} = δ_t + γλ Â_{t+1}
-    with V = 0 and Â = 0 after the last valid token: the episode ends there. The return
-    target of the critic is R_t = Â_t + V(s_t) (the λ-return). Returns advantages, returns
-    (N, T), 0 where completion_mask is 0."""
-    mask = completion_mask.to(values.dtype)
-    rewards, values = per_token_rewards * mask, values * mask  # padding: r = 0, V = 0, so δ = 0
-    lam = torch.as_tensor(lam, dtype=values.dtype, device=values.device).reshape(-1)  # (N,) or (1,)
-    next_value = torch.zeros_like(values[:, 0])  # (N,) V(s_{t+1})
-    next_advantage = torch.zeros_like(values[:, 0])  # (N,) Â_{t+1}
-    advantages = []
-    for t in reversed(range(values.shape[1])):
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        next_advantage = delta + gamma * lam * next_advantage
-        next_value = values[:, t]
-        advantages.append(next_advantage)
-    advantages = torch.stack(advantages[::-1], dim=1) * mask  # (N, T)
-    return advantages, (advantages + values) * mask
-
-
-def adaptive_lambda(lengths: torch.Tensor, alpha: float) -> torch.Tensor:
-    """VAPO's length-adaptive GAE (Sec. 3): λ_actor = 1 − 1/(α·|o_i|) per completion, so that
-    Σ_t λ^t ≈ 1/(1 − λ) = α·|o_i| grows with the length and a long answer's final reward still
-    reaches its first tokens. The formula is negative for |o_i| < 1/α: clamped at 0 (plain
-    one-step TD). lengths (N,) -> λ (N,)."""
-    return (1 - 1 / (alpha * lengths.to(torch.float32))).clamp(min=0.0)
-
-
-def masked_whiten(x: torch.Tensor, completion_mask: torch.Tensor, eps: float, total=lambda sum_: sum_) -> torch.Tensor:
-    """(x − mean) / sqrt(var + eps), mean and variance over the valid tokens of the whole batch
-    (not per sequence, not per micro-batch), the population variance. total(sum): the sum over
-    the whole batch (under torchrun common.all_reduce, as this rank holds only its share).
-    x, mask (N, T) -> (N, T), 0 where masked."""
-    mask = completion_mask.to(x.dtype)
-    count = total(mask.sum())
-    mean = total((x * mask).sum()) / count
-    variance = total(((x - mean) ** 2 * mask).sum()) / count
-    return (x - mean) * torch.rsqrt(variance + eps) * mask
-
-
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, completion_mask: torch.Tensor) -> float:
-    """1 − Var(R − V) / Var(R) over valid tokens: 1 for a perfect critic, 0 for one that only
-    knows the mean, below 0 for one worse than that. values, returns, mask (N, T). NaN when the
-    returns do not vary (the ratio is undefined); the log shows it as NaN, not as a made-up 0."""
-    valid = completion_mask.bool()
-    target, error = returns[valid], (returns - values)[valid]
-    target_variance = target.var(unbiased=False)
-    if target_variance == 0:
-        return float("nan")
-    return (1 - error.var(unbiased=False) / target_variance).item()
-
-
-def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
-    """PPO's clipped surrogate per token (PPO Eq. 7; DAPO Eq. 10 with ε_low and ε_high):
-        min(r·Â, clip(r, 1 − ε_low, 1 + ε_high)·Â)
-    the pessimistic bound: once r has moved past the clip in the direction Â pushes it, the token
-    gets no gradient, so one batch cannot drag π_θ far from π_θold.
-    ratio (n, T), advantages (n, 1) or (n, T) -> (n, T)."""
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * advantages
-    return torch.min(unclipped, clipped)
-
-
-def ppo_loss(
-    logp: torch.Tensor,  # (n, T) log π_θ, with grad
-    old_logp: torch.Tensor,  # (n, T) log π_θold, recorded before the first update
-    advantages: torch.Tensor,  # (n, T) Â_t, whitened unless --whiten_advantages false
-    loss_mask: torch.Tensor,  # (n, T) completion_mask, less what --is_mask drops
-    args: Args,  # reads eps_low, eps_high, dual_clip, entropy_coef
-    *,
-    num_tokens: int,  # the valid tokens of the whole mini-batch
-    entropy: torch.Tensor | None = None,  # (n, T) H(π_θ(·|s_t)) with grad; None when entropy_coef = 0
-    is_weight: torch.Tensor | None = None,  # (n, T) truncated IS weights (tis_weights); None = off
-):
-    """The negative PPO objective of one micro-batch, PPO Eq. 7 (plus Eq. 9's entropy bonus):
-        J = 1/|tokens| Σ_i Σ_t [ min(r_t Â_t, clip(r_t, 1−ε_low, 1+ε_high) Â_t) + c_2 H_t ]
-    a mean over the valid tokens of the whole mini-batch (VAPO's token-level loss, as DAPO
-    Eq. 12): num_tokens counts them all, so the micro-batch losses add up to the mini-batch
-    loss and gradient accumulation gives exactly the big-batch gradient. The value loss is a
-    separate function: actor and critic are separate networks with separate optimizers, so
-    nothing is gained by summing.
-    ε_low = ε_high is PPO's symmetric clip; ε_high > ε_low is clip-higher (DAPO Eq. 10, which
-    VAPO adopts with 0.2 and 0.28): a low-probability token with Â > 0 keeps room to grow.
-    Dual-clip and truncated IS (is_weight) enter as one named function each, defined in the
-    section on variants below. Returns (loss, stats): stats are sums over the tokens of loss_mask."""
-    mask = loss_mask.to(logp.dtype)  # (n, T)
-    ratio = torch.exp((logp - old_logp) * mask)  # (n, T) r_t
-    objective = clipped_surrogate(ratio, advantages, args.eps_low, args.eps_high)  # (n, T)
-    objective, dual_clipped = dual_clip(objective, advantages, args.dual_clip)  # c·Â bounds Â < 0 tokens below
-    if is_weight is not None:
-        objective = is_weight * objective  # truncated IS: the clipped term only
-    if args.entropy_coef > 0:
-        objective = objective + args.entropy_coef * entropy  # PPO Eq. 9's bonus c_2·H_t
-    loss = -(objective * mask).sum() / num_tokens
-    stats = loss_stats(ratio, advantages, loss_mask, args.eps_low, args.eps_high, dual_clipped, is_weight=is_weight)
-    return loss, stats
-
-
-@torch.no_grad()
-def loss_stats(
-    ratio: torch.Tensor,  # (n, T)
-    advantages: torch.Tensor,  # (n, 1) or (n, T)
-    loss_mask: torch.Tensor,  # (n, T)
-    eps_low: float,
-    eps_high: float,
-    dual_clipped: torch.Tensor,  # (n, T) bool, the tokens dual-clip bounded
-    kl: torch.Tensor | None = None,  # (n, T) the KL term's per-token estimate
-    is_weight: torch.Tensor | None = None,  # (n, T) truncated IS weights
-    clips_weight: bool = False,  # CISPO: the clip bounds its weight, whatever the sign of Â
-) -> dict:
-    """The loss's statistics over the tokens of loss_mask, as sums (and maxima, *_max) that
-    accumulate over micro-batches into update_metrics: tokens, the tokens the clip binds on each
-    side, those dual-clip bounds, Σ KL, the largest ratio, and the truncated IS weights."""
-    valid = loss_mask.bool()
-    low, high = (ratio < 1 - eps_low), (ratio > 1 + eps_high)
-    if not clips_weight:  # the clipped surrogate binds only where it cuts the gradient
-        low, high = low & (advantages < 0), high & (advantages > 0)
-    stats = {
-        "tokens": valid.sum().item(),
-        "clip_low": (valid & low).sum().item(),
-        "clip_high": (valid & high).sum().item(),
-        "clip_dual": (valid & dual_clipped).sum().item(),
-        "ratio_max": ratio[valid].max().item() if valid.any() else 1.0,
-    }
-    if kl is not None:
-        stats["kl"] = (kl * loss_mask.to(kl.dtype)).sum().item()
-    if is_weight is not None:
-        stats |= tis_stats(is_weight, valid)
-    return stats
-
-
-def tis_stats(is_weight: torch.Tensor, valid: torch.Tensor) -> dict:
-    """Sums and the max of the truncated IS weights over the valid tokens, for update_metrics."""
-    weights = is_weight[valid]
-    return {
-        "tis_weight": weights.sum().item(),
-        "tis_weight_max": weights.max().item() if weights.numel() else 1.0,  # C when any token was capped
-    }
-
-
-def positive_lm_loss(
-    logp: torch.Tensor,  # (n, T) log π_θ, with grad
-    completion_mask: torch.Tensor,  # (n, T)
-    positive: torch.Tensor,  # (n,) True for a completion the task scored correct
-    num_positive_tokens: int,
-):
-    """VAPO's positive-example LM loss (Yue et al. 2025, arXiv 2504.05118, Sec. 3): the negative
-    log-likelihood of the correct completions of the batch, T,
-        L_NLL = −1/Σ_{o_i∈T} |o_i| · Σ_{o_i∈T} Σ_t log π_θ(o_i,t)
-    added to the policy loss with weight μ. Imitating its own correct answers extracts more
-    from each rare success than the policy gradient alone does, where rewards are sparse.
-    "Correct" is the task's verdict (Score.correct), VAPO's choice on its 0/1-reward math data;
-    on Countdown that leaves out the 0.1 format-only reward. num_positive_tokens counts the
-    whole mini-batch, as ppo_loss's num_tokens; none (no correct completion): 0."""
-    positive_mask = completion_mask.to(logp.dtype) * positive[:, None]  # (n, T)
-    return -(logp * positive_mask).sum() / max(num_positive_tokens, 1)
-
-
-def value_loss(
-    values: torch.Tensor,  # (n, T) V_φ(s_t), with grad
-    old_values: torch.Tensor,  # (n, T) V_φold(s_t), recorded with the rollout
-    returns: torch.Tensor,  # (n, T) R_t, the GAE return targets
-    completion_mask: torch.Tensor,  # (n, T)
-    eps_value: float,
-    num_tokens: int,
-):
-    """The clipped value loss (PPO Eq. 9's L^VF with the clipping of OpenAI baselines' PPO2):
-        L = 1/|tokens| Σ ½ · max((V − R_t)², (clip(V, V_old − ε_v, V_old + ε_v) − R_t)²)
-    The max makes it pessimistic: a value that moved more than ε_v from V_old gets no gradient
-    toward the target once the clipped error is the larger. Normalised by the mini-batch's
-    token count, as ppo_loss. Returns (loss, stats): stats are sums over valid tokens."""
-    mask = completion_mask.to(values.dtype)
-    clipped = old_values + (values - old_values).clamp(-eps_value, eps_value)  # (n, T)
-    unclipped_error = (values - returns) ** 2
-    clipped_error = (clipped - returns) ** 2
-    loss = (0.5 * torch.max(unclipped_error, clipped_error) * mask).sum() / num_tokens
-    with torch.no_grad():
-        valid = completion_mask.bool()
-        stats = {
-            "tokens": valid.sum().item(),
-            "value_clipped": (valid & (clipped_error > unclipped_error)).sum().item(),
-        }
-    return loss, stats
-
-
-def on_policy(args: Args) -> bool:
-    """True when the batch trains one update (K = 1 epoch and one mini-batch): π_θold is then the π_θ
-    of that update's forward pass, before its optimizer step, which step 4 need not score."""
-    return args.ppo_epochs == 1 and args.num_mini_batches == 1
-
-
-def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contextlib.nullcontext) -> tuple[dict, dict]:
-    """Step 6's forward and backward of the policy over one mini-batch, micro_batch_size sequences
-    at a time; gradients accumulate in .grad. batch holds (n, …) tensors: prompt_ids, prompt_mask,
-    completion_ids, completion_mask, sample_logp, old_logp (None: see below), advantages, positive
-    (and the critic's old_values and returns, unused here). amp() is the autocast context of the
-    forward pass. Returns (totals, recorded): the summed loss and token statistics of the
-    mini-batch, and, when batch["old_logp"] is None, this pass's log π_θ and entropy (n, T), no
-    grad, in batch's row order, standing in for step 4's (on-policy with β = 0, see train);
-    otherwise {}.
-
-    On-policy π_θold is π_θ itself, so old = sg(log π_θ) sets the ratio to exactly 1, with the
-    gradient ∇log π_θ, as in grpo.py: the gradient is the same, kernel noise is gone.
-    A token --is_mask drops leaves ppo_loss and its token count; VAPO's NLL term, a supervised loss
-    on the correct completions that no importance ratio enters, keeps it."""
-    loss_mask, totals = masked_importance(batch, batch["completion_mask"], args)  # (n, T): less what --is_mask drops
-    # The whole mini-batch's tokens, for every micro-batch; under torchrun every rank's (FSDP sums
-    # the ranks' gradients): the normalisers of one process's loss. max(…, 1): all masked, loss 0.
-    num_tokens = max(all_reduce(loss_mask.sum().item()), 1)
-    batch = {**batch, "loss_mask": loss_mask}
-    if args.pos_lm_coef > 0:  # VAPO's Σ_{o_i∈T} |o_i| over the whole mini-batch
-        num_positive_tokens = all_reduce((batch["completion_mask"] * batch["positive"][:, None]).sum().item())
-    record = batch["old_logp"] is None  # this forward pass stands in for step 4's
-    recorded = {name: torch.zeros_like(loss_mask, dtype=torch.float32) for name in ("old_logp", "entropy")}
-    for rows, micro in micro_batches(batch, args.micro_batch_size):
-        with amp():
-            logp, entropy = sequence_logprobs(
-                policy, micro["prompt_ids"], micro["prompt_mask"], micro["completion_ids"], micro["completion_mask"],
-                temperature=args.temperature, vocab_size=vocab_size, chunk_size=args.micro_batch_size,
-                with_entropy=args.entropy_coef > 0 or record, entropy_grad=args.entropy_coef > 0,
-            )  # (m, T) each  # fmt: skip
-            old_logp = logp.detach() if on_policy(args) else micro["old_logp"]
-            is_weight = None
-            if args.tis_cap:
-                is_weight = tis_weights(old_logp, micro["sample_logp"], micro["completion_mask"], args.tis_cap)
-            loss, stats = ppo_loss(
-                logp, old_logp, micro["advantages"], micro["loss_mask"], args, num_tokens=num_tokens,
-                entropy=entropy, is_weight=is_weight,
-            )  # fmt: skip
-            if args.pos_lm_coef > 0:
-                nll = positive_lm_loss(logp, micro["completion_mask"], micro["positive"], num_positive_tokens)
-                loss = loss + args.pos_lm_coef * nll
-                stats |= {
-                    "pos_nll": nll.item(),
-                    "pos_tokens": (micro["completion_mask"] * micro["positive"][:, None]).sum().item(),
-                }
-        loss.backward()
-        accumulate(totals, {"loss": loss.item(), **stats})
-        if record:
-            recorded["old_logp"][rows], recorded["entropy"][rows] = logp.detach(), entropy.detach()
-    return totals, recorded if record else {}
-
-
-def critic_backward(critic: Critic, batch: dict, args: Args, amp=contextlib.nullcontext) -> dict:
-    """Step 6's forward and backward of the critic over one mini-batch (the same rows the policy
-    just trained on), micro_batch_size sequences at a time, the value loss normalised by the
-    mini-batch's token count. Returns the summed loss and statistics of the whole mini-batch."""
-    num_tokens = all_reduce(batch["completion_mask"].sum().item())  # under torchrun every rank's
-    totals = {}
-    for _, micro in micro_batches(batch, args.micro_batch_size):
-        with amp():
-            values = critic_values(
-                critic, micro["prompt_ids"], micro["prompt_mask"], micro["completion_ids"], micro["completion_mask"],
-                chunk_size=args.micro_batch_size,
-            )  # (m, T)  # fmt: skip
-            loss, stats = value_loss(
-                values, micro["old_values"], micro["returns"], micro["completion_mask"], eps_value=args.eps_value,
-                num_tokens=num_tokens,
-            )  # fmt: skip
-        loss.backward()
-        accumulate(totals, {"loss": loss.item(), **stats})
-    return totals
-
-
-def micro_batches(batch: dict, size: int):
-    """The rows of a mini-batch (a dict of (n, …) tensors, None kept as None) in micro-batches of
-    `size`, taken in length_order: rows of similar length together, so that a micro-batch's forward
-    pass computes little padding (trim_padding), and a group's rows together, so that its prompt
-    runs once (forward_completions). Yields (rows, micro): rows (m,) are the micro-batch's indices
-    in `batch`, where what it computes goes back (`recorded[rows] = …`: input order again)."""
-    order = length_order(batch["prompt_ids"], batch["prompt_mask"], batch["completion_mask"])  # (n,)
-    for rows in order.split(size):
-        yield rows, {k: v[rows] if v is not None else None for k, v in batch.items()}
-
-
-def dual_clip(objective: torch.Tensor, advantages: torch.Tensor, c: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dual-clip PPO (Ye et al. 2020, arXiv 1912.09729, Eq. 4): the objective of a token with Â < 0
-    is bounded below by c·Â, c > 1,
-        max(min(r·Â, clip(r, 1−ε_low, 1+ε_high)·Â), c·Â)   where Â < 0
-    since min(·) there is r·Â, unbounded as r grows: a token whose ratio exploded cannot dominate
-    the batch, and a bounded token gets no gradient. Â ≥ 0 tokens are left as they are. c = 0: off.
-    objective (n, T), advantages (n, 1) or (n, T) -> the objective (n, T) and the bounded tokens (n, T)."""
-    if c <= 0:
-        return objective, torch.zeros_like(objective, dtype=torch.bool)
-    bound = c * advantages.expand_as(objective)  # (n, T)
-    bounded = (advantages < 0) & (objective < bound)
-    return torch.where(bounded, bound, objective), bounded
-
-
-def accumulate(totals: dict, stats: dict) -> None:
-    """Adds one micro-batch's statistics into running totals: sums, except the maxima (*_max)."""
-    for key, value in stats.items():
-        totals[key] = max(totals.get(key, value), value) if key.endswith("_max") else totals.get(key, 0) + value
-
-
-# ----------------------------------------------------------------------------------------
-# Held-out evaluation
-
-
-def evaluate_heldout(
-    policy, tokenizer, eos_ids, task, max_new_tokens: int, batch_size: int, amp=contextlib.nullcontext
-):
-    """Greedy (temperature 0) accuracy on the held-out problems of `task` (rewards.py's
-    load_heldout_task: problems no training step samples), the same decoding evaluate.py
-    uses by default. Greedy decoding draws no random numbers, so evaluating does not change
-    what training samples next (a resumed run stays exact). amp() is the autocast context.
-    Returns the eval/ metrics, means over the problems."""
-    start = time.perf_counter()
-    scores, lengths, truncations = [], [], []
-    for first in range(0, len(task.problems), batch_size):
-        problems = task.problems[first : first + batch_size]
-        batch = rollout(  # greedy: one completion per problem, temperature 0
-            policy, tokenizer, eos_ids, task, problems, group_size=1, max_new_tokens=max_new_tokens,
-            temperature=0.0, top_p=1.0, amp=amp,
-        )  # fmt: skip
-        scores += batch.scores
-        lengths += batch.completion_mask.sum(-1).tolist()
-        truncations += batch.truncated.tolist()
-    return {
-        "eval/accuracy": sum(s.strict for s in scores) / len(scores),  # the answer where the prompt asks
-        "eval/reward": sum(s.reward for s in scores) / len(scores),
-        "eval/format": sum(s.formatted for s in scores) / len(scores),
-        "eval/length_mean": sum(lengths) / len(lengths),
-        "eval/truncated": sum(truncations) / len(truncations),
-        "eval/seconds": time.perf_counter() - start,
-    }
-
-
-# ----------------------------------------------------------------------------------------
-# Training
-
-
-def masked_importance(batch: dict, loss_mask: torch.Tensor, args) -> tuple[torch.Tensor, dict]:
-    """--is_mask over a whole mini-batch (importance_mask), before its micro-batches, so the loss's
-    normalisers can count what stays: batch["old_logp"] is π_θold, which step 4 scores whenever
-    --is_mask is on (on-policy too). loss_mask (n, T): the tokens the loss would train on without
-    it. Returns those less the masked ones (n, T), loss_mask itself when off, and the counts
-    update_metrics turns into is_mask/* (empty when off)."""
-    bounds = is_mask_bounds(args.is_mask)
-    if bounds is None:
-        return loss_mask, {}
-    keep = importance_mask(batch["old_logp"], batch["sample_logp"], loss_mask, bounds, args.is_mask_level)
-    counts = {
-        "masked_tokens": (loss_mask.sum() - keep.sum()).item(),
-        "masked_sequences": ((loss_mask.sum(-1) > 0) & (keep.sum(-1) == 0)).sum().item(),
-        "sequences": (loss_mask.sum(-1) > 0).sum().item(),
-    }
-    return keep, counts
-
-
-def whole_groups(order: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Keeps the rows of a group in one mini-batch, so that its prompt is forwarded once
-    (forward_completions): the groups in the order in which their first row comes in `order`, a
-    uniformly random permutation of the rows, each group's rows after one another. That is a
-    uniformly random permutation of the groups (all of G rows, so by symmetry every order of them
-    is as likely), drawn from the same random numbers as before: the random stream is unchanged.
-    order (N,) -> (N,)."""
-    position = torch.empty_like(order)
-    position[order] = torch.arange(len(order), device=order.device)  # where each row comes in `order`
-    groups = position.view(-1, group_size).amin(dim=-1).argsort()  # (N/G,) by their first row
-    return (groups[:, None] * group_size + torch.arange(group_size, device=order.device)).flatten()
-
-
-def optimizer_step(model, optimizer, max_grad_norm: float, skip: bool = False) -> float:
-    """Clips the gradient norm, steps, and frees the gradients (set to None, not zeros), so
-    that actor and critic gradients never exist at the same time, nor one step's during the
-    next generation. skip: no step, where a mini-batch had no token to learn from (momentum
-    alone must not move θ). Returns the norm before clipping."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item()
-    if not skip:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm
-
-
-def train(args: Args) -> Path:
-    """Runs PPO and returns the run directory."""
-    check_args(args)
-    device = init_distributed(resolve_device(args.device))  # under torchrun: this rank's device
-    check_distributed(args, args.batch_size)  # B prompts split over K ranks, a group never spans two
-    weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
-    amp = functools.partial(autocast, device, compute_dtype)  # bf16 autocast on a GPU, nothing on the CPU
-    seed_everything(rank_seed(args.seed))  # --seed itself in one process
-    # The task first: a wrong --task or --data_dir stops before any model loads.
-    task = training_task(args)  # --task, its data and --reward_fn
-    heldout = heldout_task(args) if args.eval_every else None
-    policy, tokenizer, eos_ids = load_policy(args, device, weight_dtype, compute_dtype)  # --lora_rank: LoRA adapters
-    shard_model(policy, compute_dtype).train()  # FSDP2 under torchrun, one unit per decoder layer; else unchanged
-    critic = load_critic(args, device, weight_dtype, compute_dtype)
-    shard_model(critic, compute_dtype, fp32_modules=("value_head",))
-    reference = (
-        shard_model(load_reference(args, policy, device, weight_dtype), compute_dtype) if args.beta > 0 else None
-    )
-    vocab_size = len(tokenizer)  # ids the tokenizer has; the embedding may have more rows
-    optimizer, scheduler = make_optimizer(policy, args.lr, args)  # AdamW, linear warm-up
-    critic_lr = args.critic_lr or 10 * (LORA_LR if args.lora_rank else FULL_LR)  # unset: 10× the actor's default
-    critic_optimizer, critic_scheduler = make_optimizer(critic, critic_lr, args)
-    evaluate = functools.partial(  # run.end_step calls it every eval_every steps and at the end
-        evaluate_heldout, policy, tokenizer, eos_ids, heldout, args.max_new_tokens, args.eval_batch_size, amp
-    )
-    resumable = {"optimizer": optimizer, "scheduler": scheduler}
-    resumable |= {"critic_optimizer": critic_optimizer, "critic_scheduler": critic_scheduler}
-    write_critic = functools.partial(save_critic, critic)  # into every checkpoint's critic/ folder
-    run = Run(
-        args, "ppo", policy, tokenizer, resumable=resumable, same_on_resume=SAME_ON_RESUME, evaluate=evaluate,
-        write_extra=write_critic, resume_only=(CRITIC_DIR,),  # the critic only resumes: the newest checkpoint keeps it
-        compute_dtype=compute_dtype,  # checkpoints in bf16 on a GPU, the fp32 masters in the newest's trainer state
-    )  # fmt: skip
-    num_sequences = args.batch_size * args.group_size // world_size()  # N, or this rank's N/K under torchrun
-
-    with run:  # Ctrl-C stops with one line naming the newest checkpoint
-        for step in run.steps():
-            # 1-3. Sample B prompts, G completions of each from π_θold, every completion scored.
-            problems = [task.problems[i] for i in prompt_indices(step, args.batch_size, len(task.problems), args.seed)]
-            with unsharded(policy):  # under torchrun: full weights for the decode loop, B/K prompts a rank
-                batch = rollout(
-                    policy, tokenizer, eos_ids, task, my_share(problems), group_size=args.group_size,
-                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, amp=amp,
-                )  # fmt: skip
-            sequences = batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
-
-            # 4. Log-probs under π_θold and π_ref, and values V_φ(s_t), no grad. On-policy with β = 0,
-            #    in a step that updates the policy, only the metrics read old_logp: the update's forward
-            #    pass gives it (old_and_ref_logprobs). With β > 0 the per-token reward of step 5 needs it.
-            train_policy = step >= args.value_warmup_steps
-            timer = time.perf_counter()
-            # --is_mask needs π_θold's log-probs before the update: the pass runs with it.
-            skip_policy_pass = on_policy(args) and args.beta == 0 and train_policy and not args.is_mask
-            old_logp, entropy, ref_logp = old_and_ref_logprobs(
-                policy, reference, batch, args, vocab_size, amp, score_policy=not skip_policy_pass
-            )  # (N, T) each; old_logp and entropy None until step 6 when skipped
-            # Autocast of its own: autocast keeps the bf16 copy of every trainable weight it casts
-            # until its context ends, so one context would hold policy and critic copies at once.
-            critic.eval()  # same mode as sampling (matters for models with dropout)
-            with torch.no_grad(), amp():
-                old_values = critic_values(critic, *sequences, args.logprob_chunk_size)  # (N, T)
-            critic.train()
-            seconds_logprobs = time.perf_counter() - timer
-
-            # 5. Per-token rewards; GAE gives the actor's Â (λ_actor, whitened unless
-            #    --whiten_advantages false) and the critic's return targets (λ_critic).
-            per_token_reward = token_rewards(batch.rewards, old_logp, ref_logp, batch.completion_mask, args.beta)
-            lengths = batch.completion_mask.sum(-1)  # (N,)
-            lam_actor = adaptive_lambda(lengths, args.lam_alpha) if args.length_adaptive_lam else args.lam_actor
-            raw_advantages, _ = gae(per_token_reward, old_values, batch.completion_mask, args.gamma, lam_actor)
-            _, returns = gae(per_token_reward, old_values, batch.completion_mask, args.gamma, args.lam_critic)
-            # Whitened, Â has unit scale even in a batch whose returns hardly vary (every completion
-            # 0.1): the critic's noise then pushes the policy as hard as a right answer would.
-            advantages = raw_advantages  # (N, T)
-            if args.whiten_advantages:
-                advantages = masked_whiten(raw_advantages, batch.completion_mask, args.whiten_eps, all_reduce)
-
-            # 6. PPO epochs over shuffled mini-batches: one actor step (none during the value
-            #    warm-up) and one critic step per mini-batch.
-            timer = time.perf_counter()
-            tensors = {
-                "prompt_ids": batch.prompt_ids,
-                "prompt_mask": batch.prompt_mask,
-                "completion_ids": batch.completion_ids,
-                "completion_mask": batch.completion_mask,
-                "sample_logp": batch.sample_logp,
-                "old_logp": old_logp,
-                "advantages": advantages,
-                "positive": torch.tensor([score.correct for score in batch.scores], device=device),  # VAPO's T
-                "old_values": old_values,
-                "returns": returns,
-            }
-            update, grad_norms, critic_update, critic_grad_norms = {}, [], {}, []
-            for _ in range(args.ppo_epochs):
-                # A fresh random split into mini-batches each epoch, a group's rows in one (whole_groups).
-                order = whole_groups(torch.randperm(num_sequences, device=device), args.group_size)  # (N,)
-                for rows in order.tensor_split(args.num_mini_batches):
-                    mini = {k: v[rows] if v is not None else None for k, v in tensors.items()}
-                    if train_policy:
-                        totals, recorded = policy_backward(policy, mini, args, vocab_size, amp)
-                        if recorded:  # on-policy: step 4's log-probs and entropy, in the batch's row order again
-                            old_logp, entropy = (recorded[name][rows.argsort()] for name in ("old_logp", "entropy"))
-                        accumulate(update, totals)
-                        none = not all_reduce(totals["tokens"] + totals.get("pos_tokens", 0))  # all masked: no step
-                        grad_norms.append(optimizer_step(policy, optimizer, args.max_grad_norm, skip=none))
-                    accumulate(critic_update, critic_backward(critic, mini, args, amp))
-                    critic_grad_norms.append(optimizer_step(critic, critic_optimizer, args.max_grad_norm))
-            learning_rates = scheduler.get_last_lr()[0], critic_scheduler.get_last_lr()[0]  # the rates this step used
-            if train_policy:  # the actor's warm-up counts the steps in which it trains
-                scheduler.step()
-            critic_scheduler.step()
-            seconds = {**batch.seconds, "logprobs": seconds_logprobs, "update": time.perf_counter() - timer}
-
-            # 7-9. Every metric from the tensors the losses used, masked, over the whole batch; then
-            #      Run.end_step: the held-out evaluation when due, the metrics row and samples, a
-            #      checkpoint when due.
-            metrics = all_reduce_metrics(  # under torchrun, over every rank's share of the batch
-                step_metrics(batch, entropy, old_logp, args.group_size)
-                | rollout_value_metrics(
-                    old_logp, ref_logp, batch.completion_mask, args.beta, raw_advantages, returns, old_values
-                )
-            )
-            update, critic_update = all_reduce_totals(update), all_reduce_totals(critic_update)
-            metrics |= {
-                **update_metrics(update, grad_norms, critic_update, critic_grad_norms, learning_rates),
-                "throughput/tokens_per_s": all_reduce(batch.completion_mask.sum().item()) / seconds["generate"],
-            }
-            run.end_step(step, metrics, seconds, batch)
-        run.save_final()
-    return run.dir
-
-
-def update_metrics(
-    update: dict, grad_norms: list[float], critic_update: dict, critic_grad_norms: list[float], learning_rates
-) -> dict:
-    """Statistics of step 6, from the sums policy_backward and critic_backward collected over
-    every micro-batch (never the last micro-batch alone). The actor's keys are absent in a
-    value warm-up step: the policy did not update, and a 0 would read as a measured loss."""
-    critic_tokens = critic_update["tokens"]
-    metrics = {
-        "loss/value": critic_update["loss"] / len(critic_grad_norms),  # mean over the optimizer steps
-        "value/clip_fraction": critic_update["value_clipped"] / critic_tokens,
-        "optim/critic_grad_norm": sum(critic_grad_norms) / len(critic_grad_norms),
-        "optim/critic_lr": learning_rates[1],
-    }
-    if not grad_norms:
-        return metrics
-    tokens = max(update["tokens"], 1)  # --is_mask may have dropped every token
-    actor = {
-        "loss/policy": update["loss"] / len(grad_norms),
-        "clip/low": update["clip_low"] / tokens,
-        "clip/high": update["clip_high"] / tokens,
-        "clip/fraction": (update["clip_low"] + update["clip_high"]) / tokens,
-        "clip/dual": update["clip_dual"] / tokens,
-        "clip/ratio_max": update["ratio_max"],
-        "optim/grad_norm": sum(grad_norms) / len(grad_norms),
-        "optim/lr": learning_rates[0],
-    }
-    if "tis_weight" in update and update["tokens"]:  # --tis_cap: the truncated IS weights the loss used
-        actor |= {"tis/weight_mean": update["tis_weight"] / tokens, "tis/weight_max": update["tis_weight_max"]}
-    if "pos_nll" in update:  # --pos_lm_coef: VAPO's NLL of the correct completions, and their token share
-        actor |= {
-            "loss/pos_nll": update["pos_nll"] / len(grad_norms),
-            "pos/token_fraction": update["pos_tokens"] / (update["tokens"] + update.get("masked_tokens", 0)),
-        }
-    return {**actor, **metrics, **is_mask_metrics(update)}
-
-
-def is_mask_metrics(update: dict) -> dict:
-    """is_mask/* from masked_importance's counts (none without --is_mask): the fractions of the valid
-    tokens and of the completions that masked IS took out of the loss, over every update of the step."""
-    if "masked_tokens" not in update:
-        return {}
-    return {
-        "is_mask/token_fraction": update["masked_tokens"] / max(update["tokens"] + update["masked_tokens"], 1),
-        "is_mask/sequence_fraction": update["masked_sequences"] / max(update["sequences"], 1),
-    }
-
-
-def rollout_value_metrics(old_logp, ref_logp, completion_mask, beta, advantages, returns, old_values) -> dict:
-    """What the critic and the per-token rewards looked like this step, over valid tokens:
-    old_logp, ref_logp (or None), mask, the advantages before whitening, returns and the
-    rollout's values, all (N, T)."""
-    valid = completion_mask.bool()
-    k1 = (old_logp - ref_logp)[valid] if ref_logp is not None else torch.zeros_like(old_logp[valid])
-    k3 = kl_k3(old_logp, ref_logp)[valid] if ref_logp is not None else torch.zeros_like(k1)
-    return {
-        "kl/mean": k3.mean().item(),
-        "kl/penalty": (beta * k1).mean().item(),
-        "value/explained_variance": explained_variance(old_values, returns, completion_mask),
-        "value/mean": old_values[valid].mean().item(),
-        "return/mean": returns[valid].mean().item(),
-        "return/std": returns[valid].std().item() if valid.sum() > 1 else 0.0,
-        "advantage/mean": advantages[valid].mean().item(),
-        "advantage/std": advantages[valid].std().item() if valid.sum() > 1 else 0.0,
-    }
-
-
-def step_metrics(batch: Rollout, entropy: torch.Tensor, old_logp: torch.Tensor, group_size: int) -> dict:
-    """Rollout statistics of the batch a step trains on, with the entropy and old_logp (N, T)
-    that step 4 computed for it (on-policy: the update's forward pass, see old_and_ref_logprobs)."""
-    mask = batch.completion_mask.bool()
-    lengths = batch.completion_mask.sum(-1).float()  # (N,)
-    rewards, scores = batch.rewards, batch.scores
-    grouped = rewards.view(-1, group_size)  # (B, G)
-    return {
-        "reward/mean": rewards.mean().item(),
-        "reward/std": rewards.std().item() if rewards.numel() > 1 else 0.0,
-        "reward/accuracy": sum(s.correct for s in scores) / len(scores),
-        "reward/format": sum(s.formatted for s in scores) / len(scores),
-        "reward/fn_failed": sum(s.failed for s in scores) / len(scores),  # --reward_fn raised, timed out, no number
-        "reward/zero_std_groups": (grouped.max(-1).values == grouped.min(-1).values).float().mean().item(),
-        "completion/length_mean": lengths.mean().item(),
-        "completion/length_max": lengths.max().item(),
-        "completion/truncated": batch.truncated.float().mean().item(),
-        "policy/entropy": entropy[mask].mean().item(),
-        # Sampler and scorer must agree, or every ratio is off before any update: ~1e-6 in fp32, more in bf16.
-        "policy/sample_logp_diff": (batch.sample_logp - old_logp)[mask].abs().mean().item(),
-        "policy/sample_logp_diff_max": (batch.sample_logp - old_logp)[mask].abs().max().item(),
-    }
+        is_mask_bounds(args.is_mask)
+    except ValueError as error:
+        return [str(error)]
+    return []
+
+
+def is_mask_bounds(text: str) -> tuple[float, float] | None:
+    """--is_mask "α,β" -> (α, β), with 0 <= α < 1 < β so that a token on which sampler and trainer
+    agree (ratio 1) always stays; "" -> None (off). A ValueError says what was wrong."""
+    if not text:
+        return None
+    try:
+        low, high = (float(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"--is_mask takes two numbers α,β, e.g. 0.5,5 (IcePop's), not {text!r}.") from None
+    if not 0 <= low < 1 < high:
+        raise ValueError(f"--is_mask α,β needs 0 <= α < 1 < β (got {text}): a ratio of 1 must stay, e.g. 0.5,5.")
+    return low, high
 
 
 if __name__ == "__main__":
