@@ -5,6 +5,19 @@ use the reward's deviation from its group's mean as the advantage of every token
 completion: no critic. The policy maximises a PPO-style clipped objective with a k3 KL
 penalty to a frozen reference, averaged per completion and then over completions.
 
+The loop of train(), one numbered comment per step (the README draws the same box):
+  1. sample B prompts, each repeated G times                      prompt_indices, rollout
+  2. generate o_i ~ π_θold(·|q) with the KV cache                  generate
+  3. score R_i = reward(o_i, q) with the task's rule               rewards.py
+  4. log π_θold(o_i,t) and log π_ref(o_i,t), no grad               old_and_ref_logprobs
+  5. Â_i = (R_i − mean(R_group)) / (std(R_group) + ε)              group_advantages
+  6. μ times over shuffled mini-batches of whole groups: the loss −J of DAPO Eq. 5
+     (grpo_loss), backward micro-batch by micro-batch, clip the gradient norm, AdamW   policy_backward
+  7-9. held-out accuracy when due, the metrics row, a checkpoint   common.Run.end_step
+Deliberate departures: the mean over the completions of the whole mini-batch (1/N, not 1/G per
+group: the same when every group is whole) so that gradient accumulation is exact; on-policy
+(μ = 1, one mini-batch) the ratio is exactly 1 and π_θold is not scored separately (on_policy).
+
 Papers (equation numbers as cited in the code):
   GRPO      Shao et al. 2024, DeepSeekMath, arXiv 2402.03300, Eq. 3 and 4; the objective as
             restated in the DAPO paper (Yu et al. 2025, arXiv 2503.14476), Eq. 4-6.
@@ -850,35 +863,11 @@ def generate(
       sample_logp     (N, T) log π(token) under the sampling distribution, before top-p
                              (the one sequence_logprobs scores), 0 where masked
 
-    What makes it fast, none of which changes the distribution sampled from:
-    - the cache (KVCache) and the attention mask are allocated once, for P + max_new_tokens
-      positions, and written in place: nothing grows by torch.cat; keys and values are kept in
-      the compute dtype;
-    - encode_prompts repeats each prompt G times in a row: each distinct prompt is prefilled
-      once and its keys and values copied into the rows of its G completions;
-    - the one-token step attends over the filled part of the cache only, in a few fixed widths
-      (decode_widths), and reads each cached key and value once, whatever the number of query
-      heads sharing it (grouped_decode_attention);
-    - under autocast the LM head computes in fp32 (fp32_lm_head), as sequence_logprobs' does:
-      the logits the sampler draws from are not rounded to bf16;
-    - the host learns whether every row has ended only every check_every tokens (None: 16 on
-      CUDA, so the GPU never waits for it; 1 on the CPU, where asking costs nothing and a row
-      that ended is not decoded on for up to 15 tokens); the tokens drawn past the last EOS are
-      cut off, and the random generator is set back to where it stood after the last token kept;
-    - at those checks, once at most compact_below of the rows decoded are still unfinished,
-      the finished rows leave the batch (KVCache.keep_rows): the rest of the decode runs on
-      the live rows only. Each row's distribution is unchanged, but the random numbers go to
-      other rows than without it, so the tokens sampled for a seed differ (greedy ones do not);
-      compact_below 0 never compacts;
-    - on CUDA the one-token step is captured as a CUDA graph per width and batch size, the
-      graphs of one call sharing one memory pool (cuda_graph); on the CPU, and under torchrun,
-      the same step runs eagerly: FSDP2's root pre-forward hook makes its all-gather streams
-      wait on the current stream, which a capture cannot join.
-    The mask is an additive (N, 1, q, S) bias, transformers' 4D format, cut to the width the
-    step attends over: the model uses it as it is (sdpa and eager attention, its defaults, take it),
-    adding no sliding window of its own. So there is one mask per attention type of the model's
-    layers (attention_windows), a sliding layer's hiding what lies past its window, handed over
-    as one tensor when every layer is alike and as {layer type: mask} when they mix (Gemma 2/3).
+    The phases: 1. prefill each distinct prompt once; 2. set up the one-token step's buffers;
+    3. decode: sample, record, check for the end every check_every tokens (compacting finished
+    rows away once at most compact_below of them are live), step (a CUDA graph per width on
+    CUDA); 4. cut to the longest completion and rewind the random generator past it. None of
+    the speed features changes the distribution sampled from; docs/speed.md explains each.
     """
     was_training = model.training
     model.eval()  # no dropout, and gradient checkpointing (train-mode only) keeps the cache
@@ -899,7 +888,7 @@ def generate(
     cache_name = cache_argument(model)  # the keyword the model takes it by
     check_every = check_every or (16 if cuda else 1)
 
-    # Prefill each distinct prompt once (B rows), then copy its keys and values G times.
+    # 1. Prefill each distinct prompt once (B rows), then copy its keys and values to its G rows.
     distinct, counts = torch.unique_consecutive(torch.cat([prompt_ids, prompt_mask], -1), dim=0, return_counts=True)
     distinct_ids, distinct_mask = distinct[:, :prompt_length], distinct[:, prompt_length:]  # (B, P)
     # Left padding shifts every prompt; positions count real tokens only, so a prompt
@@ -926,7 +915,7 @@ def generate(
     cache.repeat_rows(counts)
     logits = out.logits[:, -1, :vocab_size].float().repeat_interleave(counts, dim=0, output_size=num_rows)  # (N, V)
 
-    # The one-token step reads these buffers, which change only in place (and when rows leave).
+    # 2. The one-token step's buffers, allocated once and changed in place: a CUDA graph replays them.
     token_in = torch.full((num_rows, 1), pad_id, device=device)  # (n, 1) the token just sampled
     position = position_ids[:, -1:].repeat_interleave(counts, dim=0, output_size=num_rows) + 1  # (n, 1)
     cache.slots = torch.tensor([prompt_length], device=device)  # (1,) the column its key and value go to
@@ -959,11 +948,9 @@ def generate(
     finished = torch.zeros(num_rows, dtype=torch.bool, device=device)  # (n,) of the rows decoded
     rows = torch.arange(num_rows, device=device)  # (n,) the row of the output each decoded row is
     rng_states = []  # rng_states[t]: the state of the random generator before token t was drawn
+    # 3. Decode, one token a step for every unfinished row.
     for t in range(max_new_tokens):
-        # logit − logsumexp, the formula sequence_logprobs scores with, not F.log_softmax: on the
-        # CPU that kernel sums exp(x − max) in 16 (AVX-512) or 8 (AVX2) fp32 running sums, and in
-        # the one holding the max (exp 0 = 1) every later term below 2^-24 rounds away. A confident
-        # model over a 150k vocabulary then gets log π of every token ~1e-5 too high.
+        # logit − logsumexp, as sequence_logprobs scores, not F.log_softmax (biased on the CPU: docs/metrics.md)
         if temperature > 0:
             rng_states.append(torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state())
             scaled = logits / temperature  # (n, V)
@@ -1002,6 +989,7 @@ def generate(
         logits = replay() if replay is not None else step(width)  # (n, V)
         position += 1
         cache.slots += 1
+    # 4. Cut to the longest completion; the random draws past its EOS never happened.
     model.train(was_training)
     truncated = torch.zeros(num_rows, dtype=torch.bool, device=device)  # (N,) the rows that left had ended
     truncated[rows] = ~finished
