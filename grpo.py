@@ -191,6 +191,11 @@ class Rollout:
     scores: list[Score]  # the n grades: reward, correct, formatted, strict
     seconds: dict[str, float] = field(default_factory=dict)  # time rollout() spent generating and scoring
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The (n, …) tensors by name, for the update to slice into mini-batches and micro-batches."""
+        names = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated", "sample_logp")
+        return {name: getattr(self, name) for name in names}
+
 
 # ----------------------------------------------------------------------------------------
 # ALGO LOGIC: the group-relative advantage, the KL penalty, the GRPO loss and its backward pass
@@ -279,8 +284,8 @@ def grpo_loss(
         per_token = per_token + args.beta * kl  # (n, T) −[ objective − β·D_KL ]
     loss = aggregate(per_token, mask, args, num_sequences, num_tokens)
     stats = loss_stats(
-        ratio, adv, loss_mask, eps_low, eps_high, dual_clipped, kl=kl, is_weight=is_weight,
-        clips_weight=args.loss_type == "cispo",
+        ratio, adv, loss_mask, eps_low=eps_low, eps_high=eps_high, dual_clipped=dual_clipped, kl=kl,
+        is_weight=is_weight, clips_weight=args.loss_type == "cispo",
     )  # fmt: skip
     return loss, stats
 
@@ -563,8 +568,9 @@ def train(args: Args) -> Path:
     vocab_size = len(tokenizer)  # ids the tokenizer has; the embedding may have more rows
     optimizer, scheduler = make_optimizer(policy, args.lr, args)  # AdamW, linear warm-up
     evaluate = functools.partial(  # run.end_step calls it every eval_every steps and at the end
-        evaluate_heldout, policy, tokenizer, eos_ids, heldout, args.max_new_tokens, args.eval_batch_size, amp
-    )
+        evaluate_heldout, policy, tokenizer, eos_ids, heldout, max_new_tokens=args.max_new_tokens,
+        batch_size=args.eval_batch_size, amp=amp,
+    )  # fmt: skip
     resumable = {"optimizer": optimizer, "scheduler": scheduler}
     if args.ref_ema_decay:  # T1's reference moves with the policy: a resumed run needs where it was
         resumable["reference"] = reference
@@ -589,7 +595,13 @@ def train(args: Args) -> Path:
             #    --is_mask must know which tokens stay before the update counts its normalisers.
             timer = time.perf_counter()
             old_logp, entropy, ref_logp = old_and_ref_logprobs(
-                policy, reference, batch, args, vocab_size, amp, score_policy=not on_policy(args) or bool(args.is_mask)
+                policy,
+                reference,
+                batch,
+                args,
+                vocab_size=vocab_size,
+                amp=amp,
+                score_policy=not on_policy(args) or bool(args.is_mask),
             )  # (N, T) each; old_logp and entropy None until step 6 when on-policy
             seconds_logprobs = time.perf_counter() - timer
 
@@ -603,16 +615,7 @@ def train(args: Args) -> Path:
 
             # 6. μ iterations over shuffled mini-batches; one optimizer step per mini-batch.
             timer = time.perf_counter()
-            tensors = {
-                "prompt_ids": batch.prompt_ids,
-                "prompt_mask": batch.prompt_mask,
-                "completion_ids": batch.completion_ids,
-                "completion_mask": batch.completion_mask,
-                "sample_logp": batch.sample_logp,
-                "old_logp": old_logp,
-                "ref_logp": ref_logp,
-                "advantages": advantages,
-            }
+            tensors = batch.tensors() | {"old_logp": old_logp, "ref_logp": ref_logp, "advantages": advantages}
             update, grad_norms = {}, []
             for _ in range(args.num_iterations):
                 # A fresh random split into mini-batches each iteration, a group's rows in one (whole_groups).

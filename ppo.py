@@ -208,6 +208,11 @@ class Rollout:
     scores: list[Score]  # the n grades: reward, correct, formatted, strict
     seconds: dict[str, float] = field(default_factory=dict)  # time rollout() spent generating and scoring
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The (n, …) tensors by name, for the update to slice into mini-batches and micro-batches."""
+        names = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated", "sample_logp")
+        return {name: getattr(self, name) for name in names}
+
 
 # ----------------------------------------------------------------------------------------
 # ALGO LOGIC: per-token rewards, GAE, the PPO losses and their backward passes
@@ -285,11 +290,11 @@ def advantages_and_returns(
     critic's return targets (VAPO's decoupled GAE). Returns the raw advantages, the advantages the
     policy trains on (whitened over the batch's valid tokens unless --whiten_advantages false) and
     the returns, (N, T) each."""
-    per_token_reward = token_rewards(rewards, old_logp, ref_logp, completion_mask, args.beta)  # (N, T)
+    per_token_reward = token_rewards(rewards, old_logp, ref_logp, completion_mask, beta=args.beta)  # (N, T)
     lengths = completion_mask.sum(-1)  # (N,)
     lam_actor = adaptive_lambda(lengths, args.lam_alpha) if args.length_adaptive_lam else args.lam_actor
-    raw_advantages, _ = gae(per_token_reward, old_values, completion_mask, args.gamma, lam_actor)
-    _, returns = gae(per_token_reward, old_values, completion_mask, args.gamma, args.lam_critic)
+    raw_advantages, _ = gae(per_token_reward, old_values, completion_mask, gamma=args.gamma, lam=lam_actor)
+    _, returns = gae(per_token_reward, old_values, completion_mask, gamma=args.gamma, lam=args.lam_critic)
     # Whitened, Â has unit scale even in a batch whose returns hardly vary (every completion
     # 0.1): the critic's noise then pushes the policy as hard as a right answer would.
     advantages = raw_advantages  # (N, T)
@@ -350,7 +355,10 @@ def ppo_loss(
     if args.entropy_coef > 0:
         objective = objective + args.entropy_coef * entropy  # PPO Eq. 9's bonus c_2·H_t
     loss = -(objective * mask).sum() / num_tokens
-    stats = loss_stats(ratio, advantages, loss_mask, args.eps_low, args.eps_high, dual_clipped, is_weight=is_weight)
+    stats = loss_stats(
+        ratio, advantages, loss_mask, eps_low=args.eps_low, eps_high=args.eps_high, dual_clipped=dual_clipped,
+        is_weight=is_weight,
+    )  # fmt: skip
     return loss, stats
 
 
@@ -629,8 +637,9 @@ def train(args: Args) -> Path:
     critic_lr = args.critic_lr or 10 * (LORA_LR if args.lora_rank else FULL_LR)  # unset: 10× the actor's default
     critic_optimizer, critic_scheduler = make_optimizer(critic, critic_lr, args)
     evaluate = functools.partial(  # run.end_step calls it every eval_every steps and at the end
-        evaluate_heldout, policy, tokenizer, eos_ids, heldout, args.max_new_tokens, args.eval_batch_size, amp
-    )
+        evaluate_heldout, policy, tokenizer, eos_ids, heldout, max_new_tokens=args.max_new_tokens,
+        batch_size=args.eval_batch_size, amp=amp,
+    )  # fmt: skip
     resumable = {"optimizer": optimizer, "scheduler": scheduler}
     resumable |= {"critic_optimizer": critic_optimizer, "critic_scheduler": critic_scheduler}
     write_critic = functools.partial(save_critic, critic)  # into every checkpoint's critic/ folder
@@ -659,7 +668,7 @@ def train(args: Args) -> Path:
             # --is_mask needs π_θold's log-probs before the update: the pass runs with it.
             skip_policy_pass = on_policy(args) and args.beta == 0 and train_policy and not args.is_mask
             old_logp, entropy, ref_logp = old_and_ref_logprobs(
-                policy, reference, batch, args, vocab_size, amp, score_policy=not skip_policy_pass
+                policy, reference, batch, args, vocab_size=vocab_size, amp=amp, score_policy=not skip_policy_pass
             )  # (N, T) each; old_logp and entropy None until step 6 when skipped
             old_values = old_critic_values(critic, batch, args, amp)  # (N, T) V_φold(s_t)
             seconds_logprobs = time.perf_counter() - timer
@@ -673,18 +682,8 @@ def train(args: Args) -> Path:
             # 6. PPO epochs over shuffled mini-batches: one actor step (none during the value
             #    warm-up) and one critic step per mini-batch.
             timer = time.perf_counter()
-            tensors = {
-                "prompt_ids": batch.prompt_ids,
-                "prompt_mask": batch.prompt_mask,
-                "completion_ids": batch.completion_ids,
-                "completion_mask": batch.completion_mask,
-                "sample_logp": batch.sample_logp,
-                "old_logp": old_logp,
-                "advantages": advantages,
-                "positive": torch.tensor([score.correct for score in batch.scores], device=device),  # VAPO's T
-                "old_values": old_values,
-                "returns": returns,
-            }
+            tensors = batch.tensors() | {"old_logp": old_logp, "advantages": advantages, "old_values": old_values}
+            tensors |= {"returns": returns, "positive": torch.tensor([s.correct for s in batch.scores], device=device)}
             update, grad_norms, critic_update, critic_grad_norms = {}, [], {}, []
             for _ in range(args.ppo_epochs):
                 # A fresh random split into mini-batches each epoch, a group's rows in one (whole_groups).
@@ -712,7 +711,13 @@ def train(args: Args) -> Path:
             metrics = all_reduce_metrics(  # under torchrun, over every rank's share of the batch
                 step_metrics(batch, entropy, old_logp, args.group_size)
                 | rollout_value_metrics(
-                    old_logp, ref_logp, batch.completion_mask, args.beta, raw_advantages, returns, old_values
+                    old_logp,
+                    ref_logp,
+                    batch.completion_mask,
+                    beta=args.beta,
+                    advantages=raw_advantages,
+                    returns=returns,
+                    old_values=old_values,
                 )
             )
             update, critic_update = all_reduce_totals(update), all_reduce_totals(critic_update)

@@ -123,7 +123,7 @@ def test_out_of_memory_in_scoring_and_update_names_the_phase(script, phase, flag
 
 
 def test_out_of_memory_in_the_held_out_evaluation_names_it(tmp_path, capsys, monkeypatch):
-    greedy = lambda *args, **kwargs: args[-2] == 0.0  # noqa: E731  (temperature, the 8th argument, 0: evaluation)
+    greedy = lambda *args, **kwargs: kwargs["temperature"] == 0.0  # noqa: E731  (temperature 0: evaluation)
     monkeypatch.setattr(grpo, "generate", fails_on_call(grpo.generate, greedy))
     err = run_out_of_memory(grpo, tmp_path, capsys, max_steps=1, save_every=0, eval_every=1, eval_problems=2)
     assert err.strip().splitlines()[-2].startswith("Out of GPU memory in held-out evaluation on prompt_ids [2, ")
