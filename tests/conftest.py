@@ -131,12 +131,14 @@ def crash_and_resume(script, tmp_path, monkeypatch, **settings):
 
 
 def gradients_and_totals(script, model, batch, args, vocab_size, backward="policy_backward"):
-    """The gradient (flattened) and the summed statistics of one policy_backward (or critic_backward)."""
+    """The gradient (flattened) and the summed statistics of one policy_backward (or critic_backward),
+    with what policy_backward recorded (on-policy: old_logp and entropy, (n, T))."""
     model.zero_grad(set_to_none=True)
     if backward == "critic_backward":
         totals = script.critic_backward(model, batch, args)
     else:
-        totals, _ = script.policy_backward(model, batch, args, vocab_size)
+        totals, recorded = script.policy_backward(model, batch, args, vocab_size)
+        totals = totals | recorded  # on-policy: the log-probs and entropy it recorded, compared too
     gradient = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
     model.zero_grad(set_to_none=True)
     return gradient, totals
