@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+import typing
 import warnings
 from pathlib import Path
 from typing import NoReturn
@@ -81,12 +82,17 @@ def parse_args(args_class, argv: list[str] | None = None):
     """Parses the command line into a script's Args dataclass with HfArgumentParser (the help of
     each flag is its field's arg(...) text).
 
+    --config FILE (YAML or JSON) sets any field of Args, a run's own args.json included, so that
+    it reruns the run; a flag on the command line overrides the file (read_config).
+
     Two things argparse gets wrong for us: a negative number in scientific notation
     (`--lr -1e-6`) reads as a flag, so a value that parses as a number is attached to the flag
     before it (`--lr=-1e-6`), and check_args can then say what is wrong with it; and an unknown
     flag such as `--maxsteps` stops with argparse's usual message plus the closest valid name."""
-    parser = HfArgumentParser(args_class)
-    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = HfArgumentParser(args_class, epilog=CONFIG_HELP)
+    argv, config = pop_config(list(sys.argv[1:] if argv is None else argv))
+    if config:
+        parser.set_defaults(**read_config(config, args_class))
     attached = []
     for token in argv:
         if attached and _is_number(token) and token.startswith("-") and _takes_value(attached[-1]):
@@ -96,13 +102,105 @@ def parse_args(args_class, argv: list[str] | None = None):
     args, unknown = parser.parse_args_into_dataclasses(args=attached, return_remaining_strings=True)
     if unknown:
         fields = dataclasses.fields(args_class)
-        flags = ["--help"] + [f"--{f.name}" for f in fields] + [f"--no_{f.name}" for f in fields if f.default is True]
+        flags = ["--help", "--config"] + [f"--{f.name}" for f in fields]
+        flags += [f"--no_{f.name}" for f in fields if f.default is True]
         hints = []
         for token in unknown:
             close = difflib.get_close_matches(token.split("=", 1)[0], flags, n=1) if token.startswith("-") else []
             hints.append(f"{token} (did you mean {close[0]}?)" if close else token)
         parser.error(f"unrecognized arguments: {' '.join(hints)}. See --help for every option.")
     return args
+
+
+CONFIG_HELP = (
+    "--config FILE: a YAML or JSON file of field: value pairs (any field above; a run's args.json reruns it); "
+    "flags given on the command line override it."
+)
+
+
+def pop_config(argv: list[str]) -> tuple[list[str], str | None]:
+    """argv without its --config FILE (or --config=FILE), and FILE (None when absent)."""
+    rest, config = [], None
+    tokens = iter(argv)
+    for token in tokens:
+        if token == "--config":
+            config = next(tokens, None)
+            if config is None:
+                raise SystemExit("--config needs a file: --config recipes/grpo-countdown.yaml")
+        elif token.startswith("--config="):
+            config = token.split("=", 1)[1]
+        else:
+            rest.append(token)
+    return rest, config
+
+
+def read_config(path: str, args_class) -> dict:
+    """The values of a --config file for args_class, checked: a YAML (.yaml, .yml) or JSON (.json)
+    mapping of field names to values. A key that is no field stops with the closest valid one named;
+    a value of the wrong type stops with the field's type. Values are converted to the field's type,
+    so that YAML's `lr: 2e-5` (a string to YAML, which wants `2.0e-5`) is the float 2e-5."""
+    file = Path(path)
+    if not file.is_file():
+        raise SystemExit(f"--config {path}: no such file.")
+    text = file.read_text()
+    if file.suffix in (".yaml", ".yml"):
+        import yaml  # PyYAML, which transformers itself requires
+
+        data = yaml.safe_load(text)
+    elif file.suffix == ".json":
+        data = json.loads(text)
+    else:
+        raise SystemExit(f"--config {path}: the file must end in .yaml, .yml or .json.")
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SystemExit(
+            f"--config {path}: the file must hold a mapping of fields to values, not a {type(data).__name__}."
+        )
+    fields = {field.name: field for field in dataclasses.fields(args_class)}
+    values, problems = {}, []
+    for key, value in data.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            problems.append(f"{key!r} is not a setting" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            continue
+        try:
+            values[key] = as_field_type(value, fields[key].type)
+        except ValueError as error:
+            problems.append(f"{key}: {error}")
+    if problems:
+        raise SystemExit(f"--config {path}:\n  " + "\n  ".join(problems) + "\nSee --help for every setting.")
+    return values
+
+
+def as_field_type(value, kind):
+    """value as an Args field of type `kind` (bool, int, float, str, or one of them | None) holds it.
+    A ValueError says what was expected."""
+    options = [option for option in typing.get_args(kind) if option is not type(None)] or [kind]
+    if value is None:
+        if type(None) in typing.get_args(kind):
+            return None
+        raise ValueError(f"needs a value ({options[0].__name__}), not null")
+    kind = options[0]
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ValueError(f"needs true or false, not {value!r}")
+    if isinstance(value, bool):  # a bool is an int to Python, not to a config
+        raise ValueError(f"needs a {kind.__name__}, not {value!r}")
+    if kind is str:
+        if isinstance(value, (int, float, str)):
+            return str(value)
+        raise ValueError(f"needs a text, not {value!r}")
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"needs a {kind.__name__}, not {value!r}") from None
+    if kind is int and isinstance(value, float) and value != number:
+        raise ValueError(f"needs an int, not {value!r}")
+    return number
 
 
 def _is_number(token: str) -> bool:

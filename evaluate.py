@@ -40,6 +40,10 @@ P prompt tokens · T completion tokens.
 import json
 import math
 import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +58,7 @@ from common import (
     check_prompt_format,
     load_model,
     make_run_dir,
+    markdown_table,
     parse_args,
     read_jsonl,
     resolve_device,
@@ -83,7 +88,7 @@ class Args:
     benchmarks: str = arg("gsm8k,math500,bbh,mmlu_pro,countdown", "comma-separated, any of these five")
     data_dir: str = arg("", "offline: a directory laid out like tests/fixtures/data (gsm8k/test.jsonl, ...); '' = Hub")
     limit: int = arg(0, "problems per benchmark at most, spread over BBH tasks / MMLU-Pro categories; 0 = all")
-    countdown_problems: int = arg(500, "size of the held-out Countdown set")
+    countdown_problems: int = arg(500, "size of the held-out Countdown set (and of the digit toy's prompts)")
     countdown_numbers: str = arg("3-4", "numbers per Countdown problem, N or MIN-MAX (training and held-out)")
     shots: int = arg(0, "worked examples in each prompt, as earlier turns (countdown, gsm8k); 0 = none")
     prompt_format: str = arg("auto", PROMPT_FORMAT_HELP)
@@ -113,12 +118,16 @@ class Args:
     compare: list[str] = arg([], "eval run dirs (or results.json files) to join into one table")
     plot: list[str] = arg([], "training run dirs whose metrics.jsonl to plot")
     plot_file: str = arg("", "PNG written by --plot; '' = <output_dir>/curves-<time>.png")
+    study: str = arg("", "a study file (recipes/study-*.yaml): train its arms, evaluate each, report every finding")
+    study_model: str = arg("", "--study: the model of every arm, in place of the study file's (e.g. a local path)")
+    study_dry_run: bool = arg(False, "--study: print the plan (and a GPU-time estimate) and stop")
+    study_into: str = arg("", "--study: a markdown file whose <!-- study:NAME --> section becomes the report")
 
 
 def check_args(args: Args) -> list[str]:
     """The benchmark names, or a SystemExit naming every setting that cannot work."""
     names = [name.strip() for name in args.benchmarks.split(",") if name.strip()]
-    known = (*BENCHMARKS, "file")  # file: your own data (--data_file or --eval_data_file, --grader)
+    known = (*BENCHMARKS, "file", "digit")  # file: your own data (--data_file, --grader); digit: the toy
     problems = [f"--benchmarks: {name!r} is not one of {', '.join(known)}." for name in names if name not in known]
     if "file" in names and not (args.data_file or args.eval_data_file):
         problems.append("--benchmarks file needs --eval_data_file (the problems) or --data_file (its held-out share).")
@@ -458,10 +467,487 @@ def plot_curves(run_dirs: list[str], out_file: Path) -> Path:
 
 
 # ----------------------------------------------------------------------------------------
+# A study (--study FILE): arms (recipes × seeds) trained and evaluated, then compared finding by
+# finding. recipes/study-*.yaml are study files; docs/study.md describes their format.
+
+SCRIPTS = ("grpo.py", "dapo.py", "ppo.py")
+FINDING_METRICS = ("accuracy", "stability", "length", "cost", "base", "sweep")
+# The GPU-time estimate of --study: FLOPs at an assumed sustained throughput, ~40% of an H100's
+# dense bf16 peak (989 TFLOP/s), every completion at its cap and a 200-token prompt. An estimate.
+ASSUMED_FLOPS_PER_S = 4e14
+ASSUMED_PROMPT_TOKENS = 200
+KNOWN_PARAMETERS = {  # parameter counts of the models a study at the paper's scale names
+    "Qwen2.5-0.5B-Instruct": 0.49e9,
+    "Qwen2.5-1.5B-Instruct": 1.54e9,
+    "Qwen2.5-3B-Instruct": 3.09e9,
+    "Qwen2.5-7B-Instruct": 7.62e9,
+}
+
+
+@dataclass
+class Arm:
+    """One arm of a study: a training script with its recipe and settings, or (script None) the
+    model as it is, evaluated only."""
+
+    name: str
+    script: str | None
+    recipe: Path | None
+    settings: dict  # the study's `set`, updated by the arm's own
+    seeds: list[int]
+
+
+def load_study(path: str) -> dict:
+    """The study file at path, checked: name, seeds, set, evaluate, arms, findings (docs/study.md).
+    Recipe paths are relative to the study file. Every recipe is read with its script's Args, so a
+    wrong key stops the study before anything trains. Returns the study with its arms as Arms."""
+    import yaml  # PyYAML, which transformers itself requires
+
+    file = Path(path)
+    if not file.is_file():
+        raise SystemExit(f"--study {path}: no such file.")
+    study = yaml.safe_load(file.read_text()) or {}
+    problems = []
+    unknown = set(study) - {"name", "seeds", "set", "evaluate", "arms", "findings"}
+    if unknown:
+        problems.append(f"unknown keys {sorted(unknown)}: a study has name, seeds, set, evaluate, arms, findings")
+    if not isinstance(study.get("arms"), dict) or not study["arms"]:
+        problems.append("arms: a mapping of arm names to {script, recipe, set, seeds}, at least one")
+    seeds = study.get("seeds", [0])
+    if not isinstance(seeds, list) or not all(isinstance(seed, int) for seed in seeds) or not seeds:
+        problems.append(f"seeds: a list of integers, not {seeds!r}")
+    if problems:
+        raise SystemExit(f"--study {path}:\n  " + "\n  ".join(problems))
+    arms = {}
+    for name, spec in study["arms"].items():
+        spec = spec or {}
+        script = spec.get("script")
+        if script is not None and script not in SCRIPTS:
+            problems.append(f"arm {name}: script {script!r} is not one of {', '.join(SCRIPTS)}")
+            continue
+        recipe = (file.parent / spec["recipe"]).resolve() if spec.get("recipe") else None
+        if script and recipe is None:
+            problems.append(f"arm {name}: a training arm needs a recipe")
+            continue
+        settings = {**(study.get("set") or {}), **(spec.get("set") or {})}
+        arm_seeds = spec.get("seeds", seeds) if script else seeds[:1]  # greedy evaluation: one seed is all
+        arms[name] = Arm(name, script, recipe, settings, list(arm_seeds))
+        if script:
+            try:
+                script_args(arms[name], arm_seeds[0])
+            except SystemExit as error:
+                problems.append(f"arm {name}: {error}")
+    for index, finding in enumerate(study.get("findings") or []):
+        where = f"finding {index + 1} ({finding.get('claim', 'no claim')})"
+        if finding.get("metric") not in FINDING_METRICS:
+            problems.append(f"{where}: metric {finding.get('metric')!r} is not one of {', '.join(FINDING_METRICS)}")
+        missing = [arm for arm in finding.get("arms", []) if arm not in arms]
+        if missing or len(finding.get("arms", [])) < 2:
+            problems.append(f"{where}: arms must name two or more arms of the study (unknown: {missing})")
+        if finding.get("metric") in ("base", "sweep") and finding.get("best") not in finding.get("arms", []):
+            problems.append(f"{where}: best must name one of its arms")
+        if finding.get("metric") == "sweep" and not finding.get("setting"):
+            problems.append(f"{where}: a sweep names the setting it varies (setting: beta)")
+    if problems:
+        raise SystemExit(f"--study {path}:\n  " + "\n  ".join(problems))
+    return {
+        **study,
+        "name": study.get("name", file.stem),
+        "arms": arms,
+        "findings": study.get("findings") or [],
+        "file": path,
+    }
+
+
+def as_flags(settings: dict) -> list[str]:
+    """{name: value} -> ["--name", "value", ...], the command line of a script or evaluate.py."""
+    flags = []
+    for name, value in settings.items():
+        flags += [f"--{name}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return flags
+
+
+def script_args(arm: Arm, seed: int):
+    """The Args an arm's script trains with: its recipe, the study's settings, the seed."""
+    module = __import__(arm.script.removesuffix(".py"))
+    args = parse_args(module.Args, ["--config", str(arm.recipe), *as_flags(arm.settings), "--seed", str(seed)])
+    module.check_args(args)
+    return args
+
+
+def arm_state(arm: Arm, seed: int, study_dir: Path) -> tuple[str, Path | None]:
+    """Where an arm's run stands: ("finished", its run dir), ("resume", its newest checkpoint) or
+    ("new", None). A run is finished when it wrote final/; one without final/ but with step-*
+    checkpoints was interrupted and resumes from the newest."""
+    runs = sorted(path.parent for path in (study_dir / "arms" / arm.name / f"seed{seed}").glob("*/args.json"))
+    for run in runs:
+        if (run / "final").is_dir():
+            return "finished", run
+    checkpoints = sorted(checkpoint for run in runs for checkpoint in run.glob("step-*") if checkpoint.is_dir())
+    return ("resume", checkpoints[-1]) if checkpoints else ("new", None)
+
+
+def eval_results(arm: Arm, seed: int, study_dir: Path) -> Path | None:
+    """The results.json of an arm's held-out evaluation, None until one has finished."""
+    done = sorted((study_dir / "evals" / arm.name / f"seed{seed}").glob("*/table.md"))
+    return done[-1].with_name("results.json") if done else None
+
+
+def gpu_hours(study: dict, plan: list[tuple[Arm, int, str]]) -> float | None:
+    """The estimate printed before a study at the paper's scale: FLOPs of the runs still to train
+    (generation 2·P per token, scoring 2·P, an update 6·P, per pass; PPO's critic as much again)
+    over ASSUMED_FLOPS_PER_S. None when a model's size is not in KNOWN_PARAMETERS (a CPU study)."""
+    total = 0.0
+    for arm, seed, state in plan:
+        if arm.script is None or state == "finished":
+            continue
+        args = script_args(arm, seed)
+        parameters = KNOWN_PARAMETERS.get(Path(args.model).name)
+        if parameters is None:
+            return None
+        sequences = args.batch_size * args.group_size
+        tokens = sequences * (ASSUMED_PROMPT_TOKENS + args.max_new_tokens)
+        updates = getattr(args, "num_iterations", getattr(args, "ppo_epochs", 1))
+        generation = (
+            2 * parameters * sequences * args.max_new_tokens * (1.25 if getattr(args, "dynamic_sampling", 0) else 1)
+        )
+        scoring = 2 * parameters * tokens * (2 if args.beta > 0 else 1)
+        update = 6 * parameters * tokens * updates
+        critic = (2 + 6 * updates) * parameters * tokens if arm.script == "ppo.py" else 0
+        total += args.max_steps * (generation + scoring + update + critic)
+    return total / ASSUMED_FLOPS_PER_S / 3600
+
+
+def run_study(args: Args) -> Path:
+    """--study: trains every arm × seed not yet finished (resuming an interrupted one from its newest
+    checkpoint), evaluates each final model once on the held-out problems of the study's `evaluate`
+    settings, and writes report.md, findings and plots, into <output_dir>/study-<name>/. The plan is
+    printed first; at the paper's scale with the GPU time it is estimated to take."""
+    study = load_study(args.study)
+    if args.study_model:
+        for arm in study["arms"].values():
+            arm.settings["model"] = args.study_model
+    study_dir = Path(args.output_dir) / f"study-{study['name']}"
+    order = [
+        (arm, seed)
+        for seed in sorted({s for a in study["arms"].values() for s in a.seeds})
+        for arm in study["arms"].values()
+        if seed in arm.seeds
+    ]
+    plan = [(arm, seed, arm_state(arm, seed, study_dir)[0] if arm.script else "evaluate") for arm, seed in order]
+    print(f"study {study['name']} -> {study_dir}")
+    for arm, seed, state in plan:
+        what = (
+            f"{arm.script} --config {arm.recipe}" if arm.script else f"evaluate.py --model {arm.settings.get('model')}"
+        )
+        print(f"  {arm.name:<18} seed {seed}  {state:<9} {what}")
+    hours = gpu_hours(study, plan)
+    if hours is not None:
+        print(f"GPU time to train what is not finished, an estimate, not a measurement: {hours:.1f} H100-hours")
+        print(f"  (FLOPs at an assumed {ASSUMED_FLOPS_PER_S / 1e12:.0f} TFLOP/s, every completion at its cap)")
+    if args.study_dry_run:
+        return study_dir
+    root = Path(__file__).resolve().parent
+    for arm, seed in order:
+        if arm.script:
+            state, where = arm_state(arm, seed, study_dir)
+            if state != "finished":
+                command = [sys.executable, str(root / arm.script), "--config", str(arm.recipe), *as_flags(arm.settings)]
+                command += ["--seed", str(seed), "--output_dir", str(study_dir / "arms" / arm.name / f"seed{seed}")]
+                command += ["--resume_from", str(where)] if state == "resume" else []
+                print(f"[{arm.name} seed {seed}] {' '.join(command[1:])}", flush=True)
+                run_command(command, f"{arm.name} seed {seed}")
+            model = str(arm_state(arm, seed, study_dir)[1] / "final")
+        else:
+            model = arm.settings["model"]
+        if eval_results(arm, seed, study_dir) is None:
+            command = [sys.executable, str(root / "evaluate.py"), "--model", model, "--seed", str(seed)]
+            command += [
+                *as_flags(study.get("evaluate") or {}),
+                "--output_dir",
+                str(study_dir / "evals" / arm.name / f"seed{seed}"),
+            ]
+            print(f"[{arm.name} seed {seed}] {' '.join(command[1:])}", flush=True)
+            run_command(command, f"the evaluation of {arm.name} seed {seed}")
+    report = study_report(study, study_dir)
+    (study_dir / "report.md").write_text(report)
+    print(f"wrote {study_dir / 'report.md'}")
+    if args.study_into:
+        write_into(Path(args.study_into), study, study_dir, report)
+    return study_dir
+
+
+def run_command(command: list[str], what: str) -> None:
+    """Runs one training or evaluation as its own process (memory is freed between arms)."""
+    status = subprocess.run(command).returncode
+    if status:
+        raise SystemExit(f"{what} stopped with exit status {status}; run the same --study command again to resume.")
+
+
+@dataclass
+class Outcome:
+    """One arm × seed, as its own files recorded it."""
+
+    arm: str
+    seed: int
+    run_dir: Path | None  # None for an arm that only evaluates
+    rows: list[dict]  # its metrics.jsonl
+    correct: int  # held-out problems answered right (strict), of n
+    n: int
+    eval_length: float  # mean held-out completion length, tokens
+
+
+def study_outcomes(study: dict, study_dir: Path) -> dict[str, list[Outcome]]:
+    """Every arm's finished seeds, read from the runs' metrics.jsonl and the evaluations'
+    results.json (the first benchmark of the study's evaluate settings)."""
+    outcomes = {}
+    for arm in study["arms"].values():
+        outcomes[arm.name] = []
+        for seed in arm.seeds:
+            results_file = eval_results(arm, seed, study_dir)
+            state, run_dir = arm_state(arm, seed, study_dir) if arm.script else ("finished", None)
+            if results_file is None or state != "finished":
+                continue
+            result = next(iter(json.loads(results_file.read_text())["results"].values()))
+            rows = read_jsonl(run_dir / "metrics.jsonl") if run_dir else []
+            correct = round(result["strict_accuracy"] * result["n"])
+            outcomes[arm.name].append(
+                Outcome(arm.name, seed, run_dir, rows, correct, result["n"], result["mean_length"])
+            )
+    return outcomes
+
+
+def pooled(outcomes: list[Outcome]) -> tuple[float, tuple[float, float], int]:
+    """Held-out strict accuracy over every seed's problems, its Wilson 95% interval, and n."""
+    correct, n = sum(o.correct for o in outcomes), sum(o.n for o in outcomes)
+    accuracy = correct / n if n else float("nan")
+    return accuracy, wilson_interval(accuracy, n) if n else (float("nan"),) * 2, n
+
+
+def clearly_above(first: list[Outcome], second: list[Outcome]) -> bool:
+    """first's accuracy interval lies wholly above second's."""
+    return pooled(first)[1][0] > pooled(second)[1][1]
+
+
+def accuracy_relation(first: list[Outcome], second: list[Outcome], names: tuple[str, str]) -> str:
+    """How two arms' held-out accuracies compare: whose interval lies above, or that they overlap."""
+    if clearly_above(first, second):
+        return f"{names[0]}'s interval lies above {names[1]}'s"
+    if clearly_above(second, first):
+        return f"{names[1]}'s interval lies above {names[0]}'s"
+    return "the intervals overlap"
+
+
+def accuracy_verdict(better: list[Outcome], worse: list[Outcome], names: tuple[str, str]) -> str:
+    relation = accuracy_relation(better, worse, names)
+    if clearly_above(better, worse):
+        return f"holds: {relation}"
+    return f"{'does not hold' if clearly_above(worse, better) else 'not shown'}: {relation}"
+
+
+def curve(outcome: Outcome, key: str) -> list[float]:
+    return [row[key] for row in outcome.rows if key in row]
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def spread(values: list[float]) -> float:
+    """The population standard deviation (0 for one value)."""
+    return math.sqrt(mean([(v - mean(values)) ** 2 for v in values])) if values else float("nan")
+
+
+def step_spread(outcomes: list[Outcome]) -> float:
+    """How much the reward curve jumps from step to step: the spread of its step-to-step changes
+    (reward/mean), averaged over seeds."""
+    changes = [[b - a for a, b in zip(c, c[1:])] for c in (curve(o, "reward/mean") for o in outcomes)]
+    return mean([spread(change) for change in changes if change])
+
+
+def seed_spread(outcomes: list[Outcome]) -> float:
+    """How far the seeds' reward curves lie apart: the spread across seeds at each step, averaged
+    over steps; nan with one seed."""
+    curves = [curve(o, "reward/mean") for o in outcomes]
+    if len(curves) < 2:
+        return float("nan")
+    return mean([spread(list(values)) for values in zip(*curves)])
+
+
+def late_lengths(outcomes: list[Outcome]) -> list[float]:
+    """completion/length_mean over the second half of each seed's steps."""
+    return [value for o in outcomes for value in (lambda c: c[len(c) // 2 :])(curve(o, "completion/length_mean"))]
+
+
+def groups_per_step(outcome: Outcome) -> float:
+    """Groups generated a step: DAPO logs sampling/groups_generated; a step of the others is B."""
+    generated = curve(outcome, "sampling/groups_generated")
+    if generated:
+        return mean(generated)
+    return json.loads((outcome.run_dir / "args.json").read_text())["batch_size"]
+
+
+def judge(finding: dict, outcomes: dict[str, list[Outcome]]) -> tuple[list[dict], str]:
+    """One finding's table rows (an arm each) and whether it holds here, from the arms' outcomes.
+    arms[0] is the arm the claim favours (more accurate, more stable, longer, costlier), except for
+    `base` (arms[0] is the base model) and `sweep` (the arms are its points; `best` the expected best)."""
+    names, metric = finding["arms"], finding["metric"]
+    if any(not outcomes[name] for name in names):
+        missing = [name for name in names if not outcomes[name]]
+        return [], f"not run yet: {', '.join(missing)}"
+    rows = []
+    for name in names:
+        accuracy, (low, high), n = pooled(outcomes[name])
+        row = {
+            "arm": name,
+            "seeds": len(outcomes[name]),
+            "held-out accuracy": f"{percent(accuracy)}% ({percent(low)}–{percent(high)}, n = {n})",
+        }
+        if metric == "stability":
+            row |= {
+                "step-to-step spread": f"{step_spread(outcomes[name]):.3f}",
+                "spread across seeds": f"{seed_spread(outcomes[name]):.3f}",
+            }
+        if metric == "length":
+            late = late_lengths(outcomes[name])
+            row |= {
+                "length, 2nd half of training": f"{mean(late):.1f} ± {spread(late):.1f}",
+                "held-out length": f"{mean([o.eval_length for o in outcomes[name]]):.1f}",
+            }
+        if metric == "cost":
+            row |= {
+                "groups generated a step": f"{mean([groups_per_step(o) for o in outcomes[name]]):.1f}",
+                "generation s a step": f"{mean([v for o in outcomes[name] for v in curve(o, 'time/generate')]):.1f}",
+            }
+        if metric == "sweep":
+            run_args = json.loads((outcomes[name][0].run_dir / "args.json").read_text())
+            row = {finding["setting"]: run_args[finding["setting"]], **row}
+        rows.append(row)
+    first, second = outcomes[names[0]], outcomes[names[1]]
+    if metric == "accuracy":
+        verdict = accuracy_verdict(first, second, (names[0], names[1]))
+    elif metric == "stability":
+        first_spread, second_spread = step_spread(first), step_spread(second)
+        steadier = first_spread < second_spread
+        detail = (
+            f"{names[0]} {'steadier' if steadier else 'no steadier'} step to step ({first_spread:.3f} against "
+            f"{second_spread:.3f}); held-out accuracy: {accuracy_relation(first, second, (names[0], names[1]))}"
+        )
+        verdict = "holds" if steadier and clearly_above(first, second) else "not shown"
+        verdict = "does not hold" if not steadier and clearly_above(second, first) else verdict
+        verdict = f"{verdict}: {detail}"
+    elif metric == "length":
+        a, b = late_lengths(first), late_lengths(second)
+        error = math.sqrt(spread(a) ** 2 / max(len(a), 1) + spread(b) ** 2 / max(len(b), 1))
+        difference = mean(a) - mean(b)
+        verdict = (
+            f"holds: {difference:+.1f} tokens, more than twice its standard error ({error:.1f})"
+            if difference > 2 * error
+            else f"does not hold: {difference:+.1f} tokens (standard error {error:.1f})"
+            if difference < -2 * error
+            else f"not shown: {difference:+.1f} tokens, within twice its standard error ({error:.1f})"
+        )
+    elif metric == "cost":
+        ratio = mean([groups_per_step(o) for o in first]) / mean([groups_per_step(o) for o in second])
+        costs = ratio > 1
+        gains = clearly_above(first, second)
+        verdict = (
+            f"holds: {ratio:.2f}× the groups generated, and no accuracy shown gained"
+            if costs and not gains
+            else f"does not hold: {ratio:.2f}× the groups, and a clear gain in accuracy"
+            if costs
+            else f"does not hold: {ratio:.2f}× the groups generated"
+        )
+    elif metric == "base":
+        base, trained = outcomes[names[0]], names[1:]
+        above = [name for name in trained if clearly_above(outcomes[name], base)]
+        best = max(trained, key=lambda name: pooled(outcomes[name])[0])
+        claim_best = finding["best"]
+        verdict = (
+            f"{len(above)} of {len(trained)} arms lie clearly above the base"
+            + f"; the most accurate is {best}"
+            + (" as claimed" if best == claim_best else f", not {claim_best}")
+        )
+        verdict = ("holds: " if len(above) == len(trained) and best == claim_best else "not shown: ") + verdict
+    else:  # sweep
+        points = sorted(names, key=lambda name: rows[names.index(name)][finding["setting"]])
+        best = max(points, key=lambda name: pooled(outcomes[name])[0])
+        interior = best not in (points[0], points[-1])
+        clear = all(clearly_above(outcomes[best], outcomes[end]) for end in (points[0], points[-1]) if end != best)
+        where = f"the most accurate point is {best}"
+        if best == finding["best"] and interior and clear:
+            verdict = f"holds: {where}, above both ends of the sweep"
+        elif best == finding["best"]:
+            verdict = f"not shown: {where}, as claimed, but " + (
+                "at an end of the sweep" if not interior else "within the intervals of the ends"
+            )
+        else:
+            verdict = f"does not hold here: {where}, not {finding['best']}"
+    return rows, verdict
+
+
+def study_report(study: dict, study_dir: Path) -> str:
+    """report.md: every arm's held-out accuracy, then each finding: the arms compared, the metric
+    it is about, whether it holds here, and a plot of the arms' training curves."""
+    outcomes = study_outcomes(study, study_dir)
+    lines = [f"## Study `{study['name']}`", ""]
+    lines += [
+        f"Generated by `python evaluate.py --study {study['file']}` from the runs' own metrics.jsonl and "
+        "results.json. Held-out accuracy is strict, greedy, over every seed's problems, with its Wilson 95% "
+        "interval.",
+        "",
+    ]
+    arms = []
+    for arm in study["arms"].values():
+        accuracy, (low, high), n = pooled(outcomes[arm.name])
+        minutes = (
+            sum(sum(v for k, v in row.items() if k.startswith("time/")) for o in outcomes[arm.name] for row in o.rows)
+            / 60
+        )
+        arms.append(
+            {
+                "arm": arm.name,
+                "what": f"{arm.script} {os.path.relpath(arm.recipe)}" if arm.script else "the model as it is",
+                "seeds done": f"{len(outcomes[arm.name])} of {len(arm.seeds)}",
+                "held-out accuracy": f"{percent(accuracy)}% ({percent(low)}–{percent(high)}, n = {n})" if n else "—",
+                "training minutes": f"{minutes:.1f}" if minutes else "—",
+            }
+        )
+    lines += [markdown_table(arms), ""]
+    for index, finding in enumerate(study["findings"], 1):
+        rows, verdict = judge(finding, outcomes)
+        lines += [f"### {index}. {finding['claim']}", "", f"**{verdict}** (metric: {finding['metric']}).", ""]
+        if rows:
+            lines += [markdown_table(rows), ""]
+            runs = [str(o.run_dir) for name in finding["arms"] for o in outcomes[name] if o.run_dir]
+            if runs:
+                picture = study_dir / f"finding-{index}.png"
+                plot_curves(runs, picture)
+                lines += [f"![finding {index}]({picture.name})", ""]
+    return "\n".join(lines)
+
+
+def write_into(document: Path, study: dict, study_dir: Path, report: str) -> None:
+    """Replaces the section of document between <!-- study:NAME --> and <!-- /study:NAME --> by the
+    report, its pictures copied beside the document (study-NAME-finding-k.png)."""
+    begin, end = f"<!-- study:{study['name']} -->", f"<!-- /study:{study['name']} -->"
+    text = document.read_text()
+    if begin not in text or end not in text:
+        raise SystemExit(f"--study_into {document}: add the lines {begin} and {end} where the report goes.")
+    for picture in study_dir.glob("finding-*.png"):
+        shutil.copyfile(picture, document.parent / f"study-{study['name']}-{picture.name}")
+        report = report.replace(f"({picture.name})", f"(study-{study['name']}-{picture.name})")
+    head, rest = text.split(begin, 1)
+    document.write_text(f"{head}{begin}\n{report}\n{end}{rest.split(end, 1)[1]}")
+    print(f"wrote the report into {document}")
+
+
+# ----------------------------------------------------------------------------------------
 
 
 def main(args: Args) -> Path | None:
-    """Runs the mode the arguments ask for. Returns the eval run directory or the PNG."""
+    """Runs the mode the arguments ask for. Returns the eval run directory, the PNG or the study's directory."""
+    if args.study:
+        return run_study(args)
     if args.compare:
         print(compare_table(args.compare))
         return None

@@ -812,6 +812,9 @@ def load_benchmark(
         return Task(name, load_gsm8k("test", data_dir), messages, gsm8k_score)
     if shots:
         raise SystemExit(f"--shots is for countdown and gsm8k; {name} has no worked examples: drop --shots.")
+    if name == "digit":  # the toy task's own prompts (nothing is held out): smoke runs, the tiny study
+        problems = [{**p, "gold": "a digit", "subset": ""} for p in load_task(name).problems[:countdown_problems]]
+        return Task(name, problems, digit_messages, digit_score)
     if name == "math500":
         return Task(name, load_math500(data_dir), math500_messages, math500_score)
     if name == "bbh":
