@@ -155,17 +155,18 @@ def read_config(path: str, args_class) -> dict:
         return {}
     if not isinstance(data, dict):
         raise SystemExit(
-            f"--config {path}: the file must hold a mapping of fields to values, not a {type(data).__name__}."
+            f"--config {path}: the file must hold a mapping of settings to values, not a {type(data).__name__}."
         )
-    fields = {field.name: field for field in dataclasses.fields(args_class)}
+    fields = {field.name for field in dataclasses.fields(args_class)}
+    types = typing.get_type_hints(args_class)  # not field.type: HfArgumentParser rewrites it (float | None -> float)
     values, problems = {}, []
     for key, value in data.items():
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            close = difflib.get_close_matches(str(key), sorted(fields), n=1)
             problems.append(f"{key!r} is not a setting" + (f" (did you mean {close[0]!r}?)" if close else ""))
             continue
         try:
-            values[key] = as_field_type(value, fields[key].type)
+            values[key] = as_field_type(value, types[key])
         except ValueError as error:
             problems.append(f"{key}: {error}")
     if problems:
@@ -176,30 +177,30 @@ def read_config(path: str, args_class) -> dict:
 def as_field_type(value, kind):
     """value as an Args field of type `kind` (bool, int, float, str, or one of them | None) holds it.
     A ValueError says what was expected."""
-    options = [option for option in typing.get_args(kind) if option is not type(None)] or [kind]
+    declared = typing.get_args(kind)  # (float, NoneType) for float | None; () for float
+    optional = type(None) in declared
+    kind = next((option for option in declared if option is not type(None)), kind)
+    wanted = {bool: "true or false", int: "an int", float: "a float", str: "a text"}.get(kind, kind.__name__)
     if value is None:
-        if type(None) in typing.get_args(kind):
+        if optional:
             return None
-        raise ValueError(f"needs a value ({options[0].__name__}), not null")
-    kind = options[0]
+        raise ValueError(f"needs {wanted}, not null")
     if kind is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
             return value.lower() in ("true", "yes", "1")
-        raise ValueError(f"needs true or false, not {value!r}")
-    if isinstance(value, bool):  # a bool is an int to Python, not to a config
-        raise ValueError(f"needs a {kind.__name__}, not {value!r}")
+        raise ValueError(f"needs {wanted}, not {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):  # a bool is an int to Python only
+        raise ValueError(f"needs {wanted}, not {value!r}")
     if kind is str:
-        if isinstance(value, (int, float, str)):
-            return str(value)
-        raise ValueError(f"needs a text, not {value!r}")
+        return str(value)
     try:
         number = kind(value)
     except (TypeError, ValueError):
-        raise ValueError(f"needs a {kind.__name__}, not {value!r}") from None
+        raise ValueError(f"needs {wanted}, not {value!r}") from None
     if kind is int and isinstance(value, float) and value != number:
-        raise ValueError(f"needs an int, not {value!r}")
+        raise ValueError(f"needs {wanted}, not {value!r}")
     return number
 
 

@@ -1,0 +1,207 @@
+"""The study runner (python evaluate.py --study FILE): it trains the arms that have not finished,
+resumes an interrupted one from its newest checkpoint, skips what is done, evaluates each arm once,
+and reports each finding with numbers that the runs' own files give again; verdicts and the GPU
+estimate by hand; bad study files stop before anything trains."""
+
+import json
+import math
+import shutil
+
+import pytest
+
+import common
+import evaluate
+import grpo
+from common import parse_args, read_jsonl
+from conftest import ROOT
+from evaluate import Args, Outcome, judge, load_study, run_study, wilson_interval
+
+TINY = str(ROOT / "recipes" / "study-tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def tiny_study(tmp_path_factory):
+    """recipes/study-tiny.yaml run once: two tiny GRPO arms of 10 steps and the base model, ~25 s."""
+    output = tmp_path_factory.mktemp("studies")
+    return run_study(Args(study=TINY, output_dir=str(output)))
+
+
+def recorded_commands(monkeypatch):
+    """Every command the runner starts, run for real."""
+    commands, real = [], evaluate.run_command
+    monkeypatch.setattr(evaluate, "run_command", lambda command, what: (commands.append(command), real(command, what)))
+    return commands
+
+
+def test_the_runner_trains_evaluates_and_reports(tiny_study):
+    for arm in ("g4", "g2"):
+        (run,) = (tiny_study / "arms" / arm / "seed0").iterdir()
+        assert (run / "final").is_dir() and len(read_jsonl(run / "metrics.jsonl")) == 10
+    for arm in ("base", "g4", "g2"):
+        assert len(list((tiny_study / "evals" / arm / "seed0").glob("*/results.json"))) == 1
+    report = (tiny_study / "report.md").read_text()
+    assert "### 1. G = 4 is more stable and more accurate than G = 2" in report
+    assert "### 2. both arms beat the random model, G = 4 best" in report
+    assert (tiny_study / "finding-1.png").stat().st_size > 0 and (tiny_study / "finding-2.png").stat().st_size > 0
+
+
+def test_a_finished_study_starts_nothing(tiny_study, monkeypatch):
+    commands = recorded_commands(monkeypatch)
+    before = (tiny_study / "report.md").read_text()
+    run_study(Args(study=TINY, output_dir=str(tiny_study.parent)))
+    assert commands == []
+    assert (tiny_study / "report.md").read_text() == before
+
+
+def test_an_interrupted_arm_resumes_from_its_newest_checkpoint(tiny_study, tmp_path, monkeypatch):
+    # A copy of the study whose g4 arm was stopped while writing final/ (its checkpoint of step 5,
+    # with the trainer state, is the newest whole one) and never evaluated: the runner resumes it
+    # from step 5 and gets the finished run's metrics, step for step.
+    study = shutil.copytree(tiny_study, tmp_path / tiny_study.name)
+    shutil.rmtree(study / "arms" / "g4")
+    shutil.rmtree(study / "evals" / "g4")
+    real_save = common.save_checkpoint
+
+    def crash_on_final(path, *rest, **options):
+        if path.name == "final":
+            raise KeyboardInterrupt("simulated crash")
+        real_save(path, *rest, **options)
+
+    monkeypatch.setattr(common, "save_checkpoint", crash_on_final)
+    recipe = str(ROOT / "recipes" / "tiny" / "grpo-digit.yaml")
+    args = parse_args(
+        grpo.Args, ["--config", recipe, "--seed", "0", "--output_dir", str(study / "arms" / "g4" / "seed0")]
+    )
+    with pytest.raises(SystemExit):
+        grpo.train(args)
+    monkeypatch.setattr(common, "save_checkpoint", real_save)
+    (run,) = (study / "arms" / "g4" / "seed0").iterdir()
+    assert not (run / "final").exists() and (run / "step-000005").is_dir()
+    commands = recorded_commands(monkeypatch)
+    run_study(Args(study=TINY, output_dir=str(tmp_path)))
+    train, evaluation = commands
+    assert train[train.index("--resume_from") + 1] == str(run / "step-000005")
+    assert evaluation[evaluation.index("--model") + 1] == str(run / "final")
+    (finished,) = (tiny_study / "arms" / "g4" / "seed0").iterdir()
+    timing = ("time/", "throughput/")
+    rows = [
+        [{k: v for k, v in row.items() if not k.startswith(timing)} for row in read_jsonl(path / "metrics.jsonl")]
+        for path in (run, finished)
+    ]
+    assert len(rows[0]) == 10 and rows[0] == rows[1]
+
+
+def test_the_reports_numbers_come_from_the_runs_files(tiny_study):
+    report = (tiny_study / "report.md").read_text()
+    for arm in ("base", "g4", "g2"):
+        (results,) = (tiny_study / "evals" / arm / "seed0").glob("*/results.json")
+        digit = json.loads(results.read_text())["results"]["digit"]
+        low, high = wilson_interval(digit["strict_accuracy"], digit["n"])
+        cell = f"{100 * digit['strict_accuracy']:.1f}% ({100 * low:.1f}–{100 * high:.1f}, n = {digit['n']})"
+        assert f"| {arm} | " in report and cell in report
+    for arm in ("g4", "g2"):  # the step-to-step spread: the population std of the reward curve's changes
+        (run,) = (tiny_study / "arms" / arm / "seed0").iterdir()
+        rewards = [row["reward/mean"] for row in read_jsonl(run / "metrics.jsonl")]
+        changes = [b - a for a, b in zip(rewards, rewards[1:])]
+        average = sum(changes) / len(changes)
+        spread = math.sqrt(sum((c - average) ** 2 for c in changes) / len(changes))
+        assert f"| {arm} | 1 | " in report and f"| {spread:.3f} | nan |" in report
+
+
+def outcome(arm, correct, n=100, rows=(), run_dir=None):
+    return Outcome(arm, 0, run_dir, list(rows), correct, n, 30.0)
+
+
+def test_accuracy_verdicts_by_hand():
+    # Wilson 95% intervals, n = 100: 60% -> (50.2, 69.1), 30% -> (21.9, 39.6): apart; 45% -> (35.6,
+    # 54.8) and 40% -> (30.9, 49.8): they overlap.
+    finding = {"metric": "accuracy", "arms": ["a", "b"]}
+    assert wilson_interval(0.6, 100)[0] == pytest.approx(0.502, abs=1e-3)
+    assert judge(finding, {"a": [outcome("a", 60)], "b": [outcome("b", 30)]})[1].startswith("holds")
+    assert judge(finding, {"a": [outcome("a", 45)], "b": [outcome("b", 40)]})[1].startswith("not shown")
+    assert judge(finding, {"a": [outcome("a", 30)], "b": [outcome("b", 60)]})[1].startswith("does not hold")
+    # Seeds pool: 2 × (30 of 100) is 60 of 200, whose interval (24.1, 36.7) is narrower than one seed's.
+    rows, _ = judge(finding, {"a": [outcome("a", 30), outcome("a", 30)], "b": [outcome("b", 60)]})
+    assert rows[0]["held-out accuracy"] == "30.0% (24.1–36.7, n = 200)"
+    assert judge(finding, {"a": [], "b": [outcome("b", 60)]})[1] == "not run yet: a"
+
+
+def test_length_cost_and_sweep_verdicts_by_hand(tmp_path):
+    # length: the second half of each curve, [30, 32] against [20, 22]: means 31 and 21, each spread
+    # 1 over 2 values, standard error √(1/2 + 1/2) = 1: a difference of 10 > 2: holds.
+    rows = lambda lengths: [{"completion/length_mean": v, "reward/mean": 0.0} for v in lengths]  # noqa: E731
+    longer, shorter = outcome("a", 50, rows=rows([0, 0, 30, 32])), outcome("b", 50, rows=rows([0, 0, 20, 22]))
+    _, verdict = judge({"metric": "length", "arms": ["a", "b"]}, {"a": [longer], "b": [shorter]})
+    assert verdict == "holds: +10.0 tokens, more than twice its standard error (1.0)"
+    # cost: DAPO logs the groups it generated (12 and 20 a step: 16); the other arm's a step is its B (4).
+    for name, batch in (("a", 4), ("b", 4)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "args.json").write_text(
+            json.dumps({"batch_size": batch, "beta": {"a": 0.0, "b": 0.01}[name]})
+        )
+    costly = outcome(
+        "a", 45, rows=[{"sampling/groups_generated": 12}, {"sampling/groups_generated": 20}], run_dir=tmp_path / "a"
+    )
+    cheap = outcome("b", 40, rows=[{"time/generate": 1.0}], run_dir=tmp_path / "b")
+    _, verdict = judge({"metric": "cost", "arms": ["a", "b"]}, {"a": [costly], "b": [cheap]})
+    assert verdict == "holds: 4.00× the groups generated, and no accuracy shown gained"
+    # sweep over beta: 0 -> 30%, 0.01 -> 60%, 0.04 -> 20%: the middle is best and clear of both ends.
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "args.json").write_text(json.dumps({"batch_size": 4, "beta": 0.04}))
+    sweep = {"metric": "sweep", "setting": "beta", "arms": ["a", "b", "c"], "best": "b"}
+    points = {"a": [outcome("a", 30, run_dir=tmp_path / "a")], "b": [outcome("b", 60, run_dir=tmp_path / "b")]}
+    points["c"] = [outcome("c", 20, run_dir=tmp_path / "c")]
+    rows, verdict = judge(sweep, points)
+    assert [row["beta"] for row in rows] == [0.0, 0.01, 0.04]
+    assert verdict == "holds: the most accurate point is b, above both ends of the sweep"
+    points["a"] = [outcome("a", 70, run_dir=tmp_path / "a")]
+    assert judge(sweep, points)[1] == "does not hold here: the most accurate point is a, not b"
+
+
+def test_the_gpu_estimate_by_hand(capsys, tmp_path):
+    # grpo at the paper's scale (P = 1.54e9, N = 32·8 = 256, T = 1024, 200 + 1024 = 1224 tokens a
+    # sequence, β > 0, μ = 1), a step:
+    #   generation 2·P·N·T = 8.074e14; scoring 2·P·N·1224 × 2 (policy and reference) = 1.930e15;
+    #   update 6·P·N·1224 = 2.895e15; 5.632e15 a step, × 500 steps = 2.816e18 FLOPs,
+    #   / 4e14 FLOP/s = 7040 s = 1.956 H100-hours.
+    study = load_study(str(ROOT / "recipes" / "study-paper.yaml"))
+    plan = [(study["arms"]["grpo"], 0, "new")]
+    assert evaluate.gpu_hours(study, plan) == pytest.approx(1.956, abs=1e-3)
+    assert evaluate.gpu_hours(study, [(study["arms"]["grpo"], 0, "finished")]) == 0
+    run_study(Args(study=str(ROOT / "recipes" / "study-paper.yaml"), study_dry_run=True, output_dir=str(tmp_path)))
+    printed = capsys.readouterr().out
+    assert printed.count(" new ") == 27 and "an estimate, not a measurement" in printed and "H100-hours" in printed
+    assert not (tmp_path / "study-paper").exists()  # a dry run trains nothing
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("arms: {}\n", "arms: a mapping of arm names"),
+        ("arms: {a: {script: sft.py, recipe: x.yaml}}\n", "arm a: script 'sft.py' is not one of"),
+        ("arms: {a: {script: grpo.py}}\n", "arm a: a training arm needs a recipe"),
+        ("arms: {a: {script: grpo.py, recipe: r.yaml}}\n", "arm a: --config"),
+        ("arms: {a: {}}\nfindings: [{claim: c, metric: speed, arms: [a, b]}]\n", "metric 'speed' is not one of"),
+        ("arms: {a: {}}\nfindings: [{claim: c, metric: accuracy, arms: [a, b]}]\n", "(unknown: ['b'])"),
+        ("arms: {a: {}}\nseed: 1\n", "unknown keys ['seed']"),
+    ],
+)
+def test_a_bad_study_file_stops_before_anything_trains(tmp_path, text, message):
+    (tmp_path / "r.yaml").write_text("max_step: 3\n")  # a recipe with a typo
+    (tmp_path / "study.yaml").write_text(text)
+    with pytest.raises(SystemExit) as stop:
+        load_study(str(tmp_path / "study.yaml"))
+    assert message in str(stop.value)
+
+
+def test_the_report_goes_into_a_document(tiny_study, tmp_path):
+    document = tmp_path / "learning.md"
+    document.write_text("# Before\n\n<!-- study:tiny -->\nold\n<!-- /study:tiny -->\n\nAfter\n")
+    study = load_study(TINY)
+    evaluate.write_into(document, study, tiny_study, (tiny_study / "report.md").read_text())
+    text = document.read_text()
+    assert "old" not in text and text.startswith("# Before") and text.endswith("After\n")
+    assert "![finding 1](study-tiny-finding-1.png)" in text and (tmp_path / "study-tiny-finding-1.png").is_file()
+    document.write_text("no markers\n")
+    with pytest.raises(SystemExit, match="add the lines <!-- study:tiny --> and <!-- /study:tiny -->"):
+        evaluate.write_into(document, study, tiny_study, "report")
