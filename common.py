@@ -177,6 +177,10 @@ def read_config(path: str, args_class) -> dict:
 def as_field_type(value, kind):
     """value as an Args field of type `kind` (bool, int, float, str, or one of them | None) holds it.
     A ValueError says what was expected."""
+    if typing.get_origin(kind) is list:  # evaluate.py's --compare, --plot: a list of texts
+        if not isinstance(value, list):
+            raise ValueError(f"needs a list, not {value!r}")
+        return [as_field_type(item, typing.get_args(kind)[0]) for item in value]
     declared = typing.get_args(kind)  # (float, NoneType) for float | None; () for float
     optional = type(None) in declared
     kind = next((option for option in declared if option is not type(None)), kind)

@@ -62,6 +62,13 @@ def test_a_bad_file_stops_with_what_was_wrong(tmp_path, text, message):
     assert message in str(stop.value)
 
 
+def test_a_list_setting_takes_a_list(tmp_path):
+    config = write(tmp_path / "run.yaml", "compare: [runs/eval-a, runs/eval-b]\n")
+    assert parse_args(evaluate.Args, ["--config", config]).compare == ["runs/eval-a", "runs/eval-b"]
+    with pytest.raises(SystemExit, match="compare: needs a list, not 'runs/eval-a'"):
+        parse_args(evaluate.Args, ["--config", write(tmp_path / "bad.yaml", "compare: runs/eval-a\n")])
+
+
 def test_a_missing_or_unknown_kind_of_file_stops(tmp_path):
     with pytest.raises(SystemExit, match="no such file"):
         parse_args(grpo.Args, ["--config", str(tmp_path / "missing.yaml")])
