@@ -1,10 +1,10 @@
 """DAPO: Decoupled Clip and Dynamic sAmpling Policy Optimization, one self-contained training loop.
 
 GRPO (grpo.py) with the four changes of the DAPO paper and grpo.py's text everywhere else, so
-that `diff grpo.py dapo.py` shows DAPO, and GRPO's own variants (Dr. GRPO, GSPO, GPG) leaving as
-one block in the variants section. For every prompt, sample a group of G completions,
-score each with a rule-based reward, and use the reward's deviation from its group's mean as
-the advantage of every token of that completion; then
+that `diff grpo.py dapo.py` shows DAPO, and GRPO's own variants (Dr. GRPO, GSPO, GPG) leaving:
+`aggregate` in the loss's section, `sequence_ratio` and `gpg_advantages` in the variants'. For
+every prompt, sample a group of G completions, score each with a rule-based reward, and use the
+reward's deviation from its group's mean as the advantage of every token of that completion; then
   1. Clip-Higher: clip the token ratio to [1 − ε_low, 1 + ε_high] with ε_high > ε_low, so a
      rare token with a positive advantage can still grow (against entropy collapse);
   2. Dynamic sampling: drop the groups whose G task rewards are all equal (all solved or all
@@ -26,7 +26,8 @@ The loop of train(), one numbered comment per step (the README draws the same bo
   7-9. held-out accuracy when due, the metrics row, a checkpoint   common.Run.end_step
 Deliberate departures: verl's recipe, not the paper's text, decides what the paper leaves open
 (the group filter reads the task reward, not the shaped one; at most max_gen_rounds rounds);
-on-policy the ratio is exactly 1 and π_θold is not scored separately (on_policy).
+on-policy the ratio is exactly 1 and π_θold is not scored separately, unless --is_mask needs it
+(on_policy).
 
 Papers (equation numbers as cited in the code):
   DAPO      Yu et al. 2025, arXiv 2503.14476: Eq. 8 (objective), 10 (clip-higher), 11 (dynamic
@@ -337,6 +338,12 @@ def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: fl
     return torch.min(unclipped, clipped)
 
 
+def clip_range(args: Args) -> tuple[float, float]:
+    """(ε_low, ε_high) of the clip that --loss_type uses: clip-higher's ε_low and ε_high (DAPO Eq. 10),
+    or CISPO's ε^IS for its weight (MiniMax-M1 Eq. 5)."""
+    return (args.cispo_eps_low, args.cispo_eps_high) if args.loss_type == "cispo" else (args.eps_low, args.eps_high)
+
+
 def dapo_loss(
     logp: torch.Tensor,  # (n, T) log π_θ, with grad
     old_logp: torch.Tensor,  # (n, T) log π_θold, recorded before the first update
@@ -364,8 +371,8 @@ def dapo_loss(
     β > 0 adds GRPO's k3 KL per token; DAPO drops it (β = 0), as the policy is meant to move far
     from the initial model. The techniques enter as one named function each, defined in the
     section on variants below: CISPO's objective in place of the clipped surrogate (--loss_type
-    cispo; eps_low and eps_high are then ε_low^IS and ε_high^IS), dual-clip (DAPO's verl recipe:
-    c = 10), truncated IS (is_weight), T1's entropy bonus. Returns (loss, stats): stats are sums
+    cispo; eps_low and eps_high are then ε_low^IS and ε_high^IS), dual-clip (verl's default c = 3,
+    its DAPO recipe's 10), truncated IS (is_weight), T1's entropy bonus. Returns (loss, stats): stats are sums
     over the tokens of loss_mask."""
     mask = loss_mask.to(logp.dtype)  # (n, T)
     adv = advantages[:, None]  # (n, 1) Â_i, the same for every token of o_i
@@ -458,7 +465,7 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
     num_tokens = max(all_reduce(loss_mask.sum().item()), 1)  # every completion filtered out: loss 0, not NaN
     batch = {**batch, "loss_mask": loss_mask}
     record = batch["old_logp"] is None  # this forward pass stands in for step 4's
-    recorded = {name: torch.zeros_like(loss_mask, dtype=torch.float32) for name in ("old_logp", "entropy")}
+    recorded = {name: torch.zeros_like(loss_mask, dtype=torch.float32) for name in ("old_logp", "entropy") if record}
     for rows, micro in micro_batches(batch, args.micro_batch_size):
         with amp():
             logp, entropy = sequence_logprobs(
@@ -479,18 +486,12 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
         accumulate(totals, {"loss": loss.item(), **stats})
         if record:
             recorded["old_logp"][rows], recorded["entropy"][rows] = logp.detach(), entropy.detach()
-    return totals, recorded if record else {}
+    return totals, recorded
 
 
 # ----------------------------------------------------------------------------------------
 # Variants and sampler/trainer corrections, each one function the loss or train() reads: CISPO,
 # dual-clip, truncated and masked importance sampling, T1's moving reference (shared with grpo.py).
-
-
-def clip_range(args: Args) -> tuple[float, float]:
-    """(ε_low, ε_high) of the clip that --loss_type uses: clip-higher's ε_low and ε_high (DAPO Eq. 10),
-    or CISPO's ε^IS for its weight (MiniMax-M1 Eq. 5)."""
-    return (args.cispo_eps_low, args.cispo_eps_high) if args.loss_type == "cispo" else (args.eps_low, args.eps_high)
 
 
 def cispo_objective(
@@ -679,7 +680,7 @@ def train(args: Args) -> Path:
                 vocab_size=vocab_size,
                 amp=amp,
                 score_policy=not on_policy(args) or bool(args.is_mask),
-            )  # (N, T) each; old_logp and entropy None until step 6 when on-policy
+            )  # (N, T) each; old_logp and entropy None until step 6 when on-policy without --is_mask
             seconds_logprobs = time.perf_counter() - timer
 
             # 5. Group-relative advantages of the task reward plus the overlong penalty (DAPO Eq. 13).
@@ -860,9 +861,9 @@ def evaluate_heldout(
 
 
 # ----------------------------------------------------------------------------------------
-# TRY NOT TO MODIFY: the sampler, steps 1-4's machinery. A reader may skip it: rollout() returns
-# the Rollout above, sequence_logprobs() the log-probs the loss reads. docs/speed.md explains
-# each speed feature of generate().
+# TRY NOT TO MODIFY: the sampler and scorer, steps 1-4's machinery and step 6's micro-batches. A
+# reader may skip it: rollout() returns the Rollout above, sequence_logprobs() the log-probs the
+# loss reads, micro_batches() the update's micro-batches. docs/speed.md explains generate()'s speed.
 
 
 def rollout(

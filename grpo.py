@@ -16,7 +16,8 @@ The loop of train(), one numbered comment per step (the README draws the same bo
   7-9. held-out accuracy when due, the metrics row, a checkpoint   common.Run.end_step
 Deliberate departures: the mean over the completions of the whole mini-batch (1/N, not 1/G per
 group: the same when every group is whole) so that gradient accumulation is exact; on-policy
-(μ = 1, one mini-batch) the ratio is exactly 1 and π_θold is not scored separately (on_policy).
+(μ = 1, one mini-batch) the ratio is exactly 1 and π_θold is not scored separately, unless
+--is_mask needs it (on_policy).
 
 Papers (equation numbers as cited in the code):
   GRPO      Shao et al. 2024, DeepSeekMath, arXiv 2402.03300, Eq. 3 and 4; the objective as
@@ -236,6 +237,15 @@ def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: fl
     return torch.min(unclipped, clipped)
 
 
+def clip_range(args: Args) -> tuple[float, float]:
+    """(ε_low, ε_high) of the clip that --loss_type uses: ε on both sides (grpo, dr_grpo; DAPO
+    Eq. 5), GSPO's own tiny ones for its sequence ratio (GSPO Eq. 5), CISPO's ε^IS for its weight."""
+    return {
+        "gspo": (args.gspo_eps_low, args.gspo_eps_high),
+        "cispo": (args.cispo_eps_low, args.cispo_eps_high),
+    }.get(args.loss_type, (args.eps, args.eps))
+
+
 def grpo_loss(
     logp: torch.Tensor,  # (n, T) log π_θ, with grad
     old_logp: torch.Tensor,  # (n, T) log π_θold, recorded before the first update
@@ -368,7 +378,7 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
     num_tokens = max(all_reduce(loss_mask.sum().item()), 1)
     batch = {**batch, "loss_mask": loss_mask}
     record = batch["old_logp"] is None  # this forward pass stands in for step 4's
-    recorded = {name: torch.zeros_like(loss_mask, dtype=torch.float32) for name in ("old_logp", "entropy")}
+    recorded = {name: torch.zeros_like(loss_mask, dtype=torch.float32) for name in ("old_logp", "entropy") if record}
     for rows, micro in micro_batches(batch, args.micro_batch_size):
         with amp():
             logp, entropy = sequence_logprobs(
@@ -389,22 +399,14 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
         accumulate(totals, {"loss": loss.item(), **stats})
         if record:
             recorded["old_logp"][rows], recorded["entropy"][rows] = logp.detach(), entropy.detach()
-    return totals, recorded if record else {}
+    return totals, recorded
 
 
 # ----------------------------------------------------------------------------------------
 # Variants and sampler/trainer corrections, each one function the loss or train() reads: GRPO's
-# own (GSPO's ratio, GPG's advantage; Dr. GRPO's normaliser is in aggregate), then CISPO, dual-clip,
-# truncated and masked importance sampling, T1's moving reference (shared with dapo.py).
-
-
-def clip_range(args: Args) -> tuple[float, float]:
-    """(ε_low, ε_high) of the clip that --loss_type uses: ε on both sides (grpo, dr_grpo; DAPO
-    Eq. 5), GSPO's own tiny ones for its sequence ratio (GSPO Eq. 5), CISPO's ε^IS for its weight."""
-    return {
-        "gspo": (args.gspo_eps_low, args.gspo_eps_high),
-        "cispo": (args.cispo_eps_low, args.cispo_eps_high),
-    }.get(args.loss_type, (args.eps, args.eps))
+# own (GSPO's ratio, GPG's advantage; Dr. GRPO's normaliser is in aggregate, each one's ε in
+# clip_range), then CISPO, dual-clip, truncated and masked importance sampling, T1's moving
+# reference (shared with dapo.py).
 
 
 def sequence_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -602,7 +604,7 @@ def train(args: Args) -> Path:
                 vocab_size=vocab_size,
                 amp=amp,
                 score_policy=not on_policy(args) or bool(args.is_mask),
-            )  # (N, T) each; old_logp and entropy None until step 6 when on-policy
+            )  # (N, T) each; old_logp and entropy None until step 6 when on-policy without --is_mask
             seconds_logprobs = time.perf_counter() - timer
 
             # 5. Group-relative advantages: one number per completion, shared by its tokens.
@@ -762,9 +764,9 @@ def evaluate_heldout(
 
 
 # ----------------------------------------------------------------------------------------
-# TRY NOT TO MODIFY: the sampler, steps 1-4's machinery. A reader may skip it: rollout() returns
-# the Rollout above, sequence_logprobs() the log-probs the loss reads. docs/speed.md explains
-# each speed feature of generate().
+# TRY NOT TO MODIFY: the sampler and scorer, steps 1-4's machinery and step 6's micro-batches. A
+# reader may skip it: rollout() returns the Rollout above, sequence_logprobs() the log-probs the
+# loss reads, micro_batches() the update's micro-batches. docs/speed.md explains generate()'s speed.
 
 
 def rollout(

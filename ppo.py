@@ -279,7 +279,7 @@ def masked_whiten(x: torch.Tensor, completion_mask: torch.Tensor, eps: float, to
 
 def advantages_and_returns(
     rewards: torch.Tensor,  # (N,) the task's reward of each completion
-    old_logp: torch.Tensor,  # (N, T) log π_θold (with β > 0; else unused)
+    old_logp: torch.Tensor | None,  # (N, T) log π_θold; None when beta = 0 (unused then)
     ref_logp: torch.Tensor | None,  # (N, T) log π_ref; None when beta = 0
     old_values: torch.Tensor,  # (N, T) V_φold(s_t)
     completion_mask: torch.Tensor,  # (N, T)
@@ -301,16 +301,6 @@ def advantages_and_returns(
     if args.whiten_advantages:
         advantages = masked_whiten(raw_advantages, completion_mask, args.whiten_eps, all_reduce)
     return raw_advantages, advantages, returns
-
-
-def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """k3 estimator of KL(π_θ ‖ π_ref) per token (Schulman 2020; DeepSeekMath Eq. 4):
-        π_ref/π_θ − log(π_ref/π_θ) − 1, unbiased under samples of π_θ and never negative.
-    logp, ref_logp (…, T) -> (…, T)."""
-    # e^20 ≈ 5e8: finite. verl clamps the log-ratio at ±20 too, and then caps k3 itself at 10 (its
-    # low_var_kl); here k3 is not capped, so a token far from π_ref keeps its whole gradient.
-    log_ratio = (ref_logp - logp).clamp(-20.0, 20.0)
-    return torch.exp(log_ratio) - log_ratio - 1
 
 
 def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
@@ -450,7 +440,7 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
     if args.pos_lm_coef > 0:  # VAPO's Σ_{o_i∈T} |o_i| over the whole mini-batch
         num_positive_tokens = all_reduce((batch["completion_mask"] * batch["positive"][:, None]).sum().item())
     record = batch["old_logp"] is None  # this forward pass stands in for step 4's
-    recorded = {name: torch.zeros_like(loss_mask, dtype=torch.float32) for name in ("old_logp", "entropy")}
+    recorded = {name: torch.zeros_like(loss_mask, dtype=torch.float32) for name in ("old_logp", "entropy") if record}
     for rows, micro in micro_batches(batch, args.micro_batch_size):
         with amp():
             logp, entropy = sequence_logprobs(
@@ -477,7 +467,7 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
         accumulate(totals, {"loss": loss.item(), **stats})
         if record:
             recorded["old_logp"][rows], recorded["entropy"][rows] = logp.detach(), entropy.detach()
-    return totals, recorded if record else {}
+    return totals, recorded
 
 
 def critic_backward(critic: "Critic", batch: dict, args: Args, amp=contextlib.nullcontext) -> dict:
@@ -832,6 +822,16 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, completion_m
     return (1 - error.var(unbiased=False) / target_variance).item()
 
 
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k3 estimator of KL(π_θ ‖ π_ref) per token (Schulman 2020; DeepSeekMath Eq. 4):
+        π_ref/π_θ − log(π_ref/π_θ) − 1, unbiased under samples of π_θ and never negative.
+    logp, ref_logp (…, T) -> (…, T)."""
+    # e^20 ≈ 5e8: finite. verl clamps the log-ratio at ±20 too, and then caps k3 itself at 10 (its
+    # low_var_kl); here k3 is not capped, so a token far from π_ref keeps its whole gradient.
+    log_ratio = (ref_logp - logp).clamp(-20.0, 20.0)
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
 def whole_groups(order: torch.Tensor, group_size: int) -> torch.Tensor:
     """Keeps the rows of a group in one mini-batch, so that its prompt is forwarded once
     (forward_completions): the groups in the order in which their first row comes in `order`, a
@@ -1010,9 +1010,9 @@ def critic_values(
 
 
 # ----------------------------------------------------------------------------------------
-# TRY NOT TO MODIFY: the sampler, steps 1-4's machinery. A reader may skip it: rollout() returns
-# the Rollout above, sequence_logprobs() the log-probs the loss reads. docs/speed.md explains
-# each speed feature of generate().
+# TRY NOT TO MODIFY: the sampler and scorer, steps 1-4's machinery and step 6's micro-batches. A
+# reader may skip it: rollout() returns the Rollout above, sequence_logprobs() the log-probs the
+# loss reads, micro_batches() the update's micro-batches. docs/speed.md explains generate()'s speed.
 
 
 def rollout(
