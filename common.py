@@ -89,7 +89,7 @@ def parse_args(args_class, argv: list[str] | None = None):
     (`--lr -1e-6`) reads as a flag, so a value that parses as a number is attached to the flag
     before it (`--lr=-1e-6`), and check_args can then say what is wrong with it; and an unknown
     flag such as `--maxsteps` stops with argparse's usual message plus the closest valid name."""
-    parser = HfArgumentParser(args_class, epilog=CONFIG_HELP)
+    parser = HfArgumentParser(args_class, epilog=CONFIG_HELP, allow_abbrev=False)  # --max_step is a typo
     argv, config = pop_config(list(sys.argv[1:] if argv is None else argv))
     if config:
         parser.set_defaults(**read_config(config, args_class))
@@ -157,6 +157,12 @@ def read_config(path: str, args_class) -> dict:
         raise SystemExit(
             f"--config {path}: the file must hold a mapping of settings to values, not a {type(data).__name__}."
         )
+    return checked_settings(data, args_class, f"--config {path}")
+
+
+def checked_settings(data: dict, args_class, where: str) -> dict:
+    """data's values converted to args_class's field types; a key that is no field stops with the
+    closest valid one named, a value of the wrong type with the type it needs, `where` first."""
     fields = {field.name for field in dataclasses.fields(args_class)}
     types = typing.get_type_hints(args_class)  # not field.type: HfArgumentParser rewrites it (float | None -> float)
     values, problems = {}, []
@@ -170,7 +176,7 @@ def read_config(path: str, args_class) -> dict:
         except ValueError as error:
             problems.append(f"{key}: {error}")
     if problems:
-        raise SystemExit(f"--config {path}:\n  " + "\n  ".join(problems) + "\nSee --help for every setting.")
+        raise SystemExit(f"{where}:\n  " + "\n  ".join(problems) + "\nSee --help for every setting.")
     return values
 
 
@@ -390,11 +396,14 @@ def interrupts_deferred():
 
 def record_args(run_dir: Path, args, resumed_at: int | None = None) -> None:
     """Writes args.json, the arguments the run goes on with. On a resume the earlier file is
-    kept as args.before-step-<k>.json (k: the step resumed from), so no setting is lost."""
+    kept as args.before-step-<k>.json (k: the step resumed from), so no setting is lost.
+    resume_from is written empty: args.json is a --config that reruns the run from its start
+    (a resume of it would continue the old run in place); the file's name records the resume."""
     path = Path(run_dir) / "args.json"
     if resumed_at is not None and path.exists():
         path.replace(path.with_name(f"args.before-step-{resumed_at:06d}.json"))
-    path.write_text(json.dumps(dataclasses.asdict(args), indent=2) + "\n")
+    settings = dataclasses.asdict(args) | ({"resume_from": ""} if hasattr(args, "resume_from") else {})
+    path.write_text(json.dumps(settings, indent=2) + "\n")
 
 
 # ----------------------------------------------------------------------------------------

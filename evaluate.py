@@ -37,10 +37,12 @@ Shape letters in comments: N rows of a generation batch (prompts × num_samples)
 P prompt tokens · T completion tokens.
 """
 
+import dataclasses
 import json
 import math
 import multiprocessing
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -56,10 +58,12 @@ from common import (
     arg,
     autocast,
     check_prompt_format,
+    checked_settings,
     load_model,
     make_run_dir,
     markdown_table,
     parse_args,
+    read_config,
     read_jsonl,
     resolve_device,
     resolve_precision,
@@ -427,10 +431,10 @@ def compare_table(paths: list[str]) -> str:
 # Training curves
 
 
-def plot_curves(run_dirs: list[str], out_file: Path) -> Path:
-    """One PNG with a panel per PLOT_PANELS key, a line per training run (its directory
-    name), from each run's metrics.jsonl. eval/accuracy, when logged (--eval_every), is
-    drawn dashed with markers in the accuracy panel."""
+def plot_curves(run_dirs: list[str], out_file: Path, labels: list[str] | None = None) -> Path:
+    """One PNG with a panel per PLOT_PANELS key, a line per training run (labels, or its
+    directory name), from each run's metrics.jsonl. eval/accuracy, when logged (--eval_every),
+    is drawn dashed with markers in the accuracy panel."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
@@ -441,7 +445,7 @@ def plot_curves(run_dirs: list[str], out_file: Path) -> Path:
         metrics = Path(run_dir) / "metrics.jsonl"
         if not metrics.is_file():
             raise SystemExit(f"--plot {run_dir}: no metrics.jsonl there. Pass training run directories (runs/grpo-…).")
-        runs.append((Path(run_dir).name, read_jsonl(metrics)))
+        runs.append((labels[len(runs)] if labels else Path(run_dir).name, read_jsonl(metrics)))
     fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
     for ax, (key, title) in zip(axes.flat, PLOT_PANELS):
         for index, (label, rows) in enumerate(runs):
@@ -472,10 +476,15 @@ def plot_curves(run_dirs: list[str], out_file: Path) -> Path:
 
 SCRIPTS = ("grpo.py", "dapo.py", "ppo.py")
 FINDING_METRICS = ("accuracy", "stability", "length", "cost", "base", "sweep")
+TRAINED_METRICS = ("stability", "length", "cost", "sweep")  # read training curves: every arm trains
+# Settings the runner gives each evaluation itself: a study's `evaluate` may not set them.
+RUNNER_SETTINGS = ("model", "seed", "output_dir", "compare", "plot", "plot_file", "study", "study_model")
+RUNNER_SETTINGS += ("study_dry_run", "study_into")
 # The GPU-time estimate of --study: FLOPs at an assumed sustained throughput, ~40% of an H100's
 # dense bf16 peak (989 TFLOP/s), every completion at its cap and a 200-token prompt. An estimate.
 ASSUMED_FLOPS_PER_S = 4e14
 ASSUMED_PROMPT_TOKENS = 200
+DYNAMIC_SAMPLING_FACTOR = 1.25  # the seed study's extra generation with dynamic sampling (~25%)
 KNOWN_PARAMETERS = {  # parameter counts of the models a study at the paper's scale names
     "Qwen2.5-0.5B-Instruct": 0.49e9,
     "Qwen2.5-1.5B-Instruct": 1.54e9,
@@ -486,99 +495,152 @@ KNOWN_PARAMETERS = {  # parameter counts of the models a study at the paper's sc
 
 @dataclass
 class Arm:
-    """One arm of a study: a training script with its recipe and settings, or (script None) the
+    """One arm of a study: a training script with its recipe and settings, or (script None) a
     model as it is, evaluated only."""
 
     name: str
     script: str | None
     recipe: Path | None
-    settings: dict  # the study's `set`, updated by the arm's own
+    settings: dict  # the study's `set`, updated by the arm's own, checked against the script's Args
     seeds: list[int]
 
+    def config(self, seed: int) -> dict:
+        """Everything the arm's script is given: its recipe, its settings, the seed."""
+        return {**read_config(str(self.recipe), self.module().Args), **self.settings, "seed": seed}
 
-def load_study(path: str) -> dict:
-    """The study file at path, checked: name, seeds, set, evaluate, arms, findings (docs/study.md).
-    Recipe paths are relative to the study file. Every recipe is read with its script's Args, so a
-    wrong key stops the study before anything trains. Returns the study with its arms as Arms."""
+    def module(self):
+        return __import__(self.script.removesuffix(".py"))
+
+    def args(self, seed: int):
+        """The Args the script trains with (its check_args passed)."""
+        args = self.module().Args(**self.config(seed))
+        self.module().check_args(args)
+        return args
+
+    def described(self, root: Path) -> str:
+        if not self.script:
+            return f"{Path(self.settings['model']).name} as it is"
+        settings = "".join(f" --{k} {v}" for k, v in self.settings.items())
+        return f"{self.script} --config {os.path.relpath(self.recipe, root)}{settings}"
+
+
+def seed_list(value, where: str) -> list[int]:
+    if not isinstance(value, list) or not value or not all(isinstance(seed, int) for seed in value):
+        raise SystemExit(f"{where}: seeds must be a non-empty list of integers, not {value!r}")
+    return value
+
+
+def load_study(path: str, model: str = "") -> dict:
+    """The study file at path, checked: name, seeds, set, evaluate, arms, findings (docs/study.md),
+    with model (--study_model), when given, in place of every arm's. Recipe paths are relative to
+    the study file. Every arm's settings are checked with its script's Args and check_args, the
+    evaluation's with evaluate.py's, every finding against the arms it names: a mistake stops the
+    study before anything trains. Returns the study with its arms as Arms."""
     import yaml  # PyYAML, which transformers itself requires
 
     file = Path(path)
     if not file.is_file():
         raise SystemExit(f"--study {path}: no such file.")
     study = yaml.safe_load(file.read_text()) or {}
-    problems = []
+    where = f"--study {path}"
     unknown = set(study) - {"name", "seeds", "set", "evaluate", "arms", "findings"}
     if unknown:
-        problems.append(f"unknown keys {sorted(unknown)}: a study has name, seeds, set, evaluate, arms, findings")
+        raise SystemExit(
+            f"{where}: unknown keys {sorted(unknown)}: a study has name, seeds, set, evaluate, arms, findings"
+        )
     if not isinstance(study.get("arms"), dict) or not study["arms"]:
-        problems.append("arms: a mapping of arm names to {script, recipe, set, seeds}, at least one")
-    seeds = study.get("seeds", [0])
-    if not isinstance(seeds, list) or not all(isinstance(seed, int) for seed in seeds) or not seeds:
-        problems.append(f"seeds: a list of integers, not {seeds!r}")
-    if problems:
-        raise SystemExit(f"--study {path}:\n  " + "\n  ".join(problems))
-    arms = {}
+        raise SystemExit(f"{where}: arms: a mapping of arm names to {{script, recipe, set, seeds}}, at least one")
+    seeds = seed_list(study.get("seeds", [0]), where)
+    problems, arms = [], {}
     for name, spec in study["arms"].items():
         spec = spec or {}
-        script = spec.get("script")
-        if script is not None and script not in SCRIPTS:
-            problems.append(f"arm {name}: script {script!r} is not one of {', '.join(SCRIPTS)}")
+        if set(spec) - {"script", "recipe", "set", "seeds"}:
+            problems.append(f"arm {name}: unknown keys {sorted(set(spec) - {'script', 'recipe', 'set', 'seeds'})}")
             continue
-        recipe = (file.parent / spec["recipe"]).resolve() if spec.get("recipe") else None
-        if script and recipe is None:
-            problems.append(f"arm {name}: a training arm needs a recipe")
+        script, settings = spec.get("script"), {**(study.get("set") or {}), **(spec.get("set") or {})}
+        settings |= {"model": model} if model else {}
+        if script is None:  # evaluated as it is: greedy, so one seed is all
+            if set(settings) != {"model"}:
+                problems.append(
+                    f"arm {name}: an arm without a script is a model evaluated as it is: set its model alone"
+                )
+                continue
+            arms[name] = Arm(name, None, None, settings, seeds[:1])
             continue
-        settings = {**(study.get("set") or {}), **(spec.get("set") or {})}
-        arm_seeds = spec.get("seeds", seeds) if script else seeds[:1]  # greedy evaluation: one seed is all
-        arms[name] = Arm(name, script, recipe, settings, list(arm_seeds))
-        if script:
-            try:
-                script_args(arms[name], arm_seeds[0])
-            except SystemExit as error:
-                problems.append(f"arm {name}: {error}")
-    for index, finding in enumerate(study.get("findings") or []):
-        where = f"finding {index + 1} ({finding.get('claim', 'no claim')})"
-        if finding.get("metric") not in FINDING_METRICS:
-            problems.append(f"{where}: metric {finding.get('metric')!r} is not one of {', '.join(FINDING_METRICS)}")
-        missing = [arm for arm in finding.get("arms", []) if arm not in arms]
-        if missing or len(finding.get("arms", [])) < 2:
-            problems.append(f"{where}: arms must name two or more arms of the study (unknown: {missing})")
-        if finding.get("metric") in ("base", "sweep") and finding.get("best") not in finding.get("arms", []):
-            problems.append(f"{where}: best must name one of its arms")
-        if finding.get("metric") == "sweep" and not finding.get("setting"):
-            problems.append(f"{where}: a sweep names the setting it varies (setting: beta)")
+        if script not in SCRIPTS or not spec.get("recipe"):
+            problems.append(f"arm {name}: needs a script, one of {', '.join(SCRIPTS)}, and a recipe")
+            continue
+        try:
+            arm = Arm(
+                name,
+                script,
+                (file.parent / spec["recipe"]).resolve(),
+                {},
+                seed_list(spec.get("seeds", seeds), f"arm {name}"),
+            )
+            arm.settings = checked_settings(settings, arm.module().Args, f"arm {name}: set")
+            arm.args(arm.seeds[0])
+            arms[name] = arm
+        except SystemExit as error:
+            problems.append(f"arm {name}: {error}")
+    evaluation = study.get("evaluate") or {}
+    reserved = sorted(set(evaluation) & set(RUNNER_SETTINGS))
+    if reserved:
+        problems.append(f"evaluate: the runner sets {reserved} itself; a study's evaluate may not")
+    else:
+        try:
+            evaluation = checked_settings(evaluation, Args, "evaluate")
+            check_args(Args(**evaluation))
+        except SystemExit as error:
+            problems.append(str(error))
+    for index, finding in enumerate(study.get("findings") or [], 1):
+        problems += finding_problems(finding, arms, f"finding {index}")
     if problems:
-        raise SystemExit(f"--study {path}:\n  " + "\n  ".join(problems))
-    return {
-        **study,
-        "name": study.get("name", file.stem),
-        "arms": arms,
-        "findings": study.get("findings") or [],
-        "file": path,
-    }
+        raise SystemExit(f"{where}:\n  " + "\n  ".join(problems))
+    return {**study, "name": study.get("name", file.stem), "arms": arms, "evaluate": evaluation, "file": path}
 
 
-def as_flags(settings: dict) -> list[str]:
-    """{name: value} -> ["--name", "value", ...], the command line of a script or evaluate.py."""
-    flags = []
-    for name, value in settings.items():
-        flags += [f"--{name}", str(value).lower() if isinstance(value, bool) else str(value)]
-    return flags
-
-
-def script_args(arm: Arm, seed: int):
-    """The Args an arm's script trains with: its recipe, the study's settings, the seed."""
-    module = __import__(arm.script.removesuffix(".py"))
-    args = parse_args(module.Args, ["--config", str(arm.recipe), *as_flags(arm.settings), "--seed", str(seed)])
-    module.check_args(args)
-    return args
+def finding_problems(finding: dict, arms: dict, where: str) -> list[str]:
+    """What is wrong with one finding of a study file (nothing: [])."""
+    known = {"claim", "metric", "arms", "best", "setting"}
+    if not isinstance(finding, dict) or set(finding) - known or not finding.get("claim"):
+        return [f"{where}: a finding is a mapping of claim, metric, arms (best, setting), with a claim"]
+    problems, named = [], finding.get("arms") or []
+    if finding.get("metric") not in FINDING_METRICS:
+        problems.append(f"{where}: metric {finding.get('metric')!r} is not one of {', '.join(FINDING_METRICS)}")
+    missing = [arm for arm in named if arm not in arms]
+    if missing or len(named) < 2:
+        problems.append(f"{where}: arms must name two or more arms of the study (unknown: {missing})")
+        return problems
+    if finding["metric"] in TRAINED_METRICS and any(arms[arm].script is None for arm in named):
+        problems.append(f"{where}: a {finding['metric']} finding reads training curves: every arm must train")
+    if finding["metric"] in ("base", "sweep") and finding.get("best") not in named:
+        problems.append(f"{where}: best must name one of its arms")
+    if finding["metric"] == "sweep" and not problems:
+        values = [getattr(arms[arm].args(arms[arm].seeds[0]), finding.get("setting") or "", None) for arm in named]
+        if any(not isinstance(value, (int, float)) or isinstance(value, bool) for value in values):
+            problems.append(f"{where}: setting must name a number every arm of the sweep sets (got {values})")
+    return problems
 
 
 def arm_state(arm: Arm, seed: int, study_dir: Path) -> tuple[str, Path | None]:
     """Where an arm's run stands: ("finished", its run dir), ("resume", its newest checkpoint) or
-    ("new", None). A run is finished when it wrote final/; one without final/ but with step-*
-    checkpoints was interrupted and resumes from the newest."""
+    ("new", None). A run is finished when it wrote final/ (written whole, then renamed); one
+    without final/ but with step-* checkpoints was interrupted and resumes from the newest. A run
+    trained with other settings than the arm's now (a recipe or its set changed) stops the study."""
     runs = sorted(path.parent for path in (study_dir / "arms" / arm.name / f"seed{seed}").glob("*/args.json"))
+    expected = dataclasses.asdict(arm.args(seed))
+    for run in runs:
+        recorded = json.loads((run / "args.json").read_text())
+        changed = sorted(
+            k for k in recorded if k not in ("output_dir", "resume_from") and recorded[k] != expected.get(k)
+        )
+        if changed:
+            raise SystemExit(
+                f"{run} was trained with other settings than arm {arm.name}'s now: "
+                + ", ".join(f"{k} {recorded[k]!r} -> {expected.get(k)!r}" for k in changed)
+                + ". Move that run away (or use another --output_dir) to train the arm afresh."
+            )
     for run in runs:
         if (run / "final").is_dir():
             return "finished", run
@@ -586,13 +648,30 @@ def arm_state(arm: Arm, seed: int, study_dir: Path) -> tuple[str, Path | None]:
     return ("resume", checkpoints[-1]) if checkpoints else ("new", None)
 
 
-def eval_results(arm: Arm, seed: int, study_dir: Path) -> Path | None:
-    """The results.json of an arm's held-out evaluation, None until one has finished."""
-    done = sorted((study_dir / "evals" / arm.name / f"seed{seed}").glob("*/table.md"))
-    return done[-1].with_name("results.json") if done else None
+def eval_results(study: dict, model: str, seed: int, where: Path) -> Path | None:
+    """The results.json of a finished evaluation of `model` in `where` with the study's evaluate
+    settings; None until one has finished. One made with other settings stops the study."""
+    expected = dataclasses.asdict(Args(**study["evaluate"], model=model, seed=seed))
+    for table in sorted(where.glob("*/table.md")):
+        recorded = json.loads(table.with_name("args.json").read_text())
+        changed = sorted(k for k in recorded if k != "output_dir" and recorded[k] != expected[k])
+        changed = [k for k in changed if k != "model" or not same_final(recorded[k], expected[k])]
+        if changed:
+            raise SystemExit(
+                f"{table.parent} evaluated with other settings than the study's now: {', '.join(changed)}. "
+                "Move it away to evaluate again."
+            )
+        return table.with_name("results.json")
+    return None
 
 
-def gpu_hours(study: dict, plan: list[tuple[Arm, int, str]]) -> float | None:
+def same_final(recorded: str, expected: str) -> bool:
+    """The same arm's final/ of a study folder that was moved whole: arms/<arm>/seed<k>/<run>/final."""
+    tail = Path(expected).parts[-5:]
+    return tail[:1] == ("arms",) and Path(recorded).parts[-5:] == tail
+
+
+def gpu_hours(plan: list[tuple[Arm, int, str]]) -> float | None:
     """The estimate printed before a study at the paper's scale: FLOPs of the runs still to train
     (generation 2·P per token, scoring 2·P, an update 6·P, per pass; PPO's critic as much again)
     over ASSUMED_FLOPS_PER_S. None when a model's size is not in KNOWN_PARAMETERS (a CPU study)."""
@@ -600,16 +679,15 @@ def gpu_hours(study: dict, plan: list[tuple[Arm, int, str]]) -> float | None:
     for arm, seed, state in plan:
         if arm.script is None or state == "finished":
             continue
-        args = script_args(arm, seed)
+        args = arm.args(seed)
         parameters = KNOWN_PARAMETERS.get(Path(args.model).name)
         if parameters is None:
             return None
         sequences = args.batch_size * args.group_size
         tokens = sequences * (ASSUMED_PROMPT_TOKENS + args.max_new_tokens)
         updates = getattr(args, "num_iterations", getattr(args, "ppo_epochs", 1))
-        generation = (
-            2 * parameters * sequences * args.max_new_tokens * (1.25 if getattr(args, "dynamic_sampling", 0) else 1)
-        )
+        generation = 2 * parameters * sequences * args.max_new_tokens
+        generation *= DYNAMIC_SAMPLING_FACTOR if getattr(args, "dynamic_sampling", False) else 1
         scoring = 2 * parameters * tokens * (2 if args.beta > 0 else 1)
         update = 6 * parameters * tokens * updates
         critic = (2 + 6 * updates) * parameters * tokens if arm.script == "ppo.py" else 0
@@ -621,53 +699,52 @@ def run_study(args: Args) -> Path:
     """--study: trains every arm × seed not yet finished (resuming an interrupted one from its newest
     checkpoint), evaluates each final model once on the held-out problems of the study's `evaluate`
     settings, and writes report.md, findings and plots, into <output_dir>/study-<name>/. The plan is
-    printed first; at the paper's scale with the GPU time it is estimated to take."""
-    study = load_study(args.study)
-    if args.study_model:
-        for arm in study["arms"].values():
-            arm.settings["model"] = args.study_model
+    printed first; at the paper's scale with the GPU time it is estimated to take. Each run gets its
+    settings as one file (config.json beside it), which records exactly what ran."""
+    study = load_study(args.study, args.study_model)
     study_dir = Path(args.output_dir) / f"study-{study['name']}"
+    study["command"] = shlex.join(["python", "evaluate.py", "--study", args.study, "--output_dir", args.output_dir])
+    study["command"] += f" --study_model {shlex.quote(args.study_model)}" if args.study_model else ""
+    arms = study["arms"].values()
     order = [
-        (arm, seed)
-        for seed in sorted({s for a in study["arms"].values() for s in a.seeds})
-        for arm in study["arms"].values()
-        if seed in arm.seeds
+        (arm, seed) for seed in sorted({s for arm in arms for s in arm.seeds}) for arm in arms if seed in arm.seeds
     ]
-    plan = [(arm, seed, arm_state(arm, seed, study_dir)[0] if arm.script else "evaluate") for arm, seed in order]
+    root = Path(__file__).resolve().parent
     print(f"study {study['name']} -> {study_dir}")
-    for arm, seed, state in plan:
-        what = (
-            f"{arm.script} --config {arm.recipe}" if arm.script else f"evaluate.py --model {arm.settings.get('model')}"
+    plan = []
+    for arm, seed in order:
+        model = arm.settings["model"] if not arm.script else None
+        state = arm_state(arm, seed, study_dir)[0] if arm.script else "finished"
+        evaluated = arm.script is None and eval_results(
+            study, model, seed, study_dir / "evals" / arm.name / f"seed{seed}"
         )
-        print(f"  {arm.name:<18} seed {seed}  {state:<9} {what}")
-    hours = gpu_hours(study, plan)
+        state = state if arm.script else ("finished" if evaluated else "evaluate")
+        plan.append((arm, seed, state))
+        print(f"  {arm.name:<16} seed {seed}  {state:<9} {arm.described(root)}")
+    hours = gpu_hours(plan)
     if hours is not None:
         print(f"GPU time to train what is not finished, an estimate, not a measurement: {hours:.1f} H100-hours")
         print(f"  (FLOPs at an assumed {ASSUMED_FLOPS_PER_S / 1e12:.0f} TFLOP/s, every completion at its cap)")
     if args.study_dry_run:
         return study_dir
-    root = Path(__file__).resolve().parent
     for arm, seed in order:
         if arm.script:
             state, where = arm_state(arm, seed, study_dir)
             if state != "finished":
-                command = [sys.executable, str(root / arm.script), "--config", str(arm.recipe), *as_flags(arm.settings)]
-                command += ["--seed", str(seed), "--output_dir", str(study_dir / "arms" / arm.name / f"seed{seed}")]
-                command += ["--resume_from", str(where)] if state == "resume" else []
-                print(f"[{arm.name} seed {seed}] {' '.join(command[1:])}", flush=True)
+                folder = study_dir / "arms" / arm.name / f"seed{seed}"
+                command = [str(root / arm.script), "--config", write_config(folder, arm.config(seed))]
+                command += ["--output_dir", str(folder)] + (["--resume_from", str(where)] if state == "resume" else [])
                 run_command(command, f"{arm.name} seed {seed}")
             model = str(arm_state(arm, seed, study_dir)[1] / "final")
         else:
             model = arm.settings["model"]
-        if eval_results(arm, seed, study_dir) is None:
-            command = [sys.executable, str(root / "evaluate.py"), "--model", model, "--seed", str(seed)]
-            command += [
-                *as_flags(study.get("evaluate") or {}),
-                "--output_dir",
-                str(study_dir / "evals" / arm.name / f"seed{seed}"),
-            ]
-            print(f"[{arm.name} seed {seed}] {' '.join(command[1:])}", flush=True)
-            run_command(command, f"the evaluation of {arm.name} seed {seed}")
+        folder = study_dir / "evals" / arm.name / f"seed{seed}"
+        if eval_results(study, model, seed, folder) is None:
+            config = write_config(folder, {**study["evaluate"], "model": model, "seed": seed})
+            run_command(
+                [str(root / "evaluate.py"), "--config", config, "--output_dir", str(folder)],
+                f"evaluating {arm.name} seed {seed}",
+            )
     report = study_report(study, study_dir)
     (study_dir / "report.md").write_text(report)
     print(f"wrote {study_dir / 'report.md'}")
@@ -676,9 +753,30 @@ def run_study(args: Args) -> Path:
     return study_dir
 
 
+def write_config(folder: Path, settings: dict) -> str:
+    """settings as folder/config.json, the --config of one run. Returns its path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(settings, indent=2) + "\n")
+    return str(folder / "config.json")
+
+
 def run_command(command: list[str], what: str) -> None:
-    """Runs one training or evaluation as its own process (memory is freed between arms)."""
-    status = subprocess.run(command).returncode
+    """Runs one training or evaluation (a script and its arguments) as its own process, so memory is
+    freed between arms. A Ctrl-C reaches the process too: the runner waits for it to stop (a
+    checkpoint being written is finished first), and a second Ctrl-C kills it."""
+    print(f"[{what}] {shlex.join(['python', *command])}", flush=True)
+    process = subprocess.Popen([sys.executable, *command])
+    try:
+        status = process.wait()
+    except KeyboardInterrupt:
+        print(f"\nWaiting for {what} to stop (Ctrl-C again kills it).", flush=True)
+        try:
+            process.wait()
+        except KeyboardInterrupt:
+            process.kill()
+        raise SystemExit(
+            f"Interrupted during {what}. Run the same --study command again to go on from there."
+        ) from None
     if status:
         raise SystemExit(f"{what} stopped with exit status {status}; run the same --study command again to resume.")
 
@@ -703,11 +801,12 @@ def study_outcomes(study: dict, study_dir: Path) -> dict[str, list[Outcome]]:
     for arm in study["arms"].values():
         outcomes[arm.name] = []
         for seed in arm.seeds:
-            results_file = eval_results(arm, seed, study_dir)
             state, run_dir = arm_state(arm, seed, study_dir) if arm.script else ("finished", None)
-            if results_file is None or state != "finished":
+            model = str(run_dir / "final") if run_dir else arm.settings["model"]
+            results = eval_results(study, model, seed, study_dir / "evals" / arm.name / f"seed{seed}")
+            if results is None or state != "finished":
                 continue
-            result = next(iter(json.loads(results_file.read_text())["results"].values()))
+            result = next(iter(json.loads(results.read_text())["results"].values()))
             rows = read_jsonl(run_dir / "metrics.jsonl") if run_dir else []
             correct = round(result["strict_accuracy"] * result["n"])
             outcomes[arm.name].append(
@@ -717,10 +816,15 @@ def study_outcomes(study: dict, study_dir: Path) -> dict[str, list[Outcome]]:
 
 
 def pooled(outcomes: list[Outcome]) -> tuple[float, tuple[float, float], int]:
-    """Held-out strict accuracy over every seed's problems, its Wilson 95% interval, and n."""
-    correct, n = sum(o.correct for o in outcomes), sum(o.n for o in outcomes)
-    accuracy = correct / n if n else float("nan")
-    return accuracy, wilson_interval(accuracy, n) if n else (float("nan"),) * 2, n
+    """Held-out strict accuracy averaged over the seeds, with the Wilson 95% interval of ONE
+    evaluation's n problems around it, and that n. Every seed answers the same problems, so pooling
+    their answers as n × seeds independent ones would overstate the certainty; the seeds' own
+    spread is reported beside it."""
+    if not outcomes:
+        return float("nan"), (float("nan"), float("nan")), 0
+    accuracy = mean([o.correct / o.n for o in outcomes])
+    n = min(o.n for o in outcomes)
+    return accuracy, wilson_interval(accuracy, n), n
 
 
 def clearly_above(first: list[Outcome], second: list[Outcome]) -> bool:
@@ -742,6 +846,14 @@ def accuracy_verdict(better: list[Outcome], worse: list[Outcome], names: tuple[s
     if clearly_above(better, worse):
         return f"holds: {relation}"
     return f"{'does not hold' if clearly_above(worse, better) else 'not shown'}: {relation}"
+
+
+def accuracy_cell(outcomes: list[Outcome]) -> str:
+    accuracy, (low, high), n = pooled(outcomes)
+    seeds = ", ".join(percent(o.correct / o.n) for o in outcomes)
+    return f"{percent(accuracy)}% ({percent(low)}–{percent(high)}, n = {n})" + (
+        f"; seeds {seeds}" if len(outcomes) > 1 else ""
+    )
 
 
 def curve(outcome: Outcome, key: str) -> list[float]:
@@ -773,9 +885,18 @@ def seed_spread(outcomes: list[Outcome]) -> float:
     return mean([spread(list(values)) for values in zip(*curves)])
 
 
-def late_lengths(outcomes: list[Outcome]) -> list[float]:
-    """completion/length_mean over the second half of each seed's steps."""
-    return [value for o in outcomes for value in (lambda c: c[len(c) // 2 :])(curve(o, "completion/length_mean"))]
+def late_lengths(outcome: Outcome) -> list[float]:
+    """completion/length_mean over the second half of a run's steps."""
+    lengths = curve(outcome, "completion/length_mean")
+    return lengths[len(lengths) // 2 :]
+
+
+def length_samples(outcomes: list[Outcome]) -> tuple[list[float], str]:
+    """What the length comparison averages: each seed's mean late length when there are two
+    seeds or more (steps of one curve are not independent), else the steps of the one seed."""
+    if len(outcomes) > 1:
+        return [mean(late_lengths(o)) for o in outcomes], "seeds"
+    return late_lengths(outcomes[0]), "steps of one seed"
 
 
 def groups_per_step(outcome: Outcome) -> float:
@@ -789,28 +910,24 @@ def groups_per_step(outcome: Outcome) -> float:
 def judge(finding: dict, outcomes: dict[str, list[Outcome]]) -> tuple[list[dict], str]:
     """One finding's table rows (an arm each) and whether it holds here, from the arms' outcomes.
     arms[0] is the arm the claim favours (more accurate, more stable, longer, costlier), except for
-    `base` (arms[0] is the base model) and `sweep` (the arms are its points; `best` the expected best)."""
+    `base` (arms[0] is the base model) and `sweep` (the arms are its points; `best` the expected
+    best). A verdict is "holds", "does not hold" (the reverse is clear) or "not shown" (neither)."""
     names, metric = finding["arms"], finding["metric"]
-    if any(not outcomes[name] for name in names):
-        missing = [name for name in names if not outcomes[name]]
+    missing = [name for name in names if not outcomes[name]]
+    if missing:
         return [], f"not run yet: {', '.join(missing)}"
     rows = []
     for name in names:
-        accuracy, (low, high), n = pooled(outcomes[name])
-        row = {
-            "arm": name,
-            "seeds": len(outcomes[name]),
-            "held-out accuracy": f"{percent(accuracy)}% ({percent(low)}–{percent(high)}, n = {n})",
-        }
+        row = {"arm": name, "seeds": len(outcomes[name]), "held-out accuracy": accuracy_cell(outcomes[name])}
         if metric == "stability":
             row |= {
                 "step-to-step spread": f"{step_spread(outcomes[name]):.3f}",
                 "spread across seeds": f"{seed_spread(outcomes[name]):.3f}",
             }
         if metric == "length":
-            late = late_lengths(outcomes[name])
+            late = [value for o in outcomes[name] for value in late_lengths(o)]
             row |= {
-                "length, 2nd half of training": f"{mean(late):.1f} ± {spread(late):.1f}",
+                "length, 2nd half of training": f"{mean(late):.1f}",
                 "held-out length": f"{mean([o.eval_length for o in outcomes[name]]):.1f}",
             }
         if metric == "cost":
@@ -836,52 +953,51 @@ def judge(finding: dict, outcomes: dict[str, list[Outcome]]) -> tuple[list[dict]
         verdict = "does not hold" if not steadier and clearly_above(second, first) else verdict
         verdict = f"{verdict}: {detail}"
     elif metric == "length":
-        a, b = late_lengths(first), late_lengths(second)
-        error = math.sqrt(spread(a) ** 2 / max(len(a), 1) + spread(b) ** 2 / max(len(b), 1))
+        (a, kind), (b, _) = length_samples(first), length_samples(second)
+        error = math.sqrt(spread(a) ** 2 / len(a) + spread(b) ** 2 / len(b))
         difference = mean(a) - mean(b)
-        verdict = (
-            f"holds: {difference:+.1f} tokens, more than twice its standard error ({error:.1f})"
-            if difference > 2 * error
-            else f"does not hold: {difference:+.1f} tokens (standard error {error:.1f})"
-            if difference < -2 * error
-            else f"not shown: {difference:+.1f} tokens, within twice its standard error ({error:.1f})"
-        )
+        detail = f"{difference:+.1f} tokens, standard error {error:.1f} over {kind}"
+        verdict = "holds" if difference > 2 * error else "does not hold" if difference < -2 * error else "not shown"
+        verdict = f"{verdict}: {detail}"
     elif metric == "cost":
         ratio = mean([groups_per_step(o) for o in first]) / mean([groups_per_step(o) for o in second])
-        costs = ratio > 1
-        gains = clearly_above(first, second)
-        verdict = (
-            f"holds: {ratio:.2f}× the groups generated, and no accuracy shown gained"
-            if costs and not gains
-            else f"does not hold: {ratio:.2f}× the groups, and a clear gain in accuracy"
-            if costs
-            else f"does not hold: {ratio:.2f}× the groups generated"
-        )
+        if ratio <= 1:
+            verdict = f"does not hold: {ratio:.2f}× the groups generated"
+        elif clearly_above(first, second):
+            verdict = f"does not hold: {ratio:.2f}× the groups, and a clear gain in accuracy"
+        else:
+            verdict = f"holds: {ratio:.2f}× the groups generated, and no accuracy shown gained"
     elif metric == "base":
         base, trained = outcomes[names[0]], names[1:]
         above = [name for name in trained if clearly_above(outcomes[name], base)]
-        best = max(trained, key=lambda name: pooled(outcomes[name])[0])
-        claim_best = finding["best"]
-        verdict = (
-            f"{len(above)} of {len(trained)} arms lie clearly above the base"
-            + f"; the most accurate is {best}"
-            + (" as claimed" if best == claim_best else f", not {claim_best}")
+        claimed = finding["best"]
+        beaten_by = [name for name in trained if name != claimed and clearly_above(outcomes[name], outcomes[claimed])]
+        ahead = all(clearly_above(outcomes[claimed], outcomes[name]) for name in trained if name != claimed)
+        detail = f"{len(above)} of {len(trained)} arms lie clearly above the base; {claimed} " + (
+            "lies above every other arm"
+            if ahead
+            else f"lies below {', '.join(beaten_by)}"
+            if beaten_by
+            else "overlaps another arm"
         )
-        verdict = ("holds: " if len(above) == len(trained) and best == claim_best else "not shown: ") + verdict
+        verdict = "holds" if len(above) == len(trained) and ahead else "does not hold" if beaten_by else "not shown"
+        verdict = f"{verdict}: {detail}"
     else:  # sweep
         points = sorted(names, key=lambda name: rows[names.index(name)][finding["setting"]])
-        best = max(points, key=lambda name: pooled(outcomes[name])[0])
-        interior = best not in (points[0], points[-1])
-        clear = all(clearly_above(outcomes[best], outcomes[end]) for end in (points[0], points[-1]) if end != best)
-        where = f"the most accurate point is {best}"
-        if best == finding["best"] and interior and clear:
-            verdict = f"holds: {where}, above both ends of the sweep"
-        elif best == finding["best"]:
-            verdict = f"not shown: {where}, as claimed, but " + (
-                "at an end of the sweep" if not interior else "within the intervals of the ends"
-            )
+        claimed = finding["best"]
+        interior = claimed not in (points[0], points[-1])
+        beaten_by = [name for name in points if name != claimed and clearly_above(outcomes[name], outcomes[claimed])]
+        ahead = all(
+            clearly_above(outcomes[claimed], outcomes[end]) for end in (points[0], points[-1]) if end != claimed
+        )
+        if beaten_by:
+            verdict = f"does not hold: {', '.join(beaten_by)} lies above {claimed}"
+        elif interior and ahead:
+            verdict = f"holds: {claimed} lies above both ends of the sweep"
         else:
-            verdict = f"does not hold here: {where}, not {finding['best']}"
+            verdict = f"not shown: {claimed} " + (
+                "is an end of the sweep" if not interior else "overlaps an end of the sweep"
+            )
     return rows, verdict
 
 
@@ -889,39 +1005,36 @@ def study_report(study: dict, study_dir: Path) -> str:
     """report.md: every arm's held-out accuracy, then each finding: the arms compared, the metric
     it is about, whether it holds here, and a plot of the arms' training curves."""
     outcomes = study_outcomes(study, study_dir)
-    lines = [f"## Study `{study['name']}`", ""]
-    lines += [
-        f"Generated by `python evaluate.py --study {study['file']}` from the runs' own metrics.jsonl and "
-        "results.json. Held-out accuracy is strict, greedy, over every seed's problems, with its Wilson 95% "
-        "interval.",
+    root = Path(study["file"]).resolve().parent
+    lines = [
+        f"Generated by `{study['command']}` from the runs' own metrics.jsonl and results.json "
+        f"({study_dir}). Held-out accuracy is strict, greedy unless the study's evaluate says otherwise, "
+        "the mean over the seeds with the Wilson 95% interval of one evaluation's n problems (every seed "
+        "answers the same problems), each seed's beside it.",
         "",
     ]
     arms = []
     for arm in study["arms"].values():
-        accuracy, (low, high), n = pooled(outcomes[arm.name])
-        minutes = (
-            sum(sum(v for k, v in row.items() if k.startswith("time/")) for o in outcomes[arm.name] for row in o.rows)
-            / 60
-        )
-        arms.append(
-            {
-                "arm": arm.name,
-                "what": f"{arm.script} {os.path.relpath(arm.recipe)}" if arm.script else "the model as it is",
-                "seeds done": f"{len(outcomes[arm.name])} of {len(arm.seeds)}",
-                "held-out accuracy": f"{percent(accuracy)}% ({percent(low)}–{percent(high)}, n = {n})" if n else "—",
-                "training minutes": f"{minutes:.1f}" if minutes else "—",
-            }
-        )
+        minutes = sum(v for o in outcomes[arm.name] for row in o.rows for k, v in row.items() if k.startswith("time/"))
+        arms.append({
+            "arm": arm.name,
+            "what (recipes relative to the study file)": arm.described(root),
+            "seeds done": f"{len(outcomes[arm.name])} of {len(arm.seeds)}",
+            "held-out accuracy": accuracy_cell(outcomes[arm.name]) if outcomes[arm.name] else "—",
+            "minutes in the steps": f"{minutes / 60:.1f}" if minutes else "—",
+        })  # fmt: skip
     lines += [markdown_table(arms), ""]
     for index, finding in enumerate(study["findings"], 1):
         rows, verdict = judge(finding, outcomes)
-        lines += [f"### {index}. {finding['claim']}", "", f"**{verdict}** (metric: {finding['metric']}).", ""]
+        lines += [f"#### {index}. {finding['claim']}", "", f"**{verdict}** (metric: {finding['metric']}).", ""]
         if rows:
             lines += [markdown_table(rows), ""]
-            runs = [str(o.run_dir) for name in finding["arms"] for o in outcomes[name] if o.run_dir]
+            runs = [
+                (o.run_dir, f"{name} seed {o.seed}") for name in finding["arms"] for o in outcomes[name] if o.run_dir
+            ]
             if runs:
                 picture = study_dir / f"finding-{index}.png"
-                plot_curves(runs, picture)
+                plot_curves([str(run) for run, _ in runs], picture, labels=[label for _, label in runs])
                 lines += [f"![finding {index}]({picture.name})", ""]
     return "\n".join(lines)
 
@@ -931,8 +1044,10 @@ def write_into(document: Path, study: dict, study_dir: Path, report: str) -> Non
     report, its pictures copied beside the document (study-NAME-finding-k.png)."""
     begin, end = f"<!-- study:{study['name']} -->", f"<!-- /study:{study['name']} -->"
     text = document.read_text()
-    if begin not in text or end not in text:
-        raise SystemExit(f"--study_into {document}: add the lines {begin} and {end} where the report goes.")
+    if begin not in text or end not in text.split(begin, 1)[1]:
+        raise SystemExit(
+            f"--study_into {document}: add the lines {begin} and {end}, in this order, where the report goes."
+        )
     for picture in study_dir.glob("finding-*.png"):
         shutil.copyfile(picture, document.parent / f"study-{study['name']}-{picture.name}")
         report = report.replace(f"({picture.name})", f"(study-{study['name']}-{picture.name})")

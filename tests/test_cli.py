@@ -110,7 +110,9 @@ def test_a_resumed_run_records_the_arguments_it_went_on_with(script, tmp_path):
     )
     assert resumed == first
     now = json.loads((first / "args.json").read_text())
-    assert (now["max_steps"], now["sample_every"], now["resume_from"]) == (3, 2, str(first / "final"))
+    # resume_from stays empty, so that args.json as a --config reruns the run from its start; the
+    # resume is recorded by the earlier arguments' file, named by the step it resumed from.
+    assert (now["max_steps"], now["sample_every"], now["resume_from"]) == (3, 2, "")
     before = json.loads((first / "args.before-step-000002.json").read_text())
     assert (before["max_steps"], before["sample_every"], before["resume_from"]) == (2, 1, "")
 

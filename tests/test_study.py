@@ -17,6 +17,7 @@ from conftest import ROOT
 from evaluate import Args, Outcome, judge, load_study, run_study, wilson_interval
 
 TINY = str(ROOT / "recipes" / "study-tiny.yaml")
+TWO = "arms: {a: {set: {model: tiny}}, b: {script: grpo.py, recipe: ok.yaml}}\n"  # a base and a trained arm
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +25,11 @@ def tiny_study(tmp_path_factory):
     """recipes/study-tiny.yaml run once: two tiny GRPO arms of 10 steps and the base model, ~25 s."""
     output = tmp_path_factory.mktemp("studies")
     return run_study(Args(study=TINY, output_dir=str(output)))
+
+
+def runs_in(folder):
+    """The run directories in an arm's folder (beside them: config.json, the settings it ran with)."""
+    return [path for path in folder.iterdir() if path.is_dir()]
 
 
 def recorded_commands(monkeypatch):
@@ -35,13 +41,13 @@ def recorded_commands(monkeypatch):
 
 def test_the_runner_trains_evaluates_and_reports(tiny_study):
     for arm in ("g4", "g2"):
-        (run,) = (tiny_study / "arms" / arm / "seed0").iterdir()
+        (run,) = runs_in(tiny_study / "arms" / arm / "seed0")
         assert (run / "final").is_dir() and len(read_jsonl(run / "metrics.jsonl")) == 10
     for arm in ("base", "g4", "g2"):
         assert len(list((tiny_study / "evals" / arm / "seed0").glob("*/results.json"))) == 1
     report = (tiny_study / "report.md").read_text()
-    assert "### 1. G = 4 is more stable and more accurate than G = 2" in report
-    assert "### 2. both arms beat the random model, G = 4 best" in report
+    assert "#### 1. G = 4 is more stable and more accurate than G = 2" in report
+    assert "#### 2. both arms beat the random model, G = 4 best" in report
     assert (tiny_study / "finding-1.png").stat().st_size > 0 and (tiny_study / "finding-2.png").stat().st_size > 0
 
 
@@ -75,14 +81,15 @@ def test_an_interrupted_arm_resumes_from_its_newest_checkpoint(tiny_study, tmp_p
     with pytest.raises(SystemExit):
         grpo.train(args)
     monkeypatch.setattr(common, "save_checkpoint", real_save)
-    (run,) = (study / "arms" / "g4" / "seed0").iterdir()
+    (run,) = runs_in(study / "arms" / "g4" / "seed0")
     assert not (run / "final").exists() and (run / "step-000005").is_dir()
     commands = recorded_commands(monkeypatch)
     run_study(Args(study=TINY, output_dir=str(tmp_path)))
     train, evaluation = commands
     assert train[train.index("--resume_from") + 1] == str(run / "step-000005")
-    assert evaluation[evaluation.index("--model") + 1] == str(run / "final")
-    (finished,) = (tiny_study / "arms" / "g4" / "seed0").iterdir()
+    config = json.loads(open(evaluation[evaluation.index("--config") + 1]).read())
+    assert (config["model"], config["seed"], config["benchmarks"]) == (str(run / "final"), 0, "digit")
+    (finished,) = runs_in(tiny_study / "arms" / "g4" / "seed0")
     timing = ("time/", "throughput/")
     rows = [
         [{k: v for k, v in row.items() if not k.startswith(timing)} for row in read_jsonl(path / "metrics.jsonl")]
@@ -100,7 +107,7 @@ def test_the_reports_numbers_come_from_the_runs_files(tiny_study):
         cell = f"{100 * digit['strict_accuracy']:.1f}% ({100 * low:.1f}–{100 * high:.1f}, n = {digit['n']})"
         assert f"| {arm} | " in report and cell in report
     for arm in ("g4", "g2"):  # the step-to-step spread: the population std of the reward curve's changes
-        (run,) = (tiny_study / "arms" / arm / "seed0").iterdir()
+        (run,) = runs_in(tiny_study / "arms" / arm / "seed0")
         rewards = [row["reward/mean"] for row in read_jsonl(run / "metrics.jsonl")]
         changes = [b - a for a, b in zip(rewards, rewards[1:])]
         average = sum(changes) / len(changes)
@@ -120,9 +127,10 @@ def test_accuracy_verdicts_by_hand():
     assert judge(finding, {"a": [outcome("a", 60)], "b": [outcome("b", 30)]})[1].startswith("holds")
     assert judge(finding, {"a": [outcome("a", 45)], "b": [outcome("b", 40)]})[1].startswith("not shown")
     assert judge(finding, {"a": [outcome("a", 30)], "b": [outcome("b", 60)]})[1].startswith("does not hold")
-    # Seeds pool: 2 × (30 of 100) is 60 of 200, whose interval (24.1, 36.7) is narrower than one seed's.
-    rows, _ = judge(finding, {"a": [outcome("a", 30), outcome("a", 30)], "b": [outcome("b", 60)]})
-    assert rows[0]["held-out accuracy"] == "30.0% (24.1–36.7, n = 200)"
+    # Seeds: the mean of 20% and 40% is 30%, with one evaluation's interval (21.9, 39.6): the seeds answer
+    # the same 100 problems, so 200 answers would overstate the certainty; each seed's beside it.
+    rows, _ = judge(finding, {"a": [outcome("a", 20), outcome("a", 40)], "b": [outcome("b", 60)]})
+    assert rows[0]["held-out accuracy"] == "30.0% (21.9–39.6, n = 100); seeds 20.0, 40.0"
     assert judge(finding, {"a": [], "b": [outcome("b", 60)]})[1] == "not run yet: a"
 
 
@@ -132,7 +140,11 @@ def test_length_cost_and_sweep_verdicts_by_hand(tmp_path):
     rows = lambda lengths: [{"completion/length_mean": v, "reward/mean": 0.0} for v in lengths]  # noqa: E731
     longer, shorter = outcome("a", 50, rows=rows([0, 0, 30, 32])), outcome("b", 50, rows=rows([0, 0, 20, 22]))
     _, verdict = judge({"metric": "length", "arms": ["a", "b"]}, {"a": [longer], "b": [shorter]})
-    assert verdict == "holds: +10.0 tokens, more than twice its standard error (1.0)"
+    assert verdict == "holds: +10.0 tokens, standard error 1.0 over steps of one seed"
+    # With two seeds each, the samples are the seeds' means: [31, 33] against [21, 21]: 11 ± √(1/2) = 0.71
+    two = [outcome("a", 50, rows=rows([0, 0, 32, 34])), longer], [shorter, outcome("b", 50, rows=rows([0, 0, 20, 22]))]
+    _, verdict = judge({"metric": "length", "arms": ["a", "b"]}, {"a": two[0], "b": two[1]})
+    assert verdict == "holds: +11.0 tokens, standard error 0.7 over seeds"
     # cost: DAPO logs the groups it generated (12 and 20 a step: 16); the other arm's a step is its B (4).
     for name, batch in (("a", 4), ("b", 4)):
         (tmp_path / name).mkdir()
@@ -153,9 +165,11 @@ def test_length_cost_and_sweep_verdicts_by_hand(tmp_path):
     points["c"] = [outcome("c", 20, run_dir=tmp_path / "c")]
     rows, verdict = judge(sweep, points)
     assert [row["beta"] for row in rows] == [0.0, 0.01, 0.04]
-    assert verdict == "holds: the most accurate point is b, above both ends of the sweep"
-    points["a"] = [outcome("a", 70, run_dir=tmp_path / "a")]
-    assert judge(sweep, points)[1] == "does not hold here: the most accurate point is a, not b"
+    assert verdict == "holds: b lies above both ends of the sweep"
+    points["a"] = [outcome("a", 70, run_dir=tmp_path / "a")]  # (60.4, 78.1): above b's 60, not clearly
+    assert judge(sweep, points)[1] == "not shown: b overlaps an end of the sweep"
+    points["a"] = [outcome("a", 85, run_dir=tmp_path / "a")]  # (76.7, 90.7): clearly above b's (50.2, 69.1)
+    assert judge(sweep, points)[1] == "does not hold: a lies above b"
 
 
 def test_the_gpu_estimate_by_hand(capsys, tmp_path):
@@ -165,9 +179,8 @@ def test_the_gpu_estimate_by_hand(capsys, tmp_path):
     #   update 6·P·N·1224 = 2.895e15; 5.632e15 a step, × 500 steps = 2.816e18 FLOPs,
     #   / 4e14 FLOP/s = 7040 s = 1.956 H100-hours.
     study = load_study(str(ROOT / "recipes" / "study-paper.yaml"))
-    plan = [(study["arms"]["grpo"], 0, "new")]
-    assert evaluate.gpu_hours(study, plan) == pytest.approx(1.956, abs=1e-3)
-    assert evaluate.gpu_hours(study, [(study["arms"]["grpo"], 0, "finished")]) == 0
+    assert evaluate.gpu_hours([(study["arms"]["grpo"], 0, "new")]) == pytest.approx(1.956, abs=1e-3)
+    assert evaluate.gpu_hours([(study["arms"]["grpo"], 0, "finished")]) == 0
     run_study(Args(study=str(ROOT / "recipes" / "study-paper.yaml"), study_dry_run=True, output_dir=str(tmp_path)))
     printed = capsys.readouterr().out
     assert printed.count(" new ") == 27 and "an estimate, not a measurement" in printed and "H100-hours" in printed
@@ -178,16 +191,27 @@ def test_the_gpu_estimate_by_hand(capsys, tmp_path):
     "text, message",
     [
         ("arms: {}\n", "arms: a mapping of arm names"),
-        ("arms: {a: {script: sft.py, recipe: x.yaml}}\n", "arm a: script 'sft.py' is not one of"),
-        ("arms: {a: {script: grpo.py}}\n", "arm a: a training arm needs a recipe"),
-        ("arms: {a: {script: grpo.py, recipe: r.yaml}}\n", "arm a: --config"),
-        ("arms: {a: {}}\nfindings: [{claim: c, metric: speed, arms: [a, b]}]\n", "metric 'speed' is not one of"),
-        ("arms: {a: {}}\nfindings: [{claim: c, metric: accuracy, arms: [a, b]}]\n", "(unknown: ['b'])"),
-        ("arms: {a: {}}\nseed: 1\n", "unknown keys ['seed']"),
+        ("arms: {a: {script: sft.py, recipe: x.yaml}}\n", "arm a: needs a script, one of grpo.py, dapo.py, ppo.py"),
+        ("arms: {a: {script: grpo.py}}\n", "arm a: needs a script, one of grpo.py, dapo.py, ppo.py, and a recipe"),
+        ("arms: {a: {script: grpo.py, recipe: r.yaml}}\n", "arm a: --config"),  # the recipe's typo
+        ("arms: {a: {script: grpo.py, recipe: ok.yaml, set: {max_step: 3}}}\n", "'max_step' is not a setting"),
+        ("arms: {a: {script: grpo.py, recipe: ok.yaml, sets: {}}}\n", "arm a: unknown keys ['sets']"),
+        ("arms: {a: {script: grpo.py, recipe: ok.yaml, seeds: []}}\n", "arm a: seeds must be a non-empty list"),
+        ("arms: {a: {}}\n", "arm a: an arm without a script is a model evaluated as it is: set its model alone"),
+        ("arms: {a: {set: {model: tiny}}}\nevaluate: {model: x}\n", "evaluate: the runner sets ['model'] itself"),
+        ("arms: {a: {set: {model: tiny}}}\nevaluate: {benchmark: digit}\n", "'benchmark' is not a setting"),
+        (TWO + "findings: [{claim: c, metric: speed, arms: [a, b]}]\n", "metric 'speed' is not one of"),
+        (TWO + "findings: [{claim: c, metric: accuracy, arms: [a, c]}]\n", "(unknown: ['c'])"),
+        (TWO + "findings: [{metric: accuracy, arms: [a, b]}]\n", "with a claim"),
+        (TWO + "findings: [{claim: c, metric: cost, arms: [a, b]}]\n", "a cost finding reads training curves"),
+        (TWO + "findings: [{claim: c, metric: sweep, arms: [b, b], best: b, setting: betta}]\n", "a number every arm"),
+        ("arms: {a: {set: {model: tiny}}}\nseed: 1\n", "unknown keys ['seed']"),
     ],
 )
 def test_a_bad_study_file_stops_before_anything_trains(tmp_path, text, message):
+    # Each mistake stops load_study, before any arm trains, with what was wrong.
     (tmp_path / "r.yaml").write_text("max_step: 3\n")  # a recipe with a typo
+    (tmp_path / "ok.yaml").write_text("model: tiny\ntask: digit\n")
     (tmp_path / "study.yaml").write_text(text)
     with pytest.raises(SystemExit) as stop:
         load_study(str(tmp_path / "study.yaml"))
@@ -196,12 +220,52 @@ def test_a_bad_study_file_stops_before_anything_trains(tmp_path, text, message):
 
 def test_the_report_goes_into_a_document(tiny_study, tmp_path):
     document = tmp_path / "learning.md"
-    document.write_text("# Before\n\n<!-- study:tiny -->\nold\n<!-- /study:tiny -->\n\nAfter\n")
+    document.write_text("# Before\n\n<!-- study:tiny -->\nOLD REPORT\n<!-- /study:tiny -->\n\nAfter\n")
     study = load_study(TINY)
     evaluate.write_into(document, study, tiny_study, (tiny_study / "report.md").read_text())
     text = document.read_text()
-    assert "old" not in text and text.startswith("# Before") and text.endswith("After\n")
+    assert "OLD REPORT" not in text and text.startswith("# Before") and text.endswith("After\n")
     assert "![finding 1](study-tiny-finding-1.png)" in text and (tmp_path / "study-tiny-finding-1.png").is_file()
     document.write_text("no markers\n")
     with pytest.raises(SystemExit, match="add the lines <!-- study:tiny --> and <!-- /study:tiny -->"):
         evaluate.write_into(document, study, tiny_study, "report")
+
+
+def test_a_run_made_with_other_settings_stops_the_study(tiny_study):
+    # The recipe changed after the arm trained (lr 3e-3 -> 1e-2): the finished run is not this arm's.
+    study = load_study(TINY)
+    arm = study["arms"]["g4"]
+    arm.settings = {"lr": 0.01}
+    with pytest.raises(SystemExit, match=r"trained with other settings than arm g4's now: lr 0\.003 -> 0\.01"):
+        evaluate.arm_state(arm, 0, tiny_study)
+    with pytest.raises(SystemExit, match="evaluated with other settings than the study's now: max_new_tokens"):
+        evaluate.eval_results(
+            {**study, "evaluate": {**study["evaluate"], "max_new_tokens": 9}},
+            "tiny",
+            0,
+            tiny_study / "evals" / "base" / "seed0",
+        )
+
+
+def test_ctrl_c_waits_for_the_run_to_stop(monkeypatch):
+    # The first Ctrl-C reaches the child as well; the runner waits for it (a checkpoint being written
+    # is finished) and stops with one line; it kills the child only on a second Ctrl-C.
+    class Child:
+        def __init__(self, interrupts):
+            self.interrupts, self.killed = interrupts, False
+
+        def wait(self):
+            if self.interrupts:
+                self.interrupts -= 1
+                raise KeyboardInterrupt
+            return 130
+
+        def kill(self):
+            self.killed = True
+
+    for interrupts, killed in ((1, False), (2, True)):
+        child = Child(interrupts)
+        monkeypatch.setattr(evaluate.subprocess, "Popen", lambda command, child=child: child)
+        with pytest.raises(SystemExit, match="Interrupted during g4 seed 0. Run the same --study command again"):
+            evaluate.run_command(["grpo.py"], "g4 seed 0")
+        assert child.killed == killed
