@@ -138,7 +138,7 @@ class Args:
     lora_alpha: float = arg(32.0, "α: the adapters' update is scaled by α/r (LoRA Without Regret keeps α = 32)")
     lora_targets: str = arg("all-linear", "layers with adapters: all-linear (attention, MLP) or names: q_proj,v_proj")
     # the GRPO objective
-    loss_type: str = arg("grpo", "grpo (sample-level mean), dr_grpo (Dr. GRPO), gspo (GSPO), gpg (GPG), cispo (CISPO)")
+    loss_type: str = arg("grpo", "grpo (sample-level mean), dr_grpo, gspo, gpg, cispo, sapo (SAPO's soft gate)")
     eps: float = arg(0.2, "ε, clip range of the token ratio, DAPO Eq. 5 (grpo, dr_grpo)")
     gspo_eps_low: float = arg(3e-4, "ε_low of GSPO's sequence ratio, GSPO Eq. 5")
     gspo_eps_high: float = arg(4e-4, "ε_high of GSPO's sequence ratio, GSPO Eq. 5")
@@ -146,8 +146,15 @@ class Args:
     cispo_eps_high: float = arg(3.0, "ε_high^IS, CISPO's weight ≤ 1 + ε_high^IS, MiniMax-M1 Eq. 5 (3: a cap of 4)")
     beta: float = arg(0.01, "β, KL coefficient, DAPO Eq. 5 (seed study optimum ~0.0075-0.01); 0 = no reference")
     adv_eps: float = arg(1e-6, "added to the group std in Â, DAPO Eq. 6 (verl's value; TRL uses 1e-4)")
+    sapo_tau_pos: float = arg(
+        1.0, "τ_pos of SAPO's gate σ(τ(r − 1))·4/τ for Â > 0 (--loss_type sapo; arXiv 2511.20347)"
+    )
+    sapo_tau_neg: float = arg(1.05, "τ_neg of SAPO's gate for Â < 0 (the paper's: a little steeper than τ_pos)")
     dual_clip: float = arg(0.0, "c of dual-clip PPO (Ye et al. Eq. 4), > 1 to enable (verl: 3); 0 = off")
     entropy_coef: float = arg(0.0, "c_H, T1's entropy bonus: the loss minus c_H·H(π_θ) per token; 0 = off")
+    unbiased_kl: bool = arg(
+        False, "DeepSeek-V3.2's KL estimate: k3 × π_θ/π_θold, the ratio not detached (arXiv 2512.02556)"
+    )
     ref_ema_decay: float = arg(0.0, "λ, T1's moving π_ref ← λ·π_ref + (1−λ)·π_θ after each optimizer step; 0 = frozen")
     tis_cap: float = arg(0.0, "C, truncated IS: each token's policy-gradient term × min(π_θold/π_sampler, C); 0 = off")
     is_mask: str = arg("", "α,β of masked IS (IcePop): a token with π_θold/π_sampler outside [α, β] leaves the loss")
@@ -281,6 +288,8 @@ def grpo_loss(
         objective = logp * adv  # (n, T) GPG: the plain policy gradient, no ratio, no clip
     elif args.loss_type == "cispo":
         objective = cispo_objective(logp, ratio, adv, eps_low, eps_high)  # (n, T)
+    elif args.loss_type == "sapo":
+        objective = sapo_objective(logp, old_logp, mask, adv, args.sapo_tau_pos, args.sapo_tau_neg)  # (n, T)
     else:
         objective = clipped_surrogate(ratio, adv, eps_low, eps_high)  # (n, T)
     objective, dual_clipped = dual_clip(objective, adv, args.dual_clip)  # c·Â bounds Â < 0 tokens below
@@ -289,6 +298,8 @@ def grpo_loss(
     if args.entropy_coef > 0:
         objective = objective + args.entropy_coef * entropy  # T1's entropy bonus c_H·H_t
     kl = kl_k3(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)  # (n, T) D_KL,it
+    if args.unbiased_kl and ref_logp is not None:
+        kl = unbiased_kl(logp, old_logp, ref_logp, mask)  # (n, T) r·k3: DeepSeek-V3.2's estimate
     per_token = -objective
     if args.beta > 0:
         per_token = per_token + args.beta * kl  # (n, T) −[ objective − β·D_KL ]
@@ -436,6 +447,39 @@ def gpg_advantages(rewards: torch.Tensor, group_size: int, total=lambda count: c
     # signal (α ≤ 2); dapo.py's dynamic sampling is that idea.
     alpha = total(len(informative)) / max(total(informative.sum().item()), 1)
     return (alpha * (grouped - grouped.mean(dim=-1, keepdim=True))).flatten()
+
+
+def sapo_objective(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    tau_pos: float,
+    tau_neg: float,
+) -> torch.Tensor:
+    """SAPO's soft-gated objective per token (Soft Adaptive Policy Optimization, arXiv 2511.20347):
+        f(r)·Â,   f(r) = σ(τ (r − 1)) · 4/τ,   τ = τ_pos where Â > 0, τ_neg where Â < 0
+    a smooth gate in place of the hard clip: ∂f/∂r = 4·σ(x)(1 − σ(x)) is 1 at r = 1, so on-policy
+    the gradient is the plain policy gradient Â·∇log π_θ, and it decays smoothly as r leaves 1 on
+    either side: a token far off-policy is damped, not cut as a clipped token is. τ_neg > τ_pos
+    damps negative-advantage tokens a little faster (the paper's asymmetry). Choice where peers
+    differ: the log-ratio is clamped to ±20 before the exp, as verl and SkyRL do (TRL does not), so a
+    token whose ratio would overflow gets a zero gradient, not NaN. logp, old_logp, mask (n, T),
+    advantages (n, 1) or (n, T) -> (n, T)."""
+    ratio = torch.exp(((logp - old_logp) * mask).clamp(-20.0, 20.0))  # (n, T) r, finite
+    tau = torch.where(advantages > 0, tau_pos, tau_neg)  # (n, 1) or (n, T)
+    return torch.sigmoid(tau * (ratio - 1)) * (4 / tau) * advantages
+
+
+def unbiased_kl(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor):
+    """DeepSeek-V3.2's unbiased KL estimate (arXiv 2512.02556, Sec. 3.1): the k3 estimate of each
+    token weighted by its importance ratio π_θ/π_θold, which is not detached,
+        D_t = (π_θ(o_t) / π_θold(o_t)) · k3_t
+    The tokens were sampled by π_θold, not π_θ, so k3 alone estimates KL(π_θ ‖ π_ref) with a bias
+    once θ moves; the weight removes it, and its gradient is the KL's own gradient: ∇D = r·(k3 + 1
+    − π_ref/π_θ)·∇log π_θ, against (1 − π_ref/π_θ)·∇log π_θ for plain k3. On-policy r = 1 and the
+    value is k3's, the gradient not. logp, old_logp, ref_logp, mask (n, T) -> (n, T)."""
+    return torch.exp((logp - old_logp) * mask) * kl_k3(logp, ref_logp)
 
 
 def cispo_objective(
@@ -1398,8 +1442,8 @@ def check_args(args: Args) -> None:
     problems = check_run_args(args)
     if args.group_size < 2:
         problems.append("--group_size must be at least 2: a group of one has no relative advantage.")
-    if args.loss_type not in ("grpo", "dr_grpo", "gspo", "gpg", "cispo"):
-        problems.append(f"--loss_type {args.loss_type!r} is not one of: grpo, dr_grpo, gspo, gpg, cispo.")
+    if args.loss_type not in ("grpo", "dr_grpo", "gspo", "gpg", "cispo", "sapo"):
+        problems.append(f"--loss_type {args.loss_type!r} is not one of: grpo, dr_grpo, gspo, gpg, cispo, sapo.")
     if args.loss_type == "cispo" and args.dual_clip:
         problems.append("--loss_type cispo clips the IS weight, not the objective: dual-clip has nothing to bound (0).")
     if args.loss_type == "gpg" and (args.beta or args.dual_clip):
@@ -1433,8 +1477,19 @@ def check_args(args: Args) -> None:
 
 
 def check_technique_args(args: Args) -> list[str]:
-    """The ranges of the entropy bonus, the moving reference, truncated and masked IS (grpo.py, dapo.py)."""
+    """The ranges of the entropy bonus, the moving reference, SAPO's gate, the unbiased KL, truncated and
+    masked IS (grpo.py, dapo.py)."""
     problems = []
+    if args.sapo_tau_pos <= 0 or args.sapo_tau_neg <= 0:
+        problems.append(
+            f"--sapo_tau_pos and --sapo_tau_neg must be > 0 (got {args.sapo_tau_pos}, {args.sapo_tau_neg})."
+        )
+    if args.loss_type == "sapo" and args.dual_clip:
+        problems.append(
+            "--loss_type sapo gates the ratio softly, with no clip for dual-clip to bound: use --dual_clip 0."
+        )
+    if args.unbiased_kl and args.beta == 0:
+        problems.append("--unbiased_kl weights the KL term, and --beta 0 has none: add --beta, e.g. 0.01.")
     if args.entropy_coef < 0:
         problems.append(f"--entropy_coef must be >= 0 (got {args.entropy_coef}); T1 adds a small bonus, e.g. 0.001.")
     if not 0 <= args.ref_ema_decay < 1:

@@ -87,10 +87,10 @@ def main(out: Path) -> None:
     def fresh():
         return common.load_model("tiny", torch.device("cpu"))[0].train()
 
-    for loss_type in ("grpo", "dr_grpo", "gspo", "gpg"):
+    for loss_type in ("grpo", "dr_grpo", "gspo", "gpg", "sapo"):
         off_policy = loss_type != "gpg"  # the recorded old_logp (ratios ≠ 1, clipping) where the loss has a ratio
         args = grpo.Args(
-            loss_type=loss_type, beta=0.04 if off_policy else 0.0, micro_batch_size=3,
+            loss_type=loss_type, beta=0.04 if off_policy else 0.0, micro_batch_size=3, unbiased_kl=loss_type == "sapo",
             max_new_tokens=MAX_NEW_TOKENS, num_iterations=2 if off_policy else 1, group_size=GROUP_SIZE,
         )  # fmt: skip
 

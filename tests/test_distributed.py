@@ -15,7 +15,8 @@ from common import TRAINER_STATE, read_jsonl
 from conftest import ROOT
 
 TIMEOUT = 300  # seconds; a 2-process launch of the tiny model takes ~10-20 on 2 busy cores
-CASES = ["grpo-grpo", "grpo-dr_grpo", "grpo-gspo", "grpo-gpg", "dapo-overlong_filter", "ppo-actor", "ppo-critic"]
+CASES = ["grpo-grpo", "grpo-dr_grpo", "grpo-gspo", "grpo-gpg", "grpo-sapo", "dapo-overlong_filter", "ppo-actor"]
+CASES += ["ppo-critic"]  # grpo-sapo: SAPO with the unbiased KL
 
 
 def launch(args: list, cwd, processes: int | None = 2) -> subprocess.CompletedProcess:

@@ -1,0 +1,145 @@
+"""The objectives adopted since the seed papers (grpo.py and dapo.py, identical text): SAPO's soft
+gate (--loss_type sapo) and DeepSeek-V3.2's unbiased KL (--unbiased_kl), against values computed
+by hand here, their gradients where the gate or the detach decides them, under gradient
+accumulation, and refused where they cannot work."""
+
+import math
+
+import pytest
+import torch
+
+import dapo
+import grpo
+
+
+def sigmoid(x):
+    return 1 / (1 + math.exp(-x))
+
+
+def loss_of(script, logp, old_logp, advantages, ref_logp=None, **settings):
+    """The script's loss and d loss / d logp for one micro-batch that is the whole mini-batch."""
+    logp = logp.clone().requires_grad_(True)
+    mask = torch.ones_like(logp, dtype=torch.long)
+    if script is grpo:
+        args = grpo.Args(**({"max_new_tokens": logp.shape[1]} | settings))
+        loss, stats = grpo.grpo_loss(
+            logp, old_logp, ref_logp, advantages, mask, args, num_sequences=len(logp), num_tokens=int(mask.sum())
+        )
+    else:
+        args = dapo.Args(**settings)
+        loss, stats = dapo.dapo_loss(logp, old_logp, ref_logp, advantages, mask, args, num_tokens=int(mask.sum()))
+    loss.backward()
+    return loss.item(), logp.grad, stats
+
+
+# ----------------------------------------------------------------------------------------
+# SAPO: f(r)·Â with f(r) = σ(τ(r − 1))·4/τ, τ = 1 for Â > 0 and 1.05 for Â < 0
+
+
+def test_sapo_gate_by_hand():
+    # r = e^0.5, Â = +1, τ = 1:     x = r − 1 = 0.64872, σ(x) = 0.65672, f = 4σ = 2.626889
+    #   d(f·Â)/d log π = 4σ(1 − σ)·r·Â = 4 · 0.65672 · 0.34328 · 1.64872 = 1.486739   (dr/d log π = r)
+    # r = e^−0.5, Â = −1, τ = 1.05: x = 1.05 · (0.60653 − 1) = −0.41314, σ = 0.39816,
+    #   f = σ · 4/1.05 = 1.516795, f·Â = −1.516795; d/d log π = 4σ(1 − σ)·r·Â = −0.581368
+    logp = torch.tensor([[0.5], [-0.5]], requires_grad=True)
+    mask = torch.ones(2, 1)
+    objective = grpo.sapo_objective(logp, torch.zeros(2, 1), mask, torch.tensor([[1.0], [-1.0]]), 1.0, 1.05)
+    objective.sum().backward()
+    assert objective.flatten().tolist() == pytest.approx([2.626889, -1.516795], abs=1e-6)
+    assert logp.grad.flatten().tolist() == pytest.approx([1.486739, -0.581368], abs=1e-6)
+    assert abs(sigmoid(1.05 * (math.exp(-0.5) - 1)) * 4 / 1.05 - 1.516795) < 1e-6  # the derivation's own check
+
+
+@pytest.mark.parametrize("script", [grpo, dapo])
+def test_sapo_weight_is_one_at_ratio_one(script):
+    # On-policy (r = 1) ∂f/∂r = 4σ(0)(1 − σ(0)) = 1 whatever τ: the gradient is the plain policy
+    # gradient −Â/2 per token here (two completions of one token: 1/N = 1/Σ|o_i| = 1/2), for either sign.
+    logp = torch.tensor([[-1.0], [-2.0]])
+    _, grad, _ = loss_of(script, logp, logp.clone(), torch.tensor([1.0, -1.0]), loss_type="sapo", beta=0.0)
+    assert grad.flatten().tolist() == pytest.approx([-0.5, 0.5], abs=1e-7)
+
+
+@pytest.mark.parametrize("script", [grpo, dapo])
+def test_sapo_loss_by_hand(script):
+    # The two tokens above as two completions of one token each: J = (2.626889 − 1.516795)/2 =
+    # 0.555047, loss −0.555047; d loss/d log π = −(1/2)·[1.486739, −0.581368] = [−0.743370, 0.290684]
+    # (GRPO's 1/(N·|o_i|) and DAPO's 1/Σ|o_i| are both 1/2 here). No hard clip: both tokens keep a
+    # gradient, where the clipped surrogate (ε = 0.2) gives the r = e^0.5 > 1.2 token none.
+    logp = torch.tensor([[0.5], [-0.5]])
+    loss, grad, _ = loss_of(script, logp, torch.zeros(2, 1), torch.tensor([1.0, -1.0]), loss_type="sapo", beta=0.0)
+    assert loss == pytest.approx(-0.555047, abs=1e-6)
+    assert grad.flatten().tolist() == pytest.approx([-0.743370, 0.290684], abs=1e-6)
+    clipped = "grpo" if script is grpo else "dapo"
+    _, grad, _ = loss_of(script, logp, torch.zeros(2, 1), torch.tensor([1.0, -1.0]), loss_type=clipped, beta=0.0)
+    assert grad[0, 0] == 0
+
+
+@pytest.mark.parametrize("script", [grpo, dapo])
+def test_sapo_ratio_that_would_overflow_gets_no_gradient(script):
+    # log r = 200: exp overflows to inf, and inf·0 would be NaN; clamped at 20, σ saturates and the
+    # gradient is exactly 0, finite.
+    logp = torch.tensor([[200.0], [-1.0]])
+    loss, grad, _ = loss_of(script, logp, torch.tensor([[0.0], [-1.0]]), torch.tensor([1.0, -1.0]), loss_type="sapo")
+    assert math.isfinite(loss) and torch.isfinite(grad).all() and grad[0, 0] == 0
+
+
+@pytest.mark.parametrize("script", [grpo, dapo])
+def test_sapo_gradient_accumulation_equals_one_big_batch(sampled, script):
+    # Off-policy (μ = 2 reads the recorded log-probs, shifted so that r ≠ 1): micro-batches of 3, 5
+    # and 12 rows give the gradient of the one batch of 12.
+    model, tokenizer, batch = sampled
+    batch = {**batch, "old_logp": batch["old_logp"] - 0.3 * batch["completion_mask"]}
+    settings = {"loss_type": "sapo", "num_iterations": 2, "beta": 0.04}
+    settings |= {"max_new_tokens": 12} if script is grpo else {"overlong_buffer": 0}
+    gradients = []
+    for micro_batch_size in (12, 3, 5):
+        model.zero_grad(set_to_none=True)
+        script.policy_backward(model, batch, script.Args(micro_batch_size=micro_batch_size, **settings), len(tokenizer))
+        gradients.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert gradients[0].abs().max() > 0
+    for gradient in gradients[1:]:
+        assert (gradient - gradients[0]).abs().max() <= 1e-5 * gradients[0].abs().max()
+
+
+# ----------------------------------------------------------------------------------------
+# DeepSeek-V3.2's unbiased KL: r·k3 with r = π_θ/π_θold not detached
+
+
+@pytest.mark.parametrize("script", [grpo, dapo])
+def test_unbiased_kl_by_hand(script):
+    # One token, log π_θ = 0.5, log π_θold = 0, log π_ref = 0, Â = 0, β = 0.1:
+    #   k3 = π_ref/π − log(π_ref/π) − 1 = e^−0.5 + 0.5 − 1 = 0.106531;  r = e^0.5 = 1.648721
+    #   plain:    loss = β·k3 = 0.0106531,   d/d log π = β·(1 − π_ref/π) = 0.1 · 0.393469 = 0.0393469
+    #   unbiased: loss = β·r·k3 = 0.0175639, d/d log π = β·r·(k3 + 1 − π_ref/π) = 0.1 · 0.824361
+    logp, old, ref = torch.tensor([[0.5]]), torch.zeros(1, 1), torch.zeros(1, 1)
+    plain = loss_of(script, logp, old, torch.zeros(1), ref_logp=ref, beta=0.1)
+    unbiased = loss_of(script, logp, old, torch.zeros(1), ref_logp=ref, beta=0.1, unbiased_kl=True)
+    assert (plain[0], plain[1].item()) == (pytest.approx(0.0106531, abs=1e-7), pytest.approx(0.0393469, abs=1e-7))
+    assert (unbiased[0], unbiased[1].item()) == (pytest.approx(0.0175639, abs=1e-7), pytest.approx(0.0824361, abs=1e-7))
+    assert unbiased[2]["kl"] == pytest.approx(0.175639, abs=1e-6)  # the statistic is the estimate the loss used
+
+
+@pytest.mark.parametrize("script", [grpo, dapo])
+def test_unbiased_kl_on_policy_keeps_the_ratios_gradient(script):
+    # On-policy the update sets old = sg(log π): r = 1, so the value is k3's (0.106531 at log π = 0.5
+    # against log π_ref = 0), but the gradient still flows through r: β·(k3 + 1 − π_ref/π) =
+    # 0.1 · (0.106531 + 0.393469) = 0.05, against plain k3's 0.0393469.
+    logp = torch.tensor([[0.5]])
+    loss, grad, _ = loss_of(
+        script, logp, logp.clone(), torch.zeros(1), ref_logp=torch.zeros(1, 1), beta=0.1, unbiased_kl=True
+    )
+    assert loss == pytest.approx(0.0106531, abs=1e-7) and grad.item() == pytest.approx(0.05, abs=1e-7)
+
+
+@pytest.mark.parametrize("script", [grpo, dapo])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(loss_type="sapo", dual_clip=3.0), "--loss_type sapo gates the ratio softly"),
+        (dict(loss_type="sapo", sapo_tau_neg=0.0), "--sapo_tau_pos and --sapo_tau_neg must be > 0"),
+        (dict(unbiased_kl=True, beta=0.0), "--unbiased_kl weights the KL term, and --beta 0 has none"),
+    ],
+)
+def test_settings_that_cannot_work_stop(script, settings, message):
+    with pytest.raises(SystemExit, match=message):
+        script.check_args(script.Args(**settings))
