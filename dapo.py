@@ -171,6 +171,9 @@ class Args:
     sapo_tau_neg: float = arg(1.05, "τ_neg of SAPO's gate for Â < 0 (the paper's: a little steeper than τ_pos)")
     dual_clip: float = arg(0.0, "c of dual-clip PPO (Ye et al. Eq. 4), > 1 to enable (verl: 3); 0 = off")
     entropy_coef: float = arg(0.0, "c_H, T1's entropy bonus: the loss minus c_H·H(π_θ) per token; 0 = off")
+    off_policy_mask_threshold: float = arg(
+        0.0, "δ of DeepSeek-V3.2's sequence masking: Â < 0 and mean log π_sampler/π_θ > δ leave; 0 = off"
+    )
     unbiased_kl: bool = arg(
         False, "DeepSeek-V3.2's KL estimate: k3 × π_θ/π_θold, the ratio not detached (arXiv 2512.02556)"
     )
@@ -362,6 +365,7 @@ def dapo_loss(
     num_tokens: int,  # Σ_i |o_i| over the whole mini-batch (Eq. 12's normaliser)
     entropy: torch.Tensor | None = None,  # (n, T) H(π_θ(·|s_t)) with grad; None when entropy_coef = 0
     is_weight: torch.Tensor | None = None,  # (n, T) truncated IS weights (tis_weights); None = off
+    sequence_keep: torch.Tensor | None = None,  # (n, 1) off-policy sequence mask (off_policy_sequence_mask); None = off
 ):
     """The negative DAPO objective of one micro-batch, DAPO Eq. 8 with the token-level sum of Eq. 12:
         J = 1/Σ_i|o_i| Σ_i Σ_t [ min(r_it Â_i, clip(r_it, 1−ε_low, 1+ε_high) Â_i) − β D_KL,it ]
@@ -395,6 +399,8 @@ def dapo_loss(
     objective, dual_clipped = dual_clip(objective, adv, args.dual_clip)  # c·Â bounds Â < 0 tokens below
     if is_weight is not None:
         objective = is_weight * objective  # truncated IS: the policy-gradient term only
+    if sequence_keep is not None:
+        objective = sequence_keep * objective  # DeepSeek-V3.2's masking: the policy-gradient term only
     if args.entropy_coef > 0:
         objective = objective + args.entropy_coef * entropy  # T1's entropy bonus c_H·H_t
     kl = kl_k3(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)  # (n, T) D_KL,it
@@ -486,15 +492,21 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
                 entropy_grad=args.entropy_coef > 0,
             )  # (m, T) each  # fmt: skip
             old_logp = logp.detach() if on_policy(args) else micro["old_logp"]
-            is_weight = None
+            is_weight, keep = None, None
             if args.tis_cap:
                 is_weight = tis_weights(old_logp, micro["sample_logp"], micro["completion_mask"], args.tis_cap)
+            if args.off_policy_mask_threshold:
+                keep = off_policy_sequence_mask(
+                    micro["sample_logp"], logp, micro["loss_mask"], micro["advantages"][:, None],
+                    args.off_policy_mask_threshold,
+                )  # (m, 1)  # fmt: skip
             loss, stats = dapo_loss(
                 logp, old_logp, micro["ref_logp"], micro["advantages"], micro["loss_mask"], args,
                 num_tokens=num_tokens, entropy=entropy, is_weight=is_weight,
+                sequence_keep=keep,
             )  # fmt: skip
         loss.backward()
-        accumulate(totals, {"loss": loss.item(), **stats})
+        accumulate(totals, {"loss": loss.item(), **stats, **opsm_stats(keep, micro["loss_mask"])})
         if record:
             recorded["old_logp"][rows], recorded["entropy"][rows] = logp.detach(), entropy.detach()
     return totals, recorded
@@ -536,6 +548,23 @@ def unbiased_kl(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tens
     − π_ref/π_θ)·∇log π_θ, against (1 − π_ref/π_θ)·∇log π_θ for plain k3. On-policy r = 1 and the
     value is k3's, the gradient not. logp, old_logp, ref_logp, mask (n, T) -> (n, T)."""
     return torch.exp((logp - old_logp) * mask) * kl_k3(logp, ref_logp)
+
+
+def off_policy_sequence_mask(
+    sample_logp: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, threshold: float
+) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence masking (arXiv 2512.02556, Sec. 3.1), per completion:
+        M_i = 0  if Â_i < 0 and 1/|o_i| Σ_t log(π_sampler(o_i,t) / π_θ(o_i,t)) > δ,  else 1
+    A negative completion that the current policy has already moved far from (or that the sampler
+    scored very differently) would push π_θ down on tokens it no longer samples: such noisy
+    negatives leave the policy term, not the KL term, and not the normaliser. Choices where the
+    peers differ: π_sampler is sample_logp, the log-probs the sampler drew with (the behaviour
+    policy the paper means; some peers compare π_θold instead), π_θ this update's, detached; the
+    divergence is the mean over the completion's tokens in mask. sample_logp, logp, mask (n, T),
+    advantages (n, 1) -> M (n, 1) in logp's dtype, no gradient."""
+    lengths = mask.sum(-1, keepdim=True).clamp(min=1)  # (n, 1) |o_i|
+    divergence = ((sample_logp - logp.detach()) * mask).sum(-1, keepdim=True) / lengths  # (n, 1)
+    return 1 - ((advantages < 0) & (divergence > threshold)).to(logp.dtype)
 
 
 def cispo_objective(
@@ -786,7 +815,23 @@ def update_metrics(update: dict, grad_norms: list[float], learning_rate: float) 
     }
     if "tis_weight" in update and update["tokens"]:  # --tis_cap: the truncated IS weights the loss used
         metrics |= {"tis/weight_mean": update["tis_weight"] / tokens, "tis/weight_max": update["tis_weight_max"]}
-    return metrics | is_mask_metrics(update)
+    return metrics | is_mask_metrics(update) | opsm_metrics(update)
+
+
+def opsm_stats(keep: torch.Tensor | None, loss_mask: torch.Tensor) -> dict:
+    """The completions off-policy sequence masking took out of the policy term, and those it judged."""
+    if keep is None:
+        return {}
+    judged = loss_mask.sum(-1) > 0  # (m,)
+    return {"opsm_masked": (judged & (keep[:, 0] == 0)).sum().item(), "opsm_sequences": judged.sum().item()}
+
+
+def opsm_metrics(update: dict) -> dict:
+    """opsm/sequence_fraction (none without --off_policy_mask_threshold): the share of completions
+    DeepSeek-V3.2's masking took out of the policy term, over every update of the step."""
+    if "opsm_masked" not in update:
+        return {}
+    return {"opsm/sequence_fraction": update["opsm_masked"] / max(update["opsm_sequences"], 1)}
 
 
 def is_mask_metrics(update: dict) -> dict:
@@ -1591,6 +1636,8 @@ def check_technique_args(args: Args) -> list[str]:
         problems.append(
             "--loss_type sapo gates the ratio softly, with no clip for dual-clip to bound: use --dual_clip 0."
         )
+    if args.off_policy_mask_threshold < 0:
+        problems.append(f"--off_policy_mask_threshold must be >= 0 (got {args.off_policy_mask_threshold}); 0 = off.")
     if args.unbiased_kl and args.beta == 0:
         problems.append("--unbiased_kl weights the KL term, and --beta 0 has none: add --beta, e.g. 0.01.")
     if args.entropy_coef < 0:

@@ -3,6 +3,7 @@ gate (--loss_type sapo) and DeepSeek-V3.2's unbiased KL (--unbiased_kl), against
 by hand here, their gradients where the gate or the detach decides them, under gradient
 accumulation, and refused where they cannot work."""
 
+import json
 import math
 
 import pytest
@@ -16,18 +17,28 @@ def sigmoid(x):
     return 1 / (1 + math.exp(-x))
 
 
-def loss_of(script, logp, old_logp, advantages, ref_logp=None, **settings):
+def loss_of(script, logp, old_logp, advantages, ref_logp=None, sequence_keep=None, **settings):
     """The script's loss and d loss / d logp for one micro-batch that is the whole mini-batch."""
     logp = logp.clone().requires_grad_(True)
     mask = torch.ones_like(logp, dtype=torch.long)
     if script is grpo:
         args = grpo.Args(**({"max_new_tokens": logp.shape[1]} | settings))
         loss, stats = grpo.grpo_loss(
-            logp, old_logp, ref_logp, advantages, mask, args, num_sequences=len(logp), num_tokens=int(mask.sum())
+            logp,
+            old_logp,
+            ref_logp,
+            advantages,
+            mask,
+            args,
+            num_sequences=len(logp),
+            num_tokens=int(mask.sum()),
+            sequence_keep=sequence_keep,
         )
     else:
         args = dapo.Args(**settings)
-        loss, stats = dapo.dapo_loss(logp, old_logp, ref_logp, advantages, mask, args, num_tokens=int(mask.sum()))
+        loss, stats = dapo.dapo_loss(
+            logp, old_logp, ref_logp, advantages, mask, args, num_tokens=int(mask.sum()), sequence_keep=sequence_keep
+        )
     loss.backward()
     return loss.item(), logp.grad, stats
 
@@ -143,3 +154,49 @@ def test_unbiased_kl_on_policy_keeps_the_ratios_gradient(script):
 def test_settings_that_cannot_work_stop(script, settings, message):
     with pytest.raises(SystemExit, match=message):
         script.check_args(script.Args(**settings))
+
+
+# ----------------------------------------------------------------------------------------
+# DeepSeek-V3.2's off-policy sequence masking: Â < 0 and mean log(π_sampler/π_θ) > δ leave the policy term
+
+
+@pytest.mark.parametrize("script", [grpo, dapo])
+def test_off_policy_sequence_mask_by_hand(script):
+    # δ = 0.1; divergence = mean over the row's own tokens of log π_sampler − log π_θ:
+    #   row 0: Â = −1, [−1, −1] against [−1.5, −1.5]: 0.5 > δ   -> masked (0)
+    #   row 1: Â = +1, the same 0.5                              -> kept: only negatives are masked
+    #   row 2: Â = −1, [−1, −1] against [−1.05, −1.05]: 0.05     -> kept
+    #   row 3: Â = −1, one valid token: −1 against −1.15: 0.15   -> masked (over the padded width,
+    #          0.075, it would not be: the mean is the row's own)
+    sample = torch.tensor([[-1.0, -1.0], [-1.0, -1.0], [-1.0, -1.0], [-1.0, -9.0]])
+    logp = torch.tensor([[-1.5, -1.5], [-1.5, -1.5], [-1.05, -1.05], [-1.15, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1, 1], [1, 1], [1, 1], [1, 0]])
+    advantages = torch.tensor([[-1.0], [1.0], [-1.0], [-1.0]])
+    keep = script.off_policy_sequence_mask(sample, logp, mask, advantages, 0.1)
+    assert keep.flatten().tolist() == [0.0, 1.0, 1.0, 0.0] and not keep.requires_grad
+
+
+@pytest.mark.parametrize("script", [grpo, dapo])
+def test_off_policy_masking_leaves_the_kl_in(script):
+    # One completion of one token, Â = −1, r = 1 (log π = log π_θold = −1.5), sampled at log π = −1
+    # (divergence 0.5 > δ = 0.1): masked. β = 0.1 with log π_ref = −1:
+    #   k3 = π_ref/π − log(π_ref/π) − 1 = e^0.5 − 0.5 − 1 = 0.148721; d k3/d log π = 1 − e^0.5 = −0.648721
+    #   masked:   loss = β·k3 = 0.0148721, gradient β·(−0.648721) = −0.0648721 (the KL term alone)
+    #   unmasked: loss = −Â·r + β·k3 = 1.0148721, gradient −Â·r + that = 0.9351279
+    logp, ref, advantages = torch.tensor([[-1.5]]), torch.tensor([[-1.0]]), torch.tensor([-1.0])
+    keep = script.off_policy_sequence_mask(torch.tensor([[-1.0]]), logp, torch.ones(1, 1), advantages[:, None], 0.1)
+    masked = loss_of(script, logp, logp.clone(), advantages, ref_logp=ref, beta=0.1, sequence_keep=keep)
+    plain = loss_of(script, logp, logp.clone(), advantages, ref_logp=ref, beta=0.1)
+    assert (masked[0], masked[1].item()) == (pytest.approx(0.0148721, abs=1e-7), pytest.approx(-0.0648721, abs=1e-7))
+    assert (plain[0], plain[1].item()) == (pytest.approx(1.0148721, abs=1e-7), pytest.approx(0.9351279, abs=1e-7))
+
+
+@pytest.mark.parametrize("script", [grpo, dapo])
+def test_off_policy_masking_is_logged(script, tmp_path):
+    # A run with δ = 1e-9 masks nearly every negative completion (any sampler/trainer difference
+    # exceeds it): the share is logged each step, between 0 and 1.
+    settings = dict(model="tiny", task="digit", max_new_tokens=4, batch_size=2, group_size=4, max_steps=2, save_every=0)
+    settings |= {"overlong_buffer": 0} if script is dapo else {}
+    run = script.train(script.Args(output_dir=str(tmp_path), off_policy_mask_threshold=1e-9, **settings))
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 <= row["opsm/sequence_fraction"] <= 1 for row in rows)
