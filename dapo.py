@@ -70,6 +70,7 @@ Shape letters in comments:
 import contextlib
 import functools
 import inspect
+import math
 import random
 import time
 import warnings
@@ -164,6 +165,9 @@ class Args:
     cispo_eps_low: float = arg(1.0, "ε_low^IS: CISPO's weight ≥ 1 − ε_low^IS, MiniMax-M1 Eq. 5; 1 = no lower bound")
     cispo_eps_high: float = arg(3.0, "ε_high^IS, CISPO's weight ≤ 1 + ε_high^IS, MiniMax-M1 Eq. 5 (3: a cap of 4)")
     beta: float = arg(0.0, "β, k3 KL coefficient as in GRPO (DAPO drops the KL, Sec. 2.3); 0 = no reference model")
+    scale_rewards: str = arg(
+        "", "Â's scale: group (std), batch (Lite PPO), mean (MaxRL), none (Dr. GRPO); '' = none for dr_grpo, else group"
+    )
     adv_eps: float = arg(1e-6, "added to the group std in Â, DAPO Eq. 6 (verl's value; TRL uses 1e-4)")
     sapo_tau_pos: float = arg(
         1.0, "τ_pos of SAPO's gate σ(τ(r − 1))·4/τ for Â > 0 (--loss_type sapo; arXiv 2511.20347)"
@@ -301,7 +305,14 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int) -> tor
 
 
 def shaped_advantages(
-    rewards: torch.Tensor, lengths: torch.Tensor, group_size: int, max_length: int, buffer: int, eps: float
+    rewards: torch.Tensor,
+    lengths: torch.Tensor,
+    group_size: int,
+    max_length: int,
+    buffer: int,
+    eps: float,
+    scale: str = "group",  # --scale_rewards (scaled_advantages)
+    total=lambda sum_: sum_,  # under torchrun common.all_reduce: the batch scale over every rank
 ):
     """Step 5: Â_i = group-normalise(R_i + R_length(|o_i|)), the length penalty added to the task
     reward before the group's mean and std are taken (DAPO Eq. 13 shapes the reward). So a
@@ -310,7 +321,7 @@ def shaped_advantages(
     (rewards 0, 0 with penalties −1/256, 0 give Â ≈ ∓0.71). rewards, lengths (N,) -> Â (N,)
     and the penalties (N,)."""
     length_penalty = overlong_penalty(lengths, max_length, buffer)  # (N,)
-    return group_advantages(rewards + length_penalty, group_size, eps=eps), length_penalty
+    return scaled_advantages(rewards + length_penalty, group_size, scale, eps, total), length_penalty
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-6):
@@ -567,6 +578,37 @@ def off_policy_sequence_mask(
     return 1 - ((advantages < 0) & (divergence > threshold)).to(logp.dtype)
 
 
+def scaled_advantages(rewards: torch.Tensor, group_size: int, scale: str, eps: float, total=lambda sum_: sum_):
+    """Â_i = (R_i − mean of its group) / s, the scale s as --scale_rewards chooses:
+      group  the group's std (GRPO, DAPO Eq. 6: group_advantages)
+      none   1 (Dr. GRPO Sec. 3.1: no std, which up-weights nearly solved and nearly failed groups)
+      batch  the std of every reward of the batch (Lite PPO, arXiv 2508.08221; TRL's
+             scale_rewards="batch"): the group's baseline, the batch's scale, so a group whose
+             rewards hardly differ is not blown up to unit size
+      mean   the group's mean reward (MaxRL, arXiv 2602.02710): a group that is rarely right gets
+             large advantages, one nearly always right small ones
+    Choices where the paper is silent or the peers differ: batch's std is the unbiased one over
+    the whole batch, under torchrun every rank's (total sums over ranks, as gpg_advantages);
+    mean's rewards are success rates, so a group whose mean is 0 or below has nothing to scale
+    by and gets Â = 0 (an all-wrong group has Â = 0 anyway). eps is added to s (not for none).
+    rewards (N,) with groups in consecutive rows -> advantages (N,)."""
+    if scale in ("group", "none"):
+        return group_advantages(rewards, group_size, scale_by_std=scale == "group", eps=eps)
+    grouped = rewards.view(-1, group_size)  # (B, G)
+    centered = grouped - grouped.mean(dim=-1, keepdim=True)  # (B, G)
+    if scale == "batch":
+        count, sum_, squares = total(rewards.numel()), total(rewards.sum().item()), total((rewards**2).sum().item())
+        std = math.sqrt(max(squares - sum_**2 / count, 0.0) / max(count - 1, 1))
+        return (centered / (std + eps)).flatten()
+    group_mean = grouped.mean(dim=-1, keepdim=True)  # (B, 1) MaxRL's scale
+    return torch.where(group_mean > 0, centered / (group_mean + eps), 0.0).flatten()
+
+
+def reward_scale(args: Args) -> str:
+    """--scale_rewards, or the loss type's own when unset: none for dr_grpo (Dr. GRPO), else group."""
+    return args.scale_rewards or ("none" if args.loss_type == "dr_grpo" else "group")
+
+
 def cispo_objective(
     logp: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float
 ) -> torch.Tensor:
@@ -760,6 +802,7 @@ def train(args: Args) -> Path:
             advantages, length_penalty = shaped_advantages(
                 batch.rewards, batch.completion_mask.sum(-1), group_size=args.group_size,
                 max_length=args.max_new_tokens, buffer=args.overlong_buffer, eps=args.adv_eps,
+                scale=reward_scale(args), total=all_reduce,
             )  # (N,), (N,)  # fmt: skip
 
             # 6. μ iterations over shuffled mini-batches; one optimizer step per mini-batch.
@@ -1636,6 +1679,10 @@ def check_technique_args(args: Args) -> list[str]:
         problems.append(
             "--loss_type sapo gates the ratio softly, with no clip for dual-clip to bound: use --dual_clip 0."
         )
+    if args.scale_rewards not in ("", "group", "batch", "mean", "none"):
+        problems.append(f"--scale_rewards {args.scale_rewards!r} is not one of: group, batch, mean, none.")
+    if args.scale_rewards and args.loss_type == "gpg":
+        problems.append("--loss_type gpg scales its advantage itself (α = B/(B − M)): leave --scale_rewards unset.")
     if args.off_policy_mask_threshold < 0:
         problems.append(f"--off_policy_mask_threshold must be >= 0 (got {args.off_policy_mask_threshold}); 0 = off.")
     if args.unbiased_kl and args.beta == 0:

@@ -56,6 +56,7 @@ Shape letters in comments:
 import contextlib
 import functools
 import inspect
+import math
 import random
 import time
 import warnings
@@ -145,6 +146,9 @@ class Args:
     cispo_eps_low: float = arg(1.0, "ε_low^IS: CISPO's weight ≥ 1 − ε_low^IS, MiniMax-M1 Eq. 5; 1 = no lower bound")
     cispo_eps_high: float = arg(3.0, "ε_high^IS, CISPO's weight ≤ 1 + ε_high^IS, MiniMax-M1 Eq. 5 (3: a cap of 4)")
     beta: float = arg(0.01, "β, KL coefficient, DAPO Eq. 5 (seed study optimum ~0.0075-0.01); 0 = no reference")
+    scale_rewards: str = arg(
+        "", "Â's scale: group (std), batch (Lite PPO), mean (MaxRL), none (Dr. GRPO); '' = none for dr_grpo, else group"
+    )
     adv_eps: float = arg(1e-6, "added to the group std in Â, DAPO Eq. 6 (verl's value; TRL uses 1e-4)")
     sapo_tau_pos: float = arg(
         1.0, "τ_pos of SAPO's gate σ(τ(r − 1))·4/τ for Â > 0 (--loss_type sapo; arXiv 2511.20347)"
@@ -511,6 +515,37 @@ def off_policy_sequence_mask(
     return 1 - ((advantages < 0) & (divergence > threshold)).to(logp.dtype)
 
 
+def scaled_advantages(rewards: torch.Tensor, group_size: int, scale: str, eps: float, total=lambda sum_: sum_):
+    """Â_i = (R_i − mean of its group) / s, the scale s as --scale_rewards chooses:
+      group  the group's std (GRPO, DAPO Eq. 6: group_advantages)
+      none   1 (Dr. GRPO Sec. 3.1: no std, which up-weights nearly solved and nearly failed groups)
+      batch  the std of every reward of the batch (Lite PPO, arXiv 2508.08221; TRL's
+             scale_rewards="batch"): the group's baseline, the batch's scale, so a group whose
+             rewards hardly differ is not blown up to unit size
+      mean   the group's mean reward (MaxRL, arXiv 2602.02710): a group that is rarely right gets
+             large advantages, one nearly always right small ones
+    Choices where the paper is silent or the peers differ: batch's std is the unbiased one over
+    the whole batch, under torchrun every rank's (total sums over ranks, as gpg_advantages);
+    mean's rewards are success rates, so a group whose mean is 0 or below has nothing to scale
+    by and gets Â = 0 (an all-wrong group has Â = 0 anyway). eps is added to s (not for none).
+    rewards (N,) with groups in consecutive rows -> advantages (N,)."""
+    if scale in ("group", "none"):
+        return group_advantages(rewards, group_size, scale_by_std=scale == "group", eps=eps)
+    grouped = rewards.view(-1, group_size)  # (B, G)
+    centered = grouped - grouped.mean(dim=-1, keepdim=True)  # (B, G)
+    if scale == "batch":
+        count, sum_, squares = total(rewards.numel()), total(rewards.sum().item()), total((rewards**2).sum().item())
+        std = math.sqrt(max(squares - sum_**2 / count, 0.0) / max(count - 1, 1))
+        return (centered / (std + eps)).flatten()
+    group_mean = grouped.mean(dim=-1, keepdim=True)  # (B, 1) MaxRL's scale
+    return torch.where(group_mean > 0, centered / (group_mean + eps), 0.0).flatten()
+
+
+def reward_scale(args: Args) -> str:
+    """--scale_rewards, or the loss type's own when unset: none for dr_grpo (Dr. GRPO), else group."""
+    return args.scale_rewards or ("none" if args.loss_type == "dr_grpo" else "group")
+
+
 def cispo_objective(
     logp: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float
 ) -> torch.Tensor:
@@ -684,8 +719,8 @@ def train(args: Args) -> Path:
             if args.loss_type == "gpg":
                 advantages = gpg_advantages(batch.rewards, args.group_size, total=all_reduce)  # (N,)
             else:
-                advantages = group_advantages(
-                    batch.rewards, args.group_size, scale_by_std=args.loss_type != "dr_grpo", eps=args.adv_eps
+                advantages = scaled_advantages(
+                    batch.rewards, args.group_size, reward_scale(args), eps=args.adv_eps, total=all_reduce
                 )  # (N,)
 
             # 6. μ iterations over shuffled mini-batches; one optimizer step per mini-batch.
@@ -1533,6 +1568,10 @@ def check_technique_args(args: Args) -> list[str]:
         problems.append(
             "--loss_type sapo gates the ratio softly, with no clip for dual-clip to bound: use --dual_clip 0."
         )
+    if args.scale_rewards not in ("", "group", "batch", "mean", "none"):
+        problems.append(f"--scale_rewards {args.scale_rewards!r} is not one of: group, batch, mean, none.")
+    if args.scale_rewards and args.loss_type == "gpg":
+        problems.append("--loss_type gpg scales its advantage itself (α = B/(B − M)): leave --scale_rewards unset.")
     if args.off_policy_mask_threshold < 0:
         problems.append(f"--off_policy_mask_threshold must be >= 0 (got {args.off_policy_mask_threshold}); 0 = off.")
     if args.unbiased_kl and args.beta == 0:

@@ -200,3 +200,66 @@ def test_off_policy_masking_is_logged(script, tmp_path):
     run = script.train(script.Args(output_dir=str(tmp_path), off_policy_mask_threshold=1e-9, **settings))
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(0 <= row["opsm/sequence_fraction"] <= 1 for row in rows)
+
+
+# ----------------------------------------------------------------------------------------
+# --scale_rewards: Â = (R − group mean) / s, s the group's std, the batch's std, the group's mean, or 1
+
+
+@pytest.mark.parametrize("script", [grpo, dapo])
+def test_reward_scales_by_hand(script):
+    # Groups [1, 0, 0, 1] (mean 0.5) and [1, 1, 1, 0] (mean 0.75), and [0, 0, 0, 0]:
+    #   batch: the 12 rewards, mean 5/12 = 0.416667, unbiased variance (5·(7/12)² + 7·(5/12)²)/11 =
+    #          (1.701389 + 1.215278)/11 = 0.265152, std 0.514929:
+    #          ±0.5/0.514929 = ±0.971008; 0.25/0.514929 = 0.485504, −0.75/0.514929 = −1.456511; 0
+    #   mean (MaxRL): ±0.5/0.5 = ±1; 0.25/0.75 = 0.333333, −0.75/0.75 = −1; the all-0 group: 0, not NaN
+    #   none (Dr. GRPO): ±0.5; 0.25, −0.75; 0
+    rewards = torch.tensor([1.0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0])
+    expected = {
+        "batch": [0.971008, -0.971008, -0.971008, 0.971008, 0.485504, 0.485504, 0.485504, -1.456511, 0, 0, 0, 0],
+        "mean": [1, -1, -1, 1, 1 / 3, 1 / 3, 1 / 3, -1, 0, 0, 0, 0],
+        "none": [0.5, -0.5, -0.5, 0.5, 0.25, 0.25, 0.25, -0.75, 0, 0, 0, 0],
+    }
+    for scale, values in expected.items():
+        assert script.scaled_advantages(rewards, 4, scale, eps=1e-6).tolist() == pytest.approx(values, abs=1e-5)
+    group = script.scaled_advantages(rewards, 4, "group", eps=1e-6)
+    assert torch.equal(group, script.group_advantages(rewards, 4, eps=1e-6))  # group is GRPO's own, bit for bit
+
+
+def test_the_batch_scale_counts_every_rank():
+    # Two ranks of 4 rewards each, [1, 0, 0, 1] and [1, 1, 1, 0], their sums exchanged by `total`: the
+    # std over all 8, 0.517549 (variance (5·0.375² + 3·0.625²)/7 = 0.267857), not each rank's own.
+    halves = torch.tensor([1.0, 0, 0, 1]), torch.tensor([1.0, 1, 1, 0])
+    partner = {}
+
+    def total_with(other):
+        def total(value):  # this rank's value plus the other rank's, as all_reduce would give
+            key = len(partner)
+            partner[key] = value
+            return value + other[key % 3]
+
+        return total
+
+    first_sums = [4, 2.0, 2.0]  # count, sum, sum of squares of [1, 0, 0, 1]
+    second = grpo.scaled_advantages(halves[1], 4, "batch", 1e-6, total=total_with(first_sums))
+    assert second.tolist() == pytest.approx([0.25 / 0.517549] * 3 + [-0.75 / 0.517549], abs=1e-5)
+
+
+def test_dr_grpo_keeps_its_own_scale_unless_asked():
+    assert grpo.reward_scale(grpo.Args(loss_type="dr_grpo")) == "none"
+    assert grpo.reward_scale(grpo.Args(loss_type="dr_grpo", scale_rewards="mean")) == "mean"
+    assert grpo.reward_scale(grpo.Args()) == "group" and dapo.reward_scale(dapo.Args()) == "group"
+    with pytest.raises(SystemExit, match="--scale_rewards 'std' is not one of: group, batch, mean, none"):
+        grpo.check_args(grpo.Args(scale_rewards="std"))
+    with pytest.raises(SystemExit, match="--loss_type gpg scales its advantage itself"):
+        grpo.check_args(grpo.Args(loss_type="gpg", beta=0.0, scale_rewards="batch"))
+
+
+@pytest.mark.parametrize("script", [grpo, dapo])
+def test_a_run_trains_with_each_scale(script, tmp_path):
+    settings = dict(model="tiny", task="digit", max_new_tokens=4, batch_size=2, group_size=4, max_steps=1, save_every=0)
+    settings |= {"overlong_buffer": 0} if script is dapo else {}
+    for scale in ("batch", "mean"):
+        run = script.train(script.Args(output_dir=str(tmp_path / scale), scale_rewards=scale, **settings))
+        (row,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert math.isfinite(row["loss/policy"])
