@@ -125,6 +125,7 @@ class Args:
     study: str = arg("", "a study file (recipes/study-*.yaml): train its arms, evaluate each, report every finding")
     study_model: str = arg("", "--study: the model of every arm, in place of the study file's (e.g. a local path)")
     study_dry_run: bool = arg(False, "--study: print the plan (and a GPU-time estimate) and stop")
+    study_report_only: bool = arg(False, "--study: write the report from what has finished, and train nothing")
     study_into: str = arg("", "--study: a markdown file whose <!-- study:NAME --> section becomes the report")
 
 
@@ -479,7 +480,7 @@ FINDING_METRICS = ("accuracy", "stability", "length", "cost", "base", "sweep")
 TRAINED_METRICS = ("stability", "length", "cost", "sweep")  # read training curves: every arm trains
 # Settings the runner gives each evaluation itself: a study's `evaluate` may not set them.
 RUNNER_SETTINGS = ("model", "seed", "output_dir", "compare", "plot", "plot_file", "study", "study_model")
-RUNNER_SETTINGS += ("study_dry_run", "study_into")
+RUNNER_SETTINGS += ("study_dry_run", "study_into", "study_report_only")
 # The GPU-time estimate of --study: FLOPs at an assumed sustained throughput, ~40% of an H100's
 # dense bf16 peak (989 TFLOP/s), every completion at its cap and a 200-token prompt. An estimate.
 ASSUMED_FLOPS_PER_S = 4e14
@@ -520,7 +521,8 @@ class Arm:
     def described(self, root: Path) -> str:
         if not self.script:
             return f"{Path(self.settings['model']).name} as it is"
-        settings = "".join(f" --{k} {v}" for k, v in self.settings.items())
+        shown = {k: Path(v).name if k == "model" else v for k, v in self.settings.items()}  # a path's file name
+        settings = "".join(f" --{k} {v}" for k, v in shown.items())
         return f"{self.script} --config {os.path.relpath(self.recipe, root)}{settings}"
 
 
@@ -727,7 +729,7 @@ def run_study(args: Args) -> Path:
         print(f"  (FLOPs at an assumed {ASSUMED_FLOPS_PER_S / 1e12:.0f} TFLOP/s, every completion at its cap)")
     if args.study_dry_run:
         return study_dir
-    for arm, seed in order:
+    for arm, seed in [] if args.study_report_only else order:
         if arm.script:
             state, where = arm_state(arm, seed, study_dir)
             if state != "finished":
@@ -802,9 +804,11 @@ def study_outcomes(study: dict, study_dir: Path) -> dict[str, list[Outcome]]:
         outcomes[arm.name] = []
         for seed in arm.seeds:
             state, run_dir = arm_state(arm, seed, study_dir) if arm.script else ("finished", None)
+            if state != "finished":  # not trained (yet)
+                continue
             model = str(run_dir / "final") if run_dir else arm.settings["model"]
             results = eval_results(study, model, seed, study_dir / "evals" / arm.name / f"seed{seed}")
-            if results is None or state != "finished":
+            if results is None:  # not evaluated (yet)
                 continue
             result = next(iter(json.loads(results.read_text())["results"].values()))
             rows = read_jsonl(run_dir / "metrics.jsonl") if run_dir else []

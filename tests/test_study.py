@@ -51,6 +51,16 @@ def test_the_runner_trains_evaluates_and_reports(tiny_study):
     assert (tiny_study / "finding-1.png").stat().st_size > 0 and (tiny_study / "finding-2.png").stat().st_size > 0
 
 
+def test_a_report_only_run_trains_nothing(tiny_study, tmp_path, monkeypatch):
+    # A copy without g2's runs: the report says g2 has not run, and nothing starts.
+    study = shutil.copytree(tiny_study, tmp_path / tiny_study.name)
+    shutil.rmtree(study / "arms" / "g2")
+    commands = recorded_commands(monkeypatch)
+    run_study(Args(study=TINY, output_dir=str(tmp_path), study_report_only=True))
+    report = (study / "report.md").read_text()
+    assert commands == [] and "**not run yet: g2**" in report and "| g2 | grpo.py --config" in report
+
+
 def test_a_finished_study_starts_nothing(tiny_study, monkeypatch):
     commands = recorded_commands(monkeypatch)
     before = (tiny_study / "report.md").read_text()
