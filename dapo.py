@@ -175,6 +175,10 @@ class Args:
     sapo_tau_neg: float = arg(1.05, "τ_neg of SAPO's gate for Â < 0 (the paper's: a little steeper than τ_pos)")
     dual_clip: float = arg(0.0, "c of dual-clip PPO (Ye et al. Eq. 4), > 1 to enable (verl: 3); 0 = off")
     entropy_coef: float = arg(0.0, "c_H, T1's entropy bonus: the loss minus c_H·H(π_θ) per token; 0 = off")
+    top_entropy_quantile: float = arg(
+        1.0,
+        "ρ: the top-ρ share of tokens by π_θold's entropy keep the policy gradient (arXiv 2506.01939: 0.2); 1 = all",
+    )
     off_policy_mask_threshold: float = arg(
         0.0, "δ of DeepSeek-V3.2's sequence masking: Â < 0 and mean log π_sampler/π_θ > δ leave; 0 = off"
     )
@@ -376,7 +380,7 @@ def dapo_loss(
     num_tokens: int,  # Σ_i |o_i| over the whole mini-batch (Eq. 12's normaliser)
     entropy: torch.Tensor | None = None,  # (n, T) H(π_θ(·|s_t)) with grad; None when entropy_coef = 0
     is_weight: torch.Tensor | None = None,  # (n, T) truncated IS weights (tis_weights); None = off
-    sequence_keep: torch.Tensor | None = None,  # (n, 1) off-policy sequence mask (off_policy_sequence_mask); None = off
+    policy_mask: torch.Tensor | None = None,  # (n, T) 0: the policy-gradient term leaves (corrections); None = off
 ):
     """The negative DAPO objective of one micro-batch, DAPO Eq. 8 with the token-level sum of Eq. 12:
         J = 1/Σ_i|o_i| Σ_i Σ_t [ min(r_it Â_i, clip(r_it, 1−ε_low, 1+ε_high) Â_i) − β D_KL,it ]
@@ -410,8 +414,8 @@ def dapo_loss(
     objective, dual_clipped = dual_clip(objective, adv, args.dual_clip)  # c·Â bounds Â < 0 tokens below
     if is_weight is not None:
         objective = is_weight * objective  # truncated IS: the policy-gradient term only
-    if sequence_keep is not None:
-        objective = sequence_keep * objective  # DeepSeek-V3.2's masking: the policy-gradient term only
+    if policy_mask is not None:
+        objective = policy_mask * objective  # OPSM's sequences, the top-ρ entropy tokens: the KL stays
     if args.entropy_coef > 0:
         objective = objective + args.entropy_coef * entropy  # T1's entropy bonus c_H·H_t
     kl = kl_k3(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)  # (n, T) D_KL,it
@@ -461,6 +465,12 @@ def loss_stats(
     return stats
 
 
+def scores_needed(args: Args) -> bool:
+    """Whether the update needs step 4's π_θold log-probs and entropy before it starts, even on-policy:
+    --is_mask counts what stays, --top_entropy_quantile ranks the tokens over the whole mini-batch."""
+    return bool(args.is_mask) or args.top_entropy_quantile < 1
+
+
 def on_policy(args: Args) -> bool:
     """True when the batch trains one update (μ = 1 and one mini-batch): π_θold is then the π_θ of
     that update's forward pass, before its optimizer step, which step 4 need not score."""
@@ -492,6 +502,8 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
     # Under torchrun every rank's tokens (FSDP sums the ranks' gradients): one process's normaliser.
     num_tokens = max(all_reduce(loss_mask.sum().item()), 1)  # every completion filtered out: loss 0, not NaN
     batch = {**batch, "loss_mask": loss_mask}
+    if args.top_entropy_quantile < 1:  # over the whole mini-batch (every rank's), before its micro-batches
+        batch["entropy_keep"] = top_share(batch["entropy"], loss_mask, args.top_entropy_quantile, all_reduce)
     record = batch["old_logp"] is None  # this forward pass stands in for step 4's
     recorded = {name: torch.zeros_like(loss_mask, dtype=torch.float32) for name in ("old_logp", "entropy") if record}
     for rows, micro in micro_batches(batch, args.micro_batch_size):
@@ -503,21 +515,14 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
                 entropy_grad=args.entropy_coef > 0,
             )  # (m, T) each  # fmt: skip
             old_logp = logp.detach() if on_policy(args) else micro["old_logp"]
-            is_weight, keep = None, None
-            if args.tis_cap:
-                is_weight = tis_weights(old_logp, micro["sample_logp"], micro["completion_mask"], args.tis_cap)
-            if args.off_policy_mask_threshold:
-                keep = off_policy_sequence_mask(
-                    micro["sample_logp"], logp, micro["loss_mask"], micro["advantages"][:, None],
-                    args.off_policy_mask_threshold,
-                )  # (m, 1)  # fmt: skip
+            is_weight, policy_mask, correction_stats = corrections(micro, logp, old_logp, args)
             loss, stats = dapo_loss(
                 logp, old_logp, micro["ref_logp"], micro["advantages"], micro["loss_mask"], args,
                 num_tokens=num_tokens, entropy=entropy, is_weight=is_weight,
-                sequence_keep=keep,
+                policy_mask=policy_mask,
             )  # fmt: skip
         loss.backward()
-        accumulate(totals, {"loss": loss.item(), **stats, **opsm_stats(keep, micro["loss_mask"])})
+        accumulate(totals, {"loss": loss.item(), **stats, **correction_stats})
         if record:
             recorded["old_logp"][rows], recorded["entropy"][rows] = logp.detach(), entropy.detach()
     return totals, recorded
@@ -559,6 +564,49 @@ def unbiased_kl(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tens
     − π_ref/π_θ)·∇log π_θ, against (1 − π_ref/π_θ)·∇log π_θ for plain k3. On-policy r = 1 and the
     value is k3's, the gradient not. logp, old_logp, ref_logp, mask (n, T) -> (n, T)."""
     return torch.exp((logp - old_logp) * mask) * kl_k3(logp, ref_logp)
+
+
+def corrections(micro: dict, logp: torch.Tensor, old_logp: torch.Tensor, args: Args):
+    """The sampler/trainer corrections of one micro-batch, each off unless its flag is set: the truncated
+    IS weights (tis_weights), and the policy mask, 0 where a token's policy-gradient term leaves the
+    loss: DeepSeek-V3.2's off-policy completions (off_policy_sequence_mask) and the tokens outside the
+    top-ρ entropy share (micro["entropy_keep"], chosen over the whole mini-batch by policy_backward).
+    Returns is_weight (m, T) or None, the policy mask (m, T) or None, and their counts for the metrics."""
+    is_weight, policy_mask, stats = None, None, {}
+    if args.tis_cap:
+        is_weight = tis_weights(old_logp, micro["sample_logp"], micro["completion_mask"], args.tis_cap)
+    if args.off_policy_mask_threshold:
+        keep = off_policy_sequence_mask(
+            micro["sample_logp"], logp, micro["loss_mask"], micro["advantages"][:, None], args.off_policy_mask_threshold
+        )  # (m, 1)
+        policy_mask, stats = keep.expand_as(logp), opsm_stats(keep, micro["loss_mask"])
+    if args.top_entropy_quantile < 1:
+        keep = micro["entropy_keep"].to(logp.dtype)  # (m, T)
+        policy_mask = keep if policy_mask is None else policy_mask * keep
+        stats |= {"entropy_kept": (keep * micro["loss_mask"]).sum().item()}
+    return is_weight, policy_mask, stats
+
+
+def top_share(values: torch.Tensor, valid: torch.Tensor, share: float, reduce=lambda value, op="sum": value):
+    """The tokens of `valid` whose value is among the top `share` of the mini-batch's valid tokens (under
+    torchrun every rank's, through reduce = common.all_reduce): the k = ⌈share·count⌉ largest, ties at the
+    k-th value all kept. The k-th value is found by bisection, each step a count over every rank, so K
+    ranks keep exactly the tokens one process keeps. values, valid (n, T) -> (n, T) bool."""
+    valid = valid.bool()
+    chosen = values[valid].double()  # (tokens,)
+    count = reduce(chosen.numel())
+    wanted = math.ceil(share * count)
+    if wanted >= count:
+        return valid
+    low = reduce(chosen.min().item() if chosen.numel() else math.inf, "min")  # count(≥ low) ≥ wanted
+    high = reduce(chosen.max().item() if chosen.numel() else -math.inf, "max") + 1.0  # count(≥ high) < wanted
+    for _ in range(64):  # halves [low, high) down to below the spacing of fp32 values
+        middle = (low + high) / 2
+        if reduce(int((chosen >= middle).sum().item())) >= wanted:
+            low = middle
+        else:
+            high = middle
+    return valid & (values.double() >= low)
 
 
 def off_policy_sequence_mask(
@@ -794,7 +842,7 @@ def train(args: Args) -> Path:
                 args,
                 vocab_size=vocab_size,
                 amp=amp,
-                score_policy=not on_policy(args) or bool(args.is_mask),
+                score_policy=not on_policy(args) or scores_needed(args),
             )  # (N, T) each; old_logp and entropy None until step 6 when on-policy without --is_mask
             seconds_logprobs = time.perf_counter() - timer
 
@@ -808,6 +856,7 @@ def train(args: Args) -> Path:
             # 6. μ iterations over shuffled mini-batches; one optimizer step per mini-batch.
             timer = time.perf_counter()
             tensors = batch.tensors() | {"old_logp": old_logp, "ref_logp": ref_logp, "advantages": advantages}
+            tensors |= {"entropy": entropy}  # π_θold's, for --top_entropy_quantile
             update, grad_norms = {}, []
             for _ in range(args.num_iterations):
                 # A fresh random split into mini-batches each iteration, a group's rows in one (whole_groups).
@@ -858,6 +907,7 @@ def update_metrics(update: dict, grad_norms: list[float], learning_rate: float) 
     }
     if "tis_weight" in update and update["tokens"]:  # --tis_cap: the truncated IS weights the loss used
         metrics |= {"tis/weight_mean": update["tis_weight"] / tokens, "tis/weight_max": update["tis_weight_max"]}
+    metrics |= {"entropy/kept_fraction": update["entropy_kept"] / tokens} if "entropy_kept" in update else {}
     return metrics | is_mask_metrics(update) | opsm_metrics(update)
 
 
@@ -1683,6 +1733,10 @@ def check_technique_args(args: Args) -> list[str]:
         problems.append(f"--scale_rewards {args.scale_rewards!r} is not one of: group, batch, mean, none.")
     if args.scale_rewards and args.loss_type == "gpg":
         problems.append("--loss_type gpg scales its advantage itself (α = B/(B − M)): leave --scale_rewards unset.")
+    if not 0 < args.top_entropy_quantile <= 1:
+        problems.append(
+            f"--top_entropy_quantile must be in (0, 1] (got {args.top_entropy_quantile}); the paper's 0.2, 1 = off."
+        )
     if args.off_policy_mask_threshold < 0:
         problems.append(f"--off_policy_mask_threshold must be >= 0 (got {args.off_policy_mask_threshold}); 0 = off.")
     if args.unbiased_kl and args.beta == 0:

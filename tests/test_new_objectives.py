@@ -5,6 +5,7 @@ accumulation, and refused where they cannot work."""
 
 import json
 import math
+import threading
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ def sigmoid(x):
     return 1 / (1 + math.exp(-x))
 
 
-def loss_of(script, logp, old_logp, advantages, ref_logp=None, sequence_keep=None, **settings):
+def loss_of(script, logp, old_logp, advantages, ref_logp=None, policy_mask=None, **settings):
     """The script's loss and d loss / d logp for one micro-batch that is the whole mini-batch."""
     logp = logp.clone().requires_grad_(True)
     mask = torch.ones_like(logp, dtype=torch.long)
@@ -32,12 +33,12 @@ def loss_of(script, logp, old_logp, advantages, ref_logp=None, sequence_keep=Non
             args,
             num_sequences=len(logp),
             num_tokens=int(mask.sum()),
-            sequence_keep=sequence_keep,
+            policy_mask=policy_mask,
         )
     else:
         args = dapo.Args(**settings)
         loss, stats = dapo.dapo_loss(
-            logp, old_logp, ref_logp, advantages, mask, args, num_tokens=int(mask.sum()), sequence_keep=sequence_keep
+            logp, old_logp, ref_logp, advantages, mask, args, num_tokens=int(mask.sum()), policy_mask=policy_mask
         )
     loss.backward()
     return loss.item(), logp.grad, stats
@@ -185,7 +186,7 @@ def test_off_policy_masking_leaves_the_kl_in(script):
     #   unmasked: loss = −Â·r + β·k3 = 1.0148721, gradient −Â·r + that = 0.9351279
     logp, ref, advantages = torch.tensor([[-1.5]]), torch.tensor([[-1.0]]), torch.tensor([-1.0])
     keep = script.off_policy_sequence_mask(torch.tensor([[-1.0]]), logp, torch.ones(1, 1), advantages[:, None], 0.1)
-    masked = loss_of(script, logp, logp.clone(), advantages, ref_logp=ref, beta=0.1, sequence_keep=keep)
+    masked = loss_of(script, logp, logp.clone(), advantages, ref_logp=ref, beta=0.1, policy_mask=keep)
     plain = loss_of(script, logp, logp.clone(), advantages, ref_logp=ref, beta=0.1)
     assert (masked[0], masked[1].item()) == (pytest.approx(0.0148721, abs=1e-7), pytest.approx(-0.0648721, abs=1e-7))
     assert (plain[0], plain[1].item()) == (pytest.approx(1.0148721, abs=1e-7), pytest.approx(0.9351279, abs=1e-7))
@@ -263,3 +264,77 @@ def test_a_run_trains_with_each_scale(script, tmp_path):
         run = script.train(script.Args(output_dir=str(tmp_path / scale), scale_rewards=scale, **settings))
         (row,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert math.isfinite(row["loss/policy"])
+
+
+# ----------------------------------------------------------------------------------------
+# --top_entropy_quantile ρ: only the top-ρ share of tokens by π_θold's entropy keep the policy gradient
+
+
+def test_top_share_by_hand():
+    # Valid values 3, 1, 2 | 5, 4 (padding 9 and 0 ignored), 5 tokens:
+    #   share 0.4 -> k = ⌈2.0⌉ = 2: 5 and 4;   share 0.5 -> k = ⌈2.5⌉ = 3: 5, 4 and 3;   share 1: every valid token
+    values = torch.tensor([[3.0, 1.0, 2.0, 9.0], [5.0, 4.0, 0.0, 0.0]])
+    valid = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    assert grpo.top_share(values, valid, 0.4).int().tolist() == [[0, 0, 0, 0], [1, 1, 0, 0]]
+    assert grpo.top_share(values, valid, 0.5).int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0]]
+    assert grpo.top_share(values, valid, 1.0).int().tolist() == valid.tolist()
+    # Ties at the k-th value are all kept: [2, 2, 1] with share 0.34 -> k = 2, both 2s (and only them).
+    assert grpo.top_share(torch.tensor([[2.0, 2.0, 1.0]]), torch.ones(1, 3), 0.34).int().tolist() == [[1, 1, 0]]
+
+
+def test_top_share_over_two_ranks_is_one_process():
+    # Two "ranks" in two threads, each with half the rows, their counts, minima and maxima exchanged at
+    # every step as all_reduce would: together they keep exactly the tokens one process keeps.
+    torch.manual_seed(0)
+    values, valid = torch.rand(6, 5), (torch.rand(6, 5) > 0.3).long()
+    one = dapo.top_share(values, valid, 0.2)
+    barrier, slots, kept = threading.Barrier(2), [None, None], {}
+
+    def rank(index):
+        def reduce(value, op="sum"):
+            slots[index] = value
+            barrier.wait()
+            mine, other = slots[index], slots[1 - index]
+            barrier.wait()
+            return {"sum": mine + other, "min": min(mine, other), "max": max(mine, other)}[op]
+
+        rows = slice(3 * index, 3 * index + 3)
+        kept[index] = dapo.top_share(values[rows], valid[rows], 0.2, reduce)
+
+    threads = [threading.Thread(target=rank, args=(index,)) for index in (0, 1)]
+    [thread.start() for thread in threads]
+    [thread.join() for thread in threads]
+    assert torch.equal(torch.cat([kept[0], kept[1]]), one) and one.sum() == math.ceil(0.2 * valid.sum().item())
+
+
+@pytest.mark.parametrize("script", [grpo, dapo])
+def test_top_entropy_gradient_accumulation_equals_one_big_batch(sampled, script):
+    # The top 20% are chosen over the whole mini-batch before its micro-batches: micro-batches of 3, 5
+    # and 12 rows give the one gradient; and it differs from the gradient of every token.
+    model, tokenizer, batch = sampled
+    torch.manual_seed(1)
+    batch = {**batch, "entropy": torch.rand(batch["completion_mask"].shape) * batch["completion_mask"]}
+    settings = {"top_entropy_quantile": 0.2, "num_iterations": 2, "beta": 0.04}
+    settings |= {"max_new_tokens": 12} if script is grpo else {"overlong_buffer": 0}
+    gradients = []
+    for micro_batch_size, quantile in ((12, 0.2), (3, 0.2), (5, 0.2), (12, 1.0)):
+        model.zero_grad(set_to_none=True)
+        args = script.Args(micro_batch_size=micro_batch_size, **(settings | {"top_entropy_quantile": quantile}))
+        totals, _ = script.policy_backward(model, batch, args, len(tokenizer))
+        gradients.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    for gradient in gradients[1:3]:
+        assert (gradient - gradients[0]).abs().max() <= 1e-5 * gradients[0].abs().max()
+    assert (gradients[3] - gradients[0]).abs().max() > 1e-3 * gradients[0].abs().max()
+
+
+@pytest.mark.parametrize("script", [grpo, dapo])
+def test_top_entropy_run_scores_the_old_policy_and_logs_the_share(script, tmp_path):
+    # On-policy step 4 would skip the policy's pass; the quantile needs π_θold's entropy first, so it
+    # runs, and the share of tokens that kept their gradient is logged: ⌈0.5·count⌉/count, 0.5 or a little more.
+    settings = dict(model="tiny", task="digit", max_new_tokens=4, batch_size=2, group_size=4, max_steps=2, save_every=0)
+    settings |= {"overlong_buffer": 0} if script is dapo else {}
+    run = script.train(script.Args(output_dir=str(tmp_path), top_entropy_quantile=0.5, **settings))
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(0.5 <= row["entropy/kept_fraction"] <= 0.6 for row in rows)
+    with pytest.raises(SystemExit, match=r"--top_entropy_quantile must be in \(0, 1\]"):
+        script.check_args(script.Args(top_entropy_quantile=0.0))
