@@ -150,6 +150,14 @@ class Args:
         "", "Â's scale: group (std), batch (Lite PPO), mean (MaxRL), none (Dr. GRPO); '' = none for dr_grpo, else group"
     )
     adv_eps: float = arg(1e-6, "added to the group std in Â, DAPO Eq. 6 (verl's value; TRL uses 1e-4)")
+    clip_cov_ratio: float = arg(
+        2e-4, "r, Clip-Cov's share of tokens whose gradient is cut (--loss_type clip_cov; arXiv 2505.22617)"
+    )
+    clip_cov_bounds: str = arg("1,5", "ω_low,ω_high: Clip-Cov cuts only tokens whose covariance lies in this band")
+    kl_cov_ratio: float = arg(
+        2e-4, "k, KL-Cov's share of tokens, of largest covariance, that get its penalty (verl: 2e-4)"
+    )
+    kl_cov_coef: float = arg(1.0, "β of KL-Cov's penalty β·|log π_θ − log π_θold| on its tokens (--loss_type kl_cov)")
     sapo_tau_pos: float = arg(
         1.0, "τ_pos of SAPO's gate σ(τ(r − 1))·4/τ for Â > 0 (--loss_type sapo; arXiv 2511.20347)"
     )
@@ -277,6 +285,7 @@ def grpo_loss(
     entropy: torch.Tensor | None = None,  # (n, T) H(π_θ(·|s_t)) with grad; None when entropy_coef = 0
     is_weight: torch.Tensor | None = None,  # (n, T) truncated IS weights (tis_weights); None = off
     policy_mask: torch.Tensor | None = None,  # (n, T) 0: the policy-gradient term leaves (corrections); None = off
+    cov_tokens: torch.Tensor | None = None,  # (n, T) bool, KL-Cov's tokens (covariance_tokens); None unless kl_cov
 ):
     """The negative GRPO objective of one micro-batch, DAPO Eq. 5:
         J = 1/G Σ_i 1/|o_i| Σ_t [ min(r_it Â_i, clip(r_it, 1−ε, 1+ε) Â_i) − β D_KL,it ],
@@ -302,6 +311,8 @@ def grpo_loss(
         objective = cispo_objective(logp, ratio, adv, eps_low, eps_high)  # (n, T)
     elif args.loss_type == "sapo":
         objective = sapo_objective(logp, old_logp, mask, adv, args.sapo_tau_pos, args.sapo_tau_neg)  # (n, T)
+    elif args.loss_type == "kl_cov":
+        objective = kl_cov_objective(logp, old_logp, ratio, adv, cov_tokens, args.kl_cov_coef)  # (n, T)
     else:
         objective = clipped_surrogate(ratio, adv, eps_low, eps_high)  # (n, T)
     objective, dual_clipped = dual_clip(objective, adv, args.dual_clip)  # c·Â bounds Â < 0 tokens below
@@ -378,8 +389,8 @@ def loss_stats(
 
 def scores_needed(args: Args) -> bool:
     """Whether the update needs step 4's π_θold log-probs and entropy before it starts, even on-policy:
-    --is_mask counts what stays, --top_entropy_quantile ranks the tokens over the whole mini-batch."""
-    return bool(args.is_mask) or args.top_entropy_quantile < 1
+    --is_mask counts what stays; --top_entropy_quantile, clip_cov and kl_cov rank the mini-batch's tokens."""
+    return bool(args.is_mask) or args.top_entropy_quantile < 1 or args.loss_type in ("clip_cov", "kl_cov")
 
 
 def on_policy(args: Args) -> bool:
@@ -410,6 +421,8 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
     batch = {**batch, "loss_mask": loss_mask}
     if args.top_entropy_quantile < 1:  # over the whole mini-batch (every rank's), before its micro-batches
         batch["entropy_keep"] = top_share(batch["entropy"], loss_mask, args.top_entropy_quantile, all_reduce)
+    if args.loss_type in ("clip_cov", "kl_cov"):  # the same: Clip-Cov's and KL-Cov's tokens
+        batch["cov_tokens"] = covariance_tokens(batch, loss_mask, args, all_reduce)
     record = batch["old_logp"] is None  # this forward pass stands in for step 4's
     recorded = {name: torch.zeros_like(loss_mask, dtype=torch.float32) for name in ("old_logp", "entropy") if record}
     for rows, micro in micro_batches(batch, args.micro_batch_size):
@@ -425,7 +438,7 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
             loss, stats = grpo_loss(
                 logp, old_logp, micro["ref_logp"], micro["advantages"], micro["loss_mask"], args,
                 num_sequences=num_sequences, num_tokens=num_tokens, entropy=entropy, is_weight=is_weight,
-                policy_mask=policy_mask,
+                policy_mask=policy_mask, cov_tokens=micro.get("cov_tokens"),
             )  # fmt: skip
         loss.backward()
         accumulate(totals, {"loss": loss.item(), **stats, **correction_stats})
@@ -517,6 +530,11 @@ def corrections(micro: dict, logp: torch.Tensor, old_logp: torch.Tensor, args: A
             micro["sample_logp"], logp, micro["loss_mask"], micro["advantages"][:, None], args.off_policy_mask_threshold
         )  # (m, 1)
         policy_mask, stats = keep.expand_as(logp), opsm_stats(keep, micro["loss_mask"])
+    if args.loss_type in ("clip_cov", "kl_cov"):
+        stats |= {"cov_tokens": (micro["cov_tokens"] & micro["loss_mask"].bool()).sum().item()}
+    if args.loss_type == "clip_cov":  # Clip-Cov: its tokens' policy-gradient term leaves
+        keep = (~micro["cov_tokens"]).to(logp.dtype)  # (m, T)
+        policy_mask = keep if policy_mask is None else policy_mask * keep
     if args.top_entropy_quantile < 1:
         keep = micro["entropy_keep"].to(logp.dtype)  # (m, T)
         policy_mask = keep if policy_mask is None else policy_mask * keep
@@ -592,6 +610,51 @@ def scaled_advantages(rewards: torch.Tensor, group_size: int, scale: str, eps: f
 def reward_scale(args: Args) -> str:
     """--scale_rewards, or the loss type's own when unset: none for dr_grpo (Dr. GRPO), else group."""
     return args.scale_rewards or ("none" if args.loss_type == "dr_grpo" else "group")
+
+
+def token_covariance(old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, total=lambda sum_: sum_):
+    """The centred cross term of each token whose covariance drives the entropy's change (Cui et al.
+    2025, arXiv 2505.22617, Sec. 4.1):
+        Cov_t = (log π(o_t) − mean log π) · (Â_t − mean Â)
+    the means over every valid token of the mini-batch (under torchrun every rank's, through total).
+    Tokens of large Cov, likely and rewarded, are those whose training collapses the entropy. Choice:
+    log π is π_θold's (step 4's), so the tokens are chosen once, before the micro-batches, and gradient
+    accumulation stays exact (verl takes the current policy's, per micro-batch). old_logp, mask (n, T),
+    advantages (n,) -> (n, T), 0 on padding. No gradient."""
+    weight = mask.to(old_logp.dtype)  # (n, T)
+    adv = advantages[:, None].expand_as(old_logp)  # (n, T) Â_i on every token of o_i
+    count = max(total(weight.sum().item()), 1)
+    mean_logp, mean_adv = total((old_logp * weight).sum().item()) / count, total((adv * weight).sum().item()) / count
+    return ((old_logp - mean_logp) * (adv - mean_adv) * weight).detach()
+
+
+def covariance_tokens(batch: dict, loss_mask: torch.Tensor, args: Args, total=lambda value, op="sum": value):
+    """The tokens Clip-Cov and KL-Cov act on (arXiv 2505.22617, Sec. 4.2), over the whole mini-batch:
+      kl_cov    the top kl_cov_ratio share by Cov (they get KL-Cov's penalty)
+      clip_cov  clip_cov_ratio·N tokens among those with Cov in [ω_low, ω_high] (their policy gradient
+                is cut). The paper draws them at random; here the band's highest Cov are taken, so a run
+                is reproducible and K ranks choose what one process chooses.
+    batch["old_logp"], batch["advantages"], loss_mask (n, T) -> (n, T) bool."""
+    cov = token_covariance(batch["old_logp"], batch["advantages"], loss_mask, total)  # (n, T)
+    if args.loss_type == "kl_cov":
+        return top_share(cov, loss_mask, args.kl_cov_ratio, total)
+    low, high = (float(bound) for bound in args.clip_cov_bounds.split(","))
+    band = loss_mask.bool() & (cov >= low) & (cov <= high)  # (n, T)
+    wanted = args.clip_cov_ratio * total(int(loss_mask.sum().item()))  # r·N tokens
+    return top_share(cov, band, min(wanted / max(total(int(band.sum().item())), 1), 1.0), total)
+
+
+def kl_cov_objective(
+    logp: torch.Tensor, old_logp: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, tokens, coef: float
+):
+    """KL-Cov's per-token objective (arXiv 2505.22617, Sec. 4.2): the unclipped r·Â on every token,
+    less a penalty on the tokens of largest covariance (covariance_tokens), which keeps them close to
+    π_θold instead of clipping:
+        r_t·Â − β·|log π_θ(o_t) − log π_θold(o_t)|·[t chosen]
+    On-policy log π_θ = log π_θold, |·| has gradient 0 there, and KL-Cov is the plain policy
+    gradient; it acts once θ moves (μ > 1 or several mini-batches). logp, old_logp, ratio (n, T),
+    advantages (n, 1), tokens (n, T) bool -> (n, T)."""
+    return ratio * advantages - coef * (logp - old_logp).abs() * tokens
 
 
 def cispo_objective(
@@ -823,6 +886,7 @@ def update_metrics(update: dict, grad_norms: list[float], learning_rate: float) 
     if "tis_weight" in update and update["tokens"]:  # --tis_cap: the truncated IS weights the loss used
         metrics |= {"tis/weight_mean": update["tis_weight"] / tokens, "tis/weight_max": update["tis_weight_max"]}
     metrics |= {"entropy/kept_fraction": update["entropy_kept"] / tokens} if "entropy_kept" in update else {}
+    metrics |= {"cov/token_fraction": update["cov_tokens"] / tokens} if "cov_tokens" in update else {}
     return metrics | is_mask_metrics(update) | opsm_metrics(update)
 
 
@@ -1572,8 +1636,10 @@ def check_args(args: Args) -> None:
     problems = check_run_args(args)
     if args.group_size < 2:
         problems.append("--group_size must be at least 2: a group of one has no relative advantage.")
-    if args.loss_type not in ("grpo", "dr_grpo", "gspo", "gpg", "cispo", "sapo"):
-        problems.append(f"--loss_type {args.loss_type!r} is not one of: grpo, dr_grpo, gspo, gpg, cispo, sapo.")
+    if args.loss_type not in ("grpo", "dr_grpo", "gspo", "gpg", "cispo", "sapo", "clip_cov", "kl_cov"):
+        problems.append(
+            f"--loss_type {args.loss_type!r} is not one of: grpo, dr_grpo, gspo, gpg, cispo, sapo, clip_cov, kl_cov."
+        )
     if args.loss_type == "cispo" and args.dual_clip:
         problems.append("--loss_type cispo clips the IS weight, not the objective: dual-clip has nothing to bound (0).")
     if args.loss_type == "gpg" and (args.beta or args.dual_clip):
@@ -1622,6 +1688,16 @@ def check_technique_args(args: Args) -> list[str]:
         problems.append(f"--scale_rewards {args.scale_rewards!r} is not one of: group, batch, mean, none.")
     if args.scale_rewards and args.loss_type == "gpg":
         problems.append("--loss_type gpg scales its advantage itself (α = B/(B − M)): leave --scale_rewards unset.")
+    if not 0 < args.clip_cov_ratio <= 1 or not 0 < args.kl_cov_ratio <= 1 or args.kl_cov_coef < 0:
+        problems.append("--clip_cov_ratio and --kl_cov_ratio must be in (0, 1], --kl_cov_coef >= 0 (2e-4, 2e-4, 1).")
+    try:
+        low, high = (float(bound) for bound in args.clip_cov_bounds.split(","))
+    except ValueError:
+        low, high = 1.0, 0.0  # not two numbers: reported as the band below
+    if not low < high:
+        problems.append(
+            f"--clip_cov_bounds takes ω_low,ω_high, ω_low < ω_high, e.g. 1,5 (got {args.clip_cov_bounds!r})."
+        )
     if not 0 < args.top_entropy_quantile <= 1:
         problems.append(
             f"--top_entropy_quantile must be in (0, 1] (got {args.top_entropy_quantile}); the paper's 0.2, 1 = off."

@@ -338,3 +338,68 @@ def test_top_entropy_run_scores_the_old_policy_and_logs_the_share(script, tmp_pa
     assert all(0.5 <= row["entropy/kept_fraction"] <= 0.6 for row in rows)
     with pytest.raises(SystemExit, match=r"--top_entropy_quantile must be in \(0, 1\]"):
         script.check_args(script.Args(top_entropy_quantile=0.0))
+
+
+# ----------------------------------------------------------------------------------------
+# Clip-Cov and KL-Cov (arXiv 2505.22617): Cov_t = (log π − mean log π)(Â − mean Â) over the mini-batch
+
+
+@pytest.mark.parametrize("script", [grpo, dapo])
+def test_token_covariance_and_the_tokens_chosen_by_hand(script):
+    # log π_θold [[−1, −2], [−3, pad]], Â = [1, −1]: valid tokens log π −1, −2, −3 (mean −2), Â 1, 1, −1
+    # (mean 1/3): Cov = (1)(2/3) = 0.666667, (0)(2/3) = 0, (−1)(−4/3) = 1.333333; padding 0.
+    old_logp = torch.tensor([[-1.0, -2.0], [-3.0, 7.0]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    advantages = torch.tensor([1.0, -1.0])
+    cov = script.token_covariance(old_logp, advantages, mask)
+    assert cov.flatten().tolist() == pytest.approx([0.666667, 0.0, 1.333333, 0.0], abs=1e-6)
+    batch = {"old_logp": old_logp, "advantages": advantages}
+    # KL-Cov, k = 1/3 of 3 tokens: the one of largest Cov, 1.333333.
+    chosen = script.covariance_tokens(batch, mask, script.Args(loss_type="kl_cov", kl_cov_ratio=1 / 3))
+    assert chosen.int().tolist() == [[0, 0], [1, 0]]
+    # Clip-Cov, band [0.5, 5] holds 0.666667 and 1.333333; r·N = 0.34·3 = 1.02 tokens -> ⌈1.02⌉ = 2: both.
+    # Band [1, 5] holds 1.333333 alone: r·N = 1 of 1.
+    args = script.Args(loss_type="clip_cov", clip_cov_ratio=0.34, clip_cov_bounds="0.5,5")
+    assert script.covariance_tokens(batch, mask, args).int().tolist() == [[1, 0], [1, 0]]
+    args = script.Args(loss_type="clip_cov", clip_cov_ratio=1 / 3, clip_cov_bounds="1,5")
+    assert script.covariance_tokens(batch, mask, args).int().tolist() == [[0, 0], [1, 0]]
+
+
+@pytest.mark.parametrize("script", [grpo, dapo])
+def test_kl_cov_objective_by_hand(script):
+    # log π_θ = 0.5, log π_θold = 0 (r = e^0.5 = 1.648721), Â = 1, β = 1:
+    #   chosen:     r·Â − β|0.5| = 1.148721, d/d log π = r·Â − β·sign(0.5) = 0.648721
+    #   not chosen: r·Â = 1.648721, d/d log π = 1.648721 (no clip: KL-Cov replaces it)
+    logp = torch.tensor([[0.5, 0.5]], requires_grad=True)
+    ratio = torch.exp(logp)
+    objective = script.kl_cov_objective(
+        logp, torch.zeros(1, 2), ratio, torch.ones(1, 1), torch.tensor([[True, False]]), 1.0
+    )
+    objective.sum().backward()
+    assert objective.flatten().tolist() == pytest.approx([1.148721, 1.648721], abs=1e-6)
+    assert logp.grad.flatten().tolist() == pytest.approx([0.648721, 1.648721], abs=1e-6)
+
+
+@pytest.mark.parametrize("script", [grpo, dapo])
+@pytest.mark.parametrize("loss_type", ["clip_cov", "kl_cov"])
+def test_cov_gradient_accumulation_equals_one_big_batch(sampled, script, loss_type):
+    # The tokens are chosen over the whole mini-batch, from π_θold: micro-batches of 3, 5 and 12 rows
+    # give one gradient (μ = 2, so r ≠ 1 and KL-Cov's penalty acts), which differs from GRPO's or DAPO's.
+    model, tokenizer, batch = sampled
+    ratio = (
+        {"clip_cov_ratio": 0.05, "clip_cov_bounds": "-100,100"} if loss_type == "clip_cov" else {"kl_cov_ratio": 0.05}
+    )
+    settings = {"num_iterations": 2, "beta": 0.0, **ratio}
+    settings |= {"max_new_tokens": 12} if script is grpo else {"overlong_buffer": 0}
+    plain = "grpo" if script is grpo else "dapo"
+    gradients = []
+    for micro_batch_size, kind in ((12, loss_type), (3, loss_type), (5, loss_type), (12, plain)):
+        model.zero_grad(set_to_none=True)
+        args = script.Args(micro_batch_size=micro_batch_size, loss_type=kind, **settings)
+        totals, _ = script.policy_backward(model, batch, args, len(tokenizer))
+        gradients.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        if kind == loss_type:  # 5% of the mini-batch's valid tokens, ⌈0.05·count⌉ (ties at the k-th kept)
+            assert totals["cov_tokens"] >= math.ceil(0.05 * batch["completion_mask"].sum().item())
+    for gradient in gradients[1:3]:
+        assert (gradient - gradients[0]).abs().max() <= 1e-5 * gradients[0].abs().max()
+    assert (gradients[3] - gradients[0]).abs().max() > 1e-4 * gradients[0].abs().max()
