@@ -52,6 +52,8 @@ def fixed_batch(model, tokenizer, eos_ids) -> dict:
         "positive": torch.arange(rows) % 3 == 0,
         "old_values": torch.randn_like(logp) * mask,
         "returns": torch.randn_like(logp) * mask,
+        "entropy": torch.rand_like(logp)
+        * mask,  # π_θold's, for --top_entropy_quantile (drawn last: the rest unchanged)
     }
 
 
@@ -87,18 +89,30 @@ def main(out: Path) -> None:
     def fresh():
         return common.load_model("tiny", torch.device("cpu"))[0].train()
 
-    for loss_type in ("grpo", "dr_grpo", "gspo", "gpg", "sapo"):
+    # sapo with the unbiased KL; clip_cov with the batch's reward scale, the top half by entropy and
+    # off-policy sequence masking; kl_cov with MaxRL's scale: each choice over the whole batch, every rank's
+    techniques = {
+        "sapo": {"unbiased_kl": True},
+        "clip_cov": {"clip_cov_ratio": 0.1, "clip_cov_bounds": "-100,100", "scale_rewards": "batch"},
+        "kl_cov": {"kl_cov_ratio": 0.1, "scale_rewards": "mean"},
+    }
+    techniques["clip_cov"] |= {"top_entropy_quantile": 0.5, "off_policy_mask_threshold": 0.05}
+    for loss_type in ("grpo", "dr_grpo", "gspo", "gpg", "sapo", "clip_cov", "kl_cov"):
         off_policy = loss_type != "gpg"  # the recorded old_logp (ratios ≠ 1, clipping) where the loss has a ratio
         args = grpo.Args(
-            loss_type=loss_type, beta=0.04 if off_policy else 0.0, micro_batch_size=3, unbiased_kl=loss_type == "sapo",
+            loss_type=loss_type, beta=0.04 if off_policy else 0.0, micro_batch_size=3,
             max_new_tokens=MAX_NEW_TOKENS, num_iterations=2 if off_policy else 1, group_size=GROUP_SIZE,
+            **techniques.get(loss_type, {}),
         )  # fmt: skip
 
         def backward(model, share, args=args, loss_type=loss_type):
             if loss_type == "gpg":
                 share["advantages"] = grpo.gpg_advantages(share["rewards"], GROUP_SIZE, total=common.all_reduce)
             else:
-                share["advantages"] = grpo.group_advantages(share["rewards"], GROUP_SIZE, loss_type != "dr_grpo")
+                scale = grpo.reward_scale(args)  # group's std; none for dr_grpo; batch, mean as asked
+                share["advantages"] = grpo.scaled_advantages(
+                    share["rewards"], GROUP_SIZE, scale, args.adv_eps, common.all_reduce
+                )
             if loss_type == "gpg":
                 share["ref_logp"] = None
             return grpo.policy_backward(model, share, args, vocab)[0]  # the totals
