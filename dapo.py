@@ -168,7 +168,11 @@ class Args:
     scale_rewards: str = arg(
         "", "Â's scale: group (std), batch (Lite PPO), mean (MaxRL), none (Dr. GRPO); '' = none for dr_grpo, else group"
     )
-    adv_eps: float = arg(1e-6, "added to the group std in Â, DAPO Eq. 6 (verl's value; TRL uses 1e-4)")
+    adv_eps: float = arg(1e-6, "added to Â's scale (the group std, DAPO Eq. 6; verl's value, TRL uses 1e-4)")
+    dppo_delta: float = arg(
+        0.2, "δ of DPPO's trust region |π_θ − π_θold| on the sampled token (--loss_type dppo; arXiv 2602.04879)"
+    )
+    dppo_ratio_cap: float = arg(20.0, "C: DPPO's detached ratio min(r, C) (verl's default)")
     clip_cov_ratio: float = arg(
         2e-4, "r, Clip-Cov's share of tokens whose gradient is cut (--loss_type clip_cov; arXiv 2505.22617)"
     )
@@ -333,7 +337,8 @@ def shaped_advantages(
     (rewards 0, 0 with penalties −1/256, 0 give Â ≈ ∓0.71). rewards, lengths (N,) -> Â (N,)
     and the penalties (N,)."""
     length_penalty = overlong_penalty(lengths, max_length, buffer)  # (N,)
-    return scaled_advantages(rewards + length_penalty, group_size, scale, eps, total), length_penalty
+    shaped = scaled_advantages(rewards + length_penalty, group_size, scale, eps, total, success=rewards)
+    return shaped, length_penalty
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-6):
@@ -418,6 +423,8 @@ def dapo_loss(
         objective = cispo_objective(logp, ratio, adv, eps_low, eps_high)  # (n, T)
     elif args.loss_type == "sapo":
         objective = sapo_objective(logp, old_logp, mask, adv, args.sapo_tau_pos, args.sapo_tau_neg)  # (n, T)
+    elif args.loss_type == "dppo":
+        objective = dppo_objective(logp, old_logp, ratio, adv, args.dppo_delta, args.dppo_ratio_cap)  # (n, T)
     elif args.loss_type == "kl_cov":
         objective = kl_cov_objective(logp, old_logp, ratio, adv, cov_tokens, args.kl_cov_coef)  # (n, T)
     else:
@@ -576,7 +583,7 @@ def unbiased_kl(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tens
     once θ moves; the weight removes it, and its gradient is the KL's own gradient: ∇D = r·(k3 + 1
     − π_ref/π_θ)·∇log π_θ, against (1 − π_ref/π_θ)·∇log π_θ for plain k3. On-policy r = 1 and the
     value is k3's, the gradient not. logp, old_logp, ref_logp, mask (n, T) -> (n, T)."""
-    return torch.exp((logp - old_logp) * mask) * kl_k3(logp, ref_logp)
+    return torch.exp(((logp - old_logp) * mask).clamp(-20.0, 20.0)) * kl_k3(logp, ref_logp)  # e^20: finite
 
 
 def corrections(micro: dict, logp: torch.Tensor, old_logp: torch.Tensor, args: Args):
@@ -590,7 +597,11 @@ def corrections(micro: dict, logp: torch.Tensor, old_logp: torch.Tensor, args: A
         is_weight = tis_weights(old_logp, micro["sample_logp"], micro["completion_mask"], args.tis_cap)
     if args.off_policy_mask_threshold:
         keep = off_policy_sequence_mask(
-            micro["sample_logp"], logp, micro["loss_mask"], micro["advantages"][:, None], args.off_policy_mask_threshold
+            micro["sample_logp"],
+            logp,
+            micro["completion_mask"],
+            micro["advantages"][:, None],
+            args.off_policy_mask_threshold,
         )  # (m, 1)
         policy_mask, stats = keep.expand_as(logp), opsm_stats(keep, micro["loss_mask"])
     if args.loss_type in ("clip_cov", "kl_cov"):
@@ -620,6 +631,8 @@ def top_share(values: torch.Tensor, valid: torch.Tensor, share: float, reduce=la
     high = reduce(chosen.max().item() if chosen.numel() else -math.inf, "max") + 1.0  # count(≥ high) < wanted
     for _ in range(64):  # halves [low, high) down to below the spacing of fp32 values
         middle = (low + high) / 2
+        if middle in (low, high):  # converged: no float lies between
+            break
         if reduce(int((chosen >= middle).sum().item())) >= wanted:
             low = middle
         else:
@@ -644,7 +657,9 @@ def off_policy_sequence_mask(
     return 1 - ((advantages < 0) & (divergence > threshold)).to(logp.dtype)
 
 
-def scaled_advantages(rewards: torch.Tensor, group_size: int, scale: str, eps: float, total=lambda sum_: sum_):
+def scaled_advantages(
+    rewards: torch.Tensor, group_size: int, scale: str, eps: float, total=lambda sum_: sum_, success=None
+) -> torch.Tensor:
     """Â_i = (R_i − mean of its group) / s, the scale s as --scale_rewards chooses:
       group  the group's std (GRPO, DAPO Eq. 6: group_advantages)
       none   1 (Dr. GRPO Sec. 3.1: no std, which up-weights nearly solved and nearly failed groups)
@@ -654,19 +669,27 @@ def scaled_advantages(rewards: torch.Tensor, group_size: int, scale: str, eps: f
       mean   the group's mean reward (MaxRL, arXiv 2602.02710): a group that is rarely right gets
              large advantages, one nearly always right small ones
     Choices where the paper is silent or the peers differ: batch's std is the unbiased one over
-    the whole batch, under torchrun every rank's (total sums over ranks, as gpg_advantages);
-    mean's rewards are success rates, so a group whose mean is 0 or below has nothing to scale
-    by and gets Â = 0 (an all-wrong group has Â = 0 anyway). eps is added to s (not for none).
+    the whole batch, under torchrun every rank's (total sums over ranks, as gpg_advantages), the
+    mean taken first; mean divides by the group mean of `success` (the task's reward, rewards by
+    default: dapo.py's length penalty shapes the advantage, not the success rate), a rate in
+    [0, 1], so a group whose mean is 0 has nothing to scale by and gets Â = 0, and a negative
+    reward stops the run. eps is added to s (not for none).
     rewards (N,) with groups in consecutive rows -> advantages (N,)."""
     if scale in ("group", "none"):
         return group_advantages(rewards, group_size, scale_by_std=scale == "group", eps=eps)
     grouped = rewards.view(-1, group_size)  # (B, G)
     centered = grouped - grouped.mean(dim=-1, keepdim=True)  # (B, G)
     if scale == "batch":
-        count, sum_, squares = total(rewards.numel()), total(rewards.sum().item()), total((rewards**2).sum().item())
-        std = math.sqrt(max(squares - sum_**2 / count, 0.0) / max(count - 1, 1))
+        count = total(rewards.numel())
+        batch_mean = total(rewards.sum().item()) / count
+        std = math.sqrt(total(((rewards - batch_mean) ** 2).sum().item()) / max(count - 1, 1))
         return (centered / (std + eps)).flatten()
-    group_mean = grouped.mean(dim=-1, keepdim=True)  # (B, 1) MaxRL's scale
+    success = rewards if success is None else success
+    if success.min() < 0:
+        raise SystemExit(
+            "--scale_rewards mean divides by a group's success rate: rewards below 0 have none. Use group or batch."
+        )
+    group_mean = success.view(-1, group_size).mean(dim=-1, keepdim=True)  # (B, 1) MaxRL's scale
     return torch.where(group_mean > 0, centered / (group_mean + eps), 0.0).flatten()
 
 
@@ -718,6 +741,25 @@ def kl_cov_objective(
     gradient; it acts once θ moves (μ > 1 or several mini-batches). logp, old_logp, ratio (n, T),
     advantages (n, 1), tokens (n, T) bool -> (n, T)."""
     return ratio * advantages - coef * (logp - old_logp).abs() * tokens
+
+
+def dppo_objective(
+    logp: torch.Tensor, old_logp: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, delta: float, cap: float
+) -> torch.Tensor:
+    """DPPO's per-token objective (Divergence PPO, arXiv 2602.04879; its Binary-TV trust region): a
+    token leaves when its probability, not its ratio, moved too far in the direction Â pushes it,
+        kept_t = p_t − q_t ≤ δ where Â > 0,  p_t − q_t ≥ −δ where Â ≤ 0   (p = π_θ(o_t), q = π_θold(o_t))
+        sg(min(r_t, C)) · Â · log π_θ(o_t) · kept_t
+    The ratio clip over-restrains rare tokens (1e-5 -> 1e-3 is r = 100, a negligible move) and
+    under-restrains likely ones (0.99 -> 0.8 is r = 0.81, inside 1 ± 0.2); the difference of
+    probabilities is the total-variation distance those moves actually make. The gradient of a kept
+    token is min(r, C)·Â·∇log π_θ, PPO's unclipped one below the cap. Choices where the peers differ:
+    the ratio is detached and capped at C, as DPPO's authors do (the peers keep r·Â differentiable:
+    the same gradient below the cap, another value); Kimi K2.5's squared log-ratio penalty is not
+    implemented. logp, old_logp, ratio (n, T), advantages (n, 1) -> (n, T)."""
+    gap = (logp.exp() - old_logp.exp()).detach()  # (n, T) p − q
+    kept = torch.where(advantages > 0, gap <= delta, gap >= -delta)  # (n, T)
+    return ratio.clamp(max=cap).detach() * advantages * logp * kept
 
 
 def cispo_objective(
@@ -906,7 +948,7 @@ def train(args: Args) -> Path:
                 vocab_size=vocab_size,
                 amp=amp,
                 score_policy=not on_policy(args) or scores_needed(args),
-            )  # (N, T) each; old_logp and entropy None until step 6 when on-policy without --is_mask
+            )  # (N, T) each; None until step 6 when on-policy and no correction needs them (scores_needed)
             seconds_logprobs = time.perf_counter() - timer
 
             # 5. Group-relative advantages of the task reward plus the overlong penalty (DAPO Eq. 13).
@@ -1743,8 +1785,8 @@ def check_args(args: Args) -> None:
         problems.append("--group_size must be at least 2: a group of one has no relative advantage.")
     if not 0 <= args.eps_low < 1 or args.eps_high < 0:
         problems.append("Clip ranges need 0 <= --eps_low < 1 and --eps_high >= 0 (DAPO: 0.2 and 0.28).")
-    if args.loss_type not in ("dapo", "cispo", "sapo", "clip_cov", "kl_cov"):
-        problems.append(f"--loss_type {args.loss_type!r} is not one of: dapo, cispo, sapo, clip_cov, kl_cov.")
+    if args.loss_type not in ("dapo", "cispo", "sapo", "clip_cov", "kl_cov", "dppo"):
+        problems.append(f"--loss_type {args.loss_type!r} is not one of: dapo, cispo, sapo, clip_cov, kl_cov, dppo.")
     if args.loss_type == "cispo" and args.dual_clip:
         problems.append("--loss_type cispo clips the IS weight, not the objective: dual-clip has nothing to bound (0).")
     if args.cispo_eps_low < 0 or args.cispo_eps_high <= 0:
@@ -1788,6 +1830,10 @@ def check_technique_args(args: Args) -> list[str]:
     if args.sapo_tau_pos <= 0 or args.sapo_tau_neg <= 0:
         problems.append(
             f"--sapo_tau_pos and --sapo_tau_neg must be > 0 (got {args.sapo_tau_pos}, {args.sapo_tau_neg})."
+        )
+    if args.dppo_delta <= 0 or args.dppo_ratio_cap < 1:
+        problems.append(
+            f"--dppo_delta must be > 0 and --dppo_ratio_cap >= 1 (got {args.dppo_delta}, {args.dppo_ratio_cap})."
         )
     if args.loss_type == "sapo" and args.dual_clip:
         problems.append(

@@ -369,7 +369,7 @@ def test_grpo_cispo_run_with_sequence_mask(tmp_path):
         (grpo, dict(loss_type="cispo", cispo_eps_low=-1.0), "--cispo_eps_low must be >= 0 (got -1.0)"),
         (grpo, dict(cispo_eps_high=0.0), "--cispo_eps_high must be > 0 (got 0.0)"),
         (dapo, dict(cispo_eps_high=0.0), "CISPO needs --cispo_eps_low >= 0 and --cispo_eps_high > 0"),
-        (dapo, dict(loss_type="grpo"), "--loss_type 'grpo' is not one of: dapo, cispo, sapo, clip_cov, kl_cov."),
+        (dapo, dict(loss_type="grpo"), "--loss_type 'grpo' is not one of: dapo, cispo, sapo, clip_cov, kl_cov, dppo."),
     ],
 )
 def test_bad_settings_stop_with_a_message(script, settings, message):

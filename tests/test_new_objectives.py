@@ -241,7 +241,9 @@ def test_the_batch_scale_counts_every_rank():
 
         return total
 
-    first_sums = [4, 2.0, 2.0]  # count, sum, sum of squares of [1, 0, 0, 1]
+    # The other rank's count, sum, and squared deviations from the batch's mean 5/8 (two passes):
+    # [1, 0, 0, 1] -> 4, 2, 2·0.375² + 2·0.625² = 1.0625
+    first_sums = [4, 2.0, 1.0625]
     second = grpo.scaled_advantages(halves[1], 4, "batch", 1e-6, total=total_with(first_sums))
     assert second.tolist() == pytest.approx([0.25 / 0.517549] * 3 + [-0.75 / 0.517549], abs=1e-5)
 
@@ -403,3 +405,78 @@ def test_cov_gradient_accumulation_equals_one_big_batch(sampled, script, loss_ty
     for gradient in gradients[1:3]:
         assert (gradient - gradients[0]).abs().max() <= 1e-5 * gradients[0].abs().max()
     assert (gradients[3] - gradients[0]).abs().max() > 1e-4 * gradients[0].abs().max()
+
+
+# ----------------------------------------------------------------------------------------
+# DPPO (arXiv 2602.04879): a trust region on p − q, the token's probability under π_θ and π_θold
+
+
+@pytest.mark.parametrize("script", [grpo, dapo])
+def test_dppo_objective_by_hand(script):
+    # δ = 0.2, C = 20; each token's (p, q, Â): objective sg(min(r, C))·Â·log p if kept, else 0;
+    # gradient d/d log p = min(r, C)·Â on a kept token (r = p/q).
+    #   (0.3, 0.2, +1): p − q = 0.1 ≤ δ, kept:     1.5 · log 0.3 = −1.805959, gradient 1.5
+    #   (0.5, 0.2, +1): p − q = 0.3 > δ, dropped:  0, gradient 0 (r = 2.5 is inside no ratio clip either)
+    #   (0.5, 0.2, −1): p − q = 0.3 ≥ −δ, kept:    −2.5 · log 0.5 = 1.732868, gradient −2.5
+    #   (0.1, 0.4, −1): p − q = −0.3 < −δ, dropped: 0, gradient 0
+    #   (1.0, 0.01, −1): kept, r = 100 capped at 20: −20 · log 1 = 0, gradient −20
+    p = torch.tensor([[0.3, 0.5, 0.5, 0.1, 1.0]])
+    q = torch.tensor([[0.2, 0.2, 0.2, 0.4, 0.01]])
+    advantages = torch.tensor([[1.0, 1.0, -1.0, -1.0, -1.0]])
+    logp = p.log().requires_grad_(True)
+    objective = script.dppo_objective(logp, q.log(), torch.exp(logp - q.log()), advantages, 0.2, 20.0)
+    objective.sum().backward()
+    assert objective.flatten().tolist() == pytest.approx([-1.805959, 0.0, 1.732868, 0.0, 0.0], abs=1e-5)
+    assert logp.grad.flatten().tolist() == pytest.approx([1.5, 0.0, -2.5, 0.0, -20.0], abs=1e-4)
+
+
+@pytest.mark.parametrize("script", [grpo, dapo])
+def test_dppo_gradient_accumulation_and_its_settings(sampled, script):
+    model, tokenizer, batch = sampled
+    settings = {"loss_type": "dppo", "num_iterations": 2, "beta": 0.0}
+    settings |= {"max_new_tokens": 12} if script is grpo else {"overlong_buffer": 0}
+    gradients = []
+    for micro_batch_size in (12, 3, 5):
+        model.zero_grad(set_to_none=True)
+        script.policy_backward(model, batch, script.Args(micro_batch_size=micro_batch_size, **settings), len(tokenizer))
+        gradients.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert gradients[0].abs().max() > 0
+    for gradient in gradients[1:]:
+        assert (gradient - gradients[0]).abs().max() <= 1e-5 * gradients[0].abs().max()
+    with pytest.raises(SystemExit, match="--dppo_delta must be > 0"):
+        script.check_args(script.Args(loss_type="dppo", dppo_delta=0.0))
+
+
+def test_maxrl_on_dapos_shaped_reward_divides_by_the_task_reward():
+    # Task rewards [1, 0, 0, 0], length penalties [0, −0.25, −0.25, −0.25]: the shaped reward S is
+    # [1, −0.25, −0.25, −0.25], mean 0.0625, centred [0.9375, −0.3125 ×3]; MaxRL divides by the
+    # group's success rate, the task reward's mean 0.25 (not S's 0.0625, which would give 15, −5):
+    # [3.75, −1.25, −1.25, −1.25].
+    rewards, lengths = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([4, 7, 7, 7])
+    advantages, penalty = dapo.shaped_advantages(rewards, lengths, 4, max_length=8, buffer=4, eps=1e-6, scale="mean")
+    assert penalty.tolist() == [0.0, -0.75, -0.75, -0.75]  # (8 − 4 − 7)/4, clamped at −1: length 7 of 8
+    shaped = rewards + penalty
+    expected = ((shaped - shaped.mean()) / (rewards.mean() + 1e-6)).tolist()
+    assert advantages.tolist() == pytest.approx(expected, abs=1e-6)
+    by_hand = grpo.scaled_advantages(
+        torch.tensor([1.0, -0.25, -0.25, -0.25]), 4, "mean", 1e-6, success=torch.tensor([1.0, 0, 0, 0])
+    )
+    assert by_hand.tolist() == pytest.approx([3.75, -1.25, -1.25, -1.25], abs=1e-4)  # ε = 1e-6 in 0.25 + ε
+    with pytest.raises(SystemExit, match="rewards below 0 have none"):
+        grpo.scaled_advantages(torch.tensor([1.0, -1.0, -1.0, 1.0]), 4, "mean", 1e-6)
+
+
+@pytest.mark.parametrize("script", [grpo, dapo])
+def test_off_policy_masking_judges_every_token_of_the_completion(script):
+    # --is_mask dropped the second token (it left loss_mask), the most divergent one: the completion is
+    # still judged over both its tokens, (0 + 3)/2 = 1.5 > δ = 0.5, and masked (over the kept token
+    # alone, 0, it would stay).
+    micro = {
+        "sample_logp": torch.tensor([[-1.0, -1.0]]),
+        "completion_mask": torch.tensor([[1, 1]]),
+        "loss_mask": torch.tensor([[1, 0]]),
+        "advantages": torch.tensor([-1.0]),
+    }
+    logp = torch.tensor([[-1.0, -4.0]])
+    _, policy_mask, stats = script.corrections(micro, logp, logp, script.Args(off_policy_mask_threshold=0.5))
+    assert policy_mask.tolist() == [[0.0, 0.0]] and stats == {"opsm_masked": 1, "opsm_sequences": 1}
