@@ -97,7 +97,7 @@ def main(out: Path) -> None:
         "kl_cov": {"kl_cov_ratio": 0.1, "scale_rewards": "mean"},
     }
     techniques["clip_cov"] |= {"top_entropy_quantile": 0.5, "off_policy_mask_threshold": 0.05}
-    for loss_type in ("grpo", "dr_grpo", "gspo", "gpg", "sapo", "clip_cov", "kl_cov"):
+    for loss_type in ("grpo", "dr_grpo", "gspo", "gpg", "sapo", "clip_cov", "kl_cov", "dppo"):
         off_policy = loss_type != "gpg"  # the recorded old_logp (ratios ≠ 1, clipping) where the loss has a ratio
         args = grpo.Args(
             loss_type=loss_type, beta=0.04 if off_policy else 0.0, micro_batch_size=3,
