@@ -954,7 +954,7 @@ def judge(finding: dict, outcomes: dict[str, list[Outcome]]) -> tuple[list[dict]
             f"{second_spread:.3f}); held-out accuracy: {accuracy_relation(first, second, (names[0], names[1]))}"
         )
         verdict = "holds" if steadier and clearly_above(first, second) else "not shown"
-        verdict = "does not hold" if not steadier and clearly_above(second, first) else verdict
+        verdict = "does not hold" if clearly_above(second, first) else verdict  # the claim's accuracy half fails
         verdict = f"{verdict}: {detail}"
     elif metric == "length":
         (a, kind), (b, _) = length_samples(first), length_samples(second)

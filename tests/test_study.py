@@ -279,3 +279,21 @@ def test_ctrl_c_waits_for_the_run_to_stop(monkeypatch):
         with pytest.raises(SystemExit, match="Interrupted during g4 seed 0. Run the same --study command again"):
             evaluate.run_command(["grpo.py"], "g4 seed 0")
         assert child.killed == killed
+
+
+def test_stability_verdicts_by_hand():
+    # Reward curves [0, 0.1, 0.2, 0.3] (changes 0.1, 0.1, 0.1: spread 0) and [0, 0.3, 0, 0.3] (changes
+    # 0.3, −0.3, 0.3: mean 0.1, spread √((0.04 + 0.16 + 0.04)/3) = 0.282843). The claim favours a.
+    steady = [{"reward/mean": v} for v in (0.0, 0.1, 0.2, 0.3)]
+    jumpy = [{"reward/mean": v} for v in (0.0, 0.3, 0.0, 0.3)]
+    finding = {"metric": "stability", "arms": ["a", "b"]}
+    _, verdict = judge(finding, {"a": [outcome("a", 60, rows=steady)], "b": [outcome("b", 30, rows=jumpy)]})
+    assert (
+        verdict
+        == "holds: a steadier step to step (0.000 against 0.283); held-out accuracy: a's interval lies above b's"
+    )
+    # Steadier, but clearly less accurate: the claim's second half fails.
+    _, verdict = judge(finding, {"a": [outcome("a", 30, rows=steady)], "b": [outcome("b", 60, rows=jumpy)]})
+    assert verdict.startswith("does not hold: a steadier step to step")
+    _, verdict = judge(finding, {"a": [outcome("a", 45, rows=steady)], "b": [outcome("b", 40, rows=jumpy)]})
+    assert verdict.startswith("not shown: a steadier") and verdict.endswith("the intervals overlap")
