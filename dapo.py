@@ -157,7 +157,7 @@ class Args:
     lora_alpha: float = arg(32.0, "α: the adapters' update is scaled by α/r (LoRA Without Regret keeps α = 32)")
     lora_targets: str = arg("all-linear", "layers with adapters: all-linear (attention, MLP) or names: q_proj,v_proj")
     # the DAPO objective
-    loss_type: str = arg("dapo", "dapo (the clipped surrogate, Eq. 8), cispo or sapo (token-level as DAPO's Eq. 12)")
+    loss_type: str = arg("dapo", "dapo (the clipped surrogate, Eq. 8), cispo, sapo, dppo, clip_cov, kl_cov")
     eps_low: float = arg(0.2, "ε_low, lower clip range of the token ratio, DAPO Eq. 10")
     eps_high: float = arg(0.28, "ε_high, upper clip range of the token ratio (clip-higher), DAPO Eq. 10")
     overlong_buffer: int = arg(256, "L_cache, the soft length-penalty buffer before L_max, DAPO Eq. 13; 0 = no penalty")
@@ -173,6 +173,11 @@ class Args:
         0.2, "δ of DPPO's trust region |π_θ − π_θold| on the sampled token (--loss_type dppo; arXiv 2602.04879)"
     )
     dppo_ratio_cap: float = arg(20.0, "C: DPPO's detached ratio min(r, C) (verl's default)")
+    dppo_type: str = arg("binary_tv", "DPPO's divergence: binary_tv (|p − q| > δ) or binary_kl (Bernoulli KL > δ_KL)")
+    dppo_kl_delta: float = arg(0.05, "δ_KL of DPPO's Binary-KL region (--dppo_type binary_kl; the paper's 0.05)")
+    kl_tau: float = arg(
+        0.0, "τ of Kimi K2.5's penalty τ·(log π_θ − log π_θold)² per token (prime-rl: 1e-3, with DPPO); 0 = off"
+    )
     clip_cov_ratio: float = arg(
         2e-4, "r, Clip-Cov's share of tokens whose gradient is cut (--loss_type clip_cov; arXiv 2505.22617)"
     )
@@ -412,8 +417,8 @@ def dapo_loss(
     from the initial model. The techniques enter as one named function each, defined in the
     section on variants below: CISPO's objective in place of the clipped surrogate (--loss_type
     cispo; eps_low and eps_high are then ε_low^IS and ε_high^IS), dual-clip (verl's default c = 3,
-    its DAPO recipe's 10), truncated IS (is_weight), T1's entropy bonus. Returns (loss, stats): stats are sums
-    over the tokens of loss_mask."""
+    its DAPO recipe's 10), truncated IS (is_weight), T1's entropy bonus, Kimi K2.5's squared
+    log-ratio (--kl_tau). Returns (loss, stats): stats are sums over the tokens of loss_mask."""
     mask = loss_mask.to(logp.dtype)  # (n, T)
     adv = advantages[:, None]  # (n, 1) Â_i, the same for every token of o_i
     ratio = torch.exp((logp - old_logp) * mask)  # (n, T) r_it
@@ -424,7 +429,7 @@ def dapo_loss(
     elif args.loss_type == "sapo":
         objective = sapo_objective(logp, old_logp, mask, adv, args.sapo_tau_pos, args.sapo_tau_neg)  # (n, T)
     elif args.loss_type == "dppo":
-        objective = dppo_objective(logp, old_logp, ratio, adv, args.dppo_delta, args.dppo_ratio_cap)  # (n, T)
+        objective = dppo_objective(logp, old_logp, ratio, adv, **dppo_region(args))  # (n, T)
     elif args.loss_type == "kl_cov":
         objective = kl_cov_objective(logp, old_logp, ratio, adv, cov_tokens, args.kl_cov_coef)  # (n, T)
     else:
@@ -442,6 +447,8 @@ def dapo_loss(
     per_token = -objective
     if args.beta > 0:
         per_token = per_token + args.beta * kl  # (n, T) −[ objective − β·D_KL ]
+    if args.kl_tau > 0:
+        per_token = per_token + args.kl_tau * squared_log_ratio(logp, old_logp, mask)  # Kimi K2.5's penalty
     loss = (per_token * mask).sum() / num_tokens  # token-level: 1/Σ_i|o_i| Σ_i Σ_t (Eq. 12)
     stats = loss_stats(
         ratio, adv, loss_mask, eps_low=eps_low, eps_high=eps_high, dual_clipped=dual_clipped, kl=kl,
@@ -744,22 +751,57 @@ def kl_cov_objective(
 
 
 def dppo_objective(
-    logp: torch.Tensor, old_logp: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, delta: float, cap: float
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    divergence: str,
+    delta: float,
+    cap: float,
 ) -> torch.Tensor:
-    """DPPO's per-token objective (Divergence PPO, arXiv 2602.04879; its Binary-TV trust region): a
-    token leaves when its probability, not its ratio, moved too far in the direction Â pushes it,
-        kept_t = p_t − q_t ≤ δ where Â > 0,  p_t − q_t ≥ −δ where Â ≤ 0   (p = π_θ(o_t), q = π_θold(o_t))
+    """DPPO's per-token objective (Divergence PPO, arXiv 2602.04879, Eq. 13-14): a token leaves when
+    its probability, not its ratio, moved too far in the direction Â pushes it (p = π_θ(o_t),
+    q = π_θold(o_t)):
+        binary_tv:  p − q > δ where Â > 0,  p − q < −δ where Â ≤ 0
+        binary_kl:  D > δ and p moved Â's way (p > q where Â > 0, p < q where Â ≤ 0), with
+                    D = q·log(q/p) + (1 − q)·log((1 − q)/(1 − p)), the KL between the Bernoulli
+                    "this token or another" of π_θold and of π_θ
         sg(min(r_t, C)) · Â · log π_θ(o_t) · kept_t
     The ratio clip over-restrains rare tokens (1e-5 -> 1e-3 is r = 100, a negligible move) and
     under-restrains likely ones (0.99 -> 0.8 is r = 0.81, inside 1 ± 0.2); the difference of
-    probabilities is the total-variation distance those moves actually make. The gradient of a kept
-    token is min(r, C)·Â·∇log π_θ, PPO's unclipped one below the cap. Choices where the peers differ:
-    the ratio is detached and capped at C, as DPPO's authors do (the peers keep r·Â differentiable:
-    the same gradient below the cap, another value); Kimi K2.5's squared log-ratio penalty is not
-    implemented. logp, old_logp, ratio (n, T), advantages (n, 1) -> (n, T)."""
-    gap = (logp.exp() - old_logp.exp()).detach()  # (n, T) p − q
-    kept = torch.where(advantages > 0, gap <= delta, gap >= -delta)  # (n, T)
-    return ratio.clamp(max=cap).detach() * advantages * logp * kept
+    probabilities is the total-variation distance those moves actually make, and Binary-KL weighs a
+    rare token's move more (0.02 -> 0.15 leaves at δ = 0.05, kept by TV at 0.2). The gradient of a
+    kept token is min(r, C)·Â·∇log π_θ, PPO's unclipped one below the cap. Choices where the peers
+    differ: the ratio is detached and capped at C, as DPPO's authors do (the peers keep r·Â
+    differentiable: the same gradient below the cap, another value); 1 − p is floored at 1e-6 so a
+    token of probability 1 has a large, finite D. Kimi K2.5's penalty is --kl_tau
+    (squared_log_ratio). logp, old_logp, ratio (n, T), advantages (n, 1) -> (n, T)."""
+    p, q = logp.detach().exp(), old_logp.exp()  # (n, T)
+    gap = p - q  # (n, T)
+    if divergence == "binary_kl":
+        rest_p, rest_q = (1 - p).clamp(min=1e-6), (1 - q).clamp(min=1e-6)  # (n, T) the other tokens' mass
+        moved = q * (old_logp - logp.detach()) + rest_q * (rest_q.log() - rest_p.log())  # (n, T) D
+        too_far = torch.where(advantages > 0, (gap > 0) & (moved > delta), (gap < 0) & (moved > delta))
+    else:
+        too_far = torch.where(advantages > 0, gap > delta, gap < -delta)  # (n, T)
+    return ratio.clamp(max=cap).detach() * advantages * logp * ~too_far
+
+
+def dppo_region(args: Args) -> dict:
+    """The settings of dppo_objective's trust region that --dppo_type picks: its δ and the ratio's cap."""
+    delta = args.dppo_kl_delta if args.dppo_type == "binary_kl" else args.dppo_delta
+    return {"divergence": args.dppo_type, "delta": delta, "cap": args.dppo_ratio_cap}
+
+
+def squared_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Kimi K2.5's penalty per token (arXiv 2602.02276), added to the loss as τ·(log π_θ − log π_θold)²
+    on every valid token, the ones a trust region dropped included: where DPPO's mask stops a token's
+    policy gradient, this term still pulls it back toward π_θold, with gradient 2τ·log r·∇log π_θ.
+    It is 0 with a 0 gradient on-policy (r = 1). Its form, every token and π_θold (not the reference),
+    is prime-rl's default loss (DPPO + this penalty, τ = 1e-3); the loss's normaliser averages it as
+    it does the policy term. logp, old_logp, mask (n, T) -> (n, T)."""
+    return ((logp - old_logp) * mask) ** 2
 
 
 def cispo_objective(
@@ -1831,10 +1873,15 @@ def check_technique_args(args: Args) -> list[str]:
         problems.append(
             f"--sapo_tau_pos and --sapo_tau_neg must be > 0 (got {args.sapo_tau_pos}, {args.sapo_tau_neg})."
         )
-    if args.dppo_delta <= 0 or args.dppo_ratio_cap < 1:
+    if args.dppo_delta <= 0 or args.dppo_kl_delta <= 0 or args.dppo_ratio_cap < 1:
         problems.append(
-            f"--dppo_delta must be > 0 and --dppo_ratio_cap >= 1 (got {args.dppo_delta}, {args.dppo_ratio_cap})."
+            "--dppo_delta and --dppo_kl_delta must be > 0 and --dppo_ratio_cap >= 1 (got "
+            f"{args.dppo_delta}, {args.dppo_kl_delta}, {args.dppo_ratio_cap})."
         )
+    if args.dppo_type not in ("binary_tv", "binary_kl"):
+        problems.append(f"--dppo_type must be one of binary_tv, binary_kl (got {args.dppo_type!r}).")
+    if args.kl_tau < 0:
+        problems.append(f"--kl_tau must be >= 0 (got {args.kl_tau}): τ of the squared log-ratio penalty.")
     if args.loss_type == "sapo" and args.dual_clip:
         problems.append(
             "--loss_type sapo gates the ratio softly, with no clip for dual-clip to bound: use --dual_clip 0."

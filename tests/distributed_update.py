@@ -90,11 +90,13 @@ def main(out: Path) -> None:
         return common.load_model("tiny", torch.device("cpu"))[0].train()
 
     # sapo with the unbiased KL; clip_cov with the batch's reward scale, the top half by entropy and
-    # off-policy sequence masking; kl_cov with MaxRL's scale: each choice over the whole batch, every rank's
+    # off-policy sequence masking; kl_cov with MaxRL's scale; dppo's Binary-KL with Kimi K2.5's penalty:
+    # each choice over the whole batch, every rank's
     techniques = {
         "sapo": {"unbiased_kl": True},
         "clip_cov": {"clip_cov_ratio": 0.1, "clip_cov_bounds": "-100,100", "scale_rewards": "batch"},
         "kl_cov": {"kl_cov_ratio": 0.1, "scale_rewards": "mean"},
+        "dppo": {"dppo_type": "binary_kl", "kl_tau": 0.01},
     }
     techniques["clip_cov"] |= {"top_entropy_quantile": 0.5, "off_policy_mask_threshold": 0.05}
     for loss_type in ("grpo", "dr_grpo", "gspo", "gpg", "sapo", "clip_cov", "kl_cov", "dppo"):

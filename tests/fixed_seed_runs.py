@@ -5,7 +5,7 @@ change and compared after it, bit for bit.
     python tests/fixed_seed_runs.py record /tmp/after      # on the change
     python tests/fixed_seed_runs.py compare /tmp/before /tmp/after
 
-Each run covers a set of branches (loss types, off-policy updates, dual-clip, truncated and
+Each run covers a set of branches (loss types, issue 33's objectives, off-policy updates, dual-clip, truncated and
 masked IS, the entropy bonus, the moving reference, dynamic sampling, the overlong penalty and
 filter, PPO's VAPO options, held-out evaluation). compare checks every metric of every step except
 wall times, and the bytes of every saved weight file; it prints each difference and exits 1 on
@@ -27,6 +27,11 @@ RUNS = {
     "grpo-gspo": f"grpo.py {TINY} --loss_type gspo --num_iterations 2 --micro_batch_size 5",
     "grpo-cispo-mask": f"grpo.py {TINY} --loss_type cispo --is_mask 0.5,5 --is_mask_level sequence",
     "grpo-gpg": f"grpo.py {TINY} --loss_type gpg --beta 0",
+    "grpo-dppo-offpolicy": f"grpo.py {TINY} --loss_type dppo --num_mini_batches 2 --scale_rewards batch"
+    " --off_policy_mask_threshold 1e-4 --unbiased_kl",
+    "grpo-sapo-offpolicy": f"grpo.py {TINY} --loss_type sapo --num_iterations 2 --top_entropy_quantile 0.5",
+    "dapo-covariance": f"dapo.py {TINY} --overlong_buffer 4 --loss_type kl_cov --kl_cov_ratio 0.2 --num_iterations 2"
+    " --scale_rewards mean",
     "dapo": f"dapo.py {TINY} --overlong_buffer 4 --eval_every 3 --eval_problems 8",
     "dapo-cispo-offpolicy": f"dapo.py {TINY} --overlong_buffer 4 --loss_type cispo --overlong_filter --beta 0.01"
     " --num_iterations 2 --tis_cap 2 --entropy_coef 0.01",

@@ -424,16 +424,19 @@ def test_dppo_objective_by_hand(script):
     q = torch.tensor([[0.2, 0.2, 0.2, 0.4, 0.01]])
     advantages = torch.tensor([[1.0, 1.0, -1.0, -1.0, -1.0]])
     logp = p.log().requires_grad_(True)
-    objective = script.dppo_objective(logp, q.log(), torch.exp(logp - q.log()), advantages, 0.2, 20.0)
+    objective = script.dppo_objective(
+        logp, q.log(), torch.exp(logp - q.log()), advantages, divergence="binary_tv", delta=0.2, cap=20.0
+    )
     objective.sum().backward()
     assert objective.flatten().tolist() == pytest.approx([-1.805959, 0.0, 1.732868, 0.0, 0.0], abs=1e-5)
     assert logp.grad.flatten().tolist() == pytest.approx([1.5, 0.0, -2.5, 0.0, -20.0], abs=1e-4)
 
 
+@pytest.mark.parametrize("region", [{}, {"dppo_type": "binary_kl", "kl_tau": 0.01}], ids=["tv", "kl-tau"])
 @pytest.mark.parametrize("script", [grpo, dapo])
-def test_dppo_gradient_accumulation_and_its_settings(sampled, script):
+def test_dppo_gradient_accumulation_and_its_settings(sampled, script, region):
     model, tokenizer, batch = sampled
-    settings = {"loss_type": "dppo", "num_iterations": 2, "beta": 0.0}
+    settings = {"loss_type": "dppo", "num_iterations": 2, "beta": 0.0} | region
     settings |= {"max_new_tokens": 12} if script is grpo else {"overlong_buffer": 0}
     gradients = []
     for micro_batch_size in (12, 3, 5):
@@ -443,8 +446,85 @@ def test_dppo_gradient_accumulation_and_its_settings(sampled, script):
     assert gradients[0].abs().max() > 0
     for gradient in gradients[1:]:
         assert (gradient - gradients[0]).abs().max() <= 1e-5 * gradients[0].abs().max()
-    with pytest.raises(SystemExit, match="--dppo_delta must be > 0"):
-        script.check_args(script.Args(loss_type="dppo", dppo_delta=0.0))
+    with pytest.raises(SystemExit, match="--dppo_delta and --dppo_kl_delta must be > 0"):
+        script.check_args(script.Args(loss_type="dppo", dppo_kl_delta=0.0))
+
+
+@pytest.mark.parametrize("script", [grpo, dapo])
+def test_dppo_binary_kl_by_hand(script):
+    # Binary-KL (DPPO Eq. 14), δ = 0.05: D = q·ln(q/p) + (1 − q)·ln((1 − q)/(1 − p)), the KL between
+    # the sampling and the current Bernoulli "this token or another"; a token leaves when D > δ and p
+    # moved the way Â pushes it (p > q where Â > 0, p < q where Â < 0). Each token's (p, q, Â):
+    #   (0.3, 0.2, +1):   D = 0.2·ln(2/3) + 0.8·ln(8/7) = −0.081093 + 0.106825 = 0.025732 ≤ δ, kept:
+    #                     1.5 · ln 0.3 = −1.805959, gradient r·Â = 1.5
+    #   (0.5, 0.2, +1):   D = 0.2·ln 0.4 + 0.8·ln 1.6 = 0.192745 > δ, p > q: dropped
+    #   (0.5, 0.2, −1):   the same D, but p rose where Â < 0 pushes it down: kept, −2.5·ln 0.5 = 1.732868
+    #   (0.1, 0.4, −1):   D = 0.4·ln 4 + 0.6·ln(2/3) = 0.311239 > δ, p < q: dropped
+    #   (0.15, 0.02, +1): D = 0.02·ln(2/15) + 0.98·ln(98/85) = 0.099172 > δ, p > q: dropped, where
+    #                     Binary-TV keeps it (p − q = 0.13 ≤ 0.2): a rare token's move counts for more
+    #   (0.35, 0.4, −1):  D = 0.4·ln(8/7) + 0.6·ln(12/13) = 0.005387 ≤ δ, kept: r = 0.875,
+    #                     −0.875 · ln 0.35 = 0.918594, gradient −0.875
+    #   (0.09, 0.02, +1): D = 0.02·ln(2/9) + 0.98·ln(98/91) = 0.042544 ≤ δ, kept: 4.5 · ln 0.09 =
+    #                     −10.835755, gradient 4.5 (the KL the other way, p·ln(p/q) + …, is 0.067923:
+    #                     it would drop the token)
+    p = torch.tensor([[0.3, 0.5, 0.5, 0.1, 0.15, 0.35, 0.09]])
+    q = torch.tensor([[0.2, 0.2, 0.2, 0.4, 0.02, 0.4, 0.02]])
+    advantages = torch.tensor([[1.0, 1.0, -1.0, -1.0, 1.0, -1.0, 1.0]])
+    logp = p.log().requires_grad_(True)
+    objective = script.dppo_objective(
+        logp, q.log(), torch.exp(logp - q.log()), advantages, divergence="binary_kl", delta=0.05, cap=20.0
+    )
+    objective.sum().backward()
+    expected = [-1.805959, 0, 1.732868, 0, 0, 0.918594, -10.835755]
+    assert objective.flatten().tolist() == pytest.approx(expected, abs=1e-5)
+    assert logp.grad.flatten().tolist() == pytest.approx([1.5, 0, -2.5, 0, 0, -0.875, 4.5], abs=1e-4)
+    tv = script.dppo_objective(
+        p.log(), q.log(), p / q, advantages, divergence="binary_tv", delta=0.2, cap=20.0
+    )  # the fifth token: kept by Binary-TV
+    assert tv[0, 4].item() == pytest.approx(7.5 * math.log(0.15), abs=1e-5)
+    # p = 1 exactly (a certain token, float32's exp(−1e-8)) must not give a NaN divergence
+    certain = script.dppo_objective(
+        torch.zeros(1, 1), torch.full((1, 1), -1.0), torch.full((1, 1), math.e), torch.ones(1, 1),
+        divergence="binary_kl", delta=0.05, cap=20.0,
+    )  # fmt: skip
+    assert certain.item() == 0.0  # ln 1 = 0 and the token is dropped: D = e⁻¹·1 + (1 − e⁻¹)·ln((1 − e⁻¹)/0⁺) > δ
+    # --dppo_type picks the region's δ: the paper's 0.2 for Binary-TV, 0.05 for Binary-KL
+    assert script.dppo_region(script.Args(dppo_type="binary_kl")) == {
+        "divergence": "binary_kl",
+        "delta": 0.05,
+        "cap": 20,
+    }
+    assert script.dppo_region(script.Args()) == {"divergence": "binary_tv", "delta": 0.2, "cap": 20}
+
+
+@pytest.mark.parametrize("script", [grpo, dapo])
+def test_kimi_squared_log_ratio_penalty_by_hand(script):
+    # Kimi K2.5's penalty τ·(log π_θ − log π_θold)² on every valid token, DPPO's dropped ones included.
+    # One completion, |o| = 2, Â = +1, τ = 0.01, Binary-TV δ = 0.2:
+    #   token 1 (p, q) = (0.5, 0.2): p − q = 0.3 > δ, dropped; log r = ln 2.5 = 0.916291
+    #   token 2 (p, q) = (0.3, 0.2): kept, objective 1.5·ln 0.3 = −1.805959; log r = ln 1.5 = 0.405465
+    # GRPO's 1/|o| Σ_t and DAPO's token mean are the same here (one completion of two tokens):
+    #   loss = −(0 − 1.805959)/2 + 0.01·(0.916291² + 0.405465²)/2 = 0.902980 + 0.005020 = 0.908000
+    #   d/d log p_1 = 2τ·log r_1 / 2 = 0.009163 (the dropped token is still pulled back toward q)
+    #   d/d log p_2 = −1.5/2 + 2τ·log r_2 / 2 = −0.75 + 0.004055 = −0.745945
+    logp, old_logp = torch.tensor([[0.5, 0.3]]).log(), torch.tensor([[0.2, 0.2]]).log()
+    settings = {"loss_type": "dppo", "beta": 0.0, "kl_tau": 0.01}
+    loss, gradient, _ = loss_of(script, logp, old_logp, torch.tensor([1.0]), **settings)
+    assert loss == pytest.approx(0.908000, abs=1e-5)
+    assert gradient.flatten().tolist() == pytest.approx([0.009163, -0.745945], abs=1e-5)
+    # a group of equal rewards (Â = 0) has no policy term, but the penalty stays on its tokens:
+    #   loss = 0.01·(0.839589 + 0.164402)/2 = 0.005020, gradient 2τ·log r/2 = 0.009163, 0.004055
+    loss, gradient, _ = loss_of(script, logp, old_logp, torch.tensor([0.0]), **settings)
+    assert loss == pytest.approx(0.005020, abs=1e-6)
+    assert gradient.flatten().tolist() == pytest.approx([0.009163, 0.004055], abs=1e-6)
+    # the penalty is 0 with a 0 gradient on-policy (log r = 0): the update is the plain one
+    on_policy = loss_of(script, old_logp, old_logp, torch.tensor([1.0]), **settings)[1]
+    plain = loss_of(script, old_logp, old_logp, torch.tensor([1.0]), **(settings | {"kl_tau": 0.0}))[1]
+    assert torch.equal(on_policy, plain)
+    with pytest.raises(SystemExit, match="--kl_tau must be >= 0"):
+        script.check_args(script.Args(kl_tau=-0.1))
+    with pytest.raises(SystemExit, match="--dppo_type must be one of binary_tv, binary_kl"):
+        script.check_args(script.Args(loss_type="dppo", dppo_type="topk_tv"))
 
 
 def test_maxrl_on_dapos_shaped_reward_divides_by_the_task_reward():
