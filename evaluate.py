@@ -864,6 +864,13 @@ def curve(outcome: Outcome, key: str) -> list[float]:
     return [row[key] for row in outcome.rows if key in row]
 
 
+def entropy_cell(outcomes: list[Outcome]) -> str:
+    """The policy's entropy per token (policy/entropy) at the first and the last step, each the mean
+    over the seeds: where a technique keeps exploring or lets entropy collapse. "—" without one."""
+    curves = [c for c in (curve(o, "policy/entropy") for o in outcomes) if c]
+    return f"{mean([c[0] for c in curves]):.3f} → {mean([c[-1] for c in curves]):.3f}" if curves else "—"
+
+
 def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
@@ -1006,7 +1013,7 @@ def judge(finding: dict, outcomes: dict[str, list[Outcome]]) -> tuple[list[dict]
 
 
 def study_report(study: dict, study_dir: Path) -> str:
-    """report.md: every arm's held-out accuracy, then each finding: the arms compared, the metric
+    """report.md: every arm's held-out accuracy and entropy, then each finding: the arms compared, the metric
     it is about, whether it holds here, and a plot of the arms' training curves."""
     outcomes = study_outcomes(study, study_dir)
     root = Path(study["file"]).resolve().parent
@@ -1025,6 +1032,7 @@ def study_report(study: dict, study_dir: Path) -> str:
             "what (recipes relative to the study file)": arm.described(root),
             "seeds done": f"{len(outcomes[arm.name])} of {len(arm.seeds)}",
             "held-out accuracy": accuracy_cell(outcomes[arm.name]) if outcomes[arm.name] else "—",
+            "entropy, first → last step": entropy_cell(outcomes[arm.name]),
             "minutes in the steps": f"{minutes / 60:.1f}" if minutes else "—",
         })  # fmt: skip
     lines += [markdown_table(arms), ""]

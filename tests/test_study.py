@@ -123,6 +123,9 @@ def test_the_reports_numbers_come_from_the_runs_files(tiny_study):
         average = sum(changes) / len(changes)
         spread = math.sqrt(sum((c - average) ** 2 for c in changes) / len(changes))
         assert f"| {arm} | 1 | " in report and f"| {spread:.3f} | nan |" in report
+        entropy = [row["policy/entropy"] for row in read_jsonl(run / "metrics.jsonl")]  # first and last step's
+        assert f"| {arm} | grpo.py --config" in report and f" | {entropy[0]:.3f} → {entropy[-1]:.3f} | " in report
+    assert " as it is | 1 of 1 | " in report and " | — | — |" in report  # the base: no training, entropy, minutes
 
 
 def outcome(arm, correct, n=100, rows=(), run_dir=None):
