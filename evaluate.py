@@ -127,6 +127,7 @@ class Args:
     study_dry_run: bool = arg(False, "--study: print the plan (and a GPU-time estimate) and stop")
     study_report_only: bool = arg(False, "--study: write the report from what has finished, and train nothing")
     study_into: str = arg("", "--study: a markdown file whose <!-- study:NAME --> section becomes the report")
+    study_prune: bool = arg(False, "--study: once a run is evaluated, delete its step-* checkpoints and resume state")
 
 
 def check_args(args: Args) -> list[str]:
@@ -480,7 +481,7 @@ FINDING_METRICS = ("accuracy", "stability", "length", "cost", "base", "sweep")
 TRAINED_METRICS = ("stability", "length", "cost", "sweep")  # read training curves: every arm trains
 # Settings the runner gives each evaluation itself: a study's `evaluate` may not set them.
 RUNNER_SETTINGS = ("model", "seed", "output_dir", "compare", "plot", "plot_file", "study", "study_model")
-RUNNER_SETTINGS += ("study_dry_run", "study_into", "study_report_only")
+RUNNER_SETTINGS += ("study_dry_run", "study_into", "study_report_only", "study_prune")
 # The GPU-time estimate of --study: FLOPs at an assumed sustained throughput, ~40% of an H100's
 # dense bf16 peak (989 TFLOP/s), every completion at its cap and a 200-token prompt. An estimate.
 ASSUMED_FLOPS_PER_S = 4e14
@@ -747,12 +748,26 @@ def run_study(args: Args) -> Path:
                 [str(root / "evaluate.py"), "--config", config, "--output_dir", str(folder)],
                 f"evaluating {arm.name} seed {seed}",
             )
+        if args.study_prune and arm.script:
+            print(f"[{arm.name} seed {seed}] pruned {prune(Path(model).parent) / 2**30:.1f} GiB of checkpoints")
     report = study_report(study, study_dir)
     (study_dir / "report.md").write_text(report)
     print(f"wrote {study_dir / 'report.md'}")
     if args.study_into:
         write_into(Path(args.study_into), study, study_dir, report)
     return study_dir
+
+
+def prune(run: Path) -> int:
+    """--study_prune: deletes what a finished, evaluated run no longer needs, its step-* checkpoints
+    and final/'s resume state (trainer_state*.pt: AdamW's two moments, twice the weights). final/'s
+    weights, the metrics and the samples stay, so the run can be evaluated again and the report
+    recomputed; it can no longer be resumed or extended. Returns the bytes freed."""
+    doomed = [path for path in run.glob("step-*") if path.is_dir()] + list((run / "final").glob("trainer_state*.pt"))
+    freed = sum(f.stat().st_size for path in doomed for f in [path, *path.rglob("*")] if f.is_file())
+    for path in doomed:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return freed
 
 
 def write_config(folder: Path, settings: dict) -> str:

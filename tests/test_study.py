@@ -69,6 +69,29 @@ def test_a_finished_study_starts_nothing(tiny_study, monkeypatch):
     assert (tiny_study / "report.md").read_text() == before
 
 
+def test_prune_deletes_only_what_an_evaluated_run_no_longer_needs(tiny_study, tmp_path, monkeypatch):
+    # A copy of the finished study, run again with --study_prune: nothing trains or evaluates, each
+    # trained run loses its step-* checkpoint (step 5 of 10 here; step 10 is final/) and final/'s resume
+    # state, and keeps final/'s weights, its metrics and samples; the report stays; a rerun starts nothing.
+    study = shutil.copytree(tiny_study, tmp_path / tiny_study.name)
+    runs = [run for arm in ("g4", "g2") for run in runs_in(study / "arms" / arm / "seed0")]
+    assert all([p.name for p in run.glob("step-*")] == ["step-000005"] for run in runs)
+    assert all((run / "final" / "trainer_state.pt").is_file() for run in runs)
+    kept = {f for run in runs for f in run.rglob("*") if "step-" not in str(f) and "trainer_state" not in f.name}
+    commands = recorded_commands(monkeypatch)
+    run_study(Args(study=TINY, output_dir=str(tmp_path), study_prune=True))
+    assert commands == []
+    for run in runs:
+        assert not list(run.glob("step-*")) and not list(run.glob("final/trainer_state*"))
+        assert (run / "final" / "model.safetensors").is_file()
+    assert {f for run in runs for f in run.rglob("*")} == kept
+    assert (study / "report.md").read_text() == (tiny_study / "report.md").read_text().replace(
+        str(tiny_study.parent), str(tmp_path)
+    )
+    run_study(Args(study=TINY, output_dir=str(tmp_path), study_prune=True))
+    assert commands == []
+
+
 def test_an_interrupted_arm_resumes_from_its_newest_checkpoint(tiny_study, tmp_path, monkeypatch):
     # A copy of the study whose g4 arm was stopped while writing final/ (its checkpoint of step 5,
     # with the trainer state, is the newest whole one) and never evaluated: the runner resumes it
