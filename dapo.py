@@ -400,6 +400,7 @@ def dapo_loss(
     is_weight: torch.Tensor | None = None,  # (n, T) truncated IS weights (tis_weights); None = off
     policy_mask: torch.Tensor | None = None,  # (n, T) 0: the policy-gradient term leaves (corrections); None = off
     cov_tokens: torch.Tensor | None = None,  # (n, T) bool, KL-Cov's tokens (covariance_tokens); None unless kl_cov
+    sample_logp: torch.Tensor | None = None,  # (n, T) log π_sampler: DPPO's and --kl_tau's μ; None = old_logp
 ):
     """The negative DAPO objective of one micro-batch, DAPO Eq. 8 with the token-level sum of Eq. 12:
         J = 1/Σ_i|o_i| Σ_i Σ_t [ min(r_it Â_i, clip(r_it, 1−ε_low, 1+ε_high) Â_i) − β D_KL,it ]
@@ -423,13 +424,15 @@ def dapo_loss(
     adv = advantages[:, None]  # (n, 1) Â_i, the same for every token of o_i
     ratio = torch.exp((logp - old_logp) * mask)  # (n, T) r_it
     eps_low, eps_high = clip_range(args)
+    sampler = old_logp if sample_logp is None else sample_logp  # (n, T) μ, the behaviour policy
+    cut = None  # (n, T) bool: DPPO's dropped tokens, logged as its clip
 
     if args.loss_type == "cispo":
         objective = cispo_objective(logp, ratio, adv, eps_low, eps_high)  # (n, T)
     elif args.loss_type == "sapo":
         objective = sapo_objective(logp, old_logp, mask, adv, args.sapo_tau_pos, args.sapo_tau_neg)  # (n, T)
     elif args.loss_type == "dppo":
-        objective = dppo_objective(logp, old_logp, ratio, adv, **dppo_region(args))  # (n, T)
+        objective, cut = dppo_objective(logp, sampler, mask, adv, **dppo_region(args))  # (n, T) each
     elif args.loss_type == "kl_cov":
         objective = kl_cov_objective(logp, old_logp, ratio, adv, cov_tokens, args.kl_cov_coef)  # (n, T)
     else:
@@ -448,11 +451,11 @@ def dapo_loss(
     if args.beta > 0:
         per_token = per_token + args.beta * kl  # (n, T) −[ objective − β·D_KL ]
     if args.kl_tau > 0:
-        per_token = per_token + args.kl_tau * squared_log_ratio(logp, old_logp, mask)  # Kimi K2.5's penalty
+        per_token = per_token + args.kl_tau * squared_log_ratio(logp, sampler, mask)  # Kimi K2.5's penalty
     loss = (per_token * mask).sum() / num_tokens  # token-level: 1/Σ_i|o_i| Σ_i Σ_t (Eq. 12)
     stats = loss_stats(
         ratio, adv, loss_mask, eps_low=eps_low, eps_high=eps_high, dual_clipped=dual_clipped, kl=kl,
-        is_weight=is_weight, clips_weight=args.loss_type == "cispo",
+        is_weight=is_weight, clips_weight=args.loss_type == "cispo", cut=cut,
     )  # fmt: skip
     return loss, stats
 
@@ -468,6 +471,7 @@ def loss_stats(
     kl: torch.Tensor | None = None,  # (n, T) the KL term's per-token estimate
     is_weight: torch.Tensor | None = None,  # (n, T) truncated IS weights
     clips_weight: bool = False,  # CISPO: the clip bounds its weight, whatever the sign of Â
+    cut: torch.Tensor | None = None,  # (n, T) bool, DPPO: the tokens its trust region dropped, in place of the clip's
 ) -> dict:
     """The loss's statistics over the tokens of loss_mask, as sums (and maxima, *_max) that
     accumulate over micro-batches into update_metrics: tokens, the tokens the clip binds on each
@@ -476,6 +480,8 @@ def loss_stats(
     low, high = (ratio < 1 - eps_low), (ratio > 1 + eps_high)
     if not clips_weight:  # the clipped surrogate binds only where it cuts the gradient
         low, high = low & (advantages < 0), high & (advantages > 0)
+    if cut is not None:  # DPPO's region: a probability that fell (Â ≤ 0) or rose (Â > 0) too far
+        low, high = cut & (advantages <= 0), cut & (advantages > 0)
     stats = {
         "tokens": valid.sum().item(),
         "clip_low": (valid & low).sum().item(),
@@ -546,7 +552,7 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
             loss, stats = dapo_loss(
                 logp, old_logp, micro["ref_logp"], micro["advantages"], micro["loss_mask"], args,
                 num_tokens=num_tokens, entropy=entropy, is_weight=is_weight,
-                policy_mask=policy_mask, cov_tokens=micro.get("cov_tokens"),
+                policy_mask=policy_mask, cov_tokens=micro.get("cov_tokens"), sample_logp=micro["sample_logp"],
             )  # fmt: skip
         loss.backward()
         accumulate(totals, {"loss": loss.item(), **stats, **correction_stats})
@@ -623,15 +629,18 @@ def corrections(micro: dict, logp: torch.Tensor, old_logp: torch.Tensor, args: A
     return is_weight, policy_mask, stats
 
 
-def top_share(values: torch.Tensor, valid: torch.Tensor, share: float, reduce=lambda value, op="sum": value):
+def top_share(
+    values: torch.Tensor, valid: torch.Tensor, share: float, reduce=lambda value, op="sum": value, wanted: int = 0
+):
     """The tokens of `valid` whose value is among the top `share` of the mini-batch's valid tokens (under
     torchrun every rank's, through reduce = common.all_reduce): the k = ⌈share·count⌉ largest, ties at the
     k-th value all kept. The k-th value is found by bisection, each step a count over every rank, so K
-    ranks keep exactly the tokens one process keeps. values, valid (n, T) -> (n, T) bool."""
+    ranks keep exactly the tokens one process keeps. wanted > 0: that many, in place of ⌈share·count⌉.
+    values, valid (n, T) -> (n, T) bool."""
     valid = valid.bool()
     chosen = values[valid].double()  # (tokens,)
     count = reduce(chosen.numel())
-    wanted = math.ceil(share * count)
+    wanted = wanted or share_of(share, count)
     if wanted >= count:
         return valid
     low = reduce(chosen.min().item() if chosen.numel() else math.inf, "min")  # count(≥ low) ≥ wanted
@@ -645,6 +654,12 @@ def top_share(values: torch.Tensor, valid: torch.Tensor, share: float, reduce=la
         else:
             high = middle
     return valid & (values.double() >= low)
+
+
+def share_of(share: float, count: int) -> int:
+    """⌈share·count⌉, the product rounded to 9 places first: in floats 0.07·100 is 7.000000000000001
+    and 0.14·100 is 14.000000000000002, which a bare ceil makes 8 and 15 tokens."""
+    return math.ceil(round(share * count, 9))
 
 
 def off_policy_sequence_mask(
@@ -678,9 +693,11 @@ def scaled_advantages(
     Choices where the paper is silent or the peers differ: batch's std is the unbiased one over
     the whole batch, under torchrun every rank's (total sums over ranks, as gpg_advantages), the
     mean taken first; mean divides by the group mean of `success` (the task's reward, rewards by
-    default: dapo.py's length penalty shapes the advantage, not the success rate), a rate in
-    [0, 1], so a group whose mean is 0 has nothing to scale by and gets Â = 0, and a negative
-    reward stops the run. eps is added to s (not for none).
+    default: dapo.py's length penalty shapes the advantage, not the scale), as prime-rl and SkyRL
+    do; the success rate of the paper's 0/1 rewards, not with partial credit (Countdown's 0.1 for
+    a well-formed wrong answer: a group [0.1, 0 ×7] gets Â = +7, −1). A group whose mean is 0 has
+    nothing to scale by and gets Â = 0, and a negative reward stops the run. eps is added to s
+    (not for none).
     rewards (N,) with groups in consecutive rows -> advantages (N,)."""
     if scale in ("group", "none"):
         return group_advantages(rewards, group_size, scale_by_std=scale == "group", eps=eps)
@@ -733,8 +750,8 @@ def covariance_tokens(batch: dict, loss_mask: torch.Tensor, args: Args, total=la
         return top_share(cov, loss_mask, args.kl_cov_ratio, total)
     low, high = (float(bound) for bound in args.clip_cov_bounds.split(","))
     band = loss_mask.bool() & (cov >= low) & (cov <= high)  # (n, T)
-    wanted = args.clip_cov_ratio * total(int(loss_mask.sum().item()))  # r·N tokens
-    return top_share(cov, band, min(wanted / max(total(int(band.sum().item())), 1), 1.0), total)
+    wanted = share_of(args.clip_cov_ratio, total(int(loss_mask.sum().item())))  # ⌈r·N⌉ tokens, of the band's
+    return top_share(cov, band, 1.0, total, wanted=wanted)
 
 
 def kl_cov_objective(
@@ -752,40 +769,45 @@ def kl_cov_objective(
 
 def dppo_objective(
     logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    ratio: torch.Tensor,
+    sample_logp: torch.Tensor,
+    mask: torch.Tensor,
     advantages: torch.Tensor,
     *,
     divergence: str,
     delta: float,
     cap: float,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """DPPO's per-token objective (Divergence PPO, arXiv 2602.04879, Eq. 13-14): a token leaves when
-    its probability, not its ratio, moved too far in the direction Â pushes it (p = π_θ(o_t),
-    q = π_θold(o_t)):
-        binary_tv:  p − q > δ where Â > 0,  p − q < −δ where Â ≤ 0
-        binary_kl:  D > δ and p moved Â's way (p > q where Â > 0, p < q where Â ≤ 0), with
-                    D = q·log(q/p) + (1 − q)·log((1 − q)/(1 − p)), the KL between the Bernoulli
-                    "this token or another" of π_θold and of π_θ
+    its probability, not its ratio, moved too far from the sampler's in the direction Â pushes it
+    (p = π_θ(o_t), μ = π_sampler(o_t), r = p/μ):
+        binary_tv:  p − μ > δ where Â > 0,  p − μ < −δ where Â ≤ 0
+        binary_kl:  D > δ and p moved Â's way (p > μ where Â > 0, p < μ where Â ≤ 0), with
+                    D = μ·log(μ/p) + (1 − μ)·log((1 − μ)/(1 − p)), the KL between the Bernoulli
+                    "this token or another" of the sampler and of π_θ
         sg(min(r_t, C)) · Â · log π_θ(o_t) · kept_t
     The ratio clip over-restrains rare tokens (1e-5 -> 1e-3 is r = 100, a negligible move) and
     under-restrains likely ones (0.99 -> 0.8 is r = 0.81, inside 1 ± 0.2); the difference of
     probabilities is the total-variation distance those moves actually make, and Binary-KL weighs a
     rare token's move more (0.02 -> 0.15 leaves at δ = 0.05, kept by TV at 0.2). The gradient of a
-    kept token is min(r, C)·Â·∇log π_θ, PPO's unclipped one below the cap. Choices where the peers
-    differ: the ratio is detached and capped at C, as DPPO's authors do (the peers keep r·Â
-    differentiable: the same gradient below the cap, another value); 1 − p is floored at 1e-6 so a
-    token of probability 1 has a large, finite D. Kimi K2.5's penalty is --kl_tau
-    (squared_log_ratio). logp, old_logp, ratio (n, T), advantages (n, 1) -> (n, T)."""
-    p, q = logp.detach().exp(), old_logp.exp()  # (n, T)
+    kept token is min(r, C)·Â·∇log π_θ, PPO's unclipped one below the cap. As the paper does
+    (Sec. 5.2), both the region and r are measured from the sampler's log-probs (sample_logp), not
+    from π_θold recomputed by the trainer: on-policy r is then the sampler/trainer mismatch (1 on
+    the CPU in fp32, not in bf16), which the region also bounds. Choices where the peers differ: the
+    ratio is detached and capped at C (the authors' cap is 10, verl's 20; prime-rl and SkyRL keep
+    r·Â differentiable: the same gradient below the cap, another value); 1 − p is floored at 1e-6,
+    so a token that was certain (μ = 1) and fell has D = −log p, not NaN. Kimi K2.5's penalty is
+    --kl_tau (squared_log_ratio). logp, sample_logp, mask (n, T), advantages (n, 1) -> the
+    objective (n, T) and the dropped tokens (n, T) bool."""
+    p, q = logp.detach().exp(), sample_logp.exp()  # (n, T)
     gap = p - q  # (n, T)
     if divergence == "binary_kl":
         rest_p, rest_q = (1 - p).clamp(min=1e-6), (1 - q).clamp(min=1e-6)  # (n, T) the other tokens' mass
-        moved = q * (old_logp - logp.detach()) + rest_q * (rest_q.log() - rest_p.log())  # (n, T) D
-        too_far = torch.where(advantages > 0, (gap > 0) & (moved > delta), (gap < 0) & (moved > delta))
+        moved = q * (sample_logp - logp.detach()) + rest_q * (rest_q.log() - rest_p.log())  # (n, T) D
+        cut = torch.where(advantages > 0, (gap > 0) & (moved > delta), (gap < 0) & (moved > delta))
     else:
-        too_far = torch.where(advantages > 0, gap > delta, gap < -delta)  # (n, T)
-    return ratio.clamp(max=cap).detach() * advantages * logp * ~too_far
+        cut = torch.where(advantages > 0, gap > delta, gap < -delta)  # (n, T)
+    ratio = torch.exp(((logp - sample_logp) * mask).clamp(max=math.log(cap))).detach()  # (n, T) min(r, C)
+    return ratio * advantages * logp * ~cut, cut
 
 
 def dppo_region(args: Args) -> dict:
@@ -794,14 +816,15 @@ def dppo_region(args: Args) -> dict:
     return {"divergence": args.dppo_type, "delta": delta, "cap": args.dppo_ratio_cap}
 
 
-def squared_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Kimi K2.5's penalty per token (arXiv 2602.02276), added to the loss as τ·(log π_θ − log π_θold)²
+def squared_log_ratio(logp: torch.Tensor, sample_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Kimi K2.5's penalty per token (arXiv 2602.02276), added to the loss as τ·(log π_θ − log μ)²
     on every valid token, the ones a trust region dropped included: where DPPO's mask stops a token's
-    policy gradient, this term still pulls it back toward π_θold, with gradient 2τ·log r·∇log π_θ.
-    It is 0 with a 0 gradient on-policy (r = 1). Its form, every token and π_θold (not the reference),
-    is prime-rl's default loss (DPPO + this penalty, τ = 1e-3); the loss's normaliser averages it as
-    it does the policy term. logp, old_logp, mask (n, T) -> (n, T)."""
-    return ((logp - old_logp) * mask) ** 2
+    policy gradient, this term still pulls it back toward the sampler μ, with gradient
+    2τ·log(π_θ/μ)·∇log π_θ. Its form, every token and the sampler's log-probs (sample_logp, not the
+    reference's), is prime-rl's default loss (DPPO + this penalty, τ = 1e-3); the loss's normaliser
+    averages it as it does the policy term. On-policy it is the sampler/trainer mismatch squared: 0
+    on the CPU in fp32. logp, sample_logp, mask (n, T) -> (n, T)."""
+    return ((logp - sample_logp) * mask) ** 2
 
 
 def cispo_objective(
@@ -1882,6 +1905,10 @@ def check_technique_args(args: Args) -> list[str]:
         problems.append(f"--dppo_type must be one of binary_tv, binary_kl (got {args.dppo_type!r}).")
     if args.kl_tau < 0:
         problems.append(f"--kl_tau must be >= 0 (got {args.kl_tau}): τ of the squared log-ratio penalty.")
+    if args.loss_type == "dppo" and args.dual_clip:
+        problems.append(
+            "--loss_type dppo's objective sg(r)·Â·log π with Â < 0 never falls below c·Â: use --dual_clip 0."
+        )
     if args.loss_type == "sapo" and args.dual_clip:
         problems.append(
             "--loss_type sapo gates the ratio softly, with no clip for dual-clip to bound: use --dual_clip 0."

@@ -390,6 +390,7 @@ def loss_stats(
     kl: torch.Tensor | None = None,  # (n, T) the KL term's per-token estimate
     is_weight: torch.Tensor | None = None,  # (n, T) truncated IS weights
     clips_weight: bool = False,  # CISPO: the clip bounds its weight, whatever the sign of Â
+    cut: torch.Tensor | None = None,  # (n, T) bool, DPPO: the tokens its trust region dropped, in place of the clip's
 ) -> dict:
     """The loss's statistics over the tokens of loss_mask, as sums (and maxima, *_max) that
     accumulate over micro-batches into update_metrics: tokens, the tokens the clip binds on each
@@ -398,6 +399,8 @@ def loss_stats(
     low, high = (ratio < 1 - eps_low), (ratio > 1 + eps_high)
     if not clips_weight:  # the clipped surrogate binds only where it cuts the gradient
         low, high = low & (advantages < 0), high & (advantages > 0)
+    if cut is not None:  # DPPO's region: a probability that fell (Â ≤ 0) or rose (Â > 0) too far
+        low, high = cut & (advantages <= 0), cut & (advantages > 0)
     stats = {
         "tokens": valid.sum().item(),
         "clip_low": (valid & low).sum().item(),

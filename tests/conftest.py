@@ -47,7 +47,7 @@ def device_tier(request, monkeypatch):
 
 def sample_batch(model, tokenizer, eos_ids) -> dict:
     """3 Countdown prompts × 4 completions of up to 12 tokens from `model` (unequal lengths,
-    some truncated), in the layout policy_backward takes, with old and reference log-probs
+    some truncated), in the layout policy_backward takes, with old, sampler and reference log-probs
     moved away from the model's own (ratios ≠ 1, some tokens clipped, a KL gradient).
     Draws from torch's global RNG: seed it first."""
     from grpo import encode_prompts, generate, sequence_logprobs
@@ -69,6 +69,7 @@ def sample_batch(model, tokenizer, eos_ids) -> dict:
         "old_logp": (logp + 0.3 * torch.randn_like(logp)) * mask,
         "ref_logp": (logp + 0.2 * torch.randn_like(logp)) * mask,
         "advantages": torch.randn(ids.shape[0]),
+        "sample_logp": (logp + 0.3 * torch.randn_like(logp)) * mask,  # the sampler's: neither π_θold's nor π_θ's
     }
 
 

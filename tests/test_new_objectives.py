@@ -18,7 +18,7 @@ def sigmoid(x):
     return 1 / (1 + math.exp(-x))
 
 
-def loss_of(script, logp, old_logp, advantages, ref_logp=None, policy_mask=None, **settings):
+def loss_of(script, logp, old_logp, advantages, ref_logp=None, policy_mask=None, sample_logp=None, **settings):
     """The script's loss and d loss / d logp for one micro-batch that is the whole mini-batch."""
     logp = logp.clone().requires_grad_(True)
     mask = torch.ones_like(logp, dtype=torch.long)
@@ -34,11 +34,20 @@ def loss_of(script, logp, old_logp, advantages, ref_logp=None, policy_mask=None,
             num_sequences=len(logp),
             num_tokens=int(mask.sum()),
             policy_mask=policy_mask,
+            sample_logp=sample_logp,
         )
     else:
         args = dapo.Args(**settings)
         loss, stats = dapo.dapo_loss(
-            logp, old_logp, ref_logp, advantages, mask, args, num_tokens=int(mask.sum()), policy_mask=policy_mask
+            logp,
+            old_logp,
+            ref_logp,
+            advantages,
+            mask,
+            args,
+            num_tokens=int(mask.sum()),
+            policy_mask=policy_mask,
+            sample_logp=sample_logp,
         )
     loss.backward()
     return loss.item(), logp.grad, stats
@@ -212,12 +221,12 @@ def test_reward_scales_by_hand(script):
     # Groups [1, 0, 0, 1] (mean 0.5) and [1, 1, 1, 0] (mean 0.75), and [0, 0, 0, 0]:
     #   batch: the 12 rewards, mean 5/12 = 0.416667, unbiased variance (5·(7/12)² + 7·(5/12)²)/11 =
     #          (1.701389 + 1.215278)/11 = 0.265152, std 0.514929:
-    #          ±0.5/0.514929 = ±0.971008; 0.25/0.514929 = 0.485504, −0.75/0.514929 = −1.456511; 0
+    #          ±0.5/0.514929 = ±0.971008; 0.25/0.514929 = 0.485504, −0.75/0.514929 = −1.456512; 0
     #   mean (MaxRL): ±0.5/0.5 = ±1; 0.25/0.75 = 0.333333, −0.75/0.75 = −1; the all-0 group: 0, not NaN
     #   none (Dr. GRPO): ±0.5; 0.25, −0.75; 0
     rewards = torch.tensor([1.0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0])
     expected = {
-        "batch": [0.971008, -0.971008, -0.971008, 0.971008, 0.485504, 0.485504, 0.485504, -1.456511, 0, 0, 0, 0],
+        "batch": [0.971008, -0.971008, -0.971008, 0.971008, 0.485504, 0.485504, 0.485504, -1.456512, 0, 0, 0, 0],
         "mean": [1, -1, -1, 1, 1 / 3, 1 / 3, 1 / 3, -1, 0, 0, 0, 0],
         "none": [0.5, -0.5, -0.5, 0.5, 0.25, 0.25, 0.25, -0.75, 0, 0, 0, 0],
     }
@@ -282,6 +291,11 @@ def test_top_share_by_hand():
     assert grpo.top_share(values, valid, 1.0).int().tolist() == valid.tolist()
     # Ties at the k-th value are all kept: [2, 2, 1] with share 0.34 -> k = 2, both 2s (and only them).
     assert grpo.top_share(torch.tensor([[2.0, 2.0, 1.0]]), torch.ones(1, 3), 0.34).int().tolist() == [[1, 1, 0]]
+    # 100 distinct values, share 0.07: k = 7, the values 93…99, though 0.07·100 = 7.000000000000001 in
+    # floats (a bare ceil: 8 tokens); wanted = 5 in place of the share: 95…99.
+    values = torch.arange(100.0)[None]
+    assert grpo.top_share(values, torch.ones(1, 100), 0.07).nonzero()[:, 1].tolist() == list(range(93, 100))
+    assert grpo.top_share(values, torch.ones(1, 100), 1.0, wanted=5).nonzero()[:, 1].tolist() == list(range(95, 100))
 
 
 def test_top_share_over_two_ranks_is_one_process():
@@ -365,6 +379,15 @@ def test_token_covariance_and_the_tokens_chosen_by_hand(script):
     assert script.covariance_tokens(batch, mask, args).int().tolist() == [[1, 0], [1, 0]]
     args = script.Args(loss_type="clip_cov", clip_cov_ratio=1 / 3, clip_cov_bounds="1,5")
     assert script.covariance_tokens(batch, mask, args).int().tolist() == [[0, 0], [1, 0]]
+    # r·N counts every valid token, the band only limits where they are taken: 100 tokens, r = 0.14,
+    # ⌈14⌉ = 14 tokens (0.14·100 = 14.000000000000002 in floats), the band's 14 largest Cov. Â = ±1 on
+    # alternate rows and log π = row index give Cov ∝ ±(row − mean): 50 rows have Cov > 0.
+    old_logp = torch.arange(100.0)[:, None]  # (100, 1) one token per completion
+    batch = {"old_logp": old_logp, "advantages": torch.tensor([1.0, -1.0] * 50)}
+    args = script.Args(loss_type="clip_cov", clip_cov_ratio=0.14, clip_cov_bounds="0,1000")
+    chosen = script.covariance_tokens(batch, torch.ones(100, 1), args)
+    cov = script.token_covariance(old_logp, batch["advantages"], torch.ones(100, 1))
+    assert chosen.sum().item() == 14 and cov[chosen].min() >= cov[~chosen & (cov >= 0)].max()
 
 
 @pytest.mark.parametrize("script", [grpo, dapo])
@@ -424,10 +447,11 @@ def test_dppo_objective_by_hand(script):
     q = torch.tensor([[0.2, 0.2, 0.2, 0.4, 0.01]])
     advantages = torch.tensor([[1.0, 1.0, -1.0, -1.0, -1.0]])
     logp = p.log().requires_grad_(True)
-    objective = script.dppo_objective(
-        logp, q.log(), torch.exp(logp - q.log()), advantages, divergence="binary_tv", delta=0.2, cap=20.0
+    objective, cut = script.dppo_objective(
+        logp, q.log(), torch.ones_like(p), advantages, divergence="binary_tv", delta=0.2, cap=20.0
     )
     objective.sum().backward()
+    assert cut.int().tolist() == [[0, 1, 0, 1, 0]]
     assert objective.flatten().tolist() == pytest.approx([-1.805959, 0.0, 1.732868, 0.0, 0.0], abs=1e-5)
     assert logp.grad.flatten().tolist() == pytest.approx([1.5, 0.0, -2.5, 0.0, -20.0], abs=1e-4)
 
@@ -471,23 +495,27 @@ def test_dppo_binary_kl_by_hand(script):
     q = torch.tensor([[0.2, 0.2, 0.2, 0.4, 0.02, 0.4, 0.02]])
     advantages = torch.tensor([[1.0, 1.0, -1.0, -1.0, 1.0, -1.0, 1.0]])
     logp = p.log().requires_grad_(True)
-    objective = script.dppo_objective(
-        logp, q.log(), torch.exp(logp - q.log()), advantages, divergence="binary_kl", delta=0.05, cap=20.0
+    objective, cut = script.dppo_objective(
+        logp, q.log(), torch.ones_like(p), advantages, divergence="binary_kl", delta=0.05, cap=20.0
     )
     objective.sum().backward()
+    assert cut.int().tolist() == [[0, 1, 0, 1, 1, 0, 0]]
     expected = [-1.805959, 0, 1.732868, 0, 0, 0.918594, -10.835755]
     assert objective.flatten().tolist() == pytest.approx(expected, abs=1e-5)
     assert logp.grad.flatten().tolist() == pytest.approx([1.5, 0, -2.5, 0, 0, -0.875, 4.5], abs=1e-4)
-    tv = script.dppo_objective(
-        p.log(), q.log(), p / q, advantages, divergence="binary_tv", delta=0.2, cap=20.0
+    tv, _ = script.dppo_objective(
+        p.log(), q.log(), torch.ones_like(p), advantages, divergence="binary_tv", delta=0.2, cap=20.0
     )  # the fifth token: kept by Binary-TV
     assert tv[0, 4].item() == pytest.approx(7.5 * math.log(0.15), abs=1e-5)
-    # p = 1 exactly (a certain token, float32's exp(−1e-8)) must not give a NaN divergence
-    certain = script.dppo_objective(
-        torch.zeros(1, 1), torch.full((1, 1), -1.0), torch.full((1, 1), math.e), torch.ones(1, 1),
-        divergence="binary_kl", delta=0.05, cap=20.0,
-    )  # fmt: skip
-    assert certain.item() == 0.0  # ln 1 = 0 and the token is dropped: D = e⁻¹·1 + (1 − e⁻¹)·ln((1 − e⁻¹)/0⁺) > δ
+    # A token the sampler was certain of (μ = 1, log μ = 0) that π_θ lowered to p = 0.5, Â = −1:
+    # D = 1·ln(1/0.5) + 0·(…) = ln 2 = 0.693 > δ with p < μ: dropped, gradient 0. (1 − μ = 0 gives
+    # 0·ln(0/0.5) = NaN unfloored, and NaN > δ is False: the token would be kept, gradient r·Â = −0.5.)
+    logp = torch.tensor([[math.log(0.5)]], requires_grad=True)
+    certain, cut = script.dppo_objective(
+        logp, torch.zeros(1, 1), torch.ones(1, 1), -torch.ones(1, 1), divergence="binary_kl", delta=0.05, cap=20.0
+    )
+    certain.sum().backward()
+    assert cut.tolist() == [[True]] and logp.grad.item() == 0.0
     # --dppo_type picks the region's δ: the paper's 0.2 for Binary-TV, 0.05 for Binary-KL
     assert script.dppo_region(script.Args(dppo_type="binary_kl")) == {
         "divergence": "binary_kl",
@@ -527,17 +555,35 @@ def test_kimi_squared_log_ratio_penalty_by_hand(script):
         script.check_args(script.Args(loss_type="dppo", dppo_type="topk_tv"))
 
 
+@pytest.mark.parametrize("script", [grpo, dapo])
+def test_dppo_and_the_penalty_measure_from_the_sampler(script):
+    # As the paper does (Sec. 5.2): μ is the sampler's log-prob, not π_θold's. One completion of two
+    # tokens, on-policy by π_θold (old_logp = logp: r = 1), but the sampler gave μ = (0.2, 0.2) where
+    # π_θ has p = (0.5, 0.3), Â = +1, δ = 0.2, τ = 0.01: the numbers of the penalty's test above, with
+    # old_logp out of the picture (measured from π_θold, every token would be kept, the penalty 0).
+    logp, sample_logp = torch.tensor([[0.5, 0.3]]).log(), torch.tensor([[0.2, 0.2]]).log()
+    settings = {"loss_type": "dppo", "beta": 0.0, "kl_tau": 0.01}
+    loss, gradient, stats = loss_of(script, logp, logp, torch.tensor([1.0]), sample_logp=sample_logp, **settings)
+    assert loss == pytest.approx(0.908000, abs=1e-5)
+    assert gradient.flatten().tolist() == pytest.approx([0.009163, -0.745945], abs=1e-5)
+    # the dropped token is the clip's count: probability rose too far where Â > 0
+    assert (stats["clip_high"], stats["clip_low"], stats["tokens"]) == (1, 0, 2)
+    with pytest.raises(SystemExit, match="--loss_type dppo's objective"):
+        script.check_args(script.Args(loss_type="dppo", dual_clip=3.0))
+
+
 def test_maxrl_on_dapos_shaped_reward_divides_by_the_task_reward():
-    # Task rewards [1, 0, 0, 0], length penalties [0, −0.25, −0.25, −0.25]: the shaped reward S is
-    # [1, −0.25, −0.25, −0.25], mean 0.0625, centred [0.9375, −0.3125 ×3]; MaxRL divides by the
-    # group's success rate, the task reward's mean 0.25 (not S's 0.0625, which would give 15, −5):
-    # [3.75, −1.25, −1.25, −1.25].
+    # Task rewards [1, 0, 0, 0], lengths [4, 7, 7, 7] of 8 with a buffer of 4: penalties
+    # [0, −0.75 ×3] ((8 − 4 − 7)/4). The shaped reward S = [1, −0.75 ×3], mean −0.3125, centred
+    # [1.3125, −0.4375 ×3]; MaxRL divides by the task reward's mean 0.25, not S's (−0.3125, which
+    # would flip the signs): [5.25, −1.75, −1.75, −1.75]. And by hand on a shaped [1, −0.25 ×3]:
+    # mean 0.0625, centred [0.9375, −0.3125 ×3], over 0.25: [3.75, −1.25 ×3].
     rewards, lengths = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([4, 7, 7, 7])
     advantages, penalty = dapo.shaped_advantages(rewards, lengths, 4, max_length=8, buffer=4, eps=1e-6, scale="mean")
     assert penalty.tolist() == [0.0, -0.75, -0.75, -0.75]  # (8 − 4 − 7)/4, clamped at −1: length 7 of 8
     shaped = rewards + penalty
-    expected = ((shaped - shaped.mean()) / (rewards.mean() + 1e-6)).tolist()
-    assert advantages.tolist() == pytest.approx(expected, abs=1e-6)
+    assert shaped.tolist() == [1.0, -0.75, -0.75, -0.75]
+    assert advantages.tolist() == pytest.approx([5.25, -1.75, -1.75, -1.75], abs=1e-4)  # ε = 1e-6 in 0.25 + ε
     by_hand = grpo.scaled_advantages(
         torch.tensor([1.0, -0.25, -0.25, -0.25]), 4, "mean", 1e-6, success=torch.tensor([1.0, 0, 0, 0])
     )
@@ -560,3 +606,36 @@ def test_off_policy_masking_judges_every_token_of_the_completion(script):
     logp = torch.tensor([[-1.0, -4.0]])
     _, policy_mask, stats = script.corrections(micro, logp, logp, script.Args(off_policy_mask_threshold=0.5))
     assert policy_mask.tolist() == [[0.0, 0.0]] and stats == {"opsm_masked": 1, "opsm_sequences": 1}
+
+
+@pytest.mark.parametrize("script", [grpo, dapo])
+def test_clip_cov_cuts_the_chosen_tokens_and_keeps_the_rest(script):
+    # Clip-Cov's chosen tokens (covariance_tokens) leave the policy term: the policy mask is 0 on them
+    # and 1 elsewhere (inverted, only the chosen tokens would train); KL-Cov's chosen tokens keep
+    # their policy term (its penalty acts in the loss), so it sets no mask.
+    chosen = torch.tensor([[True, False, False], [False, True, False]])
+    micro = {
+        "cov_tokens": chosen,
+        "loss_mask": torch.ones(2, 3, dtype=torch.long),
+        "completion_mask": torch.ones(2, 3, dtype=torch.long),
+    }
+    logp = torch.zeros(2, 3)
+    _, policy_mask, stats = script.corrections(micro, logp, logp, script.Args(loss_type="clip_cov"))
+    assert policy_mask.tolist() == [[0.0, 1.0, 1.0], [1.0, 0.0, 1.0]] and stats == {"cov_tokens": 2}
+    assert script.corrections(micro, logp, logp, script.Args(loss_type="kl_cov"))[1] is None
+
+
+@pytest.mark.parametrize("script", [grpo, dapo])
+def test_off_policy_masking_compares_the_sampler_with_the_current_policy(script):
+    # Mid-update π_θ (logp) has moved from π_θold (old_logp); the mask reads π_θ, as DeepSeek-V3.2
+    # defines it: sampler −1, π_θ −2, π_θold −1 on both tokens, Â = −1, δ = 0.5: the divergence
+    # from π_θ is 1 > δ (masked); from π_θold it would be 0 (kept).
+    micro = {
+        "sample_logp": torch.tensor([[-1.0, -1.0]]),
+        "completion_mask": torch.tensor([[1, 1]]),
+        "loss_mask": torch.tensor([[1, 1]]),
+        "advantages": torch.tensor([-1.0]),
+    }
+    logp, old_logp = torch.full((1, 2), -2.0), torch.full((1, 2), -1.0)
+    _, policy_mask, _ = script.corrections(micro, logp, old_logp, script.Args(off_policy_mask_threshold=0.5))
+    assert policy_mask.tolist() == [[0.0, 0.0]]
