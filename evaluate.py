@@ -635,9 +635,13 @@ def arm_state(arm: Arm, seed: int, study_dir: Path) -> tuple[str, Path | None]:
     expected = dataclasses.asdict(arm.args(seed))
     for run in runs:
         recorded = json.loads((run / "args.json").read_text())
-        changed = sorted(
-            k for k in recorded if k not in ("output_dir", "resume_from") and recorded[k] != expected.get(k)
-        )
+        unknown = sorted(set(recorded) - set(expected))
+        if unknown:  # grpo.py gained a setting after this runner imported it: the code changed mid-study
+            raise SystemExit(
+                f"{run} was trained by a newer {arm.script} than this study runner loaded (it records "
+                f"{', '.join(unknown)}): the code changed while the study ran. Run the same --study command again."
+            )
+        changed = sorted(k for k in recorded if k not in ("output_dir", "resume_from") and recorded[k] != expected[k])
         if changed:
             raise SystemExit(
                 f"{run} was trained with other settings than arm {arm.name}'s now: "

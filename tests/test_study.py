@@ -274,6 +274,20 @@ def test_a_run_made_with_other_settings_stops_the_study(tiny_study):
     arm.settings = {"lr": 0.01}
     with pytest.raises(SystemExit, match=r"trained with other settings than arm g4's now: lr 0\.003 -> 0\.01"):
         evaluate.arm_state(arm, 0, tiny_study)
+    # A run whose args.json records a setting this runner's grpo.Args lacks (the code gained one while
+    # the study ran): not "other settings", but code newer than the runner's, which a restart loads.
+    arm.settings = {}
+    (run,) = runs_in(tiny_study / "arms" / "g4" / "seed0")
+    recorded = (run / "args.json").read_text()
+    try:
+        (run / "args.json").write_text(json.dumps({**json.loads(recorded), "new_setting": 1}))
+        with pytest.raises(
+            SystemExit, match=r"newer grpo\.py than this study runner loaded \(it records new_setting\)"
+        ):
+            evaluate.arm_state(arm, 0, tiny_study)
+    finally:
+        (run / "args.json").write_text(recorded)
+    assert evaluate.arm_state(arm, 0, tiny_study) == ("finished", run)
     with pytest.raises(SystemExit, match="evaluated with other settings than the study's now: max_new_tokens"):
         evaluate.eval_results(
             {**study, "evaluate": {**study["evaluate"], "max_new_tokens": 9}},
