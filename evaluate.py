@@ -752,8 +752,9 @@ def run_study(args: Args) -> Path:
                 [str(root / "evaluate.py"), "--config", config, "--output_dir", str(folder)],
                 f"evaluating {arm.name} seed {seed}",
             )
-        if args.study_prune and arm.script:
-            print(f"[{arm.name} seed {seed}] pruned {prune(Path(model).parent) / 2**30:.1f} GiB of checkpoints")
+        freed = prune(Path(model).parent) if args.study_prune and arm.script else 0
+        if freed:
+            print(f"[{arm.name} seed {seed}] pruned {freed / 2**30:.1f} GiB of checkpoints")
     report = study_report(study, study_dir)
     (study_dir / "report.md").write_text(report)
     print(f"wrote {study_dir / 'report.md'}")
