@@ -852,16 +852,34 @@ def pooled(outcomes: list[Outcome]) -> tuple[float, tuple[float, float], int]:
 
 
 def clearly_above(first: list[Outcome], second: list[Outcome]) -> bool:
-    """first's accuracy interval lies wholly above second's."""
-    return pooled(first)[1][0] > pooled(second)[1][1]
+    """first's accuracy interval lies wholly above second's, and each of first's seeds scored above
+    each of second's: seeds at 25% and 0% against 0% and 0% show nothing, however narrow one
+    evaluation's interval around their mean is (it measures the problems, not the seeds)."""
+    return pooled(first)[1][0] > pooled(second)[1][1] and seeds_apart(first, second)
+
+
+def seeds_apart(first: list[Outcome], second: list[Outcome]) -> bool:
+    return min(o.correct / o.n for o in first) > max(o.correct / o.n for o in second)
+
+
+def seed_range(outcomes: list[Outcome]) -> str:
+    scores = [o.correct / o.n for o in outcomes]
+    return f"{percent(min(scores))}–{percent(max(scores))}%"
 
 
 def accuracy_relation(first: list[Outcome], second: list[Outcome], names: tuple[str, str]) -> str:
-    """How two arms' held-out accuracies compare: whose interval lies above, or that they overlap."""
+    """How two arms' held-out accuracies compare: whose interval lies above, that the intervals lie
+    apart but the seeds do not, or that they overlap."""
     if clearly_above(first, second):
         return f"{names[0]}'s interval lies above {names[1]}'s"
     if clearly_above(second, first):
         return f"{names[1]}'s interval lies above {names[0]}'s"
+    (low_1, high_1), (low_2, high_2) = pooled(first)[1], pooled(second)[1]
+    if low_1 > high_2 or low_2 > high_1:
+        return (
+            f"the intervals lie apart but the seeds overlap ({names[0]} {seed_range(first)}, "
+            f"{names[1]} {seed_range(second)})"
+        )
     return "the intervals overlap"
 
 

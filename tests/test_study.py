@@ -168,6 +168,16 @@ def test_accuracy_verdicts_by_hand():
     rows, _ = judge(finding, {"a": [outcome("a", 20), outcome("a", 40)], "b": [outcome("b", 60)]})
     assert rows[0]["held-out accuracy"] == "30.0% (21.9–39.6, n = 100); seeds 20.0, 40.0"
     assert judge(finding, {"a": [], "b": [outcome("b", 60)]})[1] == "not run yet: a"
+    # Seeds that disagree show nothing: a's 25% and 0% (mean 12.5%, one evaluation's interval 8.6–17.8
+    # at n = 200) against b's 0% and 0% (0.0–1.9): the intervals lie apart, but a's seed at 0% is no
+    # better than b's. With seeds 30%, 40% against 10%, 20% (n = 100: 26.4–44.7 against 9.3–23.3) every
+    # seed of a lies above every seed of b: it holds.
+    split = {"a": [outcome("a", 50, n=200), outcome("a", 0, n=200)], "b": [outcome("b", 0, n=200)] * 2}
+    assert judge(finding, split)[1] == (
+        "not shown: the intervals lie apart but the seeds overlap (a 0.0–25.0%, b 0.0–0.0%)"
+    )
+    apart = {"a": [outcome("a", 30), outcome("a", 40)], "b": [outcome("b", 10), outcome("b", 20)]}
+    assert judge(finding, apart)[1] == "holds: a's interval lies above b's"
 
 
 def test_length_cost_and_sweep_verdicts_by_hand(tmp_path):
