@@ -170,13 +170,13 @@ class Args:
     )
     adv_eps: float = arg(1e-6, "added to Â's scale (the group std, DAPO Eq. 6; verl's value, TRL uses 1e-4)")
     dppo_delta: float = arg(
-        0.2, "δ of DPPO's trust region |π_θ − π_θold| on the sampled token (--loss_type dppo; arXiv 2602.04879)"
+        0.2, "δ of DPPO's Binary-TV region |π_θ − π_sampler| on the sampled token (--loss_type dppo; arXiv 2602.04879)"
     )
     dppo_ratio_cap: float = arg(20.0, "C: DPPO's detached ratio min(r, C) (verl's default)")
     dppo_type: str = arg("binary_tv", "DPPO's divergence: binary_tv (|p − q| > δ) or binary_kl (Bernoulli KL > δ_KL)")
     dppo_kl_delta: float = arg(0.05, "δ_KL of DPPO's Binary-KL region (--dppo_type binary_kl; the paper's 0.05)")
     kl_tau: float = arg(
-        0.0, "τ of Kimi K2.5's penalty τ·(log π_θ − log π_θold)² per token (prime-rl: 1e-3, with DPPO); 0 = off"
+        0.0, "τ of Kimi K2.5's penalty τ·(log π_θ − log π_sampler)² per token (prime-rl: 1e-3, with DPPO); 0 = off"
     )
     clip_cov_ratio: float = arg(
         2e-4, "r, Clip-Cov's share of tokens whose gradient is cut (--loss_type clip_cov; arXiv 2505.22617)"
@@ -791,11 +791,11 @@ def dppo_objective(
     rare token's move more (0.02 -> 0.15 leaves at δ = 0.05, kept by TV at 0.2). The gradient of a
     kept token is min(r, C)·Â·∇log π_θ, PPO's unclipped one below the cap. As the paper does
     (Sec. 5.2), both the region and r are measured from the sampler's log-probs (sample_logp), not
-    from π_θold recomputed by the trainer: on-policy r is then the sampler/trainer mismatch (1 on
-    the CPU in fp32, not in bf16), which the region also bounds. Choices where the peers differ: the
+    from π_θold recomputed by the trainer: on-policy r is then the sampler/trainer mismatch (within
+    1e-6 of 1 on the CPU in fp32, not in bf16), which the region also bounds. Choices where the peers differ: the
     ratio is detached and capped at C (the authors' cap is 10, verl's 20; prime-rl and SkyRL keep
     r·Â differentiable: the same gradient below the cap, another value); 1 − p is floored at 1e-6,
-    so a token that was certain (μ = 1) and fell has D = −log p, not NaN. Kimi K2.5's penalty is
+    so a token that was certain (μ = 1) and fell has D ≈ −log p, not NaN. Kimi K2.5's penalty is
     --kl_tau (squared_log_ratio). logp, sample_logp, mask (n, T), advantages (n, 1) -> the
     objective (n, T) and the dropped tokens (n, T) bool."""
     p, q = logp.detach().exp(), sample_logp.exp()  # (n, T)
@@ -803,7 +803,7 @@ def dppo_objective(
     if divergence == "binary_kl":
         rest_p, rest_q = (1 - p).clamp(min=1e-6), (1 - q).clamp(min=1e-6)  # (n, T) the other tokens' mass
         moved = q * (sample_logp - logp.detach()) + rest_q * (rest_q.log() - rest_p.log())  # (n, T) D
-        cut = torch.where(advantages > 0, (gap > 0) & (moved > delta), (gap < 0) & (moved > delta))
+        cut = (moved > delta) & torch.where(advantages > 0, gap > 0, gap < 0)  # (n, T)
     else:
         cut = torch.where(advantages > 0, gap > delta, gap < -delta)  # (n, T)
     ratio = torch.exp(((logp - sample_logp) * mask).clamp(max=math.log(cap))).detach()  # (n, T) min(r, C)
@@ -822,8 +822,8 @@ def squared_log_ratio(logp: torch.Tensor, sample_logp: torch.Tensor, mask: torch
     policy gradient, this term still pulls it back toward the sampler μ, with gradient
     2τ·log(π_θ/μ)·∇log π_θ. Its form, every token and the sampler's log-probs (sample_logp, not the
     reference's), is prime-rl's default loss (DPPO + this penalty, τ = 1e-3); the loss's normaliser
-    averages it as it does the policy term. On-policy it is the sampler/trainer mismatch squared: 0
-    on the CPU in fp32. logp, sample_logp, mask (n, T) -> (n, T)."""
+    averages it as it does the policy term. On-policy it is the sampler/trainer mismatch squared,
+    about 1e-14 on the CPU in fp32. logp, sample_logp, mask (n, T) -> (n, T)."""
     return ((logp - sample_logp) * mask) ** 2
 
 

@@ -1051,8 +1051,8 @@ def judge(finding: dict, outcomes: dict[str, list[Outcome]]) -> tuple[list[dict]
 
 
 def study_report(study: dict, study_dir: Path) -> str:
-    """report.md: every arm's held-out accuracy and entropy, then each finding: the arms compared, the metric
-    it is about, whether it holds here, and a plot of the arms' training curves."""
+    """report.md: every arm's held-out accuracy and entropy, then each finding: the arms compared,
+    the metric it is about, whether it holds here, and a plot of the arms' training curves."""
     outcomes = study_outcomes(study, study_dir)
     root = Path(study["file"]).resolve().parent
     lines = [

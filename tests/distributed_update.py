@@ -52,8 +52,8 @@ def fixed_batch(model, tokenizer, eos_ids) -> dict:
         "positive": torch.arange(rows) % 3 == 0,
         "old_values": torch.randn_like(logp) * mask,
         "returns": torch.randn_like(logp) * mask,
-        "entropy": torch.rand_like(logp)
-        * mask,  # π_θold's, for --top_entropy_quantile (drawn last: the rest unchanged)
+        # π_θold's entropy, for --top_entropy_quantile (drawn last: the values above are unchanged)
+        "entropy": torch.rand_like(logp) * mask,
     }
 
 
