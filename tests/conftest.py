@@ -6,7 +6,8 @@ has: its exact values and bit-identical runs are fp32 CPU arithmetic, and its to
 use gloo with two processes. On a GPU machine `--device auto` would pick CUDA, so for these
 tests torch.cuda.is_available() answers False, and every process they start sees no GPU
 (CUDA_VISIBLE_DEVICES=""). The CUDA tier (tests/test_cuda.py, marked `cuda`) runs where a GPU
-is and is skipped elsewhere: `python -m pytest -m cuda`."""
+is, with the CUDA_VISIBLE_DEVICES the session started with, and is skipped elsewhere:
+`python -m pytest -m cuda`."""
 
 import json
 import os
@@ -23,16 +24,41 @@ os.environ.setdefault("NANOPO_CACHE", os.path.join(tempfile.gettempdir(), "nanop
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Asked before CUDA_VISIBLE_DEVICES is cleared: the CUDA driver reads that variable once, at
-# this first question, so this process keeps its GPUs for the CUDA tier, and the processes the
-# CPU tier starts from here on (torchrun, smoke runs) inherit a machine without one.
+# Asked before CUDA_VISIBLE_DEVICES is cleared: the CUDA driver reads that variable once, at this
+# first question, so this process keeps its GPUs. But torch.cuda.device_count() (and with it
+# get_device_properties and set_device) reads the variable again, through NVML, at every call until
+# CUDA is initialised, and caches what it read then: a CUDA-tier test must run with the variable
+# as the session found it (tier_environment), or it sees 0 GPUs ("Invalid device id").
 CUDA = torch.cuda.is_available()
 GPU_ENV = {k: v for k, v in os.environ.items()}  # the environment a CUDA-tier subprocess gets
-os.environ["CUDA_VISIBLE_DEVICES"] = ""
+HIDDEN = ""  # CUDA_VISIBLE_DEVICES of the CPU tier: the processes it starts (torchrun, smoke runs) see no GPU
+os.environ["CUDA_VISIBLE_DEVICES"] = HIDDEN
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: the CUDA tier, run where a GPU is (python -m pytest -m cuda)")
+
+
+def tier_environment(item) -> str | None:
+    """CUDA_VISIBLE_DEVICES for a test: the session's own for the CUDA tier (None: it was unset),
+    HIDDEN for the CPU tier."""
+    return GPU_ENV.get("CUDA_VISIBLE_DEVICES") if item.get_closest_marker("cuda") else HIDDEN
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test runs with its tier's CUDA_VISIBLE_DEVICES from the set-up of its fixtures
+    (module-scoped ones too, which set up before any function-scoped fixture could act) to
+    their tear-down; between tests, HIDDEN."""
+    visible = tier_environment(item)
+    if visible is None:
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    try:
+        yield
+    finally:
+        os.environ["CUDA_VISIBLE_DEVICES"] = HIDDEN
 
 
 @pytest.fixture(autouse=True)
