@@ -815,13 +815,17 @@ def step_metrics(batch: Rollout, entropy: torch.Tensor, old_logp: torch.Tensor, 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, completion_mask: torch.Tensor) -> float:
     """1 − Var(R − V) / Var(R) over valid tokens: 1 for a perfect critic, 0 for one that only
-    knows the mean, below 0 for one worse than that. values, returns, mask (N, T). NaN when the
-    returns do not vary (the ratio is undefined); the log shows it as NaN, not as a made-up 0."""
+    knows the mean, below 0 for one worse than that. values, returns, mask (N, T).
+    0 when the returns do not vary (every reward of the batch equal, β = 0: common on a hard task
+    early on): there is no variance to explain, and 0 says the critic explains none, as for one
+    that knows only the mean. CleanRL and Stable-Baselines3 return NaN there, which breaks plots
+    and trackers' summaries; verl divides by Var(R) + 1e-5, which turns it into −Var(R − V)/1e-5,
+    a spike of thousands whenever V is not flat. return/std (0 then) tells the two zeros apart."""
     valid = completion_mask.bool()
     target, error = returns[valid], (returns - values)[valid]
     target_variance = target.var(unbiased=False)
     if target_variance == 0:
-        return float("nan")
+        return 0.0
     return (1 - error.var(unbiased=False) / target_variance).item()
 
 

@@ -144,7 +144,9 @@ def test_explained_variance_by_hand():
     assert explained_variance(torch.tensor([[1.0, 2.0, -9.0], [3.0, 5.0, -9.0]]), returns, mask) == pytest.approx(0.85)
     assert explained_variance(returns, returns, mask) == pytest.approx(1.0)  # a perfect critic
     assert explained_variance(torch.full_like(returns, 7.0), returns, mask) == pytest.approx(0.0)  # a constant one
-    assert math.isnan(explained_variance(returns, torch.ones_like(returns), mask))  # returns do not vary
+    # Returns that do not vary: nothing to explain, 0 (not NaN, which breaks plots), whatever V is.
+    assert explained_variance(returns, torch.ones_like(returns), mask) == 0.0
+    assert explained_variance(torch.zeros_like(returns), torch.ones_like(returns), mask) == 0.0
 
 
 # Two sequences, T = 3, the second with 2 valid tokens; old_logp = 0, so r = exp(logp).
