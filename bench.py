@@ -45,8 +45,11 @@ Prints Markdown tables and writes them to --output (JSON).
 
 import contextlib
 import functools
+import inspect
 import json
+import os
 import resource
+import shutil
 import statistics
 import tempfile
 import time
@@ -61,6 +64,7 @@ import grpo
 import ppo
 from common import (
     CHATML_TEMPLATE,
+    Run,
     arg,
     autocast,
     build_tiny_model,
@@ -101,6 +105,16 @@ class Args:
     train_batch_size: int = arg(2, "B of the training step")
     logprob_rows: int = arg(16, "N of the sequence_logprobs memory comparison; 0 = skip it")
     gap_rows: int = arg(0, "N of the sampler/trainer log-prob gap under bf16 autocast, LM head bf16 vs fp32; 0 = skip")
+    profile: str = arg("", "decode, grpo, dapo or ppo (comma-separated): each phase under torch.profiler; '' = none")
+    peak_tflops: float = arg(
+        0.0, "the device's peak for --profile's MFU; 0 = from PEAK_BF16_TFLOPS by GPU name (none on CPU)"
+    )
+    gradient_checkpointing: bool = arg(
+        False, "the training steps with gradient checkpointing (ppo.py on one 80 GB GPU)"
+    )
+    model_dir: str = arg(
+        "", "the shapes' random model, written once and loaded after; '' = $NANOPO_CACHE/bench-<shape>"
+    )
     device: str = arg("auto", "auto, cpu, cuda")
     dtype: str = arg("auto", "auto (bf16 autocast on GPU, fp32 on CPU), bfloat16, float32")
     output: str = arg("bench.json", "where the tables go, as JSON")
@@ -136,28 +150,56 @@ def qwen_sized_tokenizer(size: int = QWEN_TOKENIZER_SIZE):
     return tokenizer
 
 
+def shape_directory(args: Args, device) -> Path:
+    """The directory of --model's shape (qwen2.5-*-shape, --num_layers), random weights saved in
+    bf16 with the 151,665-id tokenizer, written once and read back by every later run and by the
+    training scripts (--model_dir, or $NANOPO_CACHE/bench-<shape>, ~/.cache/nanopo by default).
+    Built on `device` directly (torch.device as the default device: a 1.5B model initialised on
+    the CPU takes minutes), written beside the target and renamed into place: a run cut short
+    leaves no half-written directory."""
+    root = Path(os.environ.get("NANOPO_CACHE", Path.home() / ".cache" / "nanopo"))
+    layers = f"-{args.num_layers}l" if args.num_layers else ""
+    directory = Path(args.model_dir) if args.model_dir else root / f"bench-{args.model}{layers}"
+    if (directory / "config.json").exists():
+        return directory
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    tokenizer = qwen_sized_tokenizer()
+    stop = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    shape = dict(SHAPES[args.model], num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+    shape |= dict(eos_token_id=stop[0], pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    if args.num_layers:
+        shape["num_hidden_layers"] = args.num_layers
+    with torch.device(device):
+        model = Qwen2ForCausalLM(Qwen2Config(**shape))
+    writing = directory.with_name(f"{directory.name}.writing-{os.getpid()}")
+    model.to(torch.bfloat16).save_pretrained(writing)
+    tokenizer.save_pretrained(writing)
+    GenerationConfig(eos_token_id=stop, pad_token_id=tokenizer.pad_token_id).save_pretrained(writing)
+    del model
+    try:
+        writing.rename(directory)
+    except OSError:  # another run wrote it first
+        shutil.rmtree(writing, ignore_errors=True)
+    print(f"{args.model}: built on {device} and written to {directory} in {time.perf_counter() - start:.1f} s")
+    return directory
+
+
+def bench_directory(args: Args, device) -> str:
+    """What train(--model) loads: the shape's directory, the tiny model's, or --model itself."""
+    if args.model in SHAPES:
+        return str(shape_directory(args, device))
+    return str(build_tiny_model()) if args.model == "tiny" else args.model
+
+
 def load_bench_model(args: Args, device, dtype):
     """(model, tokenizer, vocab_size, model directory for the training scripts)."""
-    if args.model in SHAPES:
-        torch.manual_seed(0)
-        tokenizer = qwen_sized_tokenizer()
-        stop = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
-        shape = dict(SHAPES[args.model], num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
-        shape |= dict(eos_token_id=stop[0], pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
-        if args.num_layers:
-            shape["num_hidden_layers"] = args.num_layers
-        model = Qwen2ForCausalLM(Qwen2Config(**shape)).to(device, dtype)
-        directory = Path(tempfile.mkdtemp(prefix="nanopo-bench-"))  # what train(--model) loads
-        model.save_pretrained(directory)
-        tokenizer.save_pretrained(directory)
-        GenerationConfig(eos_token_id=stop, pad_token_id=tokenizer.pad_token_id).save_pretrained(directory)
-        return model.eval(), tokenizer, len(tokenizer), str(directory)
-    model, tokenizer, _ = load_model(args.model, device, dtype)
-    if args.num_layers:
+    directory = bench_directory(args, device)
+    model, tokenizer, _ = load_model(directory if args.model in SHAPES else args.model, device, dtype)
+    if args.num_layers and args.model not in SHAPES:
         model.model.layers = model.model.layers[: args.num_layers]
         model.config.num_hidden_layers = args.num_layers
-    directory = build_tiny_model() if args.model == "tiny" else args.model
-    return model.eval(), tokenizer, len(tokenizer), str(directory)
+    return model.eval(), tokenizer, len(tokenizer), directory
 
 
 def prompts(tokenizer, num_rows: int, group_size: int, device, shots: int = 0, numbers: str = "3-4"):
@@ -406,6 +448,15 @@ def bench_steps_4_and_6(args, model, tokenizer, vocab_size, device, amp) -> list
     return [row]
 
 
+def copy_bandwidth(device, mebibytes: int = 256) -> float:
+    """Bytes per second a copy moves (read + written), the median of 10 copies of `mebibytes`."""
+    source = torch.empty(mebibytes * 2**20, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    copy_seconds = statistics.median(timed(lambda: target.copy_(source), device) for _ in range(10))
+    return 2 * source.numel() / copy_seconds
+
+
 def bandwidth_bound(model, num_rows: int, context: int, tokens_per_s: float, device, element_bytes: int) -> dict:
     """A decode step reads every weight once and the KV cache of every row: at the mean context,
     bytes/step = weights + N · context · layers · 2 (K, V) · kv heads · head dim · bytes. At the
@@ -414,11 +465,7 @@ def bandwidth_bound(model, num_rows: int, context: int, tokens_per_s: float, dev
     weights = sum(p.numel() for p in model.parameters()) * element_bytes
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv = num_rows * context * config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * element_bytes
-    source = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
-    target = torch.empty_like(source)
-    target.copy_(source)
-    copy_seconds = statistics.median(timed(lambda: target.copy_(source), device) for _ in range(10))
-    bandwidth = 2 * source.numel() / copy_seconds  # bytes read + written per second
+    bandwidth = copy_bandwidth(device)
     bound = num_rows * bandwidth / (weights + kv)  # tokens/s
     arithmetic = (
         f"({weights / 1e9:.2f} GB weights + {kv / 1e9:.2f} GB KV at context {context}) / "
@@ -462,43 +509,80 @@ def bench_logprob_memory(args, model, vocab_size, device, amp) -> dict:
     return result
 
 
+PHASES = (("generate+reward", "rollout"), ("logprobs", "old_and_ref_logprobs"), ("values", "critic_values"),
+          ("update", "policy_backward"), ("critic update", "critic_backward"))  # fmt: skip
+SCRIPTS = {"grpo": grpo, "dapo": dapo, "ppo": ppo}
+
+
+@contextlib.contextmanager
+def phases_wrapped(script, around):
+    """script's phase functions (PHASES; the critic's are ppo.py's alone) replaced, while inside,
+    by around(phase, original, *args, **kwargs). A phase called within another (critic_backward
+    calls critic_values) runs as it is: it counts as the outer one's."""
+    originals, inside = {}, []
+    for phase, name in PHASES:
+        if not hasattr(script, name):
+            continue
+        originals[name] = getattr(script, name)
+
+        def wrapped(*a, _phase=phase, _function=originals[name], **k):
+            if inside:
+                return _function(*a, **k)
+            inside.append(_phase)
+            try:
+                return around(_phase, _function, *a, **k)
+            finally:
+                inside.pop()
+
+        setattr(script, name, wrapped)
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(script, name, original)
+
+
+@contextlib.contextmanager
+def no_final_checkpoint():
+    """A benchmark's step writes no final/ checkpoint (for the 1.5B shape ~20 GB of weights,
+    masters and AdamW state written to a directory deleted right after)."""
+    saved = Run.save_final
+    Run.save_final = lambda self: None
+    try:
+        yield
+    finally:
+        Run.save_final = saved
+
+
+def one_step(args, name: str, directory: str) -> dict:
+    """One training step of script `name` with the bench model: its last metrics row."""
+    script = SCRIPTS[name]
+    settings = dict(model=directory, max_steps=1, batch_size=args.train_batch_size, group_size=args.group_size)
+    settings |= dict(max_new_tokens=args.max_new_tokens, device=args.device, dtype=args.dtype, save_every=0)
+    settings |= dict(gradient_checkpointing=args.gradient_checkpointing)
+    settings |= {"overlong_buffer": 0, "dynamic_sampling": False} if script is dapo else {}
+    settings |= {"num_mini_batches": 1} if script is ppo and args.train_batch_size * args.group_size < 4 else {}
+    with tempfile.TemporaryDirectory() as output, no_final_checkpoint():
+        run_dir = script.train(script.Args(output_dir=output, **settings))
+        return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+
+
 def bench_training(args, directory: str, device, rows: list, save=lambda: None) -> list[dict]:
     """One step of each script with the bench model; its time/* metrics and peak memory, a row
     appended to `rows` (and saved) as each script finishes, so a run cut short keeps the rest."""
     for name in [s for s in args.train_steps.split(",") if s]:
-        script = {"grpo": grpo, "dapo": dapo, "ppo": ppo}[name]
-        settings = dict(model=directory, max_steps=1, batch_size=args.train_batch_size, group_size=args.group_size)
-        settings |= dict(max_new_tokens=args.max_new_tokens, device=args.device, dtype=args.dtype, save_every=0)
-        settings |= {"overlong_buffer": 0, "dynamic_sampling": False} if script is dapo else {}
-        settings |= {"num_mini_batches": 1} if script is ppo and args.train_batch_size * args.group_size < 4 else {}
-        peaks, originals, inside = {}, {}, []  # inside: the phase running (critic_backward calls critic_values)
-        for phase, function in (("generate+reward", "rollout"), ("logprobs", "old_and_ref_logprobs"),
-                                ("values", "critic_values"), ("update", "policy_backward"),
-                                ("critic update", "critic_backward")):  # fmt: skip
-            if not hasattr(script, function):  # the critic's phases are ppo.py's alone
-                continue
-            originals[function] = getattr(script, function)
+        peaks = {}
 
-            def measured(*a, _phase=phase, _function=originals[function], _peaks=peaks, _inside=inside, **k):
-                if _inside or device.type != "cuda":  # a phase within a phase counts as the outer one's
-                    return _function(*a, **k)
-                torch.cuda.reset_peak_memory_stats(device)
-                _inside.append(_phase)
-                try:
-                    result = _function(*a, **k)
-                finally:
-                    _inside.pop()
-                _peaks[_phase] = max(_peaks.get(_phase, 0), torch.cuda.max_memory_allocated(device) / 1e9)
-                return result
+        def peak_of(phase, function, *a, _peaks=peaks, **k):
+            if device.type != "cuda":
+                return function(*a, **k)
+            torch.cuda.reset_peak_memory_stats(device)
+            result = function(*a, **k)
+            _peaks[phase] = max(_peaks.get(phase, 0), torch.cuda.max_memory_allocated(device) / 1e9)
+            return result
 
-            setattr(script, function, measured)
-        try:
-            with tempfile.TemporaryDirectory() as output:
-                run_dir = script.train(script.Args(output_dir=output, **settings))
-                metrics = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
-        finally:
-            for function, original in originals.items():
-                setattr(script, function, original)
+        with phases_wrapped(SCRIPTS[name], peak_of):
+            metrics = one_step(args, name, directory)
         row = {"script": name, **{k: v for k, v in metrics.items() if k.startswith("time/")}}
         if device.type == "cuda":
             row |= {f"peak GB {phase}": value for phase, value in peaks.items()}
@@ -543,15 +627,341 @@ def bench_logprob_gap(args, model, tokenizer, vocab_size, device) -> list[dict]:
     return rows
 
 
+# ----------------------------------------------------------------------------------------
+# --profile: where a phase's time goes, on any device
+
+
+SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::nonzero", "aten::masked_select")
+SYNC_OPS += ("aten::equal", "aten::unique", "aten::_unique", "aten::unique_dim", "aten::unique_consecutive")
+CUDA_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+PHASE_RANGE = "bench.profiled"  # the record_function range around the phase's own call
+# Dense bf16 peaks, from NVIDIA's datasheets (the figures "with sparsity" halved): H100 SXM5 and
+# H200 989 TFLOP/s, H100 PCIe 756, A100 312. The H100 SXM5 is the "H100 80GB HBM3".
+PEAK_BF16_TFLOPS = {"H100 80GB HBM3": 989, "H100 SXM": 989, "H200": 989, "H100 PCIe": 756, "A100": 312}
+
+
+def model_shape(model, head_rows: int | None = None) -> dict:
+    """What the FLOP and byte formulas read from a model: `body`, the parameters a token's forward
+    pass multiplies by (all but the input embedding and the LM head, which is counted per scored
+    position instead); all `parameters` (the weights a pass reads); layers, query and KV heads, head
+    dim, hidden size d, and the head's rows: V for a causal LM (the embedding's rows, all computed),
+    1 for a critic's value head. Mixture-of-experts layers count every expert (an overestimate)."""
+    config = model.config.get_text_config()
+    head = model.get_output_embeddings()
+    outside = {id(p) for m in (model.get_input_embeddings(), head) if m is not None for p in m.parameters()}
+    body = sum(p.numel() for p in model.parameters() if id(p) not in outside)
+    heads = config.num_attention_heads
+    return dict(
+        body=body,
+        parameters=sum(p.numel() for p in model.parameters()),
+        layers=config.num_hidden_layers,
+        heads=heads,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        hidden=config.hidden_size,
+        head_rows=head_rows or head.weight.shape[0],
+    )
+
+
+def token_counts(prompt_ids, prompt_mask, completion_mask, decode: bool = False) -> dict:
+    """The positions one pass over a batch computes, as the scripts compute them: each distinct
+    prompt once (p_g real tokens; padding is not counted), then f_i completion tokens of row i.
+    A token at position k (counting real tokens from 0) attends to k + 1 keys.
+      scoring (sequence_logprobs, the update): f_i = ℓ_i, completion token j at position p_i + j;
+        the LM head at the ℓ_i positions that predict the completion: scored = Σ ℓ_i
+      decode (generate): the prefill scores each prompt's last position; then ℓ_i − 1 one-token
+        steps, token j ≥ 1 fed at position p_i + j − 1 over p_i + j keys: scored = B + Σ (ℓ_i − 1)
+    tokens = Σ_g p_g + Σ_i f_i;  keys = Σ_g p_g(p_g + 1)/2 + Σ_i [f_i·p_i + f_i(f_i + 1)/2];
+    decode_keys: the rows' part of keys (what the decode steps read from the KV cache);
+    steps = max_i f_i (the decode's one-token steps). (N, P), (N, P), (N, T) -> ints."""
+    prompt_ids, prompt_mask, completion_mask = (
+        t.detach().cpu().long() for t in (prompt_ids, prompt_mask, completion_mask)
+    )
+    distinct = torch.unique(torch.cat([prompt_ids, prompt_mask], -1), dim=0)
+    prompts = distinct[:, prompt_ids.shape[1] :].sum(-1)  # (B,) p_g
+    rows, lengths = prompt_mask.sum(-1), completion_mask.sum(-1)  # (N,) p_i, ℓ_i
+    fed = (lengths - 1).clamp(min=0) if decode else lengths  # (N,) f_i
+    decode_keys = int((fed * rows + fed * (fed + 1) // 2).sum())
+    return dict(
+        tokens=int(prompts.sum() + fed.sum()),
+        keys=int((prompts * (prompts + 1) // 2).sum()) + decode_keys,
+        scored=int(fed.sum()) + (len(prompts) if decode else 0),
+        steps=int(fed.max()) if len(fed) else 0,
+        decode_keys=decode_keys,
+    )
+
+
+def forward_flops(shape: dict, counts: dict) -> int:
+    """FLOPs of one forward pass (a multiply-add is 2):
+      2·body·tokens                                the layers' matrix products
+      + 4·layers·heads·head_dim·keys               attention: q·k and p·v, each 2·head_dim per key
+      + 2·d·head_rows·scored                       the LM head (or value head) where it runs
+    Elementwise work (norms, softmax, the sampler, the optimizer) is not counted."""
+    attention = 4 * shape["layers"] * shape["heads"] * shape["head_dim"] * counts["keys"]
+    return (
+        2 * shape["body"] * counts["tokens"] + attention + 2 * shape["hidden"] * shape["head_rows"] * counts["scored"]
+    )
+
+
+def phase_work(kind: str, shape: dict, batch, element_bytes: int, chunk: int = 1, models: int = 1) -> tuple[int, int]:
+    """(FLOPs, bytes) of a phase over `batch` = (prompt_ids, prompt_mask, completion_mask):
+      decode  FLOPs: forward_flops of token_counts(decode=True)
+              bytes: the weights once for the prefill and once per step, and the KV cache the steps
+                     read: weights·(1 + steps) + decode_keys·layers·kv_heads·head_dim·2 (K, V)·bytes
+                     (bandwidth_bound's and decode_bytes' model)
+      score   FLOPs: models · forward_flops (no grad; `models`: policy and reference passes)
+              bytes: models · ceil(N / chunk) · weights (each chunk's pass reads them once)
+      train   FLOPs: 3 · forward_flops (backward = 2 forwards; activation recomputation by
+                     gradient checkpointing not counted, as MFU conventionally does not)
+              bytes: 3 · ceil(N / micro-batch) · weights
+    weights = parameters · element_bytes (2 under bf16 autocast). The bytes of the scoring and
+    training phases are a floor: activations are not counted."""
+    counts = token_counts(*batch, decode=kind == "decode")
+    flops = forward_flops(shape, counts)
+    weights = shape["parameters"] * element_bytes
+    if kind == "decode":
+        column = shape["layers"] * shape["kv_heads"] * shape["head_dim"] * 2 * element_bytes
+        return flops, weights * (1 + counts["steps"]) + counts["decode_keys"] * column
+    passes = -(-len(batch[0]) // chunk)
+    if kind == "score":
+        return models * flops, models * passes * weights
+    return 3 * flops, 3 * passes * weights
+
+
+def count_host_syncs(events) -> tuple[int, int]:
+    """(ops, CUDA runtime calls) that make the host wait for the device, among the profiler's
+    events of the phase's own range (PHASE_RANGE; bench's own synchronize after it is outside).
+    ops: SYNC_OPS, an op counted once however nested (item calls _local_scalar_dense): reading a
+    value (.item(), bool(), nonzero's size, unique's) waits for the device on a GPU; on the CPU the
+    same ops are counted, where they cost nothing. .tolist() and .cpu() are copies, not such ops:
+    only the runtime count sees them. runtime: CUDA_SYNCS calls (cudaMemcpy is the synchronous
+    copy; cudaMemcpyAsync is not counted), on CUDA."""
+    ranges = [e.time_range for e in events if e.name == PHASE_RANGE]
+    inside = lambda e: any(r.start <= e.time_range.start <= r.end for r in ranges)  # noqa: E731
+
+    def outermost(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name.startswith(SYNC_OPS):
+                return False
+            parent = parent.cpu_parent
+        return True
+
+    ops = sum(1 for e in events if e.name.startswith(SYNC_OPS) and inside(e) and outermost(e))
+    runtime = sum(1 for e in events if e.name in CUDA_SYNCS and inside(e))
+    return ops, runtime
+
+
+def synchronize(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profiled(function, device):
+    """function() under its own torch.profiler.profile (CPU, and CUDA on a GPU): returns its result
+    and a dict: wall s (the call and its device work), busy s (CUDA: the kernels' device time
+    summed, memcpys and memsets included; CPU: the ops' self CPU time, the profiler's own CPU
+    figures), ops {name: (µs, calls)} by that time, host syncs and CUDA syncs (count_host_syncs),
+    peak GB (CUDA: max_memory_allocated during the call; CPU: the process's peak RSS so far) and
+    profiler s (stopping the profiler and reading its events: not in wall s)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    cuda = device.type == "cuda"
+    synchronize(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as profiler:
+        start = time.perf_counter()
+        with record_function(PHASE_RANGE):
+            result = function()
+        synchronize(device)
+        wall = time.perf_counter() - start
+    events = profiler.events()
+    if cuda:  # kernels, memcpys and memsets: the events with device time of their own
+        timed_events = [(e.name, getattr(e, "self_device_time_total", 0)) for e in events]
+        timed_events = [(name, us) for name, us in timed_events if us > 0]
+    else:
+        timed_events = [(e.name, e.self_cpu_time_total) for e in events if e.name != PHASE_RANGE]
+    ops = {}
+    for name, us in timed_events:
+        total, calls = ops.get(name, (0.0, 0))
+        ops[name] = (total + us, calls + 1)
+    syncs, runtime = count_host_syncs(events)
+    peak = torch.cuda.max_memory_allocated(device) if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1e3
+    measured = {"wall s": wall, "busy s": sum(us for us, _ in ops.values()) / 1e6, "ops": ops}
+    measured |= {"host syncs": syncs, "CUDA syncs": runtime, "peak GB": peak / 1e9}
+    measured["profiler s"] = time.perf_counter() - start - wall
+    return result, measured
+
+
+def peak_flops(args, device) -> tuple[float | None, str]:
+    """The FLOP/s MFU is measured against, and where the figure comes from."""
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12, f"--peak_tflops {args.peak_tflops:g}"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, tflops in PEAK_BF16_TFLOPS.items():
+            if key in name:
+                return tflops * 1e12, f"{name}: {tflops} TFLOP/s dense bf16 (NVIDIA's datasheet)"
+        return None, f"{name}: no peak known (--peak_tflops)"
+    return None, "CPU: no peak (--peak_tflops)"
+
+
+class Profiles:
+    """The measurements of --profile, per (run, phase): calls summed (peak: the largest), and the
+    two tables built from them, written to the report and saved after every call."""
+
+    def __init__(self, device, bandwidth: float, peak: float | None, report: dict, save):
+        self.device, self.bandwidth, self.peak, self.report, self.save = device, bandwidth, peak, report, save
+        self.phases = {}  # (run, phase) -> summed measurements
+
+    def add(self, run: str, phase: str, measured: dict, flops: int, nbytes: int, tokens: int | None = None):
+        total = self.phases.setdefault((run, phase), {"calls": 0, "flops": 0, "bytes": 0, "tokens": None, "ops": {}})
+        total["calls"] += 1
+        total["flops"] += flops
+        total["bytes"] += nbytes
+        if tokens is not None:
+            total["tokens"] = (total["tokens"] or 0) + tokens
+        for key in ("wall s", "busy s", "host syncs", "CUDA syncs", "profiler s"):
+            total[key] = total.get(key, 0) + measured[key]
+        total["peak GB"] = max(total.get("peak GB", 0), measured["peak GB"])
+        for name, (us, calls) in measured["ops"].items():
+            before = total["ops"].get(name, (0.0, 0))
+            total["ops"][name] = (before[0] + us, before[1] + calls)
+        self.report["profile"] = [self.row(run, phase, t) for (run, phase), t in self.phases.items()]
+        self.report["profile_top"] = [r for (run, phase), t in self.phases.items() for r in self.top(run, phase, t)]
+        self.save()
+        print(self.report["profile"][-1] if len(self.phases) == 1 else self.row(run, phase, total), flush=True)
+
+    def row(self, run: str, phase: str, total: dict) -> dict:
+        cuda, wall = self.device.type == "cuda", total["wall s"]
+        row = {"run": run, "phase": phase, "calls": total["calls"], "wall s": wall}
+        row["GPU busy s" if cuda else "CPU op s"] = total["busy s"]
+        row["busy/wall"] = total["busy s"] / wall
+        row |= {"TFLOP": total["flops"] / 1e12, "TFLOP/s": total["flops"] / wall / 1e12}
+        row["MFU"] = total["flops"] / wall / self.peak if self.peak else ""
+        row |= {"GB": total["bytes"] / 1e9, "GB/s": total["bytes"] / wall / 1e9}
+        row["of bandwidth"] = total["bytes"] / wall / self.bandwidth
+        row["tok/s"] = total["tokens"] / wall if total["tokens"] is not None else ""
+        row["peak GB" if cuda else "peak RSS GB"] = total["peak GB"]
+        row["host syncs"] = total["host syncs"]
+        if cuda:
+            row["CUDA syncs"] = total["CUDA syncs"]
+        row["profiler s"] = total["profiler s"]
+        return row
+
+    def top(self, run: str, phase: str, total: dict, count: int = 10) -> list[dict]:
+        busy = sum(us for us, _ in total["ops"].values()) or 1.0
+        largest = sorted(total["ops"].items(), key=lambda item: -item[1][0])[:count]
+        what = "kernel" if self.device.type == "cuda" else "CPU op"
+        return [
+            {"run": run, "phase": phase, "#": i + 1, what: name.replace("|", "/")[:100]}
+            | {"ms": us / 1e3, "calls": calls, "of busy": us / busy}
+            for i, (name, (us, calls)) in enumerate(largest)
+        ]
+
+
+def phase_batch(phase: str, named: dict, result) -> tuple:
+    """The model of a script's phase call (named: its arguments by name), its batch as
+    (prompt_ids, prompt_mask, completion_mask), and phase_work's kind, chunk and models."""
+    if phase == "generate+reward":  # the Rollout it returns
+        return model_shape(named["policy"]), rollout_batch(result), "decode", 1, 1
+    if phase == "logprobs":  # π_θold's pass where score_policy, π_ref's where a reference is
+        models = int(bool(named["score_policy"])) + (named["reference"] is not None)
+        chunk = named["args"].logprob_chunk_size
+        return model_shape(named["policy"]), rollout_batch(named["batch"]), "score", chunk, models
+    if phase == "values":
+        batch = named["prompt_ids"], named["prompt_mask"], named["completion_mask"]
+        return model_shape(named["critic"].backbone, head_rows=1), batch, "score", named["chunk_size"], 1
+    batch = tuple(named["batch"][k] for k in ("prompt_ids", "prompt_mask", "completion_mask"))
+    critic = phase == "critic update"
+    shape = model_shape(named["critic"].backbone, head_rows=1) if critic else model_shape(named["policy"])
+    return shape, batch, "train", named["args"].micro_batch_size, 1
+
+
+def rollout_batch(rollout) -> tuple:
+    return rollout.prompt_ids, rollout.prompt_mask, rollout.completion_mask
+
+
+def profile_script(args, name: str, directory: str, device, element_bytes: int, profiles: Profiles) -> dict:
+    """One step of script `name`, each phase call under its own profiler (profiled): the rows of
+    `profiles` as the phases end, and the step's time/* metrics (which include the profiler's
+    own stopping and reading: the profiler s column)."""
+
+    def around(phase, function, *a, **k):
+        result, measured = profiled(lambda: function(*a, **k), device)
+        named = inspect.signature(function).bind(*a, **k).arguments
+        shape, batch, kind, chunk, models = phase_batch(phase, named, result)
+        flops, nbytes = phase_work(kind, shape, batch, element_bytes, chunk, models)
+        tokens = int(batch[2].sum()) if kind == "decode" else None
+        profiles.add(name, phase, measured, flops, nbytes, tokens)
+        return result
+
+    with phases_wrapped(SCRIPTS[name], around):
+        metrics = one_step(args, name, directory)
+    spent = sum(t["profiler s"] for (run, _), t in profiles.phases.items() if run == name)
+    return {"script": name, **{k: v for k, v in metrics.items() if k.startswith("time/")}, "profiler s": spent}
+
+
+def profile_decode(args, device, weight_dtype, amp, element_bytes: int, profiles: Profiles) -> None:
+    """grpo.generate at N = the largest of --batch_sizes, --max_new_tokens sampled (τ = 1), every
+    completion at its cap (no EOS), after a warm-up call of 16 tokens: one call profiled."""
+    model, tokenizer, vocab_size, _ = load_bench_model(args, device, weight_dtype)
+    num_rows = max(int(n) for n in args.batch_sizes.split(",") if n)
+    ids, mask = prompts(tokenizer, num_rows, args.group_size, device)
+    inputs = (model, ids, mask)
+    settings = dict(eos_ids=[], pad_id=tokenizer.pad_token_id, vocab_size=vocab_size, temperature=1.0)
+    with amp():
+        grpo.generate(*inputs, min(16, args.max_new_tokens), **settings)  # lazy set-up, kernels picked
+        result, measured = profiled(lambda: grpo.generate(*inputs, args.max_new_tokens, **settings), device)
+    batch = ids, mask, result[1]
+    flops, nbytes = phase_work("decode", model_shape(model), batch, element_bytes)
+    profiles.add("decode", f"generate N={num_rows}", measured, flops, nbytes, int(result[1].sum()))
+
+
+def bench_profile(args, device, weight_dtype, compute_dtype, amp, report: dict, save) -> dict:
+    """--profile: the phases of each run named, one table row per phase and its ten largest
+    kernels (CPU ops on the CPU), saved after every phase."""
+    if device.type == "cuda":  # kineto set up before any CUDA graph is captured (pytorch#75504)
+        with torch.profiler.profile():
+            pass
+    bandwidth = copy_bandwidth(device, 256 if device.type == "cuda" else 32)
+    peak, source = peak_flops(args, device)
+    element_bytes = 2 if compute_dtype in (torch.bfloat16, torch.float16) else 4 if weight_dtype == torch.float32 else 2
+    report |= {"copy bandwidth GB/s": bandwidth / 1e9, "peak": source, "profile": [], "profile_top": []}
+    report["training_step"] = []
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; peak: {source}", flush=True)
+    profiles = Profiles(device, bandwidth, peak, report, save)
+    for name in [n for n in args.profile.split(",") if n]:
+        if name == "decode":
+            profile_decode(args, device, weight_dtype, amp, element_bytes, profiles)
+        else:
+            report["training_step"].append(
+                profile_script(args, name, bench_directory(args, device), device, element_bytes, profiles)
+            )
+            save()
+    for section in ("profile", "profile_top", "training_step"):
+        print(f"\n### {section}\n\n{markdown(report[section])}")
+    return report
+
+
 def main(args: Args) -> dict:
     device = use_device(resolve_device(args.device))  # a GPU named by --device becomes the current one
     weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
     amp = lambda: autocast(device, compute_dtype)  # noqa: E731
-    model, tokenizer, vocab_size, directory = load_bench_model(args, device, weight_dtype)
     report = {"args": asdict(args), "device": str(device), "threads": torch.get_num_threads()}
     if device.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name(device)
     save = lambda: Path(args.output).write_text(json.dumps(report, indent=1))  # noqa: E731  (after every section)
+    if args.profile:
+        unknown = set(args.profile.split(",")) - {"decode", *SCRIPTS}
+        if unknown:
+            raise SystemExit(
+                f"--profile {args.profile}: {', '.join(sorted(unknown))} is none of decode, grpo, dapo, ppo"
+            )
+        return bench_profile(args, device, weight_dtype, compute_dtype, amp, report, save)
+    model, tokenizer, vocab_size, directory = load_bench_model(args, device, weight_dtype)
     report["generation"] = bench_generation(args, model, tokenizer, vocab_size, device, amp, compute_dtype)
     save()
     report["decode_bytes"] = [

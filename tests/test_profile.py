@@ -1,0 +1,103 @@
+"""bench.py --profile: the FLOP and byte formulas against values computed by hand on a toy
+model, the host-sync counter against functions whose syncs are known, and one phase profiled."""
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import bench
+
+
+def toy_model():
+    # hidden d = 4, one layer, 2 query heads on 1 KV head of head_dim 2, MLP width 4, V = 8 rows,
+    # the LM head not tied to the embedding. Parameters of the layer, by hand:
+    #   q_proj 4·4 + 4 (bias) = 20, k_proj 4·2 + 2 = 10, v_proj 10, o_proj 4·4 = 16,
+    #   gate, up, down 3 · 4·4 = 48, two RMSNorms 2·4 = 8                         -> 112
+    # plus the final norm 4: body = 116 (what 2·params·tokens multiplies); the embedding 8·4 = 32
+    # and the head 8·4 = 32 are not in it: all parameters = 180.
+    config = Qwen2Config(
+        hidden_size=4, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=4,
+        vocab_size=8, tie_word_embeddings=False,
+    )  # fmt: skip
+    return Qwen2ForCausalLM(config)
+
+
+def toy_batch():
+    # Two prompts: A of p = 3 real tokens (left padded to P = 4) with two completions of ℓ = 2
+    # and 1; B of p = 4 with one completion of ℓ = 3 (T = 3).
+    prompt_ids = torch.tensor([[0, 5, 6, 7], [0, 5, 6, 7], [1, 2, 3, 4]])
+    prompt_mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1]])
+    completion_mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]])
+    return prompt_ids, prompt_mask, completion_mask
+
+
+def test_model_shape_by_hand():
+    shape = bench.model_shape(toy_model())
+    assert shape == dict(body=116, parameters=180, layers=1, heads=2, kv_heads=1, head_dim=2, hidden=4, head_rows=8)
+    assert bench.model_shape(toy_model(), head_rows=1)["head_rows"] == 1  # a critic's value head
+
+
+def test_token_counts_by_hand():
+    # Scoring (sequence_logprobs, the update): each distinct prompt once (3 + 4 tokens), each
+    # completion's ℓ tokens (2 + 1 + 3); completion token j of a row sits at position p + j and
+    # attends to p + j + 1 keys, a prompt token at k to k + 1:
+    #   keys = prompts 3·4/2 + 4·5/2 = 16; rows Σ_j (p+j+1): (4+5) + 4 + (5+6+7) = 31   -> 47
+    #   scored positions: one per completion token = 6
+    counts = bench.token_counts(*toy_batch())
+    assert counts == dict(tokens=13, keys=47, scored=6, steps=3, decode_keys=31)
+    # Decode (generate): the prompts prefilled (7 tokens, 16 keys, one scored position each);
+    # then each row feeds ℓ − 1 tokens = 1, 0, 2, token j ≥ 1 fed at position p + j − 1 over
+    # p + j keys: row 1: 4; row 3: 5 + 6 = 11 -> decode keys 15; steps = max ℓ − 1 = 2.
+    counts = bench.token_counts(*toy_batch(), decode=True)
+    assert counts == dict(tokens=10, keys=31, scored=5, steps=2, decode_keys=15)
+
+
+def test_flops_and_bytes_by_hand():
+    # forward FLOPs = 2·body·tokens + 4·layers·heads·head_dim·keys + 2·d·head_rows·scored
+    #               = 232·tokens + 16·keys + 64·scored.
+    # Scoring: 232·13 + 16·47 + 64·6 = 3016 + 752 + 384 = 4152. Decode: 2320 + 496 + 320 = 3136.
+    # Bytes, bf16 (2 bytes): the weights are 180·2 = 360 bytes; a key column (K and V of one
+    # position, every layer and KV head) 1·1·2·2·2 = 8 bytes.
+    #   decode: weights once for the prefill and once per step (1 + 2), and the decode keys read:
+    #           3·360 + 15·8 = 1200
+    #   score, two models (policy and reference), chunks of 8: one pass each over the weights:
+    #           2 · 4152 FLOPs = 8304, 2 · 1 · 360 = 720 bytes
+    #   train, micro-batches of 2: 3 · 4152 = 12456 FLOPs; ceil(3/2) = 2 micro-batches, 3 weight
+    #           reads each: 3·2·360 = 2160 bytes
+    shape, batch = bench.model_shape(toy_model()), toy_batch()
+    assert bench.forward_flops(shape, bench.token_counts(*batch)) == 4152
+    assert bench.forward_flops(shape, bench.token_counts(*batch, decode=True)) == 3136
+    assert bench.phase_work("decode", shape, batch, element_bytes=2) == (3136, 1200)
+    assert bench.phase_work("score", shape, batch, element_bytes=2, chunk=8, models=2) == (8304, 720)
+    assert bench.phase_work("train", shape, batch, element_bytes=2, chunk=2) == (12456, 2160)
+    # A value head (head_rows 1) adds 2·4·1 per scored position instead of 64: 3016 + 752 + 48
+    critic = bench.model_shape(toy_model(), head_rows=1)
+    assert bench.phase_work("score", critic, batch, element_bytes=4, chunk=8) == (3816, 720)
+
+
+def test_host_syncs_counted_from_the_profiler():
+    # Three .item() calls: three syncs (aten::item calls aten::_local_scalar_dense: one sync, not
+    # two); bool() of a tensor one more (aten::is_nonzero -> item -> _local_scalar_dense); nonzero
+    # one (its output size is read on the host); elementwise work none.
+    x = torch.randn(64, 64)
+
+    def three_items():
+        for _ in range(3):
+            (x @ x).sum().item()
+        return x * 2 + 1
+
+    def five():
+        three_items()
+        bool(x.sum() > 0)
+        return torch.nonzero(x > 0)
+
+    assert bench.profiled(three_items, torch.device("cpu"))[1]["host syncs"] == 3
+    assert bench.profiled(five, torch.device("cpu"))[1]["host syncs"] == 5
+    assert bench.profiled(lambda: x * 2 + 1, torch.device("cpu"))[1]["host syncs"] == 0
+
+
+def test_profiled_measures_one_call():
+    x = torch.randn(128, 128)
+    result, measured = bench.profiled(lambda: x @ x, torch.device("cpu"))
+    assert torch.equal(result, x @ x)
+    assert measured["wall s"] > 0 and 0 < measured["busy s"] <= measured["wall s"] * 1.5
+    assert "aten::mm" in measured["ops"] and measured["ops"]["aten::mm"][1] == 1  # (µs, calls)
