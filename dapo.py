@@ -80,6 +80,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from common import (
     PROMPT_FORMAT_HELP,
@@ -1321,8 +1322,9 @@ def generate(
     The phases: 1. prefill each distinct prompt once; 2. set up the one-token step's buffers;
     3. decode: sample, record, check for the end every check_every tokens (compacting finished
     rows away once at most compact_below of them are live), step (a CUDA graph per width on
-    CUDA); 4. cut to the longest completion and rewind the random generator past it. None of
-    the speed features changes the distribution sampled from; docs/speed.md explains each.
+    CUDA, mixture-of-experts layers routing-free in it: captured_experts); 4. cut to the longest
+    completion and rewind the random generator past it. None of the speed features changes the
+    distribution sampled from; docs/speed.md explains each.
     """
     was_training = model.training
     model.eval()  # no dropout, and gradient checkpointing (train-mode only) keeps the cache
@@ -1382,9 +1384,10 @@ def generate(
             biases[kind][..., : max(prompt_length - window + 1, 0)] = masked
     widths = decode_widths(prompt_length, max_new_tokens)
 
-    def step(width: int):
+    def step(width: int, captured: bool = False):  # captured: the step a CUDA graph holds
         cache.width = width
-        with grouped_attention(model), fp32_lm_head(model):
+        experts = captured_experts(model) if captured else contextlib.nullcontext()
+        with grouped_attention(model), fp32_lm_head(model), experts:
             out = model(
                 input_ids=token_in,
                 attention_mask=by_type({kind: bias[..., :width] for kind, bias in biases.items()}),
@@ -1439,7 +1442,7 @@ def generate(
                 biases[kind].index_fill_(-1, cache.slots - window, masked)
         width = next(w for w in widths if w > prompt_length + t)  # holds columns 0 … P+t
         if pool is not None and width not in graphs:
-            graphs[width] = captured_or_none(functools.partial(step, width), pool)
+            graphs[width] = captured_or_none(functools.partial(step, width, captured=True), pool)
         replay = graphs.get(width)  # None: eager, as on the CPU (no CUDA, torchrun, or a capture that failed)
         logits = replay() if replay is not None else step(width)  # (n, V)
         position += 1
@@ -1585,6 +1588,53 @@ def grouped_attention(model):
         yield
     finally:
         config._attn_implementation = attention
+
+
+def routing_free_experts(self, hidden_states, top_k_index, top_k_weights):
+    """Saves the CUDA graph of a mixture-of-experts model's decode step (gpt-oss, Qwen3-MoE, OLMoE):
+    transformers' experts (grouped_mm) sort the tokens by expert and multiply each expert's share
+    with one grouped GEMM whose group ends live on the GPU; torch runs that GEMM on the GPU only for
+    bf16 weights on a Hopper-class device, and otherwise as a loop over experts that first copies the
+    group ends to the host, which a graph cannot hold (the capture fails: gpt-oss in fp32 on an
+    H100). Here every token goes through every expert in two batched products whose shapes do not
+    depend on the routing, and each token keeps the outputs of its top-k experts, weighted and summed
+    in top-k order as transformers sums them: the same function, nothing crosses to the host.
+    The cost: E/k times the experts' FLOPs (gpt-oss-20b: 8×) over the same weights read, which a
+    decode step does not notice while 2·n / (bytes a weight) FLOPs per byte stays under the device's
+    FLOP/s per byte/s (H100, bf16: ~300, so n up to ~300 rows; fp32, no tensor cores: ~20).
+    A forward of transformers' ExpertsInterface: hidden_states (n, H), top_k_index and
+    top_k_weights (n, k) -> (n, H)."""
+    up_weight = self.gate_up_proj if self.has_gate else self.up_proj  # (E, 2I or I, H), transposed (E, H, …)
+    with torch.autocast(hidden_states.device.type, enabled=False):  # the weights' dtype, as grouped_mm runs
+        hidden = hidden_states.to(up_weight.dtype)  # (n, H)
+        up = torch.matmul(hidden, up_weight if self.is_transposed else up_weight.transpose(-2, -1))  # (E, n, 2I)
+        if self.has_bias:
+            up = up + (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias)[:, None]
+        inner = self._apply_gate(up) if self.has_gate else self.act_fn(up)  # (E, n, I)
+        out = torch.matmul(inner, self.down_proj if self.is_transposed else self.down_proj.transpose(-2, -1))
+        if self.has_bias:
+            out = out + self.down_proj_bias[:, None]  # (E, n, H)
+        rows = torch.arange(hidden.shape[0], device=hidden.device)[:, None]  # (n, 1)
+        chosen = out[top_k_index, rows] * top_k_weights[..., None].to(out.dtype)  # (n, k, H)
+        return chosen.sum(dim=1).to(hidden_states.dtype)  # (n, H)
+
+
+@contextlib.contextmanager
+def captured_experts(model):
+    """Within it the model's mixture-of-experts layers run routing_free_experts (registered with
+    transformers' ExpertsInterface): generate's captured one-token step, so that every family's
+    decode step captures. A no-op for a model without such layers (dense models, models that are
+    not transformers'); the eager step (CPU, torchrun, a capture that failed) keeps the model's own."""
+    ALL_EXPERTS_FUNCTIONS.register("nanopo_routing_free", routing_free_experts)
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "config")}
+    saved = {key: config._experts_implementation for key, config in configs.items()}
+    for config in configs.values():
+        config._experts_implementation = "nanopo_routing_free"
+    try:
+        yield
+    finally:
+        for key, config in configs.items():
+            config._experts_implementation = saved[key]
 
 
 @contextlib.contextmanager

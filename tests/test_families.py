@@ -6,6 +6,8 @@ sequence_logprobs' and the plain forward pass's, to 1e-5 in fp32, with left padd
 rows leaving the batch as they end (compaction). Each of the three scripts trains one step on it
 and its checkpoint reloads; LoRA finds its layers; a model the scripts cannot serve stops first."""
 
+import contextlib
+
 import pytest
 import torch
 from transformers import AutoTokenizer, T5Config, T5ForConditionalGeneration
@@ -177,3 +179,111 @@ def test_layers_that_are_not_a_window_stop_with_their_type():
         check_servable(model, "qwen3-next-like")
     with pytest.raises(ValueError, match=r"linear_attention"):
         attention_windows(model)
+
+
+# ----------------------------------------------------------------------------------------
+# The captured decode step: nothing in it may cross between host and device
+
+# Ops a CUDA graph cannot hold: each reads a value back to the host (so the GPU must finish first)
+# or copies host data to the device mid-step. On the CPU they run like any other op, so the test
+# finds them by name in the ops of generate's one-token steps.
+HOST_CROSSING = {
+    "aten._local_scalar_dense": "a value read to the host: .item(), int(), bool(), .tolist()",
+    "aten.nonzero": "a shape that depends on values",
+    "aten.masked_select": "a shape that depends on values",
+    "aten._unique2": "a shape that depends on values",
+    "aten.unique_consecutive": "a shape that depends on values",
+    "aten.unique_dim": "a shape that depends on values",
+    "aten.lift_fresh": "torch.tensor(data) inside the step: host data copied to the device",
+    "transformers.grouped_mm_fallback": "transformers' loop over experts: offsets.tolist()",
+}
+
+
+def crosses_the_host(func, args) -> str | None:
+    """Why op `func` on `args` would leave a CUDA graph, or None."""
+    name = func._schema.name.replace("::", ".")
+    if name in HOST_CROSSING:
+        return HOST_CROSSING[name]
+    if name == "aten._grouped_mm" and args[0].dtype != torch.bfloat16:  # torch's kernel is bf16 only (Hopper)
+        return "torch's grouped GEMM off bf16: a loop over groups that first copies the offsets to the host"
+    if name == "aten.repeat_interleave" and len(args) == 1:  # repeats without output_size: their sum read back
+        return "repeat_interleave without output_size"
+    return None
+
+
+class DecodeStepOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """The ops of generate's one-token steps (a forward of one token a row; the prefill is not in
+    the graph), each with the reason it would leave a CUDA graph, and the kinds of the step's inputs."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inside, self.crossing, self.inputs = False, [], set()
+        self.hooks = [
+            model.register_forward_pre_hook(self.enter, with_kwargs=True),
+            model.register_forward_hook(lambda *unused: setattr(self, "inside", False), with_kwargs=True),
+        ]
+
+    def enter(self, module, args, kwargs):
+        self.inside = kwargs["input_ids"].shape[1] == 1
+        if self.inside:  # tensors, masks (one or one per layer type), the cache, flags: nothing made from host data
+            for value in kwargs.values():
+                values = value.values() if isinstance(value, dict) else [value]
+                self.inputs |= {type(v).__name__ if not isinstance(v, torch.Tensor) else "Tensor" for v in values}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.inside and (reason := crosses_the_host(func, args)):
+            self.crossing.append((func._schema.name, reason))
+        return func(*args, **(kwargs or {}))
+
+    def remove(self):
+        for hook in self.hooks:
+            hook.remove()
+
+
+def decode_ops(model, captured: bool, monkeypatch):
+    """Greedy generate on the family prompts with every one-token step run as the captured step
+    runs (captured_experts on: the CPU has no graphs, so the step is entered as a graph would hold
+    it) or as the eager one; returns the ops that cross the host, the step's input kinds, and the
+    output of generate."""
+    if captured:
+        real = grpo.grouped_attention
+
+        @contextlib.contextmanager
+        def as_captured(model):
+            with real(model), grpo.captured_experts(model):
+                yield
+
+        monkeypatch.setattr(grpo, "grouped_attention", as_captured)
+    prompt_ids, prompt_mask = family_prompts()
+    recorder = DecodeStepOps(model)
+    try:
+        with recorder:
+            out = generate(model, prompt_ids, prompt_mask, NEW_TOKENS, [VOCAB + 1], 0, VOCAB, 0.0)
+    finally:
+        recorder.remove()
+    return recorder.crossing, recorder.inputs, out
+
+
+def test_the_captured_step_crosses_no_host_boundary(family, monkeypatch):
+    # The first H100 run: gpt-oss's capture failed ("Cannot copy between CPU and CUDA tensors during
+    # CUDA graph capture"): its experts' grouped GEMM in fp32 copies the group ends to the host. As
+    # captured, every family's step holds no op that leaves the graph, takes only tensors (and the
+    # cache) made before it, and still samples the model itself: greedy tokens are the plain
+    # forward's argmax, log-probs equal the plain forward's to TOLERANCE.
+    name, model = family
+    crossing, inputs, (ids, mask, _, logp) = decode_ops(model, True, monkeypatch)
+    assert crossing == []
+    assert inputs <= {"Tensor", "KVCache", "bool"}, inputs
+    prompt_ids, prompt_mask = family_prompts()
+    assert torch.equal(ids, greedy_by_recomputation(model, prompt_ids, prompt_mask, NEW_TOKENS, VOCAB))
+    assert (logp - plain_forward_logprobs(model, prompt_ids, prompt_mask, ids, mask)).abs().max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["gpt-oss", "qwen3-moe"])
+def test_a_moe_step_left_as_it_is_would_leave_the_graph(name, monkeypatch):
+    # The check above sees the bug it guards against: the eager step (the model's own experts) of
+    # the MoE families runs the fp32 grouped GEMM, or transformers' loop, that a graph cannot hold.
+    if unbuildable(name):
+        pytest.skip(unbuildable(name))
+    crossing, _, _ = decode_ops(family_model(name), False, monkeypatch)
+    assert crossing and all("grouped" in op or "grouped" in reason for op, reason in crossing)

@@ -32,6 +32,8 @@ SHARED = [
     "decode_widths",
     "grouped_decode_attention",
     "grouped_attention",
+    "routing_free_experts",
+    "captured_experts",
     "fp32_lm_head",
     "cuda_graph",
     "captured_or_none",
