@@ -211,6 +211,8 @@ def as_field_type(value, kind):
         raise ValueError(f"needs {wanted}, not {value!r}") from None
     if kind is int and isinstance(value, float) and value != number:
         raise ValueError(f"needs {wanted}, not {value!r}")
+    if number != number:  # NaN ("nan", YAML's .nan): every comparison is False, so `beta > 0` would drop the KL
+        raise ValueError(f"needs {wanted}, not {value!r}")
     return number
 
 

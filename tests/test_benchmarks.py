@@ -101,6 +101,11 @@ def test_extract_boxed(text, expected):
         ("The answer is 3 × 6 = 18.", "18"),
         ("The answer is 18 apples from 3 baskets.", "18"),  # no '=': the first number after the phrase
         ("The answer is 3 × 6 = 18.\nAnd 7 more lines with 2 numbers, 9", "18"),
+        # several matches: the last of each (issue 42: with one '=' a line, reading the first passed)
+        ("The answer is 2 + 4 = 6 × 3 = 18.", "18"),  # the number after the line's last '=', not 6
+        ("The answer is 5.\nNo: 3 × 6 = 18, so the answer is 18 apples.", "18"),  # the last 'answer is'
+        ("\\boxed{3 \\times 6 = 18}", "18"),  # the last number inside the box
+        ("\\boxed{5}, no, \\boxed{18}. 7 in all", "18"),  # the last box, over the last number
     ],
 )
 def test_extract_gsm8k_answer(text, expected):
@@ -173,6 +178,8 @@ def test_bbh_empty_answer_is_not_formatted():
         ("-1,234", "-1234", True),
         ("24.0", "24", True),
         ("3 (three)", "3", True),
+        ("2 + 3 = 5", "5", True),  # the last number: the result, not the first operand
+        ("2 + 3 = 5", "2", False),
         ("$24$", "24", True),
         ("4", "3", False),
         ("-123", "123", False),
@@ -196,7 +203,9 @@ def test_bbh_correct(answer, gold, expected):
         ("the answer is **(J)**", "J"),
         ("The answer is (A). On reflection, the answer is (D).", "D"),  # the last one
         ("Answer: E", "E"),
+        ("Answer: A, or rather Answer: E", "E"),  # the last of each pattern
         ("Thus \\boxed{G}", "G"),
+        ("\\boxed{A}, no: \\boxed{G}", "G"),
         ("The answer is Because of the heat", None),  # 'B' of 'Because' is no letter choice
         ("The answer is a mystery", None),  # lower-case 'a' is a word, not option A
         ("I cannot decide", None),
@@ -251,6 +260,8 @@ def test_gsm8k_strict_and_flexible_grades(completion, truncated, expected):
         (math500_score, "so the answer is \\boxed{\\frac{1}{2}}", "\\frac12", True, True),
         (math500_score, "so x = 1/2", "\\frac12", True, False),
         (math500_score, "\\boxed{3}", "\\frac12", False, False),
+        # the last box alone: math-verify would read the two as the set {3, 1/2}, equal to neither
+        (math500_score, "\\boxed{3}, no: \\boxed{\\frac{1}{2}}", "\\frac12", True, True),
         # BBH: strict reads after "So the answer is"; flexible also takes a \\boxed{} without it
         (bbh_score, "Let's think step by step. ... So the answer is (B).", "(B)", True, True),
         (bbh_score, "So the answer is $\\boxed{(C)}$.", "(C)", True, True),  # a box after the phrase
@@ -263,6 +274,7 @@ def test_gsm8k_strict_and_flexible_grades(completion, truncated, expected):
         (mmlu_pro_score, "Answer: C", "C", True, False),
         (mmlu_pro_score, "Thus \\boxed{C}", "C", True, False),
         (mmlu_pro_score, "The answer is (A). Answer: C", "C", False, False),  # the phrase wins
+        (mmlu_pro_score, "The answer is (A). On reflection, the answer is (D).", "D", True, True),  # the last
     ],
 )
 def test_strict_and_flexible_grades_of_each_benchmark(score_fn, completion, gold, correct, strict):

@@ -43,6 +43,58 @@ def test_values_take_their_fields_type(tmp_path):
     assert (args.lr, args.max_steps, args.dynamic_sampling) == (None, 3, False)
 
 
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+@pytest.mark.parametrize(
+    "written, meant",
+    [("false", False), ("no", False), ("0", False), ("False", False), ("NO", False)]
+    + [("true", True), ("yes", True), ("1", True), ("True", True), ("YES", True)],
+)
+def test_a_quoted_boolean_reads_as_what_it_says(tmp_path, suffix, written, meant):
+    # A quoted "false" is a string to YAML and to JSON, not a bool (their bare `no` and `false` are):
+    # it must turn the flag off, not on, both for a flag whose default is on (dapo's
+    # dynamic_sampling) and one whose default is off (gradient_checkpointing) (issue 42).
+    settings = {"dynamic_sampling": written, "gradient_checkpointing": written}
+    text = json.dumps(settings) if suffix == ".json" else "".join(f'{k}: "{v}"\n' for k, v in settings.items())
+    args = parse_args(dapo.Args, ["--config", write(tmp_path / f"run{suffix}", text)])
+    assert (args.dynamic_sampling, args.gradient_checkpointing) == (meant, meant)
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_every_field_type_carried_as_a_string(tmp_path, suffix):
+    # Each kind of Args field, its value quoted: int, float (YAML's 2e-5 is a string anyway), float | None,
+    # str (a quoted "false" stays the text "false": only a bool field reads it as one), bool, list[str].
+    settings = {"max_steps": "7", "beta": "2e-5", "lr": "3e-6", "task": "digit", "model": "false", "unbiased_kl": "no"}
+    text = json.dumps(settings) if suffix == ".json" else "".join(f'{k}: "{v}"\n' for k, v in settings.items())
+    args = parse_args(grpo.Args, ["--config", write(tmp_path / f"run{suffix}", text)])
+    assert (args.max_steps, args.beta, args.lr, args.task, args.model, args.unbiased_kl) == (
+        7, 2e-5, 3e-6, "digit", "false", False,
+    )  # fmt: skip
+    listed = json.dumps({"compare": ["runs/a", "7"]}) if suffix == ".json" else 'compare: ["runs/a", "7"]\n'
+    assert parse_args(evaluate.Args, ["--config", write(tmp_path / f"list{suffix}", listed)]).compare == ["runs/a", "7"]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        # a string that is no value of the field stops, never a silent default or a flag turned on
+        ('gradient_checkpointing: "off"\n', "gradient_checkpointing: needs true or false, not 'off'"),
+        ('gradient_checkpointing: ""\n', "gradient_checkpointing: needs true or false, not ''"),
+        ('max_steps: "7.5"\n', "max_steps: needs an int, not '7.5'"),
+        ('max_steps: "true"\n', "max_steps: needs an int, not 'true'"),
+        ('beta: "true"\n', "beta: needs a float, not 'true'"),
+        ('lr: "null"\n', "lr: needs a float, not 'null'"),  # a quoted null is text; null unquoted is None
+        # NaN compares False with everything, so `beta > 0` would silently drop the KL term: refused
+        ('beta: "nan"\n', "beta: needs a float, not 'nan'"),
+        ("beta: .nan\n", "beta: needs a float, not nan"),
+        ("task: no\n", "task: needs a text, not False"),  # YAML's bare no is a bool, no text
+    ],
+)
+def test_a_string_that_is_no_value_of_its_field_stops(tmp_path, text, message):
+    with pytest.raises(SystemExit) as stop:
+        parse_args(grpo.Args, ["--config", write(tmp_path / "run.yaml", text)])
+    assert message in str(stop.value)
+
+
 @pytest.mark.parametrize(
     "text, message",
     [

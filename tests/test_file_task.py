@@ -101,6 +101,8 @@ def test_every_grader_by_hand():
     assert grade("exact", "I think \\boxed{ New  York. }", "new york") == (1.0, True)
     assert grade("exact", "\\boxed{Boston}", "new york") == (0.1, False)
     assert grade("exact", "The answer is New York", "new york") == (0.0, True)  # right, but not in the box
+    assert grade("exact", "The answer is Boston.\nNo, the answer is New York", "new york") == (0.0, True)  # the last
+    assert grade("exact", "\\boxed{Boston}, no: \\boxed{New York}", "new york") == (1.0, True)  # the last box
     # countdown: an equation over the row's numbers that reaches its target
     row = dict(nums="[3, 5, 7]", target="22")
     assert grade("countdown", "<think>x</think> <answer>3 * 5 + 7</answer>", "", **row) == (1.0, True)

@@ -87,6 +87,22 @@ def test_well_formed_but_wrong_answers(answer):
     assert (score.reward, score.correct, score.formatted) == (REWARD_FORMAT, False, True)
 
 
+@pytest.mark.parametrize(
+    "answer, problem",
+    [
+        # Each reaches the target, so only the count of each number can make it wrong: a verifier
+        # comparing sets instead of multisets would pay all three in full (issue 42), and a policy
+        # would learn to pad its answers or skip a repeated number.
+        ("5 * 11 - 7 + 3 + 3 - 3", PROBLEM),  # 55 − 7 + 3 + 3 − 3 = 51, but 3 used three times
+        ("7 + 1", {"nums": [7, 7, 1], "target": 8}),  # = 8, but one of the two 7s dropped
+        ("7 * 7 - 1 + 1 - 1", {"nums": [7, 7, 1], "target": 48}),  # 49 − 1 + 1 − 1 = 48, 1 three times
+    ],
+)
+def test_an_answer_that_reaches_the_target_with_a_number_reused_or_dropped_is_wrong(answer, problem):
+    score = countdown_score(wrap(answer), problem)
+    assert (score.reward, score.correct, score.formatted) == (REWARD_FORMAT, False, True)
+
+
 def test_division_by_zero_with_the_right_numbers_is_wrong():
     score = countdown_score(wrap("3 / (5 - 5) + 7"), {"nums": [3, 5, 5, 7], "target": 10})
     assert (score.reward, score.correct) == (REWARD_FORMAT, False)
