@@ -6,7 +6,9 @@ one-line bug planted in the advantage or loss code (named in its comment) and pa
 - Dr. GRPO's constant is max_new_tokens, not the batch's width;
 - the sequence-level IS mask averages each row over its own length, not the padded width;
 - on-policy, the ratio is exp(log π − sg(log π)): its gradient is the policy gradient;
-- the on-policy shortcut is taken exactly when μ = 1 and there is one mini-batch."""
+- the on-policy shortcut is taken exactly when μ = 1 and there is one mini-batch;
+- VAPO's positive-example NLL is divided by the correct completions' tokens of the whole mini-batch
+  (issue 42)."""
 
 import pytest
 import torch
@@ -248,3 +250,36 @@ def test_off_policy_update_reads_the_recorded_old_logp(sampled, script, updates)
     gradient = [p.grad for p in model.parameters() if p.grad is not None]
     assert all(not g.abs().any() for g in gradient)
     assert totals["clip_high"] == totals["tokens"] == batch["completion_mask"].sum().item()
+
+
+# ----------------------------------------------------------------------------------------
+# VAPO's positive-example NLL (ppo.py, --pos_lm_coef) is divided by the tokens of the correct
+# completions in the whole mini-batch. Planted bugs: divided by every completion's tokens, by the
+# loss mask's count, by the positive completions' number, or by each micro-batch's own positive tokens.
+
+FP32_EPS = 1.19e-7  # torch.finfo(torch.float32).eps
+
+
+def test_ppo_positive_nll_is_divided_by_the_positive_tokens_of_the_mini_batch(sampled):
+    # 12 completions of hand-set lengths, rows 1, 3 and 7 correct (3 + 1 + 9 = 13 positive tokens, of
+    # 79), micro-batches of 5 rows (5, 5, 2), so the three correct rows fall in two of them:
+    #   pos_nll = −Σ_{i∈{1,3,7}} Σ_{t<|o_i|} log π(o_it) / 13
+    # with log π the pass's own, which policy_backward records (on-policy, old_logp None).
+    model, tokenizer, batch = sampled
+    lengths = torch.tensor([12, 3, 7, 1, 12, 5, 2, 9, 4, 12, 6, 6])
+    mask = (torch.arange(12)[None, :] < lengths[:, None]).long()  # (12, 12)
+    positive = torch.zeros(12, dtype=torch.bool)
+    positive[[1, 3, 7]] = True
+    batch = {**batch, "completion_mask": mask, "old_logp": None, "ref_logp": None, "positive": positive}
+    batch |= {"advantages": torch.ones(12, 12), "returns": torch.zeros(12, 12), "old_values": torch.zeros(12, 12)}
+    args = ppo.Args(beta=0.0, micro_batch_size=5, num_mini_batches=1, ppo_epochs=1, pos_lm_coef=0.1)
+    model.zero_grad(set_to_none=True)
+    totals, recorded = ppo.policy_backward(model, batch, args, len(tokenizer))
+    model.zero_grad(set_to_none=True)
+    positive_tokens = mask * positive[:, None]  # (12, 12)
+    assert (totals["pos_tokens"], int(mask.sum())) == (13, 79)
+    summed = -(recorded["old_logp"].double() * positive_tokens).sum().item()  # Σ −log π, 13 terms of one sign
+    # The script sums the 13 terms in fp32 in another order (per micro-batch, then the three quotients):
+    # at most 13 + 3 roundings of eps each, relative to the sum (every term has the same sign).
+    assert totals["pos_nll"] == pytest.approx(summed / 13, rel=16 * FP32_EPS)
+    assert summed > 0
