@@ -150,6 +150,11 @@ def qwen_sized_tokenizer(size: int = QWEN_TOKENIZER_SIZE):
     return tokenizer
 
 
+def default_model_dir(shape: str, num_layers: int = 0) -> Path:
+    root = Path(os.environ.get("NANOPO_CACHE", Path.home() / ".cache" / "nanopo"))
+    return root / (f"bench-{shape}" + (f"-{num_layers}l" if num_layers else ""))
+
+
 def shape_directory(args: Args, device) -> Path:
     """The directory of --model's shape (qwen2.5-*-shape, --num_layers), random weights saved in
     bf16 with the 151,665-id tokenizer, written once and read back by every later run and by the
@@ -157,9 +162,7 @@ def shape_directory(args: Args, device) -> Path:
     Built on `device` directly (torch.device as the default device: a 1.5B model initialised on
     the CPU takes minutes), written beside the target and renamed into place: a run cut short
     leaves no half-written directory."""
-    root = Path(os.environ.get("NANOPO_CACHE", Path.home() / ".cache" / "nanopo"))
-    layers = f"-{args.num_layers}l" if args.num_layers else ""
-    directory = Path(args.model_dir) if args.model_dir else root / f"bench-{args.model}{layers}"
+    directory = Path(args.model_dir) if args.model_dir else default_model_dir(args.model, args.num_layers)
     if (directory / "config.json").exists():
         return directory
     start = time.perf_counter()

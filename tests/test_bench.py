@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import torch
+
 from conftest import ROOT
 
 
@@ -121,3 +123,23 @@ def test_steps_4_and_6_time_the_shared_unshared_and_padded_versions(tmp_path):
         assert row[f"{version} step 4 s"] > 0 and row[f"{version} step 6 s"] > 0
         assert row[f"{version} 4+6 s"] == row[f"{version} step 4 s"] + row[f"{version} step 6 s"]
     assert row["unshared/shared"] == row["unshared 4+6 s"] / row["shared 4+6 s"]
+
+
+def test_the_shapes_model_is_written_once_and_read_back(tmp_path, monkeypatch):
+    # The shape's random model (here the 0.5B shape cut to one layer) is built once, written to
+    # --model_dir in bf16 with its tokenizer, and every later run loads it: nothing is built again.
+    import bench
+
+    args = bench.Args(model="qwen2.5-0.5b-shape", num_layers=1, model_dir=str(tmp_path / "shape"))
+    directory = bench.shape_directory(args, "cpu")
+    assert (directory / "config.json").exists() and (directory / "tokenizer.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shape"]  # written beside it, renamed into place
+
+    def built_again(*unused, **unused_named):
+        raise AssertionError("the model was built again")
+
+    monkeypatch.setattr(bench, "Qwen2ForCausalLM", built_again)
+    assert bench.shape_directory(args, "cpu") == directory
+    model, tokenizer, vocab_size, loaded = bench.load_bench_model(args, torch.device("cpu"), torch.float32)
+    assert loaded == str(directory) and vocab_size == bench.QWEN_TOKENIZER_SIZE
+    assert model.config.num_hidden_layers == 1 and next(model.parameters()).dtype == torch.float32

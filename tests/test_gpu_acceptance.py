@@ -1,6 +1,6 @@
 """tests/gpu_acceptance.py, the CUDA path's one-command acceptance run, end to end with --smoke:
-the same four stages with the tiny model on the CPU, so that the runner and its report are
-known to work before a GPU session spends its minutes on them."""
+the same six stages with the tiny model on the CPU, profile tables included, so that the runner
+and its report are known to work before a GPU session spends its minutes on them."""
 
 import subprocess
 import sys
@@ -14,8 +14,14 @@ def test_acceptance_runner_smoke(tmp_path):
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     text = report.read_text()
-    assert text.count("\n## ") == 4 and text.count("passed, ") == 4  # four stages, each passed
+    assert text.count("\n## ") == 6 and text.count("passed, ") == 6  # six stages, each passed
     assert "pytest: " in text and "skipped" in text  # the CUDA tier: skipped on the CPU, and said so
-    for table in ("| N | P | mode | lengths | nanopo tok/s", "| script | time/generate"):
-        assert table in text
-    assert "| grpo |" in text and "| dapo |" in text and "| ppo |" in text
+    assert "| N | P | mode | lengths | nanopo tok/s | hf tok/s |" in text  # generation against model.generate
+    # The profile table (one row per phase) and the table of the ten largest CPU ops per phase.
+    assert "| run | phase | calls | wall s | CPU op s | busy/wall | TFLOP | TFLOP/s | MFU | GB | GB/s |" in text
+    assert "| run | phase | # | CPU op | ms | calls | of busy |" in text
+    assert "| decode | generate N=4 | 1 |" in text
+    for script in ("grpo", "dapo", "ppo"):
+        assert f"| {script} | generate+reward | 1 |" in text and f"| {script} | update |" in text
+    assert "| ppo | values |" in text and "| ppo | critic update |" in text
+    assert "| script | time/generate |" in text and "| ppo |" in text  # the step's own time/* metrics
