@@ -148,7 +148,7 @@ def test_the_scripts_share_their_imports_from_common():
         imported[script] = {alias.name for alias in node.names}
     ppo_only = {"enable_activation_checkpointing", "resolve_model_name", "with_adapters", "is_lora", "ADAPTER_DIR"}
     ppo_only |= {"FULL_LR", "LORA_LR"}  # the critic's default learning rate is 10× the actor's
-    ppo_only |= {"full_state_dict", "rank"}  # under torchrun the critic's weights are gathered to rank 0
+    ppo_only |= {"full_state_dict"}  # under torchrun the critic's weights are gathered to rank 0
     ppo_only |= {"model_source", "dequantised"}  # the critic's backbone from a GGUF file
     ppo_only |= {"frozen_dtype"}  # a LoRA critic's frozen backbone in the compute dtype, as the policy's
     assert imported["grpo.py"] == imported["dapo.py"] == imported["ppo.py"] - ppo_only

@@ -3,6 +3,7 @@ gate (--loss_type sapo) and DeepSeek-V3.2's unbiased KL (--unbiased_kl), against
 by hand here, their gradients where the gate or the detach decides them, under gradient
 accumulation, and refused where they cannot work."""
 
+import dataclasses
 import json
 import math
 import threading
@@ -289,7 +290,7 @@ def test_top_share_by_hand():
     assert grpo.top_share(values, valid, 0.4).int().tolist() == [[0, 0, 0, 0], [1, 1, 0, 0]]
     assert grpo.top_share(values, valid, 0.5).int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0]]
     assert grpo.top_share(values, valid, 1.0).int().tolist() == valid.tolist()
-    # Ties at the k-th value are all kept: [2, 2, 1] with share 0.34 -> k = 2, both 2s (and only them).
+    # [2, 2, 1] with share 0.34 -> k = ⌈1.02⌉ = 2: both 2s (and only them).
     assert grpo.top_share(torch.tensor([[2.0, 2.0, 1.0]]), torch.ones(1, 3), 0.34).int().tolist() == [[1, 1, 0]]
     # 100 distinct values, share 0.07: k = 7, the values 93…99, though 0.07·100 = 7.000000000000001 in
     # floats (a bare ceil: 8 tokens); wanted = 5 in place of the share: 95…99.
@@ -298,13 +299,35 @@ def test_top_share_by_hand():
     assert grpo.top_share(values, torch.ones(1, 100), 1.0, wanted=5).nonzero()[:, 1].tolist() == list(range(95, 100))
 
 
-def test_top_share_over_two_ranks_is_one_process():
-    # Two "ranks" in two threads, each with half the rows, their counts, minima and maxima exchanged at
-    # every step as all_reduce would: together they keep exactly the tokens one process keeps.
-    torch.manual_seed(0)
-    values, valid = torch.rand(6, 5), (torch.rand(6, 5) > 0.3).long()
-    one = dapo.top_share(values, valid, 0.2)
-    barrier, slots, kept = threading.Barrier(2), [None, None], {}
+@pytest.mark.parametrize("script", [grpo, dapo])
+def test_top_share_takes_exactly_k_tokens_and_the_earliest_of_a_tie(script):
+    # k = ⌈share·count⌉ tokens exactly (issue 42: every token tied with the k-th was kept). Of the tokens
+    # tied at the k-th value, the earliest in the mini-batch's order are taken: row by row, position by
+    # position (padding skipped).
+    #   [[2, 2, 2, 1]], share 0.5: k = 2 of the three 2s -> the first two.
+    #   [[1, 3, 9], [3, 3, 0]] (9 padding), share 0.5 of 5 -> k = ⌈2.5⌉ = 3: the three 3s (no tie at the cut);
+    #   share 0.4 -> k = 2 of the three 3s: (0, 1) and (1, 0), not (1, 1).
+    #   All equal, 20 tokens, share 0.2 -> k = 4: the first four; share 0.01 -> k = 1: the first.
+    #   -0.0 and 0.0 are one value: [[-0.0, 0.0]], share 0.5 -> the first.
+    take = script.top_share
+    assert take(torch.tensor([[2.0, 2.0, 2.0, 1.0]]), torch.ones(1, 4), 0.5).int().tolist() == [[1, 1, 0, 0]]
+    values, valid = torch.tensor([[1.0, 3.0, 9.0], [3.0, 3.0, 0.0]]), torch.tensor([[1, 1, 0], [1, 1, 1]])
+    assert take(values, valid, 0.5).int().tolist() == [[0, 1, 0], [1, 1, 0]]
+    assert take(values, valid, 0.4).int().tolist() == [[0, 1, 0], [1, 0, 0]]
+    assert take(torch.zeros(4, 5), torch.ones(4, 5), 0.2).flatten().nonzero().flatten().tolist() == [0, 1, 2, 3]
+    assert take(torch.zeros(4, 5), torch.ones(4, 5), 0.01).flatten().nonzero().flatten().tolist() == [0]
+    assert take(torch.tensor([[-0.0, 0.0]]), torch.ones(1, 2), 0.5).int().tolist() == [[1, 0]]
+    # Negative, tiny and huge values rank as numbers do (the bisection runs over fp32's ordering, exact
+    # in at most 33 halvings): the 3 largest of these 7 are 1e30, 1e-30 and 1e-38 (a subnormal).
+    values = torch.tensor([[-1e30, -2.0, -1e-30, 1e-38, 1e-30, 1e30, -1e-38]])
+    assert take(values, torch.ones(1, 7), 3 / 7).int().tolist() == [[0, 0, 0, 1, 1, 1, 0]]
+
+
+def two_ranks(function, *halves):
+    """function(*half, reduce, rank) on two "ranks" in two threads, each with its half of the rows,
+    their sums (numbers and tensors), minima and maxima exchanged at every step as all_reduce would.
+    Returns the two results."""
+    barrier, slots, results = threading.Barrier(2), [None, None], [None, None]
 
     def rank(index):
         def reduce(value, op="sum"):
@@ -312,15 +335,47 @@ def test_top_share_over_two_ranks_is_one_process():
             barrier.wait()
             mine, other = slots[index], slots[1 - index]
             barrier.wait()
-            return {"sum": mine + other, "min": min(mine, other), "max": max(mine, other)}[op]
+            return mine + other if op == "sum" else min(mine, other) if op == "min" else max(mine, other)
 
-        rows = slice(3 * index, 3 * index + 3)
-        kept[index] = dapo.top_share(values[rows], valid[rows], 0.2, reduce)
+        results[index] = function(*halves[index], reduce, index)
 
     threads = [threading.Thread(target=rank, args=(index,)) for index in (0, 1)]
     [thread.start() for thread in threads]
     [thread.join() for thread in threads]
-    assert torch.equal(torch.cat([kept[0], kept[1]]), one) and one.sum() == math.ceil(0.2 * valid.sum().item())
+    return results
+
+
+@pytest.mark.parametrize("script", [grpo, dapo])
+def test_top_share_breaks_a_tie_over_two_ranks_as_one_process(script):
+    # 6 rows of 5, every value 0.5 except a few 0.9, rows 0-2 on rank 0 and 3-5 on rank 1: the k-th
+    # value is tied across both ranks, and together they take the tokens one process takes: the
+    # earliest, rank 0's rows first (the prompts' order: rank r holds prompts r·B/K …).
+    values = torch.full((6, 5), 0.5)
+    values[4, 1] = values[1, 3] = 0.9
+    valid = torch.ones(6, 5, dtype=torch.long)
+    valid[0, 3:] = valid[3, :2] = 0
+    for share in (0.2, 0.5, 0.9):  # k = 6, 13, 24 of 26: ties taken on rank 0 only, on both, on both
+        one = script.top_share(values, valid, share)
+        kept = two_ranks(
+            lambda v, m, reduce, rank: script.top_share(v, m, share, reduce, rank_index=rank),
+            (values[:3], valid[:3]),
+            (values[3:], valid[3:]),
+        )
+        assert torch.equal(torch.cat(kept), one) and one.sum() == math.ceil(share * 26)
+        assert one[4, 1] and one[1, 3]  # the two 0.9s, above the tie
+
+
+def test_top_share_over_two_ranks_is_one_process():
+    # Random values, no ties: two "ranks" (two_ranks) together keep exactly the tokens one process keeps.
+    torch.manual_seed(0)
+    values, valid = torch.rand(6, 5), (torch.rand(6, 5) > 0.3).long()
+    one = dapo.top_share(values, valid, 0.2)
+    kept = two_ranks(
+        lambda v, m, reduce, rank: dapo.top_share(v, m, 0.2, reduce, rank_index=rank),
+        (values[:3], valid[:3]),
+        (values[3:], valid[3:]),
+    )
+    assert torch.equal(torch.cat(kept), one) and one.sum() == math.ceil(0.2 * valid.sum().item())
 
 
 @pytest.mark.parametrize("script", [grpo, dapo])
@@ -423,11 +478,45 @@ def test_cov_gradient_accumulation_equals_one_big_batch(sampled, script, loss_ty
         args = script.Args(micro_batch_size=micro_batch_size, loss_type=kind, **settings)
         totals, _ = script.policy_backward(model, batch, args, len(tokenizer))
         gradients.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-        if kind == loss_type:  # 5% of the mini-batch's valid tokens, ⌈0.05·count⌉ (ties at the k-th kept)
-            assert totals["cov_tokens"] >= math.ceil(0.05 * batch["completion_mask"].sum().item())
+        if kind == loss_type:  # 5% of the mini-batch's valid tokens, ⌈0.05·count⌉ exactly
+            assert totals["cov_tokens"] == math.ceil(0.05 * batch["completion_mask"].sum().item())
     for gradient in gradients[1:3]:
         assert (gradient - gradients[0]).abs().max() <= 1e-5 * gradients[0].abs().max()
     assert (gradients[3] - gradients[0]).abs().max() > 1e-4 * gradients[0].abs().max()
+
+
+@pytest.mark.parametrize("script", [grpo, dapo])
+def test_an_all_zero_advantage_mini_batch_gets_one_covariance_token_not_all(sampled, script):
+    # Every group's rewards equal (a stalled run): Â = 0, so Cov_t = (log π − mean)·0 = 0 on every token,
+    # all tied. KL-Cov with k = 2e-4 of N tokens takes ⌈2e-4·N⌉ = 1 token, the first valid one (row 0,
+    # position 0), not all N (issue 42); Clip-Cov with a band holding 0 (ω −1, 5) the same one.
+    model, tokenizer, batch = sampled
+    mask = batch["completion_mask"]
+    batch = {**batch, "advantages": torch.zeros(len(mask))}
+    for settings in ({"loss_type": "kl_cov"}, {"loss_type": "clip_cov", "clip_cov_bounds": "-1,5"}):
+        args = script.Args(**settings)
+        chosen = script.covariance_tokens(batch, mask, args)
+        assert chosen.nonzero().tolist() == [[0, 0]] and mask[0, 0] == 1
+        args = script.Args(micro_batch_size=5, num_iterations=2, beta=0.0, **settings)
+        args = dataclasses.replace(args, **({"max_new_tokens": 12} if script is grpo else {"overlong_buffer": 0}))
+        model.zero_grad(set_to_none=True)
+        totals, _ = script.policy_backward(model, batch, args, len(tokenizer))
+        assert totals["cov_tokens"] == 1
+    model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("script", [grpo, dapo])
+def test_equal_entropies_keep_exactly_the_top_share(sampled, script):
+    # Every token's entropy equal (so all tie): ρ = 0.2 keeps ⌈0.2·N⌉ tokens, not all N.
+    model, tokenizer, batch = sampled
+    count = batch["completion_mask"].sum().item()
+    batch = {**batch, "entropy": torch.ones(batch["completion_mask"].shape)}
+    settings = {"top_entropy_quantile": 0.2, "num_iterations": 2, "micro_batch_size": 5}
+    settings |= {"max_new_tokens": 12} if script is grpo else {"overlong_buffer": 0}
+    model.zero_grad(set_to_none=True)
+    totals, _ = script.policy_backward(model, batch, script.Args(**settings), len(tokenizer))
+    model.zero_grad(set_to_none=True)
+    assert totals["entropy_kept"] == math.ceil(0.2 * count) < count
 
 
 # ----------------------------------------------------------------------------------------
