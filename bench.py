@@ -40,6 +40,11 @@ so that the LM head, the sampler and the log-softmax run at the real vocabulary'
    mean and max |Δ log π| over the completion tokens, and the share of tokens beyond 0.01.
    Countdown prompts, N/G prompts × G, sampled at τ = 0.7 (the seed study's rollouts are τ = 1;
    a real model at 0.7 is more confident, which is where rounding a large logit matters).
+6. With --profile decode | grpo | dapo | ppo (comma-separated): instead of the sections above,
+   grpo.generate at N = the largest of --batch_sizes (sampled), or one training step of the script,
+   each phase call under its own torch.profiler: per phase wall time, device-busy time (CPU op
+   time on the CPU), its ten largest kernels, FLOP/s and MFU, bytes/s against the measured copy
+   bandwidth, peak memory and host syncs (Profiles, phase_work, count_host_syncs; docs/speed.md).
 Prints Markdown tables and writes them to --output (JSON).
 """
 
@@ -736,21 +741,22 @@ def count_host_syncs(events) -> tuple[int, int]:
     events of the phase's own range (PHASE_RANGE; bench's own synchronize after it is outside).
     ops: SYNC_OPS, an op counted once however nested (item calls _local_scalar_dense): reading a
     value (.item(), bool(), nonzero's size, unique's) waits for the device on a GPU; on the CPU the
-    same ops are counted, where they cost nothing. .tolist() and .cpu() are copies, not such ops:
+    same ops are counted, where they cost nothing, except within aten::_assert_async (the CPU's
+    reads its value; CUDA's asserts on the device, no sync). .tolist() and .cpu() are copies, not such ops:
     only the runtime count sees them. runtime: CUDA_SYNCS calls (cudaMemcpy is the synchronous
     copy; cudaMemcpyAsync is not counted), on CUDA."""
     ranges = [e.time_range for e in events if e.name == PHASE_RANGE]
     inside = lambda e: any(r.start <= e.time_range.start <= r.end for r in ranges)  # noqa: E731
 
-    def outermost(event) -> bool:
+    def counted(event) -> bool:  # the outermost sync op, not within _assert_async (no sync on CUDA)
         parent = event.cpu_parent
         while parent is not None:
-            if parent.name.startswith(SYNC_OPS):
+            if parent.name.startswith(SYNC_OPS) or parent.name == "aten::_assert_async":
                 return False
             parent = parent.cpu_parent
         return True
 
-    ops = sum(1 for e in events if e.name.startswith(SYNC_OPS) and inside(e) and outermost(e))
+    ops = sum(1 for e in events if e.name.startswith(SYNC_OPS) and inside(e) and counted(e))
     runtime = sum(1 for e in events if e.name in CUDA_SYNCS and inside(e))
     return ops, runtime
 

@@ -93,6 +93,9 @@ def test_host_syncs_counted_from_the_profiler():
     assert bench.profiled(three_items, torch.device("cpu"))[1]["host syncs"] == 3
     assert bench.profiled(five, torch.device("cpu"))[1]["host syncs"] == 5
     assert bench.profiled(lambda: x * 2 + 1, torch.device("cpu"))[1]["host syncs"] == 0
+    # torch._assert_async reads its value on the CPU (aten::item inside it), but on CUDA it
+    # asserts on the device without a sync: not counted (transformers' masks call it every pass).
+    assert bench.profiled(lambda: torch._assert_async(x.sum() != 0), torch.device("cpu"))[1]["host syncs"] == 0
 
 
 def test_profiled_measures_one_call():
@@ -101,3 +104,14 @@ def test_profiled_measures_one_call():
     assert torch.equal(result, x @ x)
     assert measured["wall s"] > 0 and 0 < measured["busy s"] <= measured["wall s"] * 1.5
     assert "aten::mm" in measured["ops"] and measured["ops"]["aten::mm"][1] == 1  # (µs, calls)
+
+
+def test_the_peak_mfu_is_measured_against(monkeypatch):
+    # --peak_tflops wins; otherwise the GPU's name picks the dense bf16 peak (an H100 SXM5 is
+    # the "H100 80GB HBM3": 989 TFLOP/s); on the CPU there is none, and MFU stays empty.
+    args = bench.Args()
+    assert bench.peak_flops(args, torch.device("cpu"))[0] is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    peak, source = bench.peak_flops(args, torch.device("cuda"))
+    assert peak == 989e12 and "989" in source
+    assert bench.peak_flops(bench.Args(peak_tflops=100), torch.device("cpu"))[0] == 100e12
