@@ -639,8 +639,8 @@ def bench_logprob_gap(args, model, tokenizer, vocab_size, device) -> list[dict]:
 # --profile: where a phase's time goes, on any device
 
 
-SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::nonzero", "aten::masked_select")
-SYNC_OPS += ("aten::equal", "aten::unique", "aten::_unique", "aten::unique_dim", "aten::unique_consecutive")
+SYNC_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::nonzero", "aten::masked_select"}
+SYNC_OPS |= {"aten::equal"}  # and every aten::unique* and aten::_unique* (is_sync_op); not nonzero_static
 CUDA_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 PHASE_RANGE = "bench.profiled"  # the record_function range around the phase's own call
 # Dense bf16 peaks, from NVIDIA's datasheets (the figures "with sparsity" halved): H100 SXM5 and
@@ -736,6 +736,10 @@ def phase_work(kind: str, shape: dict, batch, element_bytes: int, chunk: int = 1
     return 3 * flops, 3 * passes * weights
 
 
+def is_sync_op(name: str) -> bool:
+    return name in SYNC_OPS or name.startswith(("aten::unique", "aten::_unique"))
+
+
 def count_host_syncs(events) -> tuple[int, int]:
     """(ops, CUDA runtime calls) that make the host wait for the device, among the profiler's
     events of the phase's own range (PHASE_RANGE; bench's own synchronize after it is outside).
@@ -751,12 +755,12 @@ def count_host_syncs(events) -> tuple[int, int]:
     def counted(event) -> bool:  # the outermost sync op, not within _assert_async (no sync on CUDA)
         parent = event.cpu_parent
         while parent is not None:
-            if parent.name.startswith(SYNC_OPS) or parent.name == "aten::_assert_async":
+            if is_sync_op(parent.name) or parent.name == "aten::_assert_async":
                 return False
             parent = parent.cpu_parent
         return True
 
-    ops = sum(1 for e in events if e.name.startswith(SYNC_OPS) and inside(e) and counted(e))
+    ops = sum(1 for e in events if is_sync_op(e.name) and inside(e) and counted(e))
     runtime = sum(1 for e in events if e.name in CUDA_SYNCS and inside(e))
     return ops, runtime
 
@@ -841,7 +845,7 @@ class Profiles:
         self.report["profile"] = [self.row(run, phase, t) for (run, phase), t in self.phases.items()]
         self.report["profile_top"] = [r for (run, phase), t in self.phases.items() for r in self.top(run, phase, t)]
         self.save()
-        print(self.report["profile"][-1] if len(self.phases) == 1 else self.row(run, phase, total), flush=True)
+        print(self.row(run, phase, total), flush=True)
 
     def row(self, run: str, phase: str, total: dict) -> dict:
         cuda, wall = self.device.type == "cuda", total["wall s"]
@@ -937,7 +941,7 @@ def bench_profile(args, device, weight_dtype, compute_dtype, amp, report: dict, 
             pass
     bandwidth = copy_bandwidth(device, 256 if device.type == "cuda" else 32)
     peak, source = peak_flops(args, device)
-    element_bytes = 2 if compute_dtype in (torch.bfloat16, torch.float16) else 4 if weight_dtype == torch.float32 else 2
+    element_bytes = (compute_dtype or weight_dtype).itemsize  # what a pass reads: bf16 under autocast
     report |= {"copy bandwidth GB/s": bandwidth / 1e9, "peak": source, "profile": [], "profile_top": []}
     report["training_step"] = []
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; peak: {source}", flush=True)
@@ -945,6 +949,8 @@ def bench_profile(args, device, weight_dtype, compute_dtype, amp, report: dict, 
     for name in [n for n in args.profile.split(",") if n]:
         if name == "decode":
             profile_decode(args, device, weight_dtype, amp, element_bytes, profiles)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the training steps load their own copies
         else:
             report["training_step"].append(
                 profile_script(args, name, bench_directory(args, device), device, element_bytes, profiles)

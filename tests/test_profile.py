@@ -93,6 +93,7 @@ def test_host_syncs_counted_from_the_profiler():
     assert bench.profiled(three_items, torch.device("cpu"))[1]["host syncs"] == 3
     assert bench.profiled(five, torch.device("cpu"))[1]["host syncs"] == 5
     assert bench.profiled(lambda: x * 2 + 1, torch.device("cpu"))[1]["host syncs"] == 0
+    assert bench.profiled(lambda: torch.unique(x.round()), torch.device("cpu"))[1]["host syncs"] == 1
     # torch._assert_async reads its value on the CPU (aten::item inside it), but on CUDA it
     # asserts on the device without a sync: not counted (transformers' masks call it every pass).
     assert bench.profiled(lambda: torch._assert_async(x.sum() != 0), torch.device("cpu"))[1]["host syncs"] == 0
