@@ -11,10 +11,11 @@ section and every profiled phase), and the stages after it still run. The shares
 first GPU run (one H100 80GB HBM3, torch 2.11, transformers 5.17), where every stage of the
 acceptance as it was then ran out of time:
 
-  1. the CUDA tier, tests/test_cuda.py, without its two slowest tests (-k): 60 s. Measured: the
-     whole tier 150 s, of which the torchrun NCCL save-and-resume test 74.5 s and the bench smoke
-     on CUDA 55.4 s; the other tests together ~20 s (13 s of it the first fixture's set-up) while
-     18 of them failed early, so 60 s leaves them room to pass. The two run on their own:
+  1. the CUDA tier, tests/test_cuda.py and test_profile.py's CUDA test of the profiler, without
+     the tier's two slowest tests (-k): 60 s. Measured: the whole tier 150 s, of which the
+     torchrun NCCL save-and-resume test 74.5 s and the bench smoke on CUDA 55.4 s; the other tests
+     together ~20 s (13 s of it the first fixture's set-up) while 18 of them failed early, so
+     60 s leaves them room to pass. The two run on their own (130 s):
      python -m pytest -m cuda tests/test_cuda.py -k "torchrun_one_process or bench_smoke_on_cuda"
   2. generation, N = 16 × 64 new tokens, greedy: nanopo against model.generate: 55 s. The first
      bench stage also builds the 1.5B model on the GPU and writes it (bf16) to --model_dir, which
@@ -67,7 +68,8 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
         sizes = dict(rows="16", tokens="64", decode_rows="256", decode_tokens="1024", batch="32", group="8")
     step = ["--max_new_tokens", sizes["decode_tokens"], "--train_batch_size", sizes["batch"]]
     step += ["--group_size", sizes["group"]]
-    tier = [sys.executable, "-m", "pytest", "-m", "cuda", str(ROOT / "tests" / "test_cuda.py"), "-s"]
+    tier = [sys.executable, "-m", "pytest", "-m", "cuda", str(ROOT / "tests" / "test_cuda.py")]
+    tier += [str(ROOT / "tests" / "test_profile.py"), "-s"]  # and the profiler's own CUDA test
     return [
         dict(name="CUDA tier", seconds=60, command=[*tier, "-k", SLOW_CUDA_TESTS]),
         dict(

@@ -1,6 +1,7 @@
 """bench.py --profile: the FLOP and byte formulas against values computed by hand on a toy
 model, the host-sync counter against functions whose syncs are known, and one phase profiled."""
 
+import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -116,3 +117,21 @@ def test_the_peak_mfu_is_measured_against(monkeypatch):
     peak, source = bench.peak_flops(args, torch.device("cuda"))
     assert peak == 989e12 and "989" in source
     assert bench.peak_flops(bench.Args(peak_tflops=100), torch.device("cpu"))[0] == 100e12
+
+
+@pytest.mark.cuda
+def test_profiled_on_cuda():
+    # On a GPU: the busy time is the kernels' (no aten op carries device time of its own, so
+    # nothing is counted twice), each .item() is one host sync and at least one runtime sync.
+    device = torch.device("cuda", torch.cuda.current_device())
+    x = torch.randn(512, 512, device=device)
+
+    def three_items():
+        for _ in range(3):
+            (x @ x).sum().item()
+
+    _, measured = bench.profiled(three_items, device)
+    assert measured["host syncs"] == 3 and measured["CUDA syncs"] >= 3
+    assert 0 < measured["busy s"] <= measured["wall s"]
+    assert measured["ops"] and not any(name.startswith("aten::") for name in measured["ops"])
+    assert measured["peak GB"] > 0
