@@ -357,7 +357,7 @@ def test_top_share_breaks_a_tie_over_two_ranks_as_one_process(script):
     for share in (0.2, 0.5, 0.9):  # k = 6, 13, 24 of 26: ties taken on rank 0 only, on both, on both
         one = script.top_share(values, valid, share)
         kept = two_ranks(
-            lambda v, m, reduce, rank: script.top_share(v, m, share, reduce, rank_index=rank),
+            lambda v, m, reduce, rank, share=share: script.top_share(v, m, share, reduce, rank_index=rank),
             (values[:3], valid[:3]),
             (values[3:], valid[3:]),
         )

@@ -41,6 +41,8 @@ from ppo import (
 )
 from rewards import load_task
 
+FP32_EPS = torch.finfo(torch.float32).eps  # 1.19e-7: the tolerances below are N·eps, N the tokens summed
+
 
 def test_gae_2x4_by_hand():
     # γ = 0.9, λ = 0.5, so γλ = 0.45. Row 1 has 4 valid tokens; row 2 has 2, then padding
@@ -296,11 +298,12 @@ def test_gradient_accumulation_equals_one_big_batch(sampled):
     (policy_gradient, critic_gradient), policy_totals, critic_totals = results[0]
     assert policy_gradient.abs().max() > 0 and critic_gradient[:-97].abs().max() > 0  # backbone too, not just the head
     assert policy_totals["clip_low"] + policy_totals["clip_high"] > 0 and critic_totals["value_clipped"] > 0
+    tolerance = batch["completion_mask"].sum().item() * FP32_EPS  # N·eps: the same terms in another order
     for (policy_g, critic_g), policy_t, critic_t in results[1:]:
-        assert torch.allclose(policy_g, policy_gradient, rtol=1e-4, atol=1e-7)
-        assert torch.allclose(critic_g, critic_gradient, rtol=1e-4, atol=1e-7)
-        assert policy_t["loss"] == pytest.approx(policy_totals["loss"], rel=1e-5)
-        assert critic_t["loss"] == pytest.approx(critic_totals["loss"], rel=1e-5)
+        assert (policy_g - policy_gradient).abs().max() <= tolerance * policy_gradient.abs().max()
+        assert (critic_g - critic_gradient).abs().max() <= tolerance * critic_gradient.abs().max()
+        assert policy_t["loss"] == pytest.approx(policy_totals["loss"], rel=tolerance, abs=tolerance)
+        assert critic_t["loss"] == pytest.approx(critic_totals["loss"], rel=tolerance, abs=tolerance)
     model.zero_grad(set_to_none=True), critic.zero_grad(set_to_none=True)
 
 

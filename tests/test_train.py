@@ -16,6 +16,8 @@ from conftest import ROOT, crash_and_resume
 from grpo import Args, encode_prompts, policy_backward, train
 from rewards import load_task
 
+FP32_EPS = torch.finfo(torch.float32).eps  # 1.19e-7: the tolerances below are N·eps, N the tokens summed
+
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "gspo"])
 def test_gradient_accumulation_equals_one_big_batch(sampled, loss_type):
@@ -35,9 +37,12 @@ def test_gradient_accumulation_equals_one_big_batch(sampled, loss_type):
         gradients.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
         losses.append(totals["loss"])
     assert gradients[0].abs().max() > 0
+    # The splits sum the same N tokens' terms in another order: each gradient entry within N·eps of the
+    # largest, the loss (O(1) terms, partly cancelling) within N·eps of max(|loss|, 1).
+    tolerance = batch["completion_mask"].sum().item() * FP32_EPS
     for gradient, loss in zip(gradients[1:], losses[1:]):
-        assert torch.allclose(gradient, gradients[0], rtol=1e-4, atol=1e-7)
-        assert loss == pytest.approx(losses[0], rel=1e-5)
+        assert (gradient - gradients[0]).abs().max() <= tolerance * gradients[0].abs().max()
+        assert loss == pytest.approx(losses[0], rel=tolerance, abs=tolerance)
 
 
 def test_gradient_checkpointing_gives_the_same_gradient(sampled):
@@ -54,8 +59,10 @@ def test_gradient_checkpointing_gives_the_same_gradient(sampled):
     disable()
     model.eval().zero_grad(set_to_none=True)
     # Checkpointed, each row runs one pass over prompt + completion; without, a group's prompt runs
-    # once (forward_completions): the same gradient up to float reassociation.
-    assert (gradients[0] - gradients[1]).abs().max() <= 1e-6 * gradients[0].abs().max()
+    # once (forward_completions): the same gradient up to float reassociation, each entry a sum over the
+    # N valid tokens within N·eps of its largest (fp32's eps 1.19e-7; measured 2 eps, the old bound 8.4).
+    tolerance = batch["completion_mask"].sum().item() * torch.finfo(torch.float32).eps
+    assert (gradients[0] - gradients[1]).abs().max() <= tolerance * gradients[0].abs().max()
 
 
 def test_on_policy_ratio_is_exactly_one(sampled):
