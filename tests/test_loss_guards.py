@@ -8,7 +8,8 @@ one-line bug planted in the advantage or loss code (named in its comment) and pa
 - on-policy, the ratio is exp(log π − sg(log π)): its gradient is the policy gradient;
 - the on-policy shortcut is taken exactly when μ = 1 and there is one mini-batch;
 - VAPO's positive-example NLL is divided by the correct completions' tokens of the whole mini-batch
-  (issue 42)."""
+  (issue 42);
+- every metric update_metrics logs divides its sum by its own count (issue 42: all three scripts)."""
 
 import pytest
 import torch
@@ -283,3 +284,62 @@ def test_ppo_positive_nll_is_divided_by_the_positive_tokens_of_the_mini_batch(sa
     # at most 13 + 3 roundings of eps each, relative to the sum (every term has the same sign).
     assert totals["pos_nll"] == pytest.approx(summed / 13, rel=16 * FP32_EPS)
     assert summed > 0
+
+
+# ----------------------------------------------------------------------------------------
+# Every count a metric reads, by hand (issue 42's "every count that a metric or a normaliser reads"):
+# update_metrics turns the sums of a step's updates into its logged means and fractions. Planted bugs:
+# a fraction over the wrong count (the kept tokens instead of every valid one, the sequences instead
+# of the tokens), a mean over the micro-batches instead of the optimizer steps.
+
+# A step of 2 optimizer steps (grad norms 1 and 3) whose updates kept 30 tokens of 40 (--is_mask took
+# 10) and 1 completion of 8; the other sums are chosen so that every quotient below is distinct.
+UPDATE = {
+    "loss": 0.6, "kl": 3.0, "tokens": 30, "masked_tokens": 10, "sequences": 8, "masked_sequences": 1,
+    "clip_low": 3, "clip_high": 6, "clip_dual": 1, "ratio_max": 2.5, "tis_weight": 33.0, "tis_weight_max": 1.9,
+    "entropy_kept": 12, "cov_tokens": 21, "opsm_masked": 3, "opsm_sequences": 5,
+}  # fmt: skip
+SHARED_METRICS = {
+    "loss/policy": 0.3,  # 0.6 over the 2 optimizer steps
+    "clip/low": 0.1,  # 3 / 30 kept tokens
+    "clip/high": 0.2,  # 6 / 30
+    "clip/fraction": 0.3,  # (3 + 6) / 30
+    "clip/dual": 1 / 30,
+    "clip/ratio_max": 2.5,  # the largest, not a mean
+    "optim/grad_norm": 2.0,  # (1 + 3) / 2
+    "tis/weight_mean": 1.1,  # 33 / 30
+    "tis/weight_max": 1.9,
+    "is_mask/token_fraction": 0.25,  # 10 masked / (30 + 10) valid
+    "is_mask/sequence_fraction": 0.125,  # 1 / 8 completions
+}
+
+
+@pytest.mark.parametrize("script", [grpo, dapo])
+def test_update_metrics_divide_each_sum_by_its_own_count(script):
+    metrics = script.update_metrics(UPDATE, [1.0, 3.0], 1e-6)
+    expected = SHARED_METRICS | {
+        "kl/mean": 0.1,  # 3 / 30
+        "entropy/kept_fraction": 0.4,  # 12 / 30
+        "cov/token_fraction": 0.7,  # 21 / 30
+        "opsm/sequence_fraction": 0.6,  # 3 / 5
+        "optim/lr": 1e-6,
+    }
+    assert metrics == pytest.approx(expected, rel=1e-12)
+
+
+def test_ppo_update_metrics_divide_each_sum_by_its_own_count():
+    # The actor's as above, VAPO's NLL over the optimizer steps and its tokens over every valid one
+    # (the masked included: the NLL keeps them); the critic's over its own 4 steps and 40 tokens.
+    update = {**UPDATE, "pos_nll": 5.0, "pos_tokens": 14}
+    critic = {"loss": 2.0, "value_clipped": 6, "tokens": 40}
+    metrics = ppo.update_metrics(update, [1.0, 3.0], critic, [1.0, 1.0, 2.0, 4.0], (1e-6, 1e-5))
+    expected = SHARED_METRICS | {
+        "loss/pos_nll": 2.5,  # 5 / 2 steps
+        "pos/token_fraction": 0.35,  # 14 / (30 + 10)
+        "optim/lr": 1e-6,
+        "loss/value": 0.5,  # 2 / 4 critic steps
+        "value/clip_fraction": 0.15,  # 6 / 40
+        "optim/critic_grad_norm": 2.0,  # (1 + 1 + 2 + 4) / 4
+        "optim/critic_lr": 1e-5,
+    }
+    assert metrics == pytest.approx(expected, rel=1e-12)
