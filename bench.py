@@ -740,29 +740,67 @@ def is_sync_op(name: str) -> bool:
     return name in SYNC_OPS or name.startswith(("aten::unique", "aten::_unique"))
 
 
-def count_host_syncs(events) -> tuple[int, int]:
-    """(ops, CUDA runtime calls) that make the host wait for the device, among the profiler's
-    events of the phase's own range (PHASE_RANGE; bench's own synchronize after it is outside).
-    ops: SYNC_OPS, an op counted once however nested (item calls _local_scalar_dense): reading a
-    value (.item(), bool(), nonzero's size, unique's) waits for the device on a GPU; on the CPU the
-    same ops are counted, where they cost nothing, except within aten::_assert_async (the CPU's
-    reads its value; CUDA's asserts on the device, no sync). .tolist() and .cpu() are copies, not such ops:
-    only the runtime count sees them. runtime: CUDA_SYNCS calls (cudaMemcpy is the synchronous
-    copy; cudaMemcpyAsync is not counted), on CUDA."""
-    ranges = [e.time_range for e in events if e.name == PHASE_RANGE]
-    inside = lambda e: any(r.start <= e.time_range.start <= r.end for r in ranges)  # noqa: E731
+def read_events(profiler) -> list[tuple]:
+    """(name, on the device, start ns, end ns, thread) of each event, read from kineto's results
+    directly: building torch's FunctionEvents (profiler.events()) took 140 µs an event on a shared
+    CPU core (37 s for 260,000; a 1.5B step records hundreds of thousands), this 5 µs. Ranges
+    that record_function mirrors on the GPU (user annotations) are left out: they are not work."""
+    from torch.autograd import DeviceType
 
-    def counted(event) -> bool:  # the outermost sync op, not within _assert_async (no sync on CUDA)
-        parent = event.cpu_parent
-        while parent is not None:
-            if is_sync_op(parent.name) or parent.name == "aten::_assert_async":
-                return False
-            parent = parent.cpu_parent
-        return True
+    return [
+        (e.name(), e.device_type() != DeviceType.CPU, e.start_ns(), e.end_ns(), e.start_thread_id())
+        for e in profiler.profiler.kineto_results.events()
+        if not e.is_hidden_event() and not (e.device_type() != DeviceType.CPU and e.is_user_annotation())
+    ]
 
-    ops = sum(1 for e in events if is_sync_op(e.name) and inside(e) and counted(e))
-    runtime = sum(1 for e in events if e.name in CUDA_SYNCS and inside(e))
-    return ops, runtime
+
+def summarise(events: list[tuple], cuda: bool) -> dict:
+    """From read_events: ops {name: (µs, calls)} (CUDA: the device's events, kernels, memcpys and
+    memsets, by device time; CPU: the ops by self CPU time, their time less their children's),
+    busy µs (their sum), and the host syncs within the phase's own range (PHASE_RANGE; bench's
+    synchronise after it is outside):
+      host syncs  SYNC_OPS and aten::unique* (is_sync_op), an op counted once however nested
+                  (.item() calls _local_scalar_dense): reading a value (.item(), bool(), the size of
+                  nonzero's or unique's output) waits for the device on a GPU; on the CPU the same
+                  ops are counted, where they cost nothing, except within aten::_assert_async (the
+                  CPU's reads its value; CUDA's asserts on the device, no sync). .tolist() and
+                  .cpu() are copies, not such ops: only the CUDA count sees them.
+      CUDA syncs  CUDA_SYNCS calls of the runtime (cudaMemcpy is the synchronous copy;
+                  cudaMemcpyAsync is not counted).
+    Nesting is by time on each thread: a sweep with a stack of the ops still open. An op whose only
+    child has its name (a redispatch: div_ calls div_) is one call with it, as torch counts it."""
+    ranges = [(start, end) for name, _, start, end, _ in events if name == PHASE_RANGE]
+    inside = lambda start: any(low <= start <= high for low, high in ranges)  # noqa: E731
+    ops, syncs, runtime, stack = {}, 0, 0, []
+    # stack: [name, start, end, thread, children's ns, under a sync op, children, first child of its name]
+
+    def add(name: str, ns: int, call: int = 1) -> None:
+        total, calls = ops.get(name, (0.0, 0))
+        ops[name] = (total + ns / 1e3, calls + call)
+
+    def close(frame) -> None:
+        if not cuda and frame[0] != PHASE_RANGE:
+            add(frame[0], frame[2] - frame[1] - frame[4], int(frame[6] != 1 or not frame[7]))
+
+    for name, on_device, start, end, thread in sorted(events, key=lambda e: (e[1], e[4], e[2], -e[3])):
+        if on_device:
+            if cuda and name != PHASE_RANGE:
+                add(name, end - start)
+            continue
+        runtime += name in CUDA_SYNCS and inside(start)
+        while stack and (stack[-1][3] != thread or stack[-1][2] <= start):
+            close(stack.pop())
+        parent = stack[-1] if stack else None
+        under = parent is not None and (parent[5] or is_sync_op(parent[0]) or parent[0] == "aten::_assert_async")
+        syncs += is_sync_op(name) and not under and inside(start)
+        if parent is not None:
+            parent[4] += end - start
+            parent[6] += 1
+            parent[7] = parent[6] == 1 and parent[0] == name
+        stack.append([name, start, end, thread, 0, under, 0, False])
+    while stack:
+        close(stack.pop())
+    return {"ops": ops, "busy s": sum(us for us, _ in ops.values()) / 1e6, "host syncs": syncs, "CUDA syncs": runtime}
 
 
 def synchronize(device) -> None:
@@ -772,9 +810,8 @@ def synchronize(device) -> None:
 
 def profiled(function, device):
     """function() under its own torch.profiler.profile (CPU, and CUDA on a GPU): returns its result
-    and a dict: wall s (the call and its device work), busy s (CUDA: the kernels' device time
-    summed, memcpys and memsets included; CPU: the ops' self CPU time, the profiler's own CPU
-    figures), ops {name: (µs, calls)} by that time, host syncs and CUDA syncs (count_host_syncs),
+    and a dict: wall s (the call and its device work, from a synchronised start to a synchronise
+    after it), and from the profiler's events (summarise) busy s, ops, host syncs and CUDA syncs;
     peak GB (CUDA: max_memory_allocated during the call; CPU: the process's peak RSS so far) and
     profiler s (stopping the profiler and reading its events: not in wall s)."""
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -790,20 +827,9 @@ def profiled(function, device):
             result = function()
         synchronize(device)
         wall = time.perf_counter() - start
-    events = profiler.events()
-    if cuda:  # kernels, memcpys and memsets: the events with device time of their own
-        timed_events = [(e.name, getattr(e, "self_device_time_total", 0)) for e in events]
-        timed_events = [(name, us) for name, us in timed_events if us > 0]
-    else:
-        timed_events = [(e.name, e.self_cpu_time_total) for e in events if e.name != PHASE_RANGE]
-    ops = {}
-    for name, us in timed_events:
-        total, calls = ops.get(name, (0.0, 0))
-        ops[name] = (total + us, calls + 1)
-    syncs, runtime = count_host_syncs(events)
+    measured = {"wall s": wall, **summarise(read_events(profiler), cuda)}
     peak = torch.cuda.max_memory_allocated(device) if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1e3
-    measured = {"wall s": wall, "busy s": sum(us for us, _ in ops.values()) / 1e6, "ops": ops}
-    measured |= {"host syncs": syncs, "CUDA syncs": runtime, "peak GB": peak / 1e9}
+    measured["peak GB"] = peak / 1e9
     measured["profiler s"] = time.perf_counter() - start - wall
     return result, measured
 

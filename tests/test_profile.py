@@ -135,3 +135,28 @@ def test_profiled_on_cuda():
     assert 0 < measured["busy s"] <= measured["wall s"]
     assert measured["ops"] and not any(name.startswith("aten::") for name in measured["ops"])
     assert measured["peak GB"] > 0
+
+
+def test_the_events_read_as_torch_reads_them():
+    # bench reads kineto's raw events (torch's FunctionEvents cost ~140 µs an event to build):
+    # per op, its self CPU time and calls must be what torch's own events() say, over a forward
+    # and backward pass and a decode of the toy model.
+    from torch.profiler import profile, record_function
+
+    import grpo
+
+    model, (prompt_ids, prompt_mask, _) = toy_model(), toy_batch()
+    with profile() as profiler:
+        with record_function(bench.PHASE_RANGE):
+            model(input_ids=prompt_ids, attention_mask=prompt_mask).logits.sum().backward()
+            grpo.generate(model.eval(), prompt_ids, prompt_mask, 4, [], 0, 8)
+    theirs = {}
+    for event in profiler.events():
+        if event.name != bench.PHASE_RANGE:
+            total, calls = theirs.get(event.name, (0.0, 0))
+            theirs[event.name] = (total + event.self_cpu_time_total, calls + 1)
+    mine = bench.summarise(bench.read_events(profiler), cuda=False)
+    assert set(mine["ops"]) == set(theirs) and len(theirs) > 30
+    for name, (us, calls) in theirs.items():
+        assert mine["ops"][name][1] == calls and abs(mine["ops"][name][0] - us) < 1e-3, name
+    assert abs(mine["busy s"] - sum(us for us, _ in theirs.values()) / 1e6) < 1e-6
