@@ -156,6 +156,9 @@ def report_stage(stage: dict, result: dict) -> str:
             f"- bound: {row['bound arithmetic']}" for row in tables.get("generation", []) if "bound arithmetic" in row
         ]
         lines += [""]
+    warned = dict.fromkeys(line.strip() for line in result["output"].splitlines() if "Warning: " in line)
+    if warned:  # e.g. a CUDA-graph capture that fell back to eager decoding: the times are not the graph's
+        lines += ["Warnings:", "", *[f"- `{line[:300]}`" for line in list(warned)[:8]], ""]
     if not result["status"].startswith("passed"):
         lines += ["The end of its output:", "", "```", result["output"][-3000:], "```", ""]
     return "\n".join(lines)
