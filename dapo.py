@@ -98,6 +98,7 @@ from common import (
     make_optimizer,
     my_share,
     parse_args,
+    rank,
     rank_seed,
     render_chat,
     resolve_device,
@@ -173,7 +174,9 @@ class Args:
     dppo_delta: float = arg(
         0.2, "δ of DPPO's Binary-TV region |π_θ − π_sampler| on the sampled token (--loss_type dppo; arXiv 2602.04879)"
     )
-    dppo_ratio_cap: float = arg(20.0, "C: DPPO's detached ratio min(r, C) (verl's default)")
+    dppo_ratio_cap: float = arg(
+        20.0, "C: DPPO's detached ratio min(r, C), large against its bias (verl: 3 unless set; docs/techniques.md)"
+    )
     dppo_type: str = arg("binary_tv", "DPPO's divergence: binary_tv (|p − q| > δ) or binary_kl (Bernoulli KL > δ_KL)")
     dppo_kl_delta: float = arg(0.05, "δ_KL of DPPO's Binary-KL region (--dppo_type binary_kl; the paper's 0.05)")
     kl_tau: float = arg(
@@ -631,30 +634,47 @@ def corrections(micro: dict, logp: torch.Tensor, old_logp: torch.Tensor, args: A
 
 
 def top_share(
-    values: torch.Tensor, valid: torch.Tensor, share: float, reduce=lambda value, op="sum": value, wanted: int = 0
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    share: float,
+    reduce=lambda value, op="sum": value,
+    wanted: int = 0,
+    rank_index: int | None = None,
 ):
     """The tokens of `valid` whose value is among the top `share` of the mini-batch's valid tokens (under
-    torchrun every rank's, through reduce = common.all_reduce): the k = ⌈share·count⌉ largest, ties at the
-    k-th value all kept. The k-th value is found by bisection, each step a count over every rank, so K
-    ranks keep exactly the tokens one process keeps. wanted > 0: that many, in place of ⌈share·count⌉.
-    values, valid (n, T) -> (n, T) bool."""
+    torchrun every rank's, through reduce = common.all_reduce): exactly k = ⌈share·count⌉ of them, the k
+    largest (wanted > 0: that many instead). Of the tokens tied at the k-th value, the earliest in the
+    mini-batch's order are taken: row by row, position by position, rank 0's rows before rank 1's (the
+    prompts' order, my_share), so K ranks take the tokens one process takes. Ties are common: the G
+    completions of a prompt share its first token's entropy, and an all-0-advantage mini-batch (every
+    group's rewards equal) has Cov = 0 on every token, where keeping every tie would take all of them.
+    The values are ranked as fp32 numbers; the k-th is found by bisection over their order (the fp32 bit
+    pattern read as an integer, sign and magnitude), exact in at most 33 steps, each a count over every
+    rank. values, valid (n, T) -> (n, T) bool."""
     valid = valid.bool()
-    chosen = values[valid].double()  # (tokens,)
-    count = reduce(chosen.numel())
+    bits = values[valid].float().view(torch.int32).long()  # (tokens,) sign bit, then magnitude
+    order = torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)  # (tokens,) ordered as the values; −0 = +0
+    count = reduce(order.numel())
     wanted = wanted or share_of(share, count)
     if wanted >= count:
         return valid
-    low = reduce(chosen.min().item() if chosen.numel() else math.inf, "min")  # count(≥ low) ≥ wanted
-    high = reduce(chosen.max().item() if chosen.numel() else -math.inf, "max") + 1.0  # count(≥ high) < wanted
-    for _ in range(64):  # halves [low, high) down to below the spacing of fp32 values
-        middle = (low + high) / 2
-        if middle in (low, high):  # converged: no float lies between
-            break
-        if reduce(int((chosen >= middle).sum().item())) >= wanted:
+    low = reduce(order.min().item() if order.numel() else 2**31, "min")  # count(≥ low) ≥ wanted
+    high = reduce(order.max().item() if order.numel() else -(2**31), "max") + 1  # count(≥ high) < wanted
+    while high - low > 1:
+        middle = (low + high) // 2
+        if reduce(int((order >= middle).sum().item())) >= wanted:
             low = middle
         else:
             high = middle
-    return valid & (values.double() >= low)
+    above, tied = order > low, order == low  # (tokens,) each; low is the k-th largest value's
+    ties_wanted = wanted - reduce(int(above.sum().item()))  # ≥ 1 of the tied tokens, the earliest
+    here = rank() if rank_index is None else rank_index
+    ties_by_rank = torch.zeros(reduce(1), dtype=torch.float64)  # (K,) each rank's tied tokens
+    ties_by_rank[here] = tied.sum().item()
+    earlier = int(reduce(ties_by_rank)[:here].sum().item())  # tied tokens on the ranks before this one
+    kept = torch.zeros_like(valid)
+    kept[valid] = above | (tied & (tied.cumsum(0) + earlier <= ties_wanted))
+    return kept
 
 
 def share_of(share: float, count: int) -> int:
@@ -740,11 +760,16 @@ def token_covariance(old_logp: torch.Tensor, advantages: torch.Tensor, mask: tor
 
 
 def covariance_tokens(batch: dict, loss_mask: torch.Tensor, args: Args, total=lambda value, op="sum": value):
-    """The tokens Clip-Cov and KL-Cov act on (arXiv 2505.22617, Sec. 4.2), over the whole mini-batch:
-      kl_cov    the top kl_cov_ratio share by Cov (they get KL-Cov's penalty)
-      clip_cov  clip_cov_ratio·N tokens among those with Cov in [ω_low, ω_high] (their policy gradient
-                is cut). The paper draws them at random; here the band's highest Cov are taken, so a run
-                is reproducible and K ranks choose what one process chooses.
+    """The tokens Clip-Cov and KL-Cov act on (arXiv 2505.22617, Sec. 4.2), over the whole mini-batch of
+    N valid tokens:
+      kl_cov    exactly ⌈kl_cov_ratio·N⌉ tokens, those of largest Cov (they get KL-Cov's penalty), as the
+                paper's and verl's topk take k
+      clip_cov  ⌈clip_cov_ratio·N⌉ tokens among those with Cov in [ω_low, ω_high], the whole band when it
+                holds fewer (their policy gradient is cut). The paper draws them at random; here the band's
+                highest Cov are taken, so a run is reproducible and K ranks choose what one process chooses.
+    Tokens tied at the last place taken go by top_share's rule, the earliest first: a mini-batch whose
+    advantages are all 0 (every group's rewards equal) has Cov = 0 everywhere, and KL-Cov takes ⌈r·N⌉ of
+    its tokens (1 at the default r while N ≤ 5000), not all N.
     batch["old_logp"], batch["advantages"], loss_mask (n, T) -> (n, T) bool."""
     cov = token_covariance(batch["old_logp"], batch["advantages"], loss_mask, total)  # (n, T)
     if args.loss_type == "kl_cov":
@@ -793,12 +818,16 @@ def dppo_objective(
     kept token is min(r, C)·Â·∇log π_θ, PPO's unclipped one below the cap. As the paper does
     (Sec. 5.2), both the region and r are measured from the sampler's log-probs (sample_logp), not
     from π_θold recomputed by the trainer: on-policy r is then the sampler/trainer mismatch (within
-    1e-6 of 1 on the CPU in fp32, not in bf16), which the region also bounds. Choices where the peers differ: the
-    ratio is detached and capped at C (the authors' cap is 10, verl's 20; prime-rl and SkyRL keep
-    r·Â differentiable: the same gradient below the cap, another value); 1 − p is floored at 1e-6,
-    so a token that was certain (μ = 1) and fell has D ≈ −log p, not NaN. Kimi K2.5's penalty is
-    --kl_tau (squared_log_ratio). logp, sample_logp, mask (n, T), advantages (n, 1) -> the
-    objective (n, T) and the dropped tokens (n, T) bool."""
+    1e-6 of 1 on the CPU in fp32, not in bf16), which the region also bounds. Choices where the peers
+    differ: the ratio is detached and capped at C, 20 here: large, as verl's DPPO code advises after the
+    paper's Sec. 5.4 (a small cap biases the gradient), yet bounding the weight of one rare token whose
+    probability jumped. verl 0.9.1 and the authors' Stable-RL read config.get("clip_ratio_c", 20.0) and
+    (…, 10.0), but their ActorConfig declares clip_ratio_c = 3.0 (dual-clip's c), so their cap is 3
+    unless set; verl's DPPO example sets 10000. prime-rl and SkyRL keep r·Â differentiable: the same
+    gradient below the cap, another value. 1 − p is floored at 1e-6, so a token that was certain
+    (μ = 1) and fell has D ≈ −log p, not NaN. Kimi K2.5's penalty is --kl_tau (squared_log_ratio).
+    logp, sample_logp, mask (n, T), advantages (n, 1) -> the objective (n, T) and the dropped tokens (n, T)
+    bool."""
     p, q = logp.detach().exp(), sample_logp.exp()  # (n, T)
     gap = p - q  # (n, T)
     if divergence == "binary_kl":
