@@ -55,6 +55,7 @@ import inspect
 import random
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -1467,6 +1468,98 @@ def fp32_lm_head(model):
             head.forward = previous
 
 
+HEAD_CHUNK_BYTES = 2**28  # fp32 logits of one chunk of positions in logprob_head: 256 MB, 442 rows of Qwen's 151,665
+PLAIN_HEADS = weakref.WeakKeyDictionary()  # model -> whether its logits are its LM head's output as is (plain_head)
+
+
+def plain_head(model) -> bool:
+    """Whether the model hands back its LM head's output as its logits, nothing done after it:
+    what logprob_head needs. Gemma 2 soft-caps its logits and Cohere scales them after the head, and
+    other families may: one forward of one token (once per model, remembered), its head made to
+    answer a marker from −100 to 100, shows whether the marker comes back unchanged, rather than a
+    list of families that would go stale."""
+    if model not in PLAIN_HEADS:
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if getattr(head, "weight", None) is None:  # no head, or not one with a weight of V' rows
+            PLAIN_HEADS[model] = False
+            return False
+        marker = torch.linspace(-100.0, 100.0, head.weight.shape[0], device=head.weight.device)  # (V',)
+        previous = head.__dict__.get("forward")
+        head.forward = lambda hidden: marker.expand(*hidden.shape[:-1], -1)  # (…, V')
+        try:
+            with torch.no_grad():
+                token = torch.zeros(1, 1, dtype=torch.long, device=head.weight.device)
+                logits = model(input_ids=token, use_cache=False).logits  # (1, 1, V')
+        finally:
+            del head.forward
+            if previous is not None:
+                head.forward = previous
+        PLAIN_HEADS[model] = torch.equal(logits.float(), marker.expand_as(logits))
+    return PLAIN_HEADS[model]
+
+
+def token_logprobs(logits, tokens, scale: float, vocab_size: int, with_entropy: bool, entropy_grad: bool):
+    """log π(token) = logit/τ − logsumexp(logits/τ) over the tokenizer's ids, and the entropy
+    H = logsumexp − Σ_v π_v · logit_v/τ (0 without with_entropy; differentiable only with
+    entropy_grad, so that no softmax is kept for a backward pass that does not need it).
+    logits (…, V'), tokens (…) -> (…, 2): log π and H, fp32."""
+    # fp32 from the head (a no-op .float()), divided in place: no second fp32 copy of the logits,
+    # and no backward needs the undivided one
+    logits = logits[..., :vocab_size].float().div_(scale)  # (…, V)
+    log_normaliser = torch.logsumexp(logits, dim=-1)  # (…)
+    logp = logits.gather(-1, tokens[..., None]).squeeze(-1) - log_normaliser  # (…)
+    entropy = torch.zeros_like(logp)
+    if with_entropy:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+            entropy = log_normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # (…)
+    return torch.stack([logp, entropy], dim=-1)  # (…, 2)
+
+
+@contextlib.contextmanager
+def logprob_head(model, tokens, scale: float, vocab_size: int, with_entropy: bool, entropy_grad: bool):
+    """Saves the (n, t, V) logits of scoring and of the update (8 rows × 1024 tokens × 151,665 ids
+    = 5 GB in fp32, and as much again for their gradient and softmax): within it the model's LM
+    head returns, for the positions that predict `tokens` (n, t), their log-probs and entropies
+    (n, t, 2) (token_logprobs), computed HEAD_CHUNK_BYTES of logits at a time; with grad enabled
+    each chunk is checkpointed, so that backward recomputes its logits instead of keeping them.
+    The same head product (fp32_lm_head's, inside it) and the same formula as the whole logits
+    would go through, chunk by chunk: exact up to the order in which the weight's gradient sums
+    its chunks. A model whose logits are not its head's output as is (plain_head) keeps its
+    head, and forward_completions hands back its logits, which `read` turns into the same (n, t, 2)."""
+    head = model.get_output_embeddings() if plain_head(model) else None
+    score = functools.partial(
+        token_logprobs, scale=scale, vocab_size=vocab_size, with_entropy=with_entropy, entropy_grad=entropy_grad
+    )
+    if head is None:
+        yield lambda logits: score(logits, tokens)
+        return
+    product = head.forward  # fp32_lm_head's fp32 product under autocast, else the head's own
+
+    def forward(hidden):  # (n, t', d) -> (n, t, 2), or the plain logits of another pass
+        if hidden.shape[:-1] != tokens.shape:  # forward_completions' prompt pass: its one logit is unused
+            return product(hidden)
+        rows = max(1, HEAD_CHUNK_BYTES // (4 * vocab_size))  # positions a chunk
+        flat, targets = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)  # (n·t, d), (n·t,)
+        chunks = []
+        for start in range(0, len(flat), rows):
+            piece = lambda h, o: score(product(h), o)  # noqa: E731  (c, d), (c,) -> (c, 2)
+            part = (flat[start : start + rows], targets[start : start + rows])
+            if torch.is_grad_enabled():
+                chunks.append(torch.utils.checkpoint.checkpoint(piece, *part, use_reentrant=False))
+            else:
+                chunks.append(piece(*part))
+        return torch.cat(chunks).reshape(*tokens.shape, 2)  # (n, t, 2)
+
+    previous = head.__dict__.get("forward")
+    head.forward = forward
+    try:
+        yield lambda out: out  # the model's "logits" are the (n, t, 2) already
+    finally:
+        del head.forward
+        if previous is not None:
+            head.forward = previous
+
+
 def cuda_graph(step, pool=None):
     """step(), a function of tensors at fixed addresses, captured once as a CUDA graph: the function
     returned replays its kernels (no Python, no per-kernel launch cost) and returns the output
@@ -1565,39 +1658,31 @@ def sequence_logprobs(
 ):
     """log π(o_t | q, o_<t) of every completion token, from logits / temperature restricted to
     the tokenizer's vocabulary, exactly as `generate` sampled them. Rows go through the model
-    chunk_size at a time, so at most a (chunk_size, T, V) fp32 tensor exists, never (N, T, V);
+    chunk_size at a time, and the LM head turns their hidden states into log-probs a few hundred
+    positions at a time (logprob_head), so no (n, T, V) logits exist, nor are any kept for backward
+    (Gemma 2 and Cohere, whose logits are more than the head's output, have (n, T, V) a chunk);
     the chunks take the rows in order of length (length_order) and each is cut to its own
     longest prompt and completion (trim_padding): no forward pass computes padding that a longer
     row elsewhere in the rollout forced on it. The rows come back in the order they came in.
     Returns logp (N, T) and, with with_entropy, the entropy of π at each position (N, T);
     both 0 where completion_mask is 0. logp is differentiable when called with grad enabled;
-    the entropy only with entropy_grad too (PPO's entropy bonus): otherwise no (n, T, V)
-    softmax is kept for a backward pass that does not need it.
+    the entropy only with entropy_grad too (PPO's entropy bonus, T1's).
     """
     num_tokens = completion_ids.shape[1]  # T
     scale = temperature if temperature > 0 else 1.0
     order = length_order(prompt_ids, prompt_mask, completion_mask)  # chunks of whole groups of similar length
-    logps, entropies = [], []
+    scored = []
     for start in range(0, completion_ids.shape[0], chunk_size):
         rows = order[start : start + chunk_size]
         chunk = trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows])
         kept = chunk[2].shape[1]  # t ≤ T: the chunk's longest completion
-        with fp32_lm_head(model):  # fp32 logits, as generate's
-            logits = forward_completions(model, *chunk)[..., :vocab_size]  # (n, t, V) position p-1+j: token j
-        # (n, t, V) fp32 from the head (a no-op .float()), divided in place: no second fp32 (n, t, V)
-        # tensor (5 GB at 8 × 1024 × 151,665), and no backward needs the undivided one
-        logits = logits.float().div_(scale)
-        log_normaliser = torch.logsumexp(logits, dim=-1)  # (n, t)
-        token_logits = logits.gather(-1, chunk[2][:, :, None]).squeeze(-1)  # (n, t)
-        logps.append(torch.nn.functional.pad(token_logits - log_normaliser, (0, num_tokens - kept)))  # (n, T)
-        if with_entropy:  # H = log Z - Σ_v p_v · logit_v
-            with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
-                entropy = log_normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # (n, t)
-                entropies.append(torch.nn.functional.pad(entropy, (0, num_tokens - kept)))  # (n, T)
-    mask = completion_mask.to(logits.dtype)
+        # fp32 logits, as generate's; position p-1+j predicts token j
+        with fp32_lm_head(model), logprob_head(model, chunk[2], scale, vocab_size, with_entropy, entropy_grad) as read:
+            out = read(forward_completions(model, *chunk))  # (n, t, 2): log π and entropy of each token
+        scored.append(torch.nn.functional.pad(out, (0, 0, 0, num_tokens - kept)))  # (n, T, 2)
     unsort = order.argsort()  # the rows back in the order they came in
-    logp = torch.cat(logps)[unsort] * mask  # (N, T)
-    return (logp, torch.cat(entropies)[unsort] * mask) if with_entropy else (logp, None)
+    logp, entropy = (torch.cat(scored)[unsort] * completion_mask[..., None]).unbind(-1)  # (N, T) each
+    return (logp, entropy) if with_entropy else (logp, None)
 
 
 def micro_batches(batch: dict, size: int):

@@ -1,0 +1,117 @@
+"""The LM head of scoring and of the update, chunked (logprob_head): log-probs and entropies
+straight from the hidden states, HEAD_CHUNK_BYTES of logits at a time, checkpointed so that no
+(n, t, V) tensor is kept for backward. token_logprobs by hand; the chunked head against the whole
+logits (values and gradients); what autograd keeps; plain_head's probe."""
+
+import math
+
+import pytest
+import torch
+
+import dapo
+import grpo
+import ppo
+from common import load_model
+from conftest import sample_batch
+from families import family_model
+
+SCRIPTS = [grpo, dapo, ppo]
+
+
+def test_token_logprobs_by_hand():
+    # logits (1, 2, 3), token 2, τ = 1: logsumexp = log(e + e² + e³) = 3.407606, so
+    #   log π = 3 − 3.407606 = −0.407606; π = (0.090031, 0.244728, 0.665241),
+    #   H = 3.407606 − (0.090031·1 + 0.244728·2 + 0.665241·3) = 0.832396.
+    # τ = 2 on token 0: z = (0.5, 1, 1.5), logsumexp 2.180270, log π = 0.5 − 2.180270 = −1.680270,
+    #   H = 1.020191. Ids at or past vocab_size (the 4th column, 99) take no part.
+    logits = torch.tensor([[1.0, 2.0, 3.0, 99.0], [1.0, 2.0, 3.0, 99.0]])
+    out = grpo.token_logprobs(logits.clone(), torch.tensor([2, 0]), 1.0, 3, True, False)
+    assert out[0].tolist() == pytest.approx([-0.407606, 0.832396], abs=1e-6)
+    out = grpo.token_logprobs(logits.clone(), torch.tensor([0, 2]), 2.0, 3, True, False)
+    assert out[0].tolist() == pytest.approx([-1.680270, 1.020191], abs=1e-6)
+    assert grpo.token_logprobs(logits.clone(), torch.tensor([2, 0]), 1.0, 3, False, False)[:, 1].tolist() == [0, 0]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model, tokenizer, eos_ids = load_model("tiny", torch.device("cpu"))
+    return model, len(tokenizer), sample_batch(model, tokenizer, eos_ids)
+
+
+def scored_with_gradient(script, model, batch, vocab_size, chunked: bool, monkeypatch):
+    """log π and H of the batch, and the gradient of Σ w·log π + Σ u·H (fixed random w, u) with
+    entropy_grad, with the head chunked (chunks of 5 positions: many per row) or whole."""
+    with monkeypatch.context() as patch:
+        patch.setattr(script, "HEAD_CHUNK_BYTES", 4 * vocab_size * 5)
+        if not chunked:
+            patch.setattr(script, "plain_head", lambda model: False)
+        model.zero_grad(set_to_none=True)
+        sequences = [batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
+        logp, entropy = script.sequence_logprobs(model, *sequences, 0.7, vocab_size, 4, True, True)
+        weights = torch.Generator().manual_seed(1)
+        w, u = torch.randn(logp.shape, generator=weights), torch.randn(logp.shape, generator=weights)
+        ((w * logp).sum() + (u * entropy).sum()).backward()
+    gradient = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    model.zero_grad(set_to_none=True)
+    return logp.detach(), entropy.detach(), gradient
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.__name__)
+def test_the_chunked_head_equals_the_whole_logits(tiny, script, monkeypatch):
+    # The same products and formula chunk by chunk: log π and H to fp32 rounding (values of a few
+    # nats, eps 1.2e-7: 1e-6), and the gradient to 1e-5 of its largest entry (the head's weight
+    # gradient sums its chunks in another order: ~50 terms of eps each).
+    model, vocab_size, batch = tiny
+    model.train()
+    chunked = scored_with_gradient(script, model, batch, vocab_size, True, monkeypatch)
+    whole = scored_with_gradient(script, model, batch, vocab_size, False, monkeypatch)
+    assert (chunked[0] - whole[0]).abs().max() <= 1e-6
+    assert (chunked[1] - whole[1]).abs().max() <= 1e-6
+    assert whole[2].abs().max() > 0
+    assert (chunked[2] - whole[2]).abs().max() <= 1e-5 * whole[2].abs().max()
+
+
+def vocabulary_wide_saved(script, model, batch, vocab_size, chunked: bool, monkeypatch) -> int:
+    """The elements of the tensors with a vocabulary-wide last dimension (logits, softmax) that
+    autograd keeps for backward while scoring with grad, the head's weight aside."""
+    sizes, weights = [0], {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def keep(tensor):
+        if tensor.dim() and tensor.shape[-1] >= vocab_size and tensor.untyped_storage().data_ptr() not in weights:
+            sizes.append(tensor.numel())
+        return tensor
+
+    with monkeypatch.context() as patch:
+        patch.setattr(script, "HEAD_CHUNK_BYTES", 4 * vocab_size * 5)
+        if not chunked:
+            patch.setattr(script, "plain_head", lambda model: False)
+        sequences = [batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            logp, _ = script.sequence_logprobs(model, *sequences, 1.0, vocab_size, 4)
+        logp.sum().backward()
+    model.zero_grad(set_to_none=True)
+    return sum(sizes)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.__name__)
+def test_no_logits_are_kept_for_backward(tiny, script, monkeypatch):
+    # Whole: the logits of every chunk of rows are kept, at least 12 rows × 12 positions × 384 ids
+    # (and their log-softmax's). Chunked: none (each chunk of positions is checkpointed: its
+    # hidden states and tokens are kept, and backward recomputes its logits).
+    model, vocab_size, batch = tiny
+    whole = vocabulary_wide_saved(script, model, batch, vocab_size, False, monkeypatch)
+    assert whole >= batch["completion_ids"].numel() * vocab_size
+    assert vocabulary_wide_saved(script, model, batch, vocab_size, True, monkeypatch) == 0
+
+
+def test_plain_head_finds_what_follows_the_head():
+    # Gemma 2 soft-caps its logits (final_logit_softcapping 30) and Cohere2 scales them (logit_scale):
+    # their logits are not the head's output; Qwen2, Llama and gpt-oss hand it back as it is. The
+    # tiny models' logits are so small that tanh(x/30)·30 rounds to x: the probe's marker is not.
+    for family, plain in {"qwen2": True, "llama3": True, "gpt-oss": True, "gemma2": False, "cohere2": False}.items():
+        assert grpo.plain_head(family_model(family)) is plain, family
+    model = family_model("qwen2")
+    model.get_output_embeddings = lambda: None  # no head to read: the whole logits
+    assert grpo.plain_head(model) is False
+    assert math.isfinite(grpo.HEAD_CHUNK_BYTES)
