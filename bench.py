@@ -36,10 +36,14 @@ so that the LM head, the sampler and the log-softmax run at the real vocabulary'
    log), with peak memory: per phase on CUDA; on the CPU the process's peak RSS after the step.
 5. With --gap_rows N: the gap between the log-probs generate samples with and those
    sequence_logprobs scores for the same tokens, under bf16 autocast (on the CPU too), with the
-   LM head in bf16 (fp32_lm_head switched off: the code before it) and in fp32 (fp32_lm_head):
+   LM head in bf16 (fp32_lm_head switched off: the code before it), in fp32 (fp32_lm_head) and
+   in tf32 (--lm_head_precision tf32: HeadProduct on a GPU, fp32 on the CPU):
    mean and max |Δ log π| over the completion tokens, and the share of tokens beyond 0.01.
    Countdown prompts, N/G prompts × G, sampled at τ = 0.7 (the seed study's rollouts are τ = 1;
    a real model at 0.7 is more confident, which is where rounding a large logit matters).
+   With --head_rows N: each candidate precision of the LM head's GEMM (fp32, TF32, bf16 inputs
+   with fp32 sums, bf16 autocast) against fp64, on N positions of the model's hidden states, the
+   rounding of TF32's and bf16's inputs emulated (bench_head_precision).
 6. With --profile decode | grpo | dapo | ppo (comma-separated): instead of the sections above,
    grpo.generate at N = the largest of --batch_sizes (sampled), or one training step of the script,
    each phase call under its own torch.profiler: per phase wall time, device-busy time (CPU op
@@ -109,7 +113,11 @@ class Args:
     train_steps: str = arg("grpo,dapo,ppo", "scripts whose training step is timed; '' = none")
     train_batch_size: int = arg(2, "B of the training step")
     logprob_rows: int = arg(16, "N of the sequence_logprobs memory comparison; 0 = skip it")
-    gap_rows: int = arg(0, "N of the sampler/trainer log-prob gap under bf16 autocast, LM head bf16 vs fp32; 0 = skip")
+    gap_rows: int = arg(
+        0, "N of the sampler/trainer log-prob gap under bf16 autocast, LM head bf16/fp32/tf32; 0 = skip"
+    )
+    head_rows: int = arg(0, "positions whose log-probs each LM-head precision computes, against fp64; 0 = skip")
+    head_logit_std: float = arg(4.0, "--head_rows: the logits' spread the head is scaled to (a trained model's)")
     profile: str = arg("", "decode, grpo, dapo or ppo (comma-separated): each phase under torch.profiler; '' = none")
     peak_tflops: float = arg(
         0.0, "the device's peak for --profile's MFU; 0 = from PEAK_BF16_TFLOPS by GPU name (none on CPU)"
@@ -614,11 +622,11 @@ def bench_logprob_gap(args, model, tokenizer, vocab_size, device) -> list[dict]:
     ids, mask = prompts(tokenizer, args.gap_rows, args.group_size, device)
     eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     rows, real_head = [], grpo.fp32_lm_head
-    for head in ("bf16", "fp32"):
-        grpo.fp32_lm_head = real_head if head == "fp32" else lambda model: contextlib.nullcontext()
+    for head in ("bf16", "fp32", "tf32"):  # tf32: --lm_head_precision tf32 (on the CPU the same as fp32)
+        grpo.fp32_lm_head = real_head if head != "bf16" else lambda model: contextlib.nullcontext()
         try:
             torch.manual_seed(0)
-            with torch.autocast(device.type, dtype=torch.bfloat16):
+            with autocast(device, torch.bfloat16, "tf32" if head == "tf32" else "fp32"):
                 batch = grpo.generate(
                     model, ids, mask, args.max_new_tokens, eos, tokenizer.pad_token_id, vocab_size, 0.7
                 )
@@ -632,6 +640,62 @@ def bench_logprob_gap(args, model, tokenizer, vocab_size, device) -> list[dict]:
             | {"max abs Δ": gap.max().item(), "share > 0.01": (gap > 0.01).float().mean().item()}
         )
         print(rows[-1], flush=True)
+    return rows
+
+
+def tf32_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x (fp32) with its mantissa rounded to TF32's 10 bits, to the nearest and ties to even: what a
+    TF32 tensor core reads of an fp32 input. (13 bits dropped: add 0xFFF plus the lowest bit kept,
+    then clear them; a carry into the exponent is the right rounding too.)"""
+    bits = x.float().contiguous().view(torch.int32)
+    return ((bits + 0xFFF + ((bits >> 13) & 1)) & -0x2000).view(torch.float32)
+
+
+# The LM head's product as each candidate precision computes it: (n, d), (V, d) -> (n, V) fp32
+HEAD_PRODUCTS = {
+    "fp32": lambda h, w: h @ w.T,
+    "tf32 (inputs rounded)": lambda h, w: tf32_rounded(h) @ tf32_rounded(w).T,
+    "bf16 in, fp32 sums": lambda h, w: h.bfloat16().float() @ w.bfloat16().float().T,
+    "bf16 autocast (logits rounded)": lambda h, w: (h.bfloat16() @ w.bfloat16().T).float(),
+}
+
+
+def bench_head_precision(args, model, tokenizer, vocab_size, device) -> list[dict]:
+    """Each candidate precision of the LM head's GEMM against an fp64 reference: the log-probs of
+    sampled tokens (τ = 1, drawn from the reference) at --head_rows rows of real hidden states (the
+    head's inputs over Countdown prompts followed by random completion tokens), scaled so that the
+    logits spread as a trained model's do (std --head_logit_std). TF32 and bf16 inputs are
+    emulated by rounding the inputs and summing the products in fp32, which is what their tensor
+    cores do up to the order of the sums: the rows measure rounding, on any device, not speed."""
+    ids, mask = prompts(tokenizer, max(1, args.head_rows // args.max_new_tokens + 1), args.group_size, device)
+    completion = torch.randint(0, vocab_size, (len(ids), args.max_new_tokens), device=device)
+    captured = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, inputs, out: captured.append(inputs[0]))
+    with torch.no_grad():
+        full = torch.cat([mask, torch.ones_like(completion)], 1)
+        model(
+            input_ids=torch.cat([ids, completion], 1),
+            attention_mask=full,
+            position_ids=(full.cumsum(-1) - 1).clamp(min=0),
+        )
+    hook.remove()
+    hidden = captured[0].reshape(-1, captured[0].shape[-1])[-args.head_rows :].float()  # (n, d)
+    weight = model.get_output_embeddings().weight[:vocab_size].float()  # (V, d)
+    with torch.no_grad():
+        scale = args.head_logit_std / (hidden.double() @ weight.double().T).std().item()
+        weight = weight * scale  # the logits of a trained model spread wider than a random one's
+        reference = torch.log_softmax(hidden.double() @ weight.double().T, dim=-1)  # (n, V)
+        tokens = torch.multinomial(reference.exp(), 1, generator=torch.Generator(device=device).manual_seed(0))
+        exact = reference.gather(-1, tokens).squeeze(-1)  # (n,)
+        rows = []
+        for name, product in HEAD_PRODUCTS.items():
+            logp = torch.log_softmax(product(hidden, weight).double(), dim=-1).gather(-1, tokens).squeeze(-1)
+            error = (logp - exact).abs()
+            rows.append(
+                {"head GEMM": name, "rows": len(hidden), "logit std": args.head_logit_std}
+                | {"mean abs Δ vs fp64": error.mean().item(), "max abs Δ vs fp64": error.max().item()}
+            )
+            print(rows[-1], flush=True)
     return rows
 
 
@@ -1021,12 +1085,17 @@ def main(args: Args) -> dict:
     save()
     report["logprob_gap"] = bench_logprob_gap(args, model, tokenizer, vocab_size, device) if args.gap_rows else []
     save()
+    report["head_precision"] = (
+        bench_head_precision(args, model, tokenizer, vocab_size, device) if args.head_rows else []
+    )
+    save()
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the training steps load their own copy
     report["training_step"] = []
     bench_training(args, directory, device, report["training_step"], save)
-    for section in ("generation", "decode_bytes", "steps_4_and_6", "logprob_memory", "logprob_gap", "training_step"):
+    sections = ("generation", "decode_bytes", "steps_4_and_6", "logprob_memory", "logprob_gap", "head_precision")
+    for section in (*sections, "training_step"):
         print(f"\n### {section}\n\n{markdown(report[section])}")
     return report
 

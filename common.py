@@ -6,6 +6,7 @@ scripts themselves, so that each script reads top to bottom on its own.
 """
 
 import contextlib
+import contextvars
 import dataclasses
 import difflib
 import importlib.util
@@ -253,6 +254,8 @@ def check_run_args(args) -> list[str]:
         problems.append(f"--max_steps must be at least 1 (got {args.max_steps}): a run of no steps trains nothing.")
     if args.dtype not in ("auto", "bfloat16", "float32"):
         problems.append(f"--dtype {args.dtype!r} is not one of: auto, bfloat16, float32.")
+    if args.lm_head_precision not in ("tf32", "fp32"):
+        problems.append(f"--lm_head_precision {args.lm_head_precision!r} is not one of: tf32, fp32.")
     if args.resume_from and not Path(args.resume_from, TRAINER_STATE).exists():
         problems.append(no_trainer_state(args.resume_from))
     try:  # the tracker libraries are looked for here (not imported): a missing one stops before a model loads
@@ -465,11 +468,24 @@ def resolve_precision(dtype: str, device: torch.device) -> tuple[torch.dtype, to
     raise SystemExit(f"--dtype {dtype!r} is not one of: auto, bfloat16, float32.")
 
 
-def autocast(device: torch.device, compute_dtype: torch.dtype | None):
-    """bf16 autocast on CUDA when asked for; a no-op context otherwise."""
+# The LM head's precision within autocast() (--lm_head_precision): the scripts' fp32_lm_head reads it, as
+# it reads whether autocast is on, so that the sampler, the scorer and the update compute one head alike.
+LM_HEAD_PRECISION = contextvars.ContextVar("lm_head_precision", default="fp32")
+
+
+@contextlib.contextmanager
+def autocast(device: torch.device, compute_dtype: torch.dtype | None, lm_head_precision: str = "fp32"):
+    """bf16 autocast on CUDA when asked for, the LM head's product in lm_head_precision within it
+    (fp32, or tf32 on a GPU); a no-op context otherwise."""
     if compute_dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=compute_dtype)
+        yield
+        return
+    token = LM_HEAD_PRECISION.set(lm_head_precision)
+    try:
+        with torch.autocast(device_type=device.type, dtype=compute_dtype):
+            yield
+    finally:
+        LM_HEAD_PRECISION.reset(token)
 
 
 def seed_everything(seed: int) -> None:

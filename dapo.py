@@ -84,6 +84,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from common import (
+    LM_HEAD_PRECISION,
     PROMPT_FORMAT_HELP,
     Run,
     all_reduce,
@@ -155,6 +156,10 @@ class Args:
     micro_batch_size: int = arg(4, "sequences per forward/backward (gradient accumulation)")
     logprob_chunk_size: int = arg(8, "sequences per no-grad scoring pass")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, ~30% slower")
+    lm_head_precision: str = arg(
+        "tf32",
+        "the LM head's 3 GEMMs under bf16 autocast on a GPU: tf32 (tensor cores, fp32 in and out) or fp32 (exact)",
+    )
     # LoRA (peft): train low-rank adapters on the frozen model instead of every weight
     lora_rank: int = arg(0, "r, rank of the LoRA adapters (Hu et al. 2021); 0 = train every weight")
     lora_alpha: float = arg(32.0, "α: the adapters' update is scaled by α/r (LoRA Without Regret keeps α = 32)")
@@ -977,7 +982,7 @@ def train(args: Args) -> Path:
     device = init_distributed(resolve_device(args.device))  # under torchrun: this rank's device
     check_distributed(args, args.batch_size, args.gen_batch_size)  # prompts split over K ranks, groups whole
     weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
-    amp = functools.partial(autocast, device, compute_dtype)  # bf16 autocast on a GPU, nothing on the CPU
+    amp = functools.partial(autocast, device, compute_dtype, args.lm_head_precision)  # bf16 on a GPU; CPU: nothing
     seed_everything(rank_seed(args.seed))  # --seed itself in one process
     # The task first: a wrong --task or --data_dir stops before any model loads.
     task = training_task(args)  # --task, its data and --reward_fn
@@ -1672,16 +1677,21 @@ def fp32_lm_head(model):
     """Saves the bf16 rounding of the logits under autocast: within it the LM head's product runs
     in fp32 (weights and hidden states upcast), where autocast would round every logit to bf16's
     8 significant bits (a logit near 20 lands on a grid of 0.125) and sampler and trainer would
-    read log-probs that differ by that rounding. A no-op without autocast (the CPU: all fp32
-    already) and for a head that is not a plain Linear (a LoRA-adapted one runs as it is)."""
+    read log-probs that differ by that rounding. In the precision autocast() was given
+    (--lm_head_precision): fp32, exact; or tf32 on a GPU, the same product on TF32 tensor cores
+    (HeadProduct). A no-op without autocast (the CPU: all fp32 already) and for a head that is not
+    a plain Linear (a LoRA-adapted one runs as it is)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not torch.nn.Linear or not torch.is_autocast_enabled(head.weight.device.type):
         yield
         return
+    precision = LM_HEAD_PRECISION.get()  # read once: a checkpointed chunk recomputes outside autocast()
 
     def forward(hidden):
         with torch.autocast(hidden.device.type, enabled=False):
             bias = None if head.bias is None else head.bias.float()
+            if precision == "tf32" and hidden.is_cuda:  # TF32 is a GPU's; the CPU computes fp32 either way
+                return HeadProduct.apply(hidden.float(), head.weight.float(), bias, "high")
             return torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
 
     previous = head.__dict__.get("forward")  # a hook library's own wrapper, if any
@@ -1692,6 +1702,43 @@ def fp32_lm_head(model):
         del head.forward
         if previous is not None:
             head.forward = previous
+
+
+class HeadProduct(torch.autograd.Function):
+    """Saves the GPU's fp32 path for the LM head under --lm_head_precision tf32 (an H100 runs fp32
+    GEMMs at ~67 TFLOP/s, TF32 on its tensor cores at ~495): hidden · Wᵀ + b, fp32 in and out, its
+    forward and both backward GEMMs under torch's float32 matmul precision `precision` ("high":
+    TF32, inputs rounded to 10 bits of mantissa, products summed in fp32), set around these three
+    GEMMs alone, so that RoPE's angles and every other fp32 product stay exact. Sampler, scorer and
+    update all go through it (fp32_lm_head), so their log-probs still agree."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, precision: str):  # (…, d), (V', d), (V',) or None -> (…, V')
+        ctx.save_for_backward(hidden, weight)
+        ctx.precision, ctx.with_bias = precision, bias is not None
+        with matmul_precision(precision):
+            return torch.nn.functional.linear(hidden, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):  # (…, V')
+        hidden, weight = ctx.saved_tensors
+        rows, inputs = grad.reshape(-1, grad.shape[-1]), hidden.reshape(-1, hidden.shape[-1])  # (M, V'), (M, d)
+        with matmul_precision(ctx.precision):
+            grad_hidden = grad @ weight if ctx.needs_input_grad[0] else None  # (…, d)
+            grad_weight = rows.T @ inputs if ctx.needs_input_grad[1] else None  # (V', d)
+        grad_bias = rows.sum(0) if ctx.with_bias and ctx.needs_input_grad[2] else None  # (V',)
+        return grad_hidden, grad_weight, grad_bias, None
+
+
+@contextlib.contextmanager
+def matmul_precision(precision: str):
+    """torch's float32 matmul precision ("highest": fp32; "high": TF32 on CUDA) within it only."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
 
 
 HEAD_CHUNK_BYTES = 2**28  # fp32 logits of one chunk of positions in logprob_head: 256 MB, 442 rows of Qwen's 151,665

@@ -159,6 +159,27 @@ def test_sampler_and_trainer_log_probs_under_bf16(qwen_shape, monkeypatch):
     assert gaps[True][0] < 0.05 and gaps[True][1] < 1.0
 
 
+def test_the_tf32_head_keeps_sampler_and_trainer_together(qwen_shape):
+    # --lm_head_precision tf32 (the default): the sampler and the scorer compute the head alike on
+    # TF32 tensor cores (HeadProduct), so their gap stays within the bounds of bf16's backbone (the
+    # test above); both heads' gaps are printed.
+    from common import autocast
+
+    model, tokenizer, vocab_size = qwen_shape
+    prompt_ids, prompt_mask = countdown_prompts(tokenizer, group_size=4)
+    device = torch.device("cuda", 0)
+    scored = {}
+    for precision in ("fp32", "tf32"):
+        torch.manual_seed(1234)
+        with torch.no_grad(), autocast(device, torch.bfloat16, precision):
+            ids, mask, _, sample_logp = grpo.generate(model, prompt_ids, prompt_mask, 24, [], 0, vocab_size, 1.0)
+            logp, _ = grpo.sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, 1.0, vocab_size, 8)
+        gap = (logp - sample_logp).abs()[mask.bool()]
+        scored[precision] = gap.mean().item(), gap.max().item()
+    print(f"|Δ log π| sampler vs trainer, bf16: fp32 head {scored['fp32']}, tf32 head {scored['tf32']}")
+    assert scored["tf32"][0] < 0.05 and scored["tf32"][1] < 1.0
+
+
 def train_settings(tmp_path, **more) -> dict:
     settings = dict(model="tiny", task="digit", lr=3e-3, max_new_tokens=8, batch_size=4, group_size=4, max_steps=2)
     return settings | dict(output_dir=str(tmp_path), device="cuda:0", save_every=1) | more
