@@ -103,9 +103,33 @@ def test_bench_logprob_gap(tmp_path):
     done = subprocess.run(command + ["--output", str(output)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(output.read_text())["logprob_gap"]
-    assert [row["LM head"] for row in rows] == ["bf16", "fp32"]
+    assert [row["LM head"] for row in rows] == ["bf16", "fp32", "tf32"]
     assert all(row["tokens"] > 0 and 0 <= row["max abs Δ"] < 0.1 for row in rows)
+    assert rows[1] == rows[2] | {"LM head": "fp32"}  # TF32 is a GPU's: on the CPU the fp32 head's numbers
     assert "| LM head | N | tokens |" in done.stdout
+
+
+def test_tf32_rounding_by_hand():
+    # TF32 keeps 10 of fp32's 23 mantissa bits, rounding to the nearest, ties to even:
+    # 1 + 2^-11 lies halfway between 1 and 1 + 2^-10: to even, 1. 1 + 3·2^-11 lies halfway between
+    # 1 + 2^-10 (odd last bit) and 1 + 2^-9: to 1 + 2^-9. 1 + 2^-11 + 2^-20 is past halfway: 1 + 2^-10.
+    # A value already on TF32's grid (and its negative) is kept.
+    from bench import tf32_rounded
+
+    x = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-11 + 2**-20, -(1 + 2**-10), 3.0])
+    assert tf32_rounded(x).tolist() == [1.0, 1 + 2**-9, 1 + 2**-10, -(1 + 2**-10), 3.0]
+
+
+def test_bench_head_precision(tmp_path):
+    # --head_rows: each candidate of the head's GEMM against fp64. fp32 is near-exact, and the
+    # rounding of the inputs orders the rest: TF32 (10 bits) < bf16 inputs (7 bits) < bf16 logits.
+    output = tmp_path / "bench.json"
+    command = [sys.executable, "bench.py", "--model", "tiny", "--batch_sizes", "", "--max_new_tokens", "8"]
+    command += ["--head_rows", "64", "--group_size", "2", "--train_steps", "", "--logprob_rows", "0"]
+    done = subprocess.run(command + ["--output", str(output)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    errors = [row["mean abs Δ vs fp64"] for row in json.loads(output.read_text())["head_precision"]]
+    assert len(errors) == 4 and errors[0] < 1e-5 and errors[0] < errors[1] < errors[2] < errors[3]
 
 
 def test_steps_4_and_6_time_the_shared_unshared_and_padded_versions(tmp_path):
