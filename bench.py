@@ -73,6 +73,7 @@ import grpo
 import ppo
 from common import (
     CHATML_TEMPLATE,
+    LM_HEAD_PRECISIONS,
     Run,
     arg,
     autocast,
@@ -130,6 +131,7 @@ class Args:
     )
     device: str = arg("auto", "auto, cpu, cuda")
     dtype: str = arg("auto", "auto (bf16 autocast on GPU, fp32 on CPU), bfloat16, float32")
+    lm_head_precision: str = arg(LM_HEAD_PRECISIONS[0], "the LM head's GEMMs under autocast on a GPU: tf32 or fp32")
     output: str = arg("bench.json", "where the tables go, as JSON")
 
 
@@ -575,6 +577,7 @@ def one_step(args, name: str, directory: str) -> dict:
     script = SCRIPTS[name]
     settings = dict(model=directory, max_steps=1, batch_size=args.train_batch_size, group_size=args.group_size)
     settings |= dict(max_new_tokens=args.max_new_tokens, device=args.device, dtype=args.dtype, save_every=0)
+    settings |= dict(lm_head_precision=args.lm_head_precision)
     settings |= dict(gradient_checkpointing=args.gradient_checkpointing)
     settings |= {"overlong_buffer": 0, "dynamic_sampling": False} if script is dapo else {}
     settings |= {"num_mini_batches": 1} if script is ppo and args.train_batch_size * args.group_size < 4 else {}
@@ -1054,7 +1057,7 @@ def bench_profile(args, device, weight_dtype, compute_dtype, amp, report: dict, 
 def main(args: Args) -> dict:
     device = use_device(resolve_device(args.device))  # a GPU named by --device becomes the current one
     weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
-    amp = lambda: autocast(device, compute_dtype)  # noqa: E731
+    amp = lambda: autocast(device, compute_dtype, args.lm_head_precision)  # noqa: E731
     report = {"args": asdict(args), "device": str(device), "threads": torch.get_num_threads()}
     if device.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name(device)

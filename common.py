@@ -254,8 +254,10 @@ def check_run_args(args) -> list[str]:
         problems.append(f"--max_steps must be at least 1 (got {args.max_steps}): a run of no steps trains nothing.")
     if args.dtype not in ("auto", "bfloat16", "float32"):
         problems.append(f"--dtype {args.dtype!r} is not one of: auto, bfloat16, float32.")
-    if args.lm_head_precision not in ("tf32", "fp32"):
-        problems.append(f"--lm_head_precision {args.lm_head_precision!r} is not one of: tf32, fp32.")
+    if args.lm_head_precision not in LM_HEAD_PRECISIONS:
+        problems.append(
+            f"--lm_head_precision {args.lm_head_precision!r} is not one of: {', '.join(LM_HEAD_PRECISIONS)}."
+        )
     if args.resume_from and not Path(args.resume_from, TRAINER_STATE).exists():
         problems.append(no_trainer_state(args.resume_from))
     try:  # the tracker libraries are looked for here (not imported): a missing one stops before a model loads
@@ -471,10 +473,11 @@ def resolve_precision(dtype: str, device: torch.device) -> tuple[torch.dtype, to
 # The LM head's precision within autocast() (--lm_head_precision): the scripts' fp32_lm_head reads it, as
 # it reads whether autocast is on, so that the sampler, the scorer and the update compute one head alike.
 LM_HEAD_PRECISION = contextvars.ContextVar("lm_head_precision", default="fp32")
+LM_HEAD_PRECISIONS = ("tf32", "fp32")  # what --lm_head_precision takes; the first is the default (docs/speed.md)
 
 
 @contextlib.contextmanager
-def autocast(device: torch.device, compute_dtype: torch.dtype | None, lm_head_precision: str = "fp32"):
+def autocast(device: torch.device, compute_dtype: torch.dtype | None, lm_head_precision: str):
     """bf16 autocast on CUDA when asked for, the LM head's product in lm_head_precision within it
     (fp32, or tf32 on a GPU); a no-op context otherwise."""
     if compute_dtype is None:

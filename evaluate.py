@@ -53,6 +53,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from common import (
+    LM_HEAD_PRECISIONS,
     PROMPT_FORMAT_HELP,
     append_jsonl,
     arg,
@@ -262,7 +263,7 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
         batch = order[first : first + args.batch_size]
         # Encoded exactly as in training: chat template, left padding, each repeated k times.
         prompt_ids, prompt_mask = encode_prompts(tokenizer, [conversations[i] for i in batch], k, device)  # (N, P)
-        with autocast(device, compute_dtype):
+        with autocast(device, compute_dtype, LM_HEAD_PRECISIONS[0]):  # the training scripts' default head
             completion_ids, completion_mask, truncated, _ = generate(
                 model,
                 prompt_ids,

@@ -68,6 +68,7 @@ from common import (
     ADAPTER_DIR,
     FULL_LR,
     LM_HEAD_PRECISION,
+    LM_HEAD_PRECISIONS,
     LORA_LR,
     PROMPT_FORMAT_HELP,
     Run,
@@ -148,8 +149,7 @@ class Args:
     logprob_chunk_size: int = arg(8, "sequences per no-grad scoring pass")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, ~30% slower")
     lm_head_precision: str = arg(
-        "tf32",
-        "the LM head's 3 GEMMs under bf16 autocast on a GPU: tf32 (tensor cores, fp32 in and out) or fp32 (exact)",
+        LM_HEAD_PRECISIONS[0], "the LM head's GEMMs under bf16 autocast on a GPU: tf32 (tensor cores) or fp32 (exact)"
     )
     # LoRA (peft): train low-rank adapters on the frozen model instead of every weight
     lora_rank: int = arg(0, "r, rank of the LoRA adapters (Hu et al. 2021); 0 = train every weight")
@@ -1423,8 +1423,10 @@ def routing_free_experts(self, hidden_states, top_k_index, top_k_weights):
         out = torch.matmul(inner, self.down_proj if self.is_transposed else self.down_proj.transpose(-2, -1))
         if self.has_bias:
             out = out + self.down_proj_bias[:, None]  # (E, n, H)
+        if getattr(self, "has_post_expert_norm", False):  # transformers ≥ 5.24's experts may norm each output
+            out = self.post_expert_norm(out)
         rows = torch.arange(hidden.shape[0], device=hidden.device)[:, None]  # (n, 1)
-        chosen = out[top_k_index, rows] * top_k_weights[..., None].to(out.dtype)  # (n, k, H)
+        chosen = out[top_k_index, rows] * top_k_weights[..., None]  # (n, k, H) in the routing weights' dtype too
         return chosen.sum(dim=1).to(hidden_states.dtype)  # (n, H)
 
 
@@ -1436,14 +1438,15 @@ def captured_experts(model):
     not transformers'); the eager step (CPU, torchrun, a capture that failed) keeps the model's own."""
     ALL_EXPERTS_FUNCTIONS.register("nanopo_routing_free", routing_free_experts)
     configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "config")}
-    saved = {key: config._experts_implementation for key, config in configs.items()}
+    # the attribute behind the property, whose setter would also set every sub-config to this one's value
+    saved = {key: config._experts_implementation_internal for key, config in configs.items()}
     for config in configs.values():
-        config._experts_implementation = "nanopo_routing_free"
+        config._experts_implementation_internal = "nanopo_routing_free"
     try:
         yield
     finally:
         for key, config in configs.items():
-            config._experts_implementation = saved[key]
+            config._experts_implementation_internal = saved[key]
 
 
 @contextlib.contextmanager
@@ -1465,7 +1468,7 @@ def fp32_lm_head(model):
         with torch.autocast(hidden.device.type, enabled=False):
             bias = None if head.bias is None else head.bias.float()
             if precision == "tf32" and hidden.is_cuda:  # TF32 is a GPU's; the CPU computes fp32 either way
-                return HeadProduct.apply(hidden.float(), head.weight.float(), bias, "high")
+                return HeadProduct.apply(hidden.float(), head.weight.float(), bias, "tf32")
             return torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
 
     previous = head.__dict__.get("forward")  # a hook library's own wrapper, if any
@@ -1481,10 +1484,10 @@ def fp32_lm_head(model):
 class HeadProduct(torch.autograd.Function):
     """Saves the GPU's fp32 path for the LM head under --lm_head_precision tf32 (an H100 runs fp32
     GEMMs at ~67 TFLOP/s, TF32 on its tensor cores at ~495): hidden · Wᵀ + b, fp32 in and out, its
-    forward and both backward GEMMs under torch's float32 matmul precision `precision` ("high":
-    TF32, inputs rounded to 10 bits of mantissa, products summed in fp32), set around these three
-    GEMMs alone, so that RoPE's angles and every other fp32 product stay exact. Sampler, scorer and
-    update all go through it (fp32_lm_head), so their log-probs still agree."""
+    forward and both backward GEMMs under cuBLAS's fp32 matmul precision `precision` ("tf32":
+    inputs rounded to 10 bits of mantissa, products summed in fp32; "ieee": fp32), set around these
+    three GEMMs alone, so that RoPE's angles and every other fp32 product stay exact. Sampler,
+    scorer and update all go through it (fp32_lm_head), so their log-probs still agree."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, precision: str):  # (…, d), (V', d), (V',) or None -> (…, V')
@@ -1506,13 +1509,14 @@ class HeadProduct(torch.autograd.Function):
 
 @contextlib.contextmanager
 def matmul_precision(precision: str):
-    """torch's float32 matmul precision ("highest": fp32; "high": TF32 on CUDA) within it only."""
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(precision)
+    """cuBLAS's precision for fp32 matmuls ("ieee": fp32; "tf32") within it only. torch's newer
+    setting: reading the older one (get_float32_matmul_precision) raises once the newer is set."""
+    previous = torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = precision
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(previous)
+        torch.backends.cuda.matmul.fp32_precision = previous
 
 
 HEAD_CHUNK_BYTES = 2**28  # fp32 logits of one chunk of positions in logprob_head: 256 MB, 442 rows of Qwen's 151,665
@@ -1541,7 +1545,7 @@ def plain_head(model) -> bool:
             del head.forward
             if previous is not None:
                 head.forward = previous
-        PLAIN_HEADS[model] = torch.equal(logits.float(), marker.expand_as(logits))
+        PLAIN_HEADS[model] = logits.shape[-1] == len(marker) and torch.equal(logits.float(), marker.expand_as(logits))
     return PLAIN_HEADS[model]
 
 
@@ -1581,10 +1585,12 @@ def logprob_head(model, tokens, scale: float, vocab_size: int, with_entropy: boo
         yield lambda logits: score(logits, tokens)
         return
     product = head.forward  # fp32_lm_head's fp32 product under autocast, else the head's own
+    chunked = []  # whether the completion's positions came through forward below
 
     def forward(hidden):  # (n, t', d) -> (n, t, 2), or the plain logits of another pass
         if hidden.shape[:-1] != tokens.shape:  # forward_completions' prompt pass: its one logit is unused
             return product(hidden)
+        chunked.append(True)
         rows = max(1, HEAD_CHUNK_BYTES // (4 * vocab_size))  # positions a chunk
         flat, targets = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)  # (n·t, d), (n·t,)
         chunks = []
@@ -1599,8 +1605,8 @@ def logprob_head(model, tokens, scale: float, vocab_size: int, with_entropy: boo
 
     previous = head.__dict__.get("forward")
     head.forward = forward
-    try:
-        yield lambda out: out  # the model's "logits" are the (n, t, 2) already
+    try:  # the model's "logits" are the (n, t, 2) already, unless it handed its head other positions
+        yield lambda out: out if chunked else score(out, tokens)
     finally:
         del head.forward
         if previous is not None:

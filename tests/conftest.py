@@ -27,8 +27,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Asked before CUDA_VISIBLE_DEVICES is cleared: the CUDA driver reads that variable once, at this
 # first question, so this process keeps its GPUs. But torch.cuda.device_count() (and with it
 # get_device_properties and set_device) reads the variable again, through NVML, at every call until
-# CUDA is initialised, and caches what it read then: a CUDA-tier test must run with the variable
-# as the session found it (tier_environment), or it sees 0 GPUs ("Invalid device id").
+# CUDA is initialised, and torch up to 2.10 caches what its first call after that reads: a CUDA-tier
+# test must run with the variable as the session found it (tier_environment), or it sees 0 GPUs
+# ("Invalid device id"), and the count is cached while it is so.
 CUDA = torch.cuda.is_available()
 GPU_ENV = {k: v for k, v in os.environ.items()}  # the environment a CUDA-tier subprocess gets
 HIDDEN = ""  # CUDA_VISIBLE_DEVICES of the CPU tier: the processes it starts (torchrun, smoke runs) see no GPU
@@ -58,6 +59,8 @@ def pytest_runtest_protocol(item, nextitem):
     try:
         yield
     finally:
+        if item.get_closest_marker("cuda") and torch.cuda.is_initialized():
+            torch.cuda.device_count()  # cached now, with the GPU in sight, not by a later CPU-tier call
         os.environ["CUDA_VISIBLE_DEVICES"] = HIDDEN
 
 

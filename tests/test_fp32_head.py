@@ -102,7 +102,7 @@ def test_the_lora_reference_scores_with_the_fp32_head_too():
 
 def test_the_tf32_head_product_has_the_gradient_of_the_linear_layer():
     # HeadProduct (--lm_head_precision tf32 on a GPU) computes the forward and both backward GEMMs
-    # itself: in float64 at torch's "highest" precision they must be the linear layer's exactly
+    # itself: in float64 at torch's "ieee" precision they must be the linear layer's exactly
     # (gradcheck: against finite differences), with and without a bias.
     torch.manual_seed(0)
     hidden = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
@@ -110,18 +110,18 @@ def test_the_tf32_head_product_has_the_gradient_of_the_linear_layer():
     bias = torch.randn(7, dtype=torch.float64, requires_grad=True)
     for script in SCRIPTS:
         product = script.HeadProduct.apply
-        assert torch.autograd.gradcheck(lambda h, w, b, f=product: f(h, w, b, "highest"), (hidden, weight, bias))
-        assert torch.autograd.gradcheck(lambda h, w, f=product: f(h, w, None, "highest"), (hidden, weight))
-        assert torch.equal(product(hidden, weight, bias, "highest"), torch.nn.functional.linear(hidden, weight, bias))
+        assert torch.autograd.gradcheck(lambda h, w, b, f=product: f(h, w, b, "ieee"), (hidden, weight, bias))
+        assert torch.autograd.gradcheck(lambda h, w, f=product: f(h, w, None, "ieee"), (hidden, weight))
+        assert torch.equal(product(hidden, weight, bias, "ieee"), torch.nn.functional.linear(hidden, weight, bias))
 
 
 def test_the_head_precision_is_set_for_its_gemms_alone():
     # matmul_precision restores what was set before; autocast() hands fp32_lm_head the precision
     # --lm_head_precision names (read once, when the head is entered), and nothing outside it.
-    before = torch.get_float32_matmul_precision()
-    with grpo.matmul_precision("high"):
-        assert torch.get_float32_matmul_precision() == "high"
-    assert torch.get_float32_matmul_precision() == before
+    before = torch.backends.cuda.matmul.fp32_precision
+    with grpo.matmul_precision("tf32"):
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    assert torch.backends.cuda.matmul.fp32_precision == before
     assert common.LM_HEAD_PRECISION.get() == "fp32"
     with common.autocast(torch.device("cpu"), torch.bfloat16, "tf32"):
         assert common.LM_HEAD_PRECISION.get() == "tf32" and torch.is_autocast_enabled("cpu")
