@@ -157,9 +157,7 @@ class Args:
     micro_batch_size: int = arg(4, "sequences per forward/backward (gradient accumulation)")
     logprob_chunk_size: int = arg(8, "sequences per no-grad scoring pass")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, ~30% slower")
-    lm_head_precision: str = arg(
-        LM_HEAD_PRECISIONS[0], "the LM head's GEMMs under bf16 autocast on a GPU: tf32 (tensor cores) or fp32 (exact)"
-    )
+    lm_head_precision: str = arg(LM_HEAD_PRECISIONS[0], "LM head's GEMMs on a GPU: tf32 (tensor cores) or fp32 (exact)")
     # LoRA (peft): train low-rank adapters on the frozen model instead of every weight
     lora_rank: int = arg(0, "r, rank of the LoRA adapters (Hu et al. 2021); 0 = train every weight")
     lora_alpha: float = arg(32.0, "α: the adapters' update is scaled by α/r (LoRA Without Regret keeps α = 32)")
