@@ -195,6 +195,7 @@ HOST_CROSSING = {
     "aten.unique_consecutive": "a shape that depends on values",
     "aten.unique_dim": "a shape that depends on values",
     "aten.lift_fresh": "torch.tensor(data) inside the step: host data copied to the device",
+    "aten.equal": "torch.equal: a comparison read to the host",
     "transformers.grouped_mm_fallback": "transformers' loop over experts: offsets.tolist()",
 }
 
@@ -208,6 +209,8 @@ def crosses_the_host(func, args) -> str | None:
         return "torch's grouped GEMM off bf16: a loop over groups that first copies the offsets to the host"
     if name == "aten.repeat_interleave" and len(args) == 1:  # repeats without output_size: their sum read back
         return "repeat_interleave without output_size"
+    if name == "aten.index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
+        return "a boolean mask as an index: a shape that depends on values"
     return None
 
 
