@@ -235,6 +235,10 @@ def check_run_args(args) -> list[str]:
     range, before anything is loaded, so a typo costs a second and not a model load.
     Returns the problems found, one line each."""
     problems = []
+    for field in dataclasses.fields(args):  # NaN passes every range check (each comparison is False):
+        value = getattr(args, field.name)  # --beta nan would drop the KL term without a word
+        if isinstance(value, float) and value != value:
+            problems.append(f"--{field.name} is NaN: give it a number.")
     if args.lr is not None and not args.lr > 0:
         problems.append(f"--lr must be > 0 (got {args.lr}); the seed study used 1e-6 to 3e-6.")
     if args.lora_rank < 0 or not args.lora_alpha > 0 or not args.lora_targets.strip(","):

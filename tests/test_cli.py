@@ -63,6 +63,7 @@ def no_model_load(*args, **kwargs):
         (dict(warmup_steps=-1), "--warmup_steps must be >= 0"),
         (dict(dtype="fp16"), "--dtype 'fp16' is not one of"),
         (dict(lm_head_precision="bf16"), "--lm_head_precision 'bf16' is not one of: tf32, fp32"),
+        (dict(beta=float("nan")), "--beta is NaN: give it a number"),
         (dict(resume_from="nowhere"), "--resume_from nowhere: no trainer_state.pt there"),
         (dict(task="chess"), "--task 'chess' is not one of: countdown, digit, gsm8k"),
         (dict(task="gsm8k", data_dir="no/such/dir"), "gsm8k/train.jsonl is missing"),
