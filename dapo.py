@@ -1634,7 +1634,7 @@ def routing_free_experts(self, hidden_states, top_k_index, top_k_weights):
     in top-k order as transformers sums them: the same function, nothing crosses to the host.
     The cost: E/k times the experts' FLOPs (gpt-oss-20b: 8×) over the same weights read, which a
     decode step does not notice while 2·n / (bytes a weight) FLOPs per byte stays under the device's
-    FLOP/s per byte/s (H100, bf16: ~300, so n up to ~300 rows; fp32, no tensor cores: ~20).
+    FLOP/s per byte/s (an H100's datasheet: bf16 ~300, so n up to ~300 rows; fp32, no tensor cores, ~20).
     A forward of transformers' ExpertsInterface: hidden_states (n, H), top_k_index and
     top_k_weights (n, k) -> (n, H)."""
     up_weight = self.gate_up_proj if self.has_gate else self.up_proj  # (E, 2I or I, H), transposed (E, H, …)
@@ -1707,7 +1707,7 @@ def fp32_lm_head(model):
 
 class HeadProduct(torch.autograd.Function):
     """Saves the GPU's fp32 path for the LM head under --lm_head_precision tf32 (an H100 runs fp32
-    GEMMs at ~67 TFLOP/s, TF32 on its tensor cores at ~495): hidden · Wᵀ + b, fp32 in and out, its
+    GEMMs at ~67 TFLOP/s, TF32 at ~495, by its datasheet): hidden · Wᵀ + b, fp32 in and out, its
     forward and both backward GEMMs under cuBLAS's fp32 matmul precision `precision` ("tf32":
     inputs rounded to 10 bits of mantissa, products summed in fp32; "ieee": fp32), set around these
     three GEMMs alone, so that RoPE's angles and every other fp32 product stay exact. Sampler,

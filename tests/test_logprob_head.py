@@ -3,8 +3,6 @@ straight from the hidden states, HEAD_CHUNK_BYTES of logits at a time, checkpoin
 (n, t, V) tensor is kept for backward. token_logprobs by hand; the chunked head against the whole
 logits (values and gradients); what autograd keeps; plain_head's probe."""
 
-import math
-
 import pytest
 import torch
 
@@ -115,4 +113,3 @@ def test_plain_head_finds_what_follows_the_head():
     model = family_model("qwen2")
     model.get_output_embeddings = lambda: None  # no head to read: the whole logits
     assert grpo.plain_head(model) is False
-    assert math.isfinite(grpo.HEAD_CHUNK_BYTES)
