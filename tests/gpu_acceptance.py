@@ -2,6 +2,7 @@
 
     python tests/gpu_acceptance.py --output acceptance.md          # on a GPU machine
     python tests/gpu_acceptance.py --output /tmp/a.md --smoke      # the same stages, tiny, on the CPU
+    python tests/gpu_acceptance.py --output a.md --stages 1,3,4     # some stages, their shares kept
 
 It runs on the GPU image as it is (torch, transformers, peft; nothing downloaded: the models are
 random-initialised at Qwen2.5-1.5B's shape, the tokenizer is bench.py's 151,665-id one). Each stage
@@ -33,7 +34,8 @@ acceptance as it was then ran out of time:
      pass besides the reference's, the critic's values and update, and the recomputation.
 The profiler's overhead on these steps has not been measured. A stage gets its own share and
 the time the stages before it left (never the share of a stage after it). The report (Markdown)
-gathers the versions, every command with its status and time, and the tables.
+gathers the versions, every command with its status and time, and the tables; every stage's
+whole output goes to the .log beside it.
 """
 
 import argparse
@@ -169,6 +171,9 @@ def main() -> int:
     parser.add_argument("--output", required=True, help="the Markdown report; bench's JSON files go beside it")
     parser.add_argument("--smoke", action="store_true", help="the same stages with the tiny model on the CPU")
     parser.add_argument("--deadline", type=float, default=530, help="seconds for every stage together")
+    parser.add_argument(
+        "--stages", default="", help="the stages to run, by number (1-6, as above), comma-separated; default all"
+    )
     parser.add_argument("--model_dir", default=str(default_model_dir(SHAPE)), help="the 1.5B shape, written once")
     options = parser.parse_args()
     output = Path(options.output)
@@ -180,16 +185,25 @@ def main() -> int:
         f"{versions()}; Python {platform.python_version()}; {'smoke (tiny, CPU)' if options.smoke else SHAPE}",
         "",
     ]
+    log = output.with_suffix(".log")
+    log.unlink(missing_ok=True)
     failed = 0
     planned = stages(options.smoke, output.parent, Path(options.model_dir))
+    if options.stages:
+        chosen = [int(n) for n in options.stages.split(",")]
+        if not all(1 <= n <= len(planned) for n in chosen):
+            parser.error(f"--stages {options.stages}: stages are numbered 1 to {len(planned)}")
+        planned = [planned[n - 1] for n in sorted(set(chosen))]
     for i, stage in enumerate(planned):
         later = sum(s["seconds"] for s in planned[i + 1 :])  # what the stages after it keep
         result = run_stage(stage, max(1.0, deadline - time.monotonic() - later))  # its share, and time left over
         failed += not result["status"].startswith("passed")
         sections.append(report_stage(stage, result))
         output.write_text("\n".join(sections) + "\n")  # after every stage: a cut-off run keeps its report
+        with log.open("a") as whole:  # every stage's whole output, where the report keeps the end of a failure's
+            whole.write(f"===== {stage['name']}: {result['status']}, {result['seconds']:.0f} s\n{result['output']}\n")
         print(f"{stage['name']}: {result['status']}, {result['seconds']:.0f} s", flush=True)
-    print(f"report: {output}")
+    print(f"report: {output}; every stage's output: {log}")
     return 1 if failed else 0
 
 

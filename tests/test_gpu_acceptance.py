@@ -25,3 +25,16 @@ def test_acceptance_runner_smoke(tmp_path):
         assert f"| {script} | generate+reward | 1 |" in text and f"| {script} | update |" in text
     assert "| ppo | values |" in text and "| ppo | critic update |" in text
     assert "| script | time/generate |" in text and "| ppo |" in text  # the step's own time/* metrics
+
+
+def test_acceptance_runner_runs_the_stages_asked_for(tmp_path):
+    """--stages 1,3: the CUDA tier and the decode profile alone; a stage number out of range is
+    refused before anything runs."""
+    report = tmp_path / "acceptance.md"
+    command = [sys.executable, str(ROOT / "tests" / "gpu_acceptance.py"), "--output", str(report), "--smoke"]
+    done = subprocess.run([*command, "--stages", "3,1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    headings = [line for line in report.read_text().splitlines() if line.startswith("## ")]
+    assert headings == ["## CUDA tier", "## profile: decode, N = 4 × 8 new tokens, sampled"]
+    refused = subprocess.run([*command, "--stages", "7"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2 and "stages are numbered 1 to 6" in refused.stderr
