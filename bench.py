@@ -132,6 +132,8 @@ class Args:
     device: str = arg("auto", "auto, cpu, cuda")
     dtype: str = arg("auto", "auto (bf16 autocast on GPU, fp32 on CPU), bfloat16, float32")
     lm_head_precision: str = arg(LM_HEAD_PRECISIONS[0], "the LM head's GEMMs under autocast on a GPU: tf32 or fp32")
+    shape_multiple: int = arg(0, "A/B: trim_padding's multiple in the scripts (1 = exact lengths); 0 = their own")
+    sdpa_backend: str = arg("", "A/B: every attention under one SDPA backend (cudnn, efficient, flash, math)")
     output: str = arg("bench.json", "where the tables go, as JSON")
 
 
@@ -1054,7 +1056,35 @@ def bench_profile(args, device, weight_dtype, compute_dtype, amp, report: dict, 
     return report
 
 
+@contextlib.contextmanager
+def compared(args: Args):
+    """--shape_multiple and --sdpa_backend: a choice of the scripts replaced for the whole run, to
+    measure what it buys (the same command with and without). --sdpa_backend limits PyTorch's
+    scaled_dot_product_attention to one backend in every forward (generate's one-token step as its
+    CUDA graph is captured, the scoring and training passes; backward follows its forward)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    backends |= {"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
+    if args.sdpa_backend and args.sdpa_backend not in backends:
+        raise SystemExit(f"--sdpa_backend {args.sdpa_backend}: one of {', '.join(backends)}")
+    with contextlib.ExitStack() as stack:
+        if args.shape_multiple:
+            for script in SCRIPTS.values():
+                original = script.shape_multiple
+                script.shape_multiple = lambda device, m=args.shape_multiple: m
+                stack.callback(setattr, script, "shape_multiple", original)
+        if args.sdpa_backend:
+            stack.enter_context(sdpa_kernel(backends[args.sdpa_backend]))
+        yield
+
+
 def main(args: Args) -> dict:
+    with compared(args):
+        return measure(args)
+
+
+def measure(args: Args) -> dict:
     device = use_device(resolve_device(args.device))  # a GPU named by --device becomes the current one
     weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
     amp = lambda: autocast(device, compute_dtype, args.lm_head_precision)  # noqa: E731

@@ -9,6 +9,7 @@ import contextlib
 import contextvars
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import json
 import os
@@ -303,13 +304,20 @@ MEMORY_PHASES = {
         "--batch_size or --group_size (rows decoded at once), --max_new_tokens (the KV cache holds "
         "rows × (prompt + max_new_tokens) positions in every layer), --dtype bfloat16",
     ),
-    "old_and_ref_logprobs": ("scoring (step 4)", "--logprob_chunk_size (rows scored at once), --beta 0 (no reference)"),
-    "critic_values": ("the critic's values (step 4)", "--logprob_chunk_size (rows scored at once)"),
+    "old_and_ref_logprobs": (
+        "scoring (step 4)",
+        "--logprob_chunk_tokens or --logprob_chunk_size (tokens or rows scored at once), --beta 0 (no reference)",
+    ),
+    "critic_values": ("the critic's values (step 4)", "--logprob_chunk_tokens or --logprob_chunk_size"),
     "policy_backward": (
         "the policy update (step 6)",
-        "--micro_batch_size (rows per forward and backward), --gradient_checkpointing true, --lora_rank 32",
+        "--micro_batch_tokens or --micro_batch_size (tokens or rows per forward and backward), "
+        "--gradient_checkpointing true, --lora_rank 32",
     ),
-    "critic_backward": ("the critic update", "--micro_batch_size, --gradient_checkpointing true"),
+    "critic_backward": (
+        "the critic update",
+        "--micro_batch_tokens or --micro_batch_size, --gradient_checkpointing true",
+    ),
     "optimizer_step": (
         "the optimizer step",
         "--lora_rank 32 (AdamW's moments for the adapters only), --dtype bfloat16",
@@ -325,7 +333,7 @@ def out_of_memory_message(error: BaseException, checkpoint: Path | None, script:
     while traceback is not None:  # outermost first: train(), then what it called
         frames.append(traceback.tb_frame)
         traceback = traceback.tb_next
-    phase, flags = "an unnamed phase", "--micro_batch_size, --logprob_chunk_size, --batch_size"
+    phase, flags = "an unnamed phase", "--micro_batch_tokens, --logprob_chunk_tokens, --batch_size"
     shapes = ""
     for frame in frames:
         if frame.f_code.co_name in MEMORY_PHASES:
@@ -562,6 +570,116 @@ def all_reduce_totals(totals: dict) -> dict:
     """Update statistics summed over ranks (the *_max ones: their maximum), as accumulate adds
     micro-batches: what one process would have summed over the whole batch."""
     return {k: all_reduce(v, "max" if k.endswith("_max") else "sum") for k, v in totals.items()}
+
+
+PREFLIGHT_MEMORY_SHARE = 0.8  # of the GPU's memory a micro-batch's pass may reach, AdamW's moments to come included
+UNSIZED_ROWS = {"micro_batch": 4, "logprob_chunk": 8}  # rows per pass where no preflight runs (a CPU)
+
+
+def size_micro_batches(args, task, tokenizer, trained: list, update, score) -> None:
+    """Before step 1: how much each forward pass takes where the flags leave it open (--micro_batch_size
+    and --micro_batch_tokens both 0; --logprob_chunk_size and --logprob_chunk_tokens both 0). On a GPU
+    the preflight measures it: update(sequences) and score(sequences), the script's step 6 forward and
+    backward and its step 4 no-grad scoring pass, run on rows of the longest sequence the run can
+    produce (the task's longest prompt, a distinct one in every row, and every completion at
+    max_new_tokens), and the largest number of rows that fits becomes --micro_batch_tokens and
+    --logprob_chunk_tokens (rows × that length: shorter rows then go more to a micro-batch,
+    chunks_of). AdamW's moments for `trained`, allocated at the first optimizer step, are counted
+    in. The run stops here, naming the flags to turn, when one row does not fit: an out-of-memory
+    error in the first minute, not hours into the run. On a CPU: UNSIZED_ROWS rows, no preflight."""
+    device = next(trained[0].parameters()).device
+    open_ = [kind for kind in UNSIZED_ROWS if not (getattr(args, f"{kind}_size") or getattr(args, f"{kind}_tokens"))]
+    if device.type != "cuda" or not open_:
+        for kind in open_:
+            setattr(args, f"{kind}_size", UNSIZED_ROWS[kind])
+        return
+    prompt = longest_prompt(tokenizer, task)
+    length = prompt + args.max_new_tokens
+    draws = torch.Generator(device).manual_seed(0)  # the run's own random stream is left as it is
+
+    def sequences(rows: int) -> tuple:  # prompt_ids, prompt_mask, completion_ids, completion_mask
+        ids = torch.randint(len(tokenizer), (rows, length), device=device, generator=draws)
+        return ids[:, :prompt], torch.ones_like(ids[:, :prompt]), ids[:, prompt:], torch.ones_like(ids[:, prompt:])
+
+    rows = args.batch_size * args.group_size // world_size()  # this rank's rows of a step
+    flags = "--max_new_tokens, --gradient_checkpointing true, --lora_rank 32, --dtype bfloat16"
+    passes = {
+        "micro_batch": (update, rows // args.num_mini_batches, f"--micro_batch_tokens or --micro_batch_size, {flags}"),
+        "logprob_chunk": (score, rows, "--logprob_chunk_tokens or --logprob_chunk_size, --max_new_tokens"),
+    }
+    pending = 2 * sum(local_bytes(p) for model in trained for p in model.parameters() if p.requires_grad)
+    budget = PREFLIGHT_MEMORY_SHARE * torch.cuda.get_device_properties(device).total_memory - pending
+    measure = functools.partial(cuda_peak, sequences=sequences, device=device)
+    chosen = {kind: preflight(*passes[kind], budget, measure, f"{kind} of {length} tokens") for kind in open_}
+    for model in trained:
+        model.zero_grad(set_to_none=True)
+    for kind, fitting in chosen.items():
+        setattr(args, f"{kind}_tokens", fitting * length)
+    if rank() == 0:
+        sized = [f"--{kind}_tokens {rows * length} ({rows} rows of {length})" for kind, rows in chosen.items()]
+        share = f"{PREFLIGHT_MEMORY_SHARE:.0%} of the GPU, AdamW's {pending / 2**30:.1f} GiB counted"
+        print(f"preflight: {', '.join(sized)}: the most that peak within {share}")
+
+
+def preflight(run, most_rows: int, flags: str, budget: float, measure, what: str) -> int:
+    """The most rows (up to most_rows) whose pass run(sequences) peaks within budget bytes, by
+    measure(run, rows) -> peak bytes (inf for an out-of-memory error): 1, 2, 4, … rows until one is
+    over; then, taking the peak as linear in the rows between the last two that fitted, the rows
+    that line puts at the budget, run once to confirm. Under torchrun: the smallest rank's. Stops,
+    naming `flags`, when one row is over."""
+    peaks, rows = {}, 1
+    while True:
+        peaks[rows] = measure(run, rows)
+        if peaks[rows] > budget or rows >= most_rows:
+            break
+        rows = min(2 * rows, most_rows)
+    fitting = max((r for r, peak in peaks.items() if peak <= budget), default=0)
+    over = min((r for r, peak in peaks.items() if peak > budget), default=0)
+    if over and fitting >= 2:  # between `fitting` and `over`: the peak's growth per row from fitting/2 to fitting
+        per_row = (peaks[fitting] - peaks[fitting // 2]) / (fitting - fitting // 2)
+        guess = min(fitting + int((budget - peaks[fitting]) // per_row), over - 1) if per_row > 0 else over - 1
+        if guess > fitting and measure(run, guess) <= budget:
+            fitting = guess
+    fitting = int(all_reduce(fitting, "min"))
+    if not fitting:
+        raise SystemExit(
+            f"preflight: one row of the {what} does not fit: {peaks[1] / 2**30:.1f} GiB at its peak, over the "
+            f"{budget / 2**30:.1f} GiB left of {PREFLIGHT_MEMORY_SHARE:.0%} of this GPU once AdamW's moments are "
+            f"counted. Lower it with {flags} (docs/models.md: memory)."
+        )
+    return fitting
+
+
+def cuda_peak(run, rows: int, sequences, device) -> float:
+    """The peak bytes allocated on `device` while run(sequences(rows)) runs; inf if it runs out of memory."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        run(sequences(rows))
+    except torch.OutOfMemoryError:
+        return float("inf")
+    finally:
+        torch.cuda.empty_cache()
+    return torch.cuda.max_memory_allocated(device)
+
+
+def local_bytes(tensor) -> int:
+    """Bytes of this process's part of a tensor: an FSDP2 shard's (DTensor), or the whole."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def longest_prompt(tokenizer, task) -> int:
+    """Tokens in the task's longest prompt, chat template included: what a step's prompts are at most."""
+    texts = [render_chat(tokenizer, task.messages(problem)) for problem in task.problems]
+    return max(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
+
+
+def host_numbers(totals: dict) -> dict:
+    """The update's statistics, summed over its micro-batches as 0-d tensors on the device (a
+    `.item()` in every micro-batch would stop the host there until the GPU caught up, leaving
+    the GPU idle while the next micro-batch is launched), read back as numbers once, at the end."""
+    return {key: value.item() if torch.is_tensor(value) else value for key, value in totals.items()}
 
 
 def all_reduce_metrics(metrics: dict) -> dict:

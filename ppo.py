@@ -83,6 +83,7 @@ from common import (
     enable_activation_checkpointing,
     frozen_dtype,
     full_state_dict,
+    host_numbers,
     init_distributed,
     is_lora,
     load_policy,
@@ -99,6 +100,7 @@ from common import (
     resolve_precision,
     seed_everything,
     shard_model,
+    size_micro_batches,
     unsharded,
     with_adapters,
     world_size,
@@ -145,8 +147,10 @@ class Args:
     max_grad_norm: float = arg(1.0, "gradient clipping by global norm")
     ppo_epochs: int = arg(1, "K, epochs over each rollout (PPO Alg. 1)")
     num_mini_batches: int = arg(4, "optimizer steps per epoch, for actor and critic each; N must split evenly")
-    micro_batch_size: int = arg(4, "sequences per forward/backward (gradient accumulation)")
-    logprob_chunk_size: int = arg(8, "sequences per no-grad scoring pass")
+    micro_batch_size: int = arg(0, "rows per forward/backward (gradient accumulation); 0 = by tokens")
+    micro_batch_tokens: int = arg(0, "tokens per forward/backward; 0 = the GPU preflight's (CPU: 4 rows)")
+    logprob_chunk_size: int = arg(0, "rows per no-grad scoring pass; 0 = by tokens")
+    logprob_chunk_tokens: int = arg(0, "tokens per no-grad scoring pass; 0 = the GPU preflight's (CPU: 8 rows)")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, ~30% slower")
     lm_head_precision: str = arg(LM_HEAD_PRECISIONS[0], "LM head's GEMMs on a GPU: tf32 (tensor cores) or fp32 (exact)")
     # LoRA (peft): train low-rank adapters on the frozen model instead of every weight
@@ -378,8 +382,8 @@ def value_loss(
     with torch.no_grad():
         valid = completion_mask.bool()
         stats = {
-            "tokens": valid.sum().item(),
-            "value_clipped": (valid & (clipped_error > unclipped_error)).sum().item(),
+            "tokens": valid.sum(),
+            "value_clipped": (valid & (clipped_error > unclipped_error)).sum(),
         }
     return loss, stats
 
@@ -399,7 +403,8 @@ def loss_stats(
 ) -> dict:
     """The loss's statistics over the tokens of loss_mask, as sums (and maxima, *_max) that
     accumulate over micro-batches into update_metrics: tokens, the tokens the clip binds on each
-    side, those dual-clip bounds, Σ KL, the largest ratio, and the truncated IS weights."""
+    side, those dual-clip bounds, Σ KL, the largest ratio, and the truncated IS weights. Each a 0-d
+    tensor where the loss is: no host sync per micro-batch (policy_backward reads them once)."""
     valid = loss_mask.bool()
     low, high = (ratio < 1 - eps_low), (ratio > 1 + eps_high)
     if not clips_weight:  # the clipped surrogate binds only where it cuts the gradient
@@ -407,14 +412,14 @@ def loss_stats(
     if cut is not None:  # DPPO's region: a probability that fell (Â ≤ 0) or rose (Â > 0) too far
         low, high = cut & (advantages <= 0), cut & (advantages > 0)
     stats = {
-        "tokens": valid.sum().item(),
-        "clip_low": (valid & low).sum().item(),
-        "clip_high": (valid & high).sum().item(),
-        "clip_dual": (valid & dual_clipped).sum().item(),
-        "ratio_max": ratio[valid].max().item() if valid.any() else 1.0,
+        "tokens": valid.sum(),
+        "clip_low": (valid & low).sum(),
+        "clip_high": (valid & high).sum(),
+        "clip_dual": (valid & dual_clipped).sum(),
+        "ratio_max": torch.where(valid.any(), ratio.masked_fill(~valid, -torch.inf).max(), 1.0),  # 1: no token
     }
     if kl is not None:
-        stats["kl"] = (kl * loss_mask.to(kl.dtype)).sum().item()
+        stats["kl"] = (kl * loss_mask.to(kl.dtype)).sum()
     if is_weight is not None:
         stats |= tis_stats(is_weight, valid)
     return stats
@@ -449,11 +454,11 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
         num_positive_tokens = all_reduce((batch["completion_mask"] * batch["positive"][:, None]).sum().item())
     record = batch["old_logp"] is None  # this forward pass stands in for step 4's
     recorded = {name: torch.zeros_like(loss_mask, dtype=torch.float32) for name in ("old_logp", "entropy") if record}
-    for rows, micro in micro_batches(batch, args.micro_batch_size):
+    for rows, micro in micro_batches(batch, args.micro_batch_size, args.micro_batch_tokens):
         with amp():
             logp, entropy = sequence_logprobs(
                 policy, micro["prompt_ids"], micro["prompt_mask"], micro["completion_ids"], micro["completion_mask"],
-                temperature=args.temperature, vocab_size=vocab_size, chunk_size=args.micro_batch_size,
+                temperature=args.temperature, vocab_size=vocab_size, chunk_size=len(rows),
                 with_entropy=args.entropy_coef > 0 or record, entropy_grad=args.entropy_coef > 0,
             )  # (m, T) each  # fmt: skip
             old_logp = logp.detach() if on_policy(args) else micro["old_logp"]
@@ -468,35 +473,35 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
                 nll = positive_lm_loss(logp, micro["completion_mask"], micro["positive"], num_positive_tokens)
                 loss = loss + args.pos_lm_coef * nll
                 stats |= {
-                    "pos_nll": nll.item(),
-                    "pos_tokens": (micro["completion_mask"] * micro["positive"][:, None]).sum().item(),
+                    "pos_nll": nll.detach(),
+                    "pos_tokens": (micro["completion_mask"] * micro["positive"][:, None]).sum(),
                 }
         loss.backward()
-        accumulate(totals, {"loss": loss.item(), **stats})
+        accumulate(totals, {"loss": loss.detach(), **stats})
         if record:
             recorded["old_logp"][rows], recorded["entropy"][rows] = logp.detach(), entropy.detach()
-    return totals, recorded
+    return host_numbers(totals), recorded  # one host sync, after the last micro-batch
 
 
 def critic_backward(critic: "Critic", batch: dict, args: Args, amp=contextlib.nullcontext) -> dict:
     """Step 6's forward and backward of the critic over one mini-batch (the same rows the policy
-    just trained on), micro_batch_size sequences at a time, the value loss normalised by the
+    just trained on), in the policy's micro-batches (micro_batches), the value loss normalised by the
     mini-batch's token count. Returns the summed loss and statistics of the whole mini-batch."""
     num_tokens = all_reduce(batch["completion_mask"].sum().item())  # under torchrun every rank's
     totals = {}
-    for _, micro in micro_batches(batch, args.micro_batch_size):
+    for rows, micro in micro_batches(batch, args.micro_batch_size, args.micro_batch_tokens):
         with amp():
             values = critic_values(
                 critic, micro["prompt_ids"], micro["prompt_mask"], micro["completion_ids"], micro["completion_mask"],
-                chunk_size=args.micro_batch_size,
+                chunk_size=len(rows),
             )  # (m, T)  # fmt: skip
             loss, stats = value_loss(
                 values, micro["old_values"], micro["returns"], micro["completion_mask"], eps_value=args.eps_value,
                 num_tokens=num_tokens,
             )  # fmt: skip
         loss.backward()
-        accumulate(totals, {"loss": loss.item(), **stats})
-    return totals
+        accumulate(totals, {"loss": loss.detach(), **stats})
+    return host_numbers(totals)
 
 
 # ----------------------------------------------------------------------------------------
@@ -559,11 +564,11 @@ def tis_weights(old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_ma
 
 
 def tis_stats(is_weight: torch.Tensor, valid: torch.Tensor) -> dict:
-    """Sums and the max of the truncated IS weights over the valid tokens, for update_metrics."""
-    weights = is_weight[valid]
+    """Sums and the max of the truncated IS weights over the valid tokens, for update_metrics (0-d
+    tensors, as loss_stats')."""
     return {
-        "tis_weight": weights.sum().item(),
-        "tis_weight_max": weights.max().item() if weights.numel() else 1.0,  # C when any token was capped
+        "tis_weight": (is_weight * valid).sum(),
+        "tis_weight_max": torch.where(valid.any(), is_weight.masked_fill(~valid, -torch.inf).max(), 1.0),  # C: capped
     }
 
 
@@ -634,6 +639,8 @@ def train(args: Args) -> Path:
     optimizer, scheduler = make_optimizer(policy, args.lr, args)  # AdamW, linear warm-up
     critic_lr = args.critic_lr or 10 * (LORA_LR if args.lora_rank else FULL_LR)  # unset: 10× the actor's default
     critic_optimizer, critic_scheduler = make_optimizer(critic, critic_lr, args)
+    passes = micro_batch_passes(policy, critic, args, vocab_size, amp)  # the preflight's, on a GPU
+    size_micro_batches(args, task, tokenizer, [policy, critic], *passes)  # rows or tokens per pass, before step 1
     evaluate = functools.partial(  # run.end_step calls it every eval_every steps and at the end
         evaluate_heldout, policy, tokenizer, eos_ids, heldout, max_new_tokens=args.max_new_tokens,
         batch_size=args.eval_batch_size, amp=amp,
@@ -857,6 +864,33 @@ def whole_groups(order: torch.Tensor, group_size: int) -> torch.Tensor:
     return (groups[:, None] * group_size + torch.arange(group_size, device=order.device)).flatten()
 
 
+def micro_batch_passes(policy, critic, args: Args, vocab_size: int, amp) -> tuple:
+    """What the preflight (common.size_micro_batches) measures, as two passes over sequences
+    (prompt_ids, prompt_mask, completion_ids, completion_mask): step 6's forward and backward of
+    the policy, then of the critic (their micro-batches are the same), and step 4's no-grad passes
+    of both, each as one chunk of all the rows it is given."""
+
+    def update(sequences):
+        with amp():
+            logp, _ = sequence_logprobs(policy, *sequences, args.temperature, vocab_size, len(sequences[0]))
+        logp.sum().backward()
+        del logp
+        with amp():
+            values = critic_values(critic, *sequences, len(sequences[0]))
+        values.sum().backward()
+
+    def score(sequences):
+        policy.eval()
+        critic.eval()
+        with torch.no_grad(), amp():
+            sequence_logprobs(policy, *sequences, args.temperature, vocab_size, len(sequences[0]), with_entropy=True)
+            critic_values(critic, *sequences, len(sequences[0]))
+        policy.train()
+        critic.train()
+
+    return update, score
+
+
 def optimizer_step(model, optimizer, max_grad_norm: float, skip: bool = False) -> float:
     """Clips the gradient norm, steps, and frees the gradients (set to None, not zeros), so
     that actor and critic gradients never exist at the same time, nor one step's during the
@@ -870,9 +904,20 @@ def optimizer_step(model, optimizer, max_grad_norm: float, skip: bool = False) -
 
 
 def accumulate(totals: dict, stats: dict) -> None:
-    """Adds one micro-batch's statistics into running totals: sums, except the maxima (*_max)."""
+    """Adds one micro-batch's statistics into running totals: sums, except the maxima (*_max).
+    Numbers or 0-d tensors: the update's stay on the device until host_numbers reads them once,
+    summed in float64 as the numbers are."""
     for key, value in stats.items():
-        totals[key] = max(totals.get(key, value), value) if key.endswith("_max") else totals.get(key, 0) + value
+        if torch.is_tensor(value) and value.is_floating_point():
+            value = value.double()
+        if not key.endswith("_max"):
+            totals[key] = totals.get(key, 0) + value
+        elif key not in totals:
+            totals[key] = value
+        elif torch.is_tensor(value) or torch.is_tensor(totals[key]):
+            totals[key] = torch.maximum(torch.as_tensor(totals[key]), torch.as_tensor(value))
+        else:
+            totals[key] = max(totals[key], value)
 
 
 def evaluate_heldout(
@@ -992,7 +1037,7 @@ def old_critic_values(critic: Critic, batch: Rollout, args: Args, amp) -> torch.
     critic.eval()  # same mode as sampling (matters for models with dropout)
     with torch.no_grad(), amp():
         sequences = batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
-        old_values = critic_values(critic, *sequences, args.logprob_chunk_size)  # (N, T)
+        old_values = critic_values(critic, *sequences, args.logprob_chunk_size, args.logprob_chunk_tokens)  # (N, T)
     critic.train()
     return old_values
 
@@ -1004,17 +1049,20 @@ def critic_values(
     completion_ids: torch.Tensor,  # (N, T)
     completion_mask: torch.Tensor,  # (N, T)
     chunk_size: int,
+    chunk_tokens: int = 0,
 ) -> torch.Tensor:
     """V_φ(s_t) for every completion position t, s_t = (q, o_<t): the state in which token t
     is chosen, read at position P-1+t, the same position whose logits give log π(o_t) in
     sequence_logprobs (same left padding, attention mask and position ids). chunk_size rows
-    at a time, in order of length, each chunk cut to its own longest (as sequence_logprobs).
+    (or chunk_tokens tokens: chunks_of) at a time, in order of length, each chunk cut to its own
+    longest (as sequence_logprobs).
     Returns values (N, T), 0 where completion_mask is 0, rows in the order given; differentiable with grad."""
     num_tokens = completion_ids.shape[1]  # T
-    order = length_order(prompt_ids, prompt_mask, completion_mask)  # chunks of whole groups, each trimmed
+    order = torch.arange(len(prompt_ids), device=prompt_ids.device)  # one chunk: the rows as they come
+    if not chunk_size or len(prompt_ids) > chunk_size:  # chunks of whole groups, each trimmed (a host sync)
+        order = length_order(prompt_ids, prompt_mask, completion_mask)
     values = []
-    for start in range(0, completion_ids.shape[0], chunk_size):
-        rows = order[start : start + chunk_size]
+    for rows in chunks_of(order, prompt_mask, completion_mask, chunk_size, chunk_tokens):
         chunk = trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows])
         chunk_values = critic(*chunk)  # (n, t), t ≤ T the chunk's longest completion
         values.append(torch.nn.functional.pad(chunk_values, (0, num_tokens - chunk_values.shape[1])))  # (n, T)
@@ -1685,11 +1733,22 @@ def old_and_ref_logprobs(policy, reference, batch: Rollout, args, vocab_size: in
     with torch.no_grad(), amp():
         if score_policy:
             old_logp, entropy = sequence_logprobs(
-                policy, *sequences, args.temperature, vocab_size, args.logprob_chunk_size, with_entropy=True
+                policy,
+                *sequences,
+                args.temperature,
+                vocab_size,
+                args.logprob_chunk_size,
+                with_entropy=True,
+                chunk_tokens=args.logprob_chunk_tokens,
             )  # (N, T), (N, T)
         if reference is not None:
             ref_logp, _ = sequence_logprobs(
-                reference, *sequences, args.temperature, vocab_size, args.logprob_chunk_size
+                reference,
+                *sequences,
+                args.temperature,
+                vocab_size,
+                args.logprob_chunk_size,
+                chunk_tokens=args.logprob_chunk_tokens,
             )  # (N, T)
     policy.train()
     return old_logp, entropy, ref_logp
@@ -1706,6 +1765,7 @@ def sequence_logprobs(
     chunk_size: int,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    chunk_tokens: int = 0,
 ):
     """log π(o_t | q, o_<t) of every completion token, from logits / temperature restricted to
     the tokenizer's vocabulary, exactly as `generate` sampled them. Rows go through the model
@@ -1721,10 +1781,11 @@ def sequence_logprobs(
     """
     num_tokens = completion_ids.shape[1]  # T
     scale = temperature if temperature > 0 else 1.0
-    order = length_order(prompt_ids, prompt_mask, completion_mask)  # chunks of whole groups of similar length
+    order = torch.arange(len(prompt_ids), device=prompt_ids.device)  # one chunk: the rows as they come
+    if not chunk_size or len(prompt_ids) > chunk_size:  # chunks of whole groups of similar length (a host sync)
+        order = length_order(prompt_ids, prompt_mask, completion_mask)
     scored = []
-    for start in range(0, completion_ids.shape[0], chunk_size):
-        rows = order[start : start + chunk_size]
+    for rows in chunks_of(order, prompt_mask, completion_mask, chunk_size, chunk_tokens):
         chunk = trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows])
         kept = chunk[2].shape[1]  # t ≤ T: the chunk's longest completion
         # fp32 logits, as generate's; position p-1+j predicts token j
@@ -1736,15 +1797,37 @@ def sequence_logprobs(
     return (logp, entropy) if with_entropy else (logp, None)
 
 
-def micro_batches(batch: dict, size: int):
+def micro_batches(batch: dict, size: int, tokens: int = 0):
     """The rows of a mini-batch (a dict of (n, …) tensors, None kept as None) in micro-batches of
-    `size`, taken in length_order: rows of similar length together, so that a micro-batch's forward
-    pass computes little padding (trim_padding), and a group's rows together, so that its prompt
-    runs once (forward_completions). Yields (rows, micro): rows (m,) are the micro-batch's indices
-    in `batch`, where what it computes goes back (`recorded[rows] = …`: input order again)."""
+    `size` rows, or of about `tokens` tokens (chunks_of), taken in length_order: rows of similar
+    length together, so that a micro-batch's forward pass computes little padding (trim_padding),
+    and a group's rows together, so that its prompt runs once (forward_completions). Yields (rows,
+    micro): rows (m,) are the micro-batch's indices in `batch`, where what it computes goes back
+    (`recorded[rows] = …`: input order again)."""
     order = length_order(batch["prompt_ids"], batch["prompt_mask"], batch["completion_mask"])  # (n,)
-    for rows in order.split(size):
+    for rows in chunks_of(order, batch["prompt_mask"], batch["completion_mask"], size, tokens):
         yield rows, {k: v[rows] if v is not None else None for k, v in batch.items()}
+
+
+def chunks_of(order, prompt_mask, completion_mask, rows: int, tokens: int = 0) -> list[torch.Tensor]:
+    """The row indices of `order` in consecutive chunks: `rows` at a time; with rows 0, by `tokens`:
+    as many as keep rows × (their longest prompt + longest completion, the columns trim_padding
+    keeps) within it, one at least, so that a chunk of short rows holds more rows than a chunk of
+    long ones and every chunk about the same work and memory; with neither, 4 rows (train() sets
+    one of them before step 1: size_micro_batches). By tokens: one host sync, for the lengths."""
+    if rows or not tokens:
+        return list(order.split(rows or 4))
+    multiple = shape_multiple(order.device)
+    lengths = torch.stack([prompt_mask.sum(-1)[order], completion_mask.sum(-1)[order]]).clamp(min=1)  # (2, n)
+    widths = torch.tensor([[prompt_mask.shape[1]], [completion_mask.shape[1]]], device=order.device)  # P, T
+    kept = torch.minimum(-(-lengths // multiple) * multiple, widths).tolist()  # (2, n) as trim_padding keeps
+    chunks, start, prompt, completion = [], 0, 0, 0
+    for i, (row_prompt, row_completion) in enumerate(zip(*kept)):
+        prompt, completion = max(prompt, row_prompt), max(completion, row_completion)
+        if i > start and (i + 1 - start) * (prompt + completion) > tokens:  # row i starts the next chunk
+            chunks.append(order[start:i])
+            start, prompt, completion = i, row_prompt, row_completion
+    return chunks + [order[start:]]
 
 
 def length_order(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
@@ -1766,10 +1849,23 @@ def trim_padding(prompt_ids, prompt_mask, completion_ids, completion_mask):
     """Saves the compute of columns that are padding in every row of a chunk: the prompt columns
     before its longest prompt (left padding) and the completion columns after its longest
     completion (right padding). Exact: a column no row attends to changes no other position, and
-    positions count real tokens only. (n, P), (n, P), (n, T), (n, T) -> the same, (n, p) and (n, t)."""
-    prompt_length, num_tokens = prompt_mask.sum(-1).max().item(), completion_mask.sum(-1).max().item()
-    first, kept = prompt_mask.shape[1] - max(prompt_length, 1), max(num_tokens, 1)  # keep one column at least
+    positions count real tokens only. On CUDA each part keeps a multiple of shape_multiple columns
+    (or all it has), so that chunks of similar length have one shape and the attention kernels'
+    plans and the allocator's blocks are reused, not made anew for every chunk; one host sync.
+    (n, P), (n, P), (n, T), (n, T) -> the same, (n, p) and (n, t)."""
+    longest = torch.stack([prompt_mask.sum(-1).max(), completion_mask.sum(-1).max()]).clamp(min=1).tolist()
+    multiple = shape_multiple(prompt_ids.device)
+    widths = (prompt_mask.shape[1], completion_mask.shape[1])  # P, T
+    kept_prompt, kept = (min(-(-length // multiple) * multiple, width) for length, width in zip(longest, widths))
+    first = widths[0] - kept_prompt  # the first prompt column kept
     return prompt_ids[:, first:], prompt_mask[:, first:], completion_ids[:, :kept], completion_mask[:, :kept]
+
+
+def shape_multiple(device: torch.device) -> int:
+    """The multiple trim_padding rounds a chunk's columns up to: 64 on CUDA (at most 63 columns of
+    padding computed, and chunks of a batch share a few shapes, as decode_widths' widths do for
+    the one-token step); 1 elsewhere, where nothing is planned per shape."""
+    return 64 if device.type == "cuda" else 1
 
 
 def forward_completions(
@@ -1865,7 +1961,10 @@ def check_args(args: Args) -> None:
         problems.append("--value_warmup_steps must be below --max_steps, or the policy never learns.")
     if args.eval_every < 0 or (args.eval_every and (args.eval_problems < 1 or args.eval_batch_size < 1)):
         problems.append("--eval_every must be >= 0, and with it --eval_problems and --eval_batch_size >= 1.")
-    for name in ("batch_size", "group_size", "max_new_tokens", "micro_batch_size", "logprob_chunk_size", "ppo_epochs"):
+    for name in ("micro_batch_size", "micro_batch_tokens", "logprob_chunk_size", "logprob_chunk_tokens"):
+        if getattr(args, name) < 0:
+            problems.append(f"--{name} must be >= 0 (0: by tokens, or sized before step 1).")
+    for name in ("batch_size", "group_size", "max_new_tokens", "ppo_epochs"):
         if getattr(args, name) < 1:
             problems.append(f"--{name} must be at least 1.")
     if args.resume_from and not (Path(args.resume_from) / CRITIC_DIR / VALUE_HEAD_FILE).exists():

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from conftest import ROOT
@@ -167,3 +168,24 @@ def test_the_shapes_model_is_written_once_and_read_back(tmp_path, monkeypatch):
     model, tokenizer, vocab_size, loaded = bench.load_bench_model(args, torch.device("cpu"), torch.float32)
     assert loaded == str(directory) and vocab_size == bench.QWEN_TOKENIZER_SIZE
     assert model.config.num_hidden_layers == 1 and next(model.parameters()).dtype == torch.float32
+
+
+def test_compared_replaces_a_choice_for_the_run_and_restores_it():
+    # --shape_multiple: every script's trim_padding rounds to it inside the run, and to its own
+    # after; --sdpa_backend: attention runs only that backend inside (math on the CPU gives the
+    # numbers the default does there), and a name that is none of them is refused.
+    import bench
+    import dapo
+    import grpo
+    import ppo
+
+    query = key = value = torch.randn(1, 2, 3, 4)
+    mask = torch.zeros(1, 1, 3, 3)
+    with bench.compared(bench.Args(shape_multiple=8, sdpa_backend="math")):
+        assert [s.shape_multiple(torch.device("cpu")) for s in (grpo, dapo, ppo)] == [8, 8, 8]
+        inside = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+    assert [s.shape_multiple(torch.device("cpu")) for s in (grpo, dapo, ppo)] == [1, 1, 1]
+    assert torch.allclose(inside, torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask))
+    with pytest.raises(SystemExit, match="--sdpa_backend fast: one of cudnn, efficient, flash, math"):
+        with bench.compared(bench.Args(sdpa_backend="fast")):
+            pass

@@ -220,6 +220,25 @@ def test_the_objectives_train_under_bf16(script, objective, tmp_path):
     assert all(row["policy/sample_logp_diff"] > 0 for row in rows)  # bf16: the two passes' kernels differ
 
 
+@pytest.mark.parametrize("script", [grpo, ppo], ids=["grpo", "ppo"])
+def test_the_preflight_sizes_the_passes_by_tokens(script, tmp_path, capsys):
+    # No size given: before step 1 the preflight runs the policy's (and PPO's critic's) passes on
+    # the GPU and sets --micro_batch_tokens and --logprob_chunk_tokens, whole rows of the longest
+    # sequence the run can produce (its longest prompt + max_new_tokens); the tiny model fits every
+    # row of a mini-batch. It says so in one line, and the step trains.
+    from common import longest_prompt, training_task
+
+    more = {"critic_lr": 3e-3, "num_mini_batches": 2} if script is ppo else {}
+    args = script.Args(**train_settings(tmp_path, max_steps=1, save_every=0, **more))
+    rows = read_jsonl(script.train(args) / "metrics.jsonl")
+    length = longest_prompt(load_model("tiny", torch.device("cpu"))[1], training_task(args)) + args.max_new_tokens
+    mini_batch = 16 // args.num_mini_batches
+    assert args.micro_batch_size == args.logprob_chunk_size == 0
+    assert (args.micro_batch_tokens, args.logprob_chunk_tokens) == (mini_batch * length, 16 * length)
+    assert f"--micro_batch_tokens {mini_batch * length} ({mini_batch} rows of {length})" in capsys.readouterr().out
+    assert [row["step"] for row in rows] == [1] and math.isfinite(rows[0]["loss/policy"])
+
+
 def test_lora_on_cuda(tmp_path):
     run_dir = grpo.train(grpo.Args(**train_settings(tmp_path, lora_rank=4, lr=1e-3)))
     assert (run_dir / "final" / "adapter").is_dir() and (run_dir / "final" / "config.json").exists()

@@ -47,6 +47,7 @@ SHARED = [
     "whole_groups",
     "forward_completions",
     "trim_padding",
+    "shape_multiple",
     "sequence_logprobs",
     "old_and_ref_logprobs",
     "kl_k3",
@@ -54,6 +55,7 @@ SHARED = [
     "dual_clip",
     "loss_stats",
     "micro_batches",
+    "chunks_of",
     "step_metrics",
     "evaluate_heldout",
     # truncated and masked importance sampling: the sampler-trainer gap is not the algorithm either
@@ -65,13 +67,14 @@ SHARED = [
     "is_mask_metrics",
 ]
 # Shared by grpo.py and dapo.py only (ppo.py has neither CISPO nor T1's techniques).
-SHARED_GRPO_DAPO = ["check_technique_args", "cispo_objective", "on_policy"]
+SHARED_GRPO_DAPO = ["check_technique_args", "cispo_objective", "on_policy", "micro_batch_passes"]
 # Same name, different body on purpose: the reason is the algorithm.
 DIFFERS_BY_DESIGN = {
     "Args": "each script has its own hyperparameters (shared fields: test_shared_args_fields_agree)",
     "check_args": "each script validates its own hyperparameters",
     "train": "the training loop is the algorithm",
     "policy_backward": "each objective normalises and batches its loss differently",
+    "micro_batch_passes": "PPO's preflight measures its critic's passes too",
     "on_policy": "PPO counts its epochs K (--ppo_epochs), GRPO and DAPO their iterations μ (--num_iterations)",
     "clip_range": "GRPO's ε is symmetric with GSPO's own; DAPO's is clip-higher's ε_low, ε_high",
     "update_metrics": "each objective logs its own update statistics",

@@ -4,6 +4,8 @@ cut to its own longest prompt and completion (trim_padding). The normalisers are
 mini-batch's, so the gradient is the one of today's computation, where every micro-batch was
 padded to the rollout's longest; the rows come back in the order they came in."""
 
+import functools
+
 import pytest
 import torch
 
@@ -188,3 +190,144 @@ def test_ppo_actor_and_critic_bucketed_micro_batches_give_todays_gradient(models
         handle.remove()
         assert min(widths) < max(widths) == batch["prompt_ids"].shape[1] - 1  # as the policy's, above
         assert_same_update(result, value)
+
+
+def test_shape_multiple_is_64_on_cuda_and_1_elsewhere():
+    for script in (grpo, dapo, ppo):
+        assert script.shape_multiple(torch.device("cuda", 0)) == 64 and script.shape_multiple(torch.device("cpu")) == 1
+
+
+def test_trim_padding_rounds_up_to_the_shape_multiple(monkeypatch):
+    # The chunk of test_trim_padding_keeps_the_columns_some_row_uses: longest prompt 3 of P = 4,
+    # longest completion 2 of T = 5. A multiple of 2 keeps ⌈3/2⌉·2 = 4 prompt columns (the one
+    # column of padding in every row too) and 2 completion columns; a multiple of 4 keeps 4 and 4;
+    # of 8, all there is: 4 and 5 (a multiple is never wider than the chunk).
+    prompt_ids = torch.tensor([[0, 0, 7, 8], [0, 5, 6, 7]])
+    prompt_mask = (prompt_ids != 0).long()
+    completion_ids = torch.tensor([[1, 2, 0, 0, 0], [3, 0, 0, 0, 0]])
+    completion_mask = (completion_ids != 0).long()
+    for multiple, prompt_kept, completion_kept in ((1, 3, 2), (2, 4, 2), (4, 4, 4), (8, 4, 5)):
+        monkeypatch.setattr(grpo, "shape_multiple", lambda device, m=multiple: m)
+        ids, mask, completion, kept_mask = trim_padding(prompt_ids, prompt_mask, completion_ids, completion_mask)
+        assert ids.tolist() == [row[4 - prompt_kept :] for row in prompt_ids.tolist()]
+        assert mask.tolist() == [row[4 - prompt_kept :] for row in prompt_mask.tolist()]
+        assert completion.tolist() == [row[:completion_kept] for row in completion_ids.tolist()]
+        assert kept_mask.tolist() == [row[:completion_kept] for row in completion_mask.tolist()]
+
+
+def test_rounded_chunks_give_the_same_log_probs_and_update(models, monkeypatch):
+    # CUDA's rounding, run on the CPU: chunks of 8 columns (prompt and completion each) compute
+    # the padding columns too, which no row attends to, so the log-probs and the update are
+    # today's, up to the float reassociation of other kernel shapes (assert_same_update).
+    model, _, tokenizer, batch = models
+    sequences = [batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
+    update = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")} | {
+        k: batch[k] for k in ("sample_logp", "old_logp", "ref_logp", "advantages")
+    }
+    args = grpo.Args(micro_batch_size=5, beta=0.04, max_new_tokens=12, num_iterations=2)
+    with torch.no_grad():
+        exact, _ = sequence_logprobs(model, *sequences, 1.0, len(tokenizer), 4)
+    reference = gradients_and_totals(grpo, model, update, args, len(tokenizer))
+    monkeypatch.setattr(grpo, "shape_multiple", lambda device: 8)
+    widths, handle = forward_widths(model)
+    with torch.no_grad():
+        rounded, _ = sequence_logprobs(model, *sequences, 1.0, len(tokenizer), 4)
+    result = gradients_and_totals(grpo, model, update, args, len(tokenizer))
+    handle.remove()
+    prompt_width = sequences[0].shape[1]
+    assert all(width % 8 == 0 or width in (prompt_width - 1, 12) for width in widths), widths
+    assert widths.count(8) > 0  # a chunk of short completions: 8 columns where 7 or fewer would do
+    eps = torch.finfo(torch.float32).eps
+    assert (rounded - exact).abs().max() <= 8 * eps * exact.abs().max()  # a few roundings of a log-softmax
+    assert_same_update(result, reference)
+
+
+@pytest.mark.parametrize("script", [grpo, dapo, ppo], ids=lambda s: s.__name__)
+def test_no_host_sync_per_micro_batch_but_the_prompts(models, script):
+    # A host sync stops the CPU until the GPU has caught up, so the GPU idles while the next
+    # kernels are launched. Counted from the profiler's events (bench.profiled), per micro-batch
+    # three remain: forward_completions' torch.unique (the distinct prompts size the prompt pass)
+    # and its check that every prompt has two tokens, and transformers' own check of the prompt
+    # pass's padding (masking_utils' _ignore_causal_mask_sdpa); trim_padding's one copy of two
+    # numbers is a .tolist(), which the profiler's count sees on CUDA only. 12 rows in
+    # micro-batches of 3 (4 of them) against 12 (1): 8 to 10 more, as transformers' torch.equal
+    # calls vary with the shapes; at most 4 a micro-batch is allowed. Before: a .item() for each
+    # statistic and the loss, trim_padding's two, length_order's unique, 10 or more.
+    from bench import profiled
+
+    model, critic, tokenizer, batch = models
+    batch = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")} | {
+        k: batch[k] for k in ("sample_logp", "old_logp", "ref_logp", "advantages", "positive")
+    }
+    if script is ppo:
+        batch = {k: v for k, v in batch.items() if k != "ref_logp"} | {"advantages": batch["advantages"][:, None]}
+    else:
+        batch.pop("positive")
+    syncs = {}
+    for micro_batch_size in (12, 3):
+        args = script.Args(micro_batch_size=micro_batch_size, max_new_tokens=12, beta=0.04)
+        backward = functools.partial(script.policy_backward, model, batch, args, len(tokenizer))
+        _, measured = profiled(backward, torch.device("cpu"))
+        model.zero_grad(set_to_none=True)
+        syncs[micro_batch_size] = measured["host syncs"]
+    assert syncs[3] - syncs[12] <= 4 * (4 - 1), syncs
+
+
+def test_chunks_of_by_rows_and_by_tokens():
+    # Six rows in order, (prompt, completion) lengths (2, 5) (3, 4) (2, 3) (1, 3) (3, 1) (1, 1); a
+    # chunk costs its rows × (longest prompt + longest completion). A budget of 14 tokens: rows 0-1
+    # cost 2 × (3 + 5) = 16 > 14, so row 0 alone (7); rows 1-3 cost 3 × (3 + 4) = 21 > 14, rows 1-2
+    # 2 × 7 = 14: in; rows 3-5 cost 3 × (3 + 3) = 18 > 14, rows 3-4 2 × (3 + 3) = 12, then row 5:
+    # 3 × 6 = 18 > 14, alone. By rows: 4 at a time; neither set: 4 rows.
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 1, 1], [0, 0, 1], [1, 1, 1], [0, 0, 1]])
+    lengths = torch.tensor([5, 4, 3, 3, 1, 1])
+    completion_mask = (torch.arange(5)[None, :] < lengths[:, None]).long()
+    order = torch.arange(6)
+    chunks = grpo.chunks_of(order, prompt_mask, completion_mask, rows=0, tokens=14)
+    assert [chunk.tolist() for chunk in chunks] == [[0], [1, 2], [3, 4], [5]]
+    assert [c.tolist() for c in grpo.chunks_of(order, prompt_mask, completion_mask, 4)] == [[0, 1, 2, 3], [4, 5]]
+    assert [c.tolist() for c in grpo.chunks_of(order, prompt_mask, completion_mask, 0, 0)] == [[0, 1, 2, 3], [4, 5]]
+    # A budget smaller than one row still takes that row. The rows in the order given, here 5 to 0:
+    # 5-4 cost 2 × (3 + 1) = 8, with 3 3 × (3 + 3) = 18 > 14; 3-2 2 × (2 + 3) = 10, with 1
+    # 3 × (3 + 4) = 21; 1 then 0 2 × (3 + 5) = 16 > 14: [5, 4], [3, 2], [1], [0].
+    assert [c.tolist() for c in grpo.chunks_of(order, prompt_mask, completion_mask, 0, 1)] == [[i] for i in range(6)]
+    backwards = grpo.chunks_of(order.flip(0), prompt_mask, completion_mask, 0, 14)
+    assert [chunk.tolist() for chunk in backwards] == [[5, 4], [3, 2], [1], [0]]
+
+
+def test_micro_batches_by_tokens_give_todays_update(models):
+    # Micro-batches of at most 800 tokens (rows × their longest prompt + completion; prompts of
+    # 252-255 tokens and completions of 1-12: three short rows, or two long ones) against one
+    # micro-batch of all 12 rows: the same gradient and
+    # statistics, the normalisers being the mini-batch's (grpo, dapo; ppo's actor and critic), and
+    # the scoring pass by tokens gives the log-probs and values that rows give.
+    model, critic, tokenizer, batch = models
+    sequences = [batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
+    tokens = 800
+    order = length_order(*sequences[:2], sequences[3])
+    chunks = grpo.chunks_of(order, sequences[1], sequences[3], 0, tokens)
+    cost = lambda rows: len(rows) * (sequences[1][rows].sum(-1).max() + sequences[3][rows].sum(-1).max())  # noqa: E731
+    assert len({len(chunk) for chunk in chunks}) > 1  # more rows to a chunk where they are short
+    for chunk, after in zip(chunks, chunks[1:]):  # each within the budget, and full: the next row would not fit
+        assert cost(chunk) <= tokens < cost(torch.cat([chunk, after[:1]]))
+    common = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "sample_logp")}
+    grpo_batch = common | {k: batch[k] for k in ("old_logp", "ref_logp", "advantages")}
+    for script, update in ((grpo, grpo_batch), (dapo, grpo_batch)):
+        settings = dict(beta=0.04, max_new_tokens=12, num_iterations=2)
+        reference = gradients_and_totals(script, model, update, script.Args(micro_batch_size=12, **settings), 384)
+        by_tokens = script.Args(micro_batch_tokens=tokens, **settings)
+        assert_same_update(gradients_and_totals(script, model, update, by_tokens, 384), reference)
+    ppo_batch = common | {k: batch[k] for k in ("old_logp", "old_values", "returns", "positive")}
+    ppo_batch |= {"advantages": batch["advantages_ppo"]}
+    for backward, trained in (("policy_backward", model), ("critic_backward", critic)):
+        reference = gradients_and_totals(ppo, trained, ppo_batch, ppo.Args(micro_batch_size=12), 384, backward)
+        by_tokens = ppo.Args(micro_batch_tokens=tokens)
+        assert_same_update(gradients_and_totals(ppo, trained, ppo_batch, by_tokens, 384, backward), reference)
+    with torch.no_grad():
+        rows, _ = sequence_logprobs(model, *sequences, 1.0, len(tokenizer), 4)
+        chunked, _ = sequence_logprobs(model, *sequences, 1.0, len(tokenizer), 0, chunk_tokens=tokens)
+        values = ppo.critic_values(critic, *sequences, 4)
+        chunked_values = ppo.critic_values(critic, *sequences, 0, chunk_tokens=tokens)
+    eps = torch.finfo(torch.float32).eps
+    assert (chunked - rows).abs().max() <= 8 * eps * rows.abs().max()
+    assert (chunked_values - values).abs().max() <= 8 * eps * values.abs().max()
