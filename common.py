@@ -593,6 +593,7 @@ def size_micro_batches(args, task, tokenizer, trained: list, update, score) -> N
         for kind in open_:
             setattr(args, f"{kind}_size", UNSIZED_ROWS[kind])
         return
+    start = time.perf_counter()
     prompt = longest_prompt(tokenizer, task)
     length = prompt + args.max_new_tokens
     draws = torch.Generator(device).manual_seed(0)  # the run's own random stream is left as it is
@@ -618,7 +619,8 @@ def size_micro_batches(args, task, tokenizer, trained: list, update, score) -> N
     if rank() == 0:
         sized = [f"--{kind}_tokens {rows * length} ({rows} rows of {length})" for kind, rows in chosen.items()]
         share = f"{PREFLIGHT_MEMORY_SHARE:.0%} of the GPU, AdamW's {pending / 2**30:.1f} GiB counted"
-        print(f"preflight: {', '.join(sized)}: the most that peak within {share}")
+        seconds = time.perf_counter() - start
+        print(f"preflight ({seconds:.1f} s): {', '.join(sized)}: the most that peak within {share}")
 
 
 def preflight(run, most_rows: int, flags: str, budget: float, measure, what: str) -> int:

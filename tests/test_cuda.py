@@ -235,7 +235,11 @@ def test_the_preflight_sizes_the_passes_by_tokens(script, tmp_path, capsys):
     mini_batch = 16 // args.num_mini_batches
     assert args.micro_batch_size == args.logprob_chunk_size == 0
     assert (args.micro_batch_tokens, args.logprob_chunk_tokens) == (mini_batch * length, 16 * length)
-    assert f"--micro_batch_tokens {mini_batch * length} ({mini_batch} rows of {length})" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert (
+        "preflight (" in printed
+        and f"--micro_batch_tokens {mini_batch * length} ({mini_batch} rows of {length})" in printed
+    )
     assert [row["step"] for row in rows] == [1] and math.isfinite(rows[0]["loss/policy"])
 
 
