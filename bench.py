@@ -73,6 +73,7 @@ import grpo
 import ppo
 from common import (
     CHATML_TEMPLATE,
+    IN_PREFLIGHT,
     LM_HEAD_PRECISIONS,
     Run,
     arg,
@@ -546,7 +547,7 @@ def phases_wrapped(script, around):
         originals[name] = getattr(script, name)
 
         def wrapped(*a, _phase=phase, _function=originals[name], **k):
-            if inside:
+            if inside or IN_PREFLIGHT.get():  # the preflight's passes are not the step's phases
                 return _function(*a, **k)
             inside.append(_phase)
             try:
@@ -780,17 +781,17 @@ def forward_flops(shape: dict, counts: dict) -> int:
     )
 
 
-def phase_work(kind: str, shape: dict, batch, element_bytes: int, chunk: int = 1, models: int = 1) -> tuple[int, int]:
+def phase_work(kind: str, shape: dict, batch, element_bytes: int, passes: int = 1, models: int = 1) -> tuple[int, int]:
     """(FLOPs, bytes) of a phase over `batch` = (prompt_ids, prompt_mask, completion_mask):
       decode  FLOPs: forward_flops of token_counts(decode=True)
               bytes: the weights once for the prefill and once per step, and the KV cache the steps
                      read: weights·(1 + steps) + decode_keys·layers·kv_heads·head_dim·2 (K, V)·bytes
                      (bandwidth_bound's and decode_bytes' model)
       score   FLOPs: models · forward_flops (no grad; `models`: policy and reference passes)
-              bytes: models · ceil(N / chunk) · weights (each chunk's pass reads them once)
+              bytes: models · passes · weights (each chunk's pass reads them once)
       train   FLOPs: 3 · forward_flops (backward = 2 forwards; activation recomputation by
                      gradient checkpointing not counted, as MFU conventionally does not)
-              bytes: 3 · ceil(N / micro-batch) · weights
+              bytes: 3 · passes · weights (passes: the micro-batches)
     weights = parameters · element_bytes (2 under bf16 autocast). The bytes of the scoring and
     training phases are a floor: activations are not counted."""
     counts = token_counts(*batch, decode=kind == "decode")
@@ -799,7 +800,6 @@ def phase_work(kind: str, shape: dict, batch, element_bytes: int, chunk: int = 1
     if kind == "decode":
         column = shape["layers"] * shape["kv_heads"] * shape["head_dim"] * 2 * element_bytes
         return flops, weights * (1 + counts["steps"]) + counts["decode_keys"] * column
-    passes = -(-len(batch[0]) // chunk)
     if kind == "score":
         return models * flops, models * passes * weights
     return 3 * flops, 3 * passes * weights
@@ -972,20 +972,30 @@ class Profiles:
 
 def phase_batch(phase: str, named: dict, result) -> tuple:
     """The model of a script's phase call (named: its arguments by name), its batch as
-    (prompt_ids, prompt_mask, completion_mask), and phase_work's kind, chunk and models."""
+    (prompt_ids, prompt_mask, completion_mask), and phase_work's kind, passes and models."""
     if phase == "generate+reward":  # the Rollout it returns
         return model_shape(named["policy"]), rollout_batch(result), "decode", 1, 1
     if phase == "logprobs":  # π_θold's pass where score_policy, π_ref's where a reference is
         models = int(bool(named["score_policy"])) + (named["reference"] is not None)
-        chunk = named["args"].logprob_chunk_size
-        return model_shape(named["policy"]), rollout_batch(named["batch"]), "score", chunk, models
+        batch, args = rollout_batch(named["batch"]), named["args"]
+        passes = passes_of(batch, args.logprob_chunk_size, args.logprob_chunk_tokens)
+        return model_shape(named["policy"]), batch, "score", passes, models
     if phase == "values":
         batch = named["prompt_ids"], named["prompt_mask"], named["completion_mask"]
-        return model_shape(named["critic"].backbone, head_rows=1), batch, "score", named["chunk_size"], 1
+        passes = passes_of(batch, named["chunk_size"], named.get("chunk_tokens", 0))
+        return model_shape(named["critic"].backbone, head_rows=1), batch, "score", passes, 1
     batch = tuple(named["batch"][k] for k in ("prompt_ids", "prompt_mask", "completion_mask"))
     critic = phase == "critic update"
     shape = model_shape(named["critic"].backbone, head_rows=1) if critic else model_shape(named["policy"])
-    return shape, batch, "train", named["args"].micro_batch_size, 1
+    return shape, batch, "train", passes_of(batch, named["args"].micro_batch_size, named["args"].micro_batch_tokens), 1
+
+
+def passes_of(batch, rows: int, tokens: int) -> int:
+    """How many chunks (passes) the scripts cut batch = (prompt_ids, prompt_mask, completion_mask)
+    into, by rows or by tokens (chunks_of, the same text in the three scripts)."""
+    prompt_ids, prompt_mask, completion_mask = batch
+    order = grpo.length_order(prompt_ids, prompt_mask, completion_mask)
+    return len(grpo.chunks_of(order, prompt_mask, completion_mask, rows, tokens))
 
 
 def rollout_batch(rollout) -> tuple:
@@ -1000,8 +1010,8 @@ def profile_script(args, name: str, directory: str, device, element_bytes: int, 
     def around(phase, function, *a, **k):
         result, measured = profiled(lambda: function(*a, **k), device)
         named = inspect.signature(function).bind(*a, **k).arguments
-        shape, batch, kind, chunk, models = phase_batch(phase, named, result)
-        flops, nbytes = phase_work(kind, shape, batch, element_bytes, chunk, models)
+        shape, batch, kind, passes, models = phase_batch(phase, named, result)
+        flops, nbytes = phase_work(kind, shape, batch, element_bytes, passes, models)
         tokens = int(batch[2].sum()) if kind == "decode" else None
         profiles.add(name, phase, measured, flops, nbytes, tokens)
         return result

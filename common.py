@@ -572,6 +572,7 @@ def all_reduce_totals(totals: dict) -> dict:
     return {k: all_reduce(v, "max" if k.endswith("_max") else "sum") for k, v in totals.items()}
 
 
+IN_PREFLIGHT = contextvars.ContextVar("in_preflight", default=False)  # True while its passes run (bench skips them)
 PREFLIGHT_MEMORY_SHARE = 0.8  # of the GPU's memory a micro-batch's pass may reach, AdamW's moments to come included
 UNSIZED_ROWS = {"micro_batch": 4, "logprob_chunk": 8}  # rows per pass where no preflight runs (a CPU)
 
@@ -611,7 +612,13 @@ def size_micro_batches(args, task, tokenizer, trained: list, update, score) -> N
     pending = 2 * sum(local_bytes(p) for model in trained for p in model.parameters() if p.requires_grad)
     budget = PREFLIGHT_MEMORY_SHARE * torch.cuda.get_device_properties(device).total_memory - pending
     measure = functools.partial(cuda_peak, sequences=sequences, device=device)
-    chosen = {kind: preflight(*passes[kind], budget, measure, f"{kind} of {length} tokens") for kind in open_}
+    chosen, inside = {}, IN_PREFLIGHT.set(True)
+    with torch.random.fork_rng(devices=[device]):  # dropout in the update's pass draws; the run's stream stays
+        for kind in open_:
+            for model in trained:  # step 4 finds no gradients (optimizer_step frees them); step 6 makes them
+                model.zero_grad(set_to_none=True)
+            chosen[kind] = preflight(*passes[kind], budget, measure, f"{kind} of {length} tokens")
+    IN_PREFLIGHT.reset(inside)
     for model in trained:
         model.zero_grad(set_to_none=True)
     for kind, fitting in chosen.items():
@@ -625,27 +632,38 @@ def size_micro_batches(args, task, tokenizer, trained: list, update, score) -> N
 
 def preflight(run, most_rows: int, flags: str, budget: float, measure, what: str) -> int:
     """The most rows (up to most_rows) whose pass run(sequences) peaks within budget bytes, by
-    measure(run, rows) -> peak bytes (inf for an out-of-memory error): 1, 2, 4, … rows until one is
-    over; then, taking the peak as linear in the rows between the last two that fitted, the rows
-    that line puts at the budget, run once to confirm. Under torchrun: the smallest rank's. Stops,
-    naming `flags`, when one row is over."""
+    measure(run, rows) -> peak bytes (inf for an out-of-memory error): 1, 2, 4, … rows while the
+    line through the last two peaks says the next fits (a pass that would not is not run: an
+    out-of-memory error under torchrun would leave the other ranks waiting); then the rows that
+    line puts at the budget, run once to confirm. Under torchrun each peak is the largest rank's,
+    so every rank runs the same passes and keeps the same rows. Stops, naming `flags`, when one
+    row is over."""
     peaks, rows = {}, 1
+
+    def line(rows: int) -> float:  # the peak at `rows` on the line through the last two measured
+        low, high = sorted(peaks)[-2:]
+        return peaks[high] + (rows - high) * (peaks[high] - peaks[low]) / (high - low)
+
     while True:
-        peaks[rows] = measure(run, rows)
+        peaks[rows] = all_reduce(float(measure(run, rows)), "max")
         if peaks[rows] > budget or rows >= most_rows:
             break
-        rows = min(2 * rows, most_rows)
+        following = min(2 * rows, most_rows)
+        if len(peaks) >= 2 and line(following) > budget:
+            break
+        rows = following
     fitting = max((r for r, peak in peaks.items() if peak <= budget), default=0)
-    over = min((r for r, peak in peaks.items() if peak > budget), default=0)
-    if over and fitting >= 2:  # between `fitting` and `over`: the peak's growth per row from fitting/2 to fitting
-        per_row = (peaks[fitting] - peaks[fitting // 2]) / (fitting - fitting // 2)
+    if fitting and fitting < most_rows and len([r for r in peaks if r <= fitting]) >= 2:
+        low, high = sorted(r for r in peaks if r <= fitting)[-2:]
+        per_row = (peaks[high] - peaks[low]) / (high - low)
+        over = min([r for r, peak in peaks.items() if peak > budget] + [most_rows + 1])
         guess = min(fitting + int((budget - peaks[fitting]) // per_row), over - 1) if per_row > 0 else over - 1
-        if guess > fitting and measure(run, guess) <= budget:
+        if guess > fitting and all_reduce(float(measure(run, guess)), "max") <= budget:
             fitting = guess
-    fitting = int(all_reduce(fitting, "min"))
     if not fitting:
+        peak = "ran out of memory" if peaks[1] == float("inf") else f"{peaks[1] / 2**30:.1f} GiB at its peak"
         raise SystemExit(
-            f"preflight: one row of the {what} does not fit: {peaks[1] / 2**30:.1f} GiB at its peak, over the "
+            f"preflight: one row of the {what} does not fit: {peak}, over the "
             f"{budget / 2**30:.1f} GiB left of {PREFLIGHT_MEMORY_SHARE:.0%} of this GPU once AdamW's moments are "
             f"counted. Lower it with {flags} (docs/models.md: memory)."
         )
@@ -658,7 +676,9 @@ def cuda_peak(run, rows: int, sequences, device) -> float:
     torch.cuda.reset_peak_memory_stats(device)
     try:
         run(sequences(rows))
-    except torch.OutOfMemoryError:
+    except RuntimeError as error:  # torch.OutOfMemoryError, or cuBLAS's or cuDNN's failed allocation
+        if "out of memory" not in str(error).lower() and "alloc" not in str(error).lower():
+            raise
         return float("inf")
     finally:
         torch.cuda.empty_cache()
@@ -680,7 +700,8 @@ def longest_prompt(tokenizer, task) -> int:
 def host_numbers(totals: dict) -> dict:
     """The update's statistics, summed over its micro-batches as 0-d tensors on the device (a
     `.item()` in every micro-batch would stop the host there until the GPU caught up, leaving
-    the GPU idle while the next micro-batch is launched), read back as numbers once, at the end."""
+    the GPU idle while the next micro-batch is launched), read back as numbers after the last
+    micro-batch: the first read waits for the GPU, the others find their values ready."""
     return {key: value.item() if torch.is_tensor(value) else value for key, value in totals.items()}
 
 

@@ -430,7 +430,7 @@ def on_policy(args: Args) -> bool:
 
 
 def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contextlib.nullcontext) -> tuple[dict, dict]:
-    """Step 6's forward and backward over one mini-batch, micro_batch_size sequences at a time;
+    """Step 6's forward and backward over one mini-batch, micro_batch_size rows (or micro_batch_tokens) at a time;
     gradients accumulate in .grad. batch holds (n, …) tensors: prompt_ids, prompt_mask,
     completion_ids, completion_mask, sample_logp, old_logp (None: see below), ref_logp (or None),
     advantages. amp() is the autocast context of the forward pass (backward runs outside it, as
@@ -1823,7 +1823,7 @@ def captured_or_none(step, pool):
 
 def old_and_ref_logprobs(policy, reference, batch: Rollout, args, vocab_size: int, amp, score_policy: bool):
     """Step 4, no grad: log π_θold and log π_ref of every sampled token, from logits / temperature,
-    logprob_chunk_size sequences at a time (sequence_logprobs), and the entropy of π_θold.
+    logprob_chunk_size rows (or logprob_chunk_tokens) at a time (sequence_logprobs), and π_θold's entropy.
     Returns old_logp, entropy, ref_logp, (N, T) each; ref_logp is None without a reference.
 
     score_policy False skips the policy's pass and returns None for old_logp and entropy. That
@@ -1874,14 +1874,15 @@ def sequence_logprobs(
     entropy_grad: bool = False,
     chunk_tokens: int = 0,
 ):
-    """log π(o_t | q, o_<t) of every completion token, from logits / temperature restricted to
-    the tokenizer's vocabulary, exactly as `generate` sampled them. Rows go through the model
-    chunk_size at a time, and the LM head turns their hidden states into log-probs a few hundred
-    positions at a time (logprob_head), so no (n, T, V) logits exist, nor are any kept for backward
-    (Gemma 2 and Cohere, whose logits are more than the head's output, have (n, T, V) a chunk);
-    the chunks take the rows in order of length (length_order) and each is cut to its own
-    longest prompt and completion (trim_padding): no forward pass computes padding that a longer
-    row elsewhere in the rollout forced on it. The rows come back in the order they came in.
+    """log π(o_t | q, o_<t) of every completion token, from logits / temperature restricted to the
+    tokenizer's vocabulary, exactly as `generate` sampled them. Rows go through the model chunk_size
+    (or, with chunk_size 0, chunk_tokens: chunks_of) at a time, and the LM head turns their hidden
+    states into log-probs a few hundred positions at a time (logprob_head), so no (n, T, V) logits
+    exist, nor are any kept for backward (Gemma 2 and Cohere, whose logits are more than the head's
+    output, have (n, T, V) a chunk); the chunks take the rows in order of length (length_order) and
+    each is cut to its own longest prompt and completion (trim_padding): no forward pass computes
+    padding that a longer row elsewhere in the rollout forced on it. The rows come back in the order
+    they came in.
     Returns logp (N, T) and, with with_entropy, the entropy of π at each position (N, T);
     both 0 where completion_mask is 0. logp is differentiable when called with grad enabled;
     the entropy only with entropy_grad too (PPO's entropy bonus, T1's).
@@ -1921,13 +1922,17 @@ def chunks_of(order, prompt_mask, completion_mask, rows: int, tokens: int = 0) -
     as many as keep rows × (their longest prompt + longest completion, the columns trim_padding
     keeps) within it, one at least, so that a chunk of short rows holds more rows than a chunk of
     long ones and every chunk about the same work and memory; with neither, 4 rows (train() sets
-    one of them before step 1: size_micro_batches). By tokens: one host sync, for the lengths."""
+    one of them before step 1: size_micro_batches). By tokens: one host sync, for the lengths.
+    Under torchrun the budget buys rows, as many as the longest row of any rank allows: FSDP pairs
+    each forward pass of a rank with one of every other, so all make the same passes."""
     if rows or not tokens:
         return list(order.split(rows or 4))
     multiple = shape_multiple(order.device)
     lengths = torch.stack([prompt_mask.sum(-1)[order], completion_mask.sum(-1)[order]]).clamp(min=1)  # (2, n)
     widths = torch.tensor([[prompt_mask.shape[1]], [completion_mask.shape[1]]], device=order.device)  # P, T
     kept = torch.minimum(-(-lengths // multiple) * multiple, widths).tolist()  # (2, n) as trim_padding keeps
+    if world_size() > 1:
+        return list(order.split(max(1, tokens // all_reduce(max(map(sum, zip(*kept))), "max"))))
     chunks, start, prompt, completion = [], 0, 0, 0
     for i, (row_prompt, row_completion) in enumerate(zip(*kept)):
         prompt, completion = max(prompt, row_prompt), max(completion, row_completion)

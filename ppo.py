@@ -432,9 +432,10 @@ def on_policy(args: Args) -> bool:
 
 
 def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contextlib.nullcontext) -> tuple[dict, dict]:
-    """Step 6's forward and backward of the policy over one mini-batch, micro_batch_size sequences
-    at a time; gradients accumulate in .grad. batch holds (n, …) tensors: prompt_ids, prompt_mask,
-    completion_ids, completion_mask, sample_logp, old_logp (None: see below), advantages, positive
+    """Step 6's forward and backward of the policy over one mini-batch, in micro-batches of
+    micro_batch_size rows or micro_batch_tokens tokens (micro_batches); gradients accumulate in
+    .grad. batch holds (n, …) tensors: prompt_ids, prompt_mask, completion_ids, completion_mask,
+    sample_logp, old_logp (None: see below), advantages, positive
     (and the critic's old_values and returns, unused here). amp() is the autocast context of the
     forward pass. Returns (totals, recorded): the summed loss and token statistics of the
     mini-batch, and, when batch["old_logp"] is None, this pass's log π_θ and entropy (n, T), no
@@ -639,7 +640,7 @@ def train(args: Args) -> Path:
     optimizer, scheduler = make_optimizer(policy, args.lr, args)  # AdamW, linear warm-up
     critic_lr = args.critic_lr or 10 * (LORA_LR if args.lora_rank else FULL_LR)  # unset: 10× the actor's default
     critic_optimizer, critic_scheduler = make_optimizer(critic, critic_lr, args)
-    passes = micro_batch_passes(policy, critic, args, vocab_size, amp)  # the preflight's, on a GPU
+    passes = actor_critic_passes(policy, critic, args, vocab_size, amp)  # the preflight's, on a GPU
     size_micro_batches(args, task, tokenizer, [policy, critic], *passes)  # rows or tokens per pass, before step 1
     evaluate = functools.partial(  # run.end_step calls it every eval_every steps and at the end
         evaluate_heldout, policy, tokenizer, eos_ids, heldout, max_new_tokens=args.max_new_tokens,
@@ -864,17 +865,19 @@ def whole_groups(order: torch.Tensor, group_size: int) -> torch.Tensor:
     return (groups[:, None] * group_size + torch.arange(group_size, device=order.device)).flatten()
 
 
-def micro_batch_passes(policy, critic, args: Args, vocab_size: int, amp) -> tuple:
+def actor_critic_passes(policy, critic, args: Args, vocab_size: int, amp) -> tuple:
     """What the preflight (common.size_micro_batches) measures, as two passes over sequences
     (prompt_ids, prompt_mask, completion_ids, completion_mask): step 6's forward and backward of
-    the policy, then of the critic (their micro-batches are the same), and step 4's no-grad passes
-    of both, each as one chunk of all the rows it is given."""
+    the policy, then of the critic (their micro-batches are the same; the policy's gradients are
+    gone by then, as optimizer_step leaves them), and step 4's no-grad passes of both, each as one
+    chunk of all the rows it is given. grpo.py's micro_batch_passes, with the critic."""
 
     def update(sequences):
         with amp():
             logp, _ = sequence_logprobs(policy, *sequences, args.temperature, vocab_size, len(sequences[0]))
         logp.sum().backward()
         del logp
+        policy.zero_grad(set_to_none=True)
         with amp():
             values = critic_values(critic, *sequences, len(sequences[0]))
         values.sum().backward()
@@ -1031,7 +1034,7 @@ def save_critic(critic: Critic, directory: Path) -> None:
 
 
 def old_critic_values(critic: Critic, batch: Rollout, args: Args, amp) -> torch.Tensor:
-    """Step 4's values V_φold(s_t) of every completion token, no grad, logprob_chunk_size sequences
+    """Step 4's values V_φold(s_t) of every completion token, no grad, logprob_chunk_size (or _tokens) rows
     at a time: (N, T). Autocast of its own: autocast keeps the bf16 copy of every trainable weight
     it casts until its context ends, so one context would hold policy and critic copies at once."""
     critic.eval()  # same mode as sampling (matters for models with dropout)
@@ -1716,7 +1719,7 @@ def captured_or_none(step, pool):
 
 def old_and_ref_logprobs(policy, reference, batch: Rollout, args, vocab_size: int, amp, score_policy: bool):
     """Step 4, no grad: log π_θold and log π_ref of every sampled token, from logits / temperature,
-    logprob_chunk_size sequences at a time (sequence_logprobs), and the entropy of π_θold.
+    logprob_chunk_size rows (or logprob_chunk_tokens) at a time (sequence_logprobs), and π_θold's entropy.
     Returns old_logp, entropy, ref_logp, (N, T) each; ref_logp is None without a reference.
 
     score_policy False skips the policy's pass and returns None for old_logp and entropy. That
@@ -1767,14 +1770,15 @@ def sequence_logprobs(
     entropy_grad: bool = False,
     chunk_tokens: int = 0,
 ):
-    """log π(o_t | q, o_<t) of every completion token, from logits / temperature restricted to
-    the tokenizer's vocabulary, exactly as `generate` sampled them. Rows go through the model
-    chunk_size at a time, and the LM head turns their hidden states into log-probs a few hundred
-    positions at a time (logprob_head), so no (n, T, V) logits exist, nor are any kept for backward
-    (Gemma 2 and Cohere, whose logits are more than the head's output, have (n, T, V) a chunk);
-    the chunks take the rows in order of length (length_order) and each is cut to its own
-    longest prompt and completion (trim_padding): no forward pass computes padding that a longer
-    row elsewhere in the rollout forced on it. The rows come back in the order they came in.
+    """log π(o_t | q, o_<t) of every completion token, from logits / temperature restricted to the
+    tokenizer's vocabulary, exactly as `generate` sampled them. Rows go through the model chunk_size
+    (or, with chunk_size 0, chunk_tokens: chunks_of) at a time, and the LM head turns their hidden
+    states into log-probs a few hundred positions at a time (logprob_head), so no (n, T, V) logits
+    exist, nor are any kept for backward (Gemma 2 and Cohere, whose logits are more than the head's
+    output, have (n, T, V) a chunk); the chunks take the rows in order of length (length_order) and
+    each is cut to its own longest prompt and completion (trim_padding): no forward pass computes
+    padding that a longer row elsewhere in the rollout forced on it. The rows come back in the order
+    they came in.
     Returns logp (N, T) and, with with_entropy, the entropy of π at each position (N, T);
     both 0 where completion_mask is 0. logp is differentiable when called with grad enabled;
     the entropy only with entropy_grad too (PPO's entropy bonus, T1's).
@@ -1814,13 +1818,17 @@ def chunks_of(order, prompt_mask, completion_mask, rows: int, tokens: int = 0) -
     as many as keep rows × (their longest prompt + longest completion, the columns trim_padding
     keeps) within it, one at least, so that a chunk of short rows holds more rows than a chunk of
     long ones and every chunk about the same work and memory; with neither, 4 rows (train() sets
-    one of them before step 1: size_micro_batches). By tokens: one host sync, for the lengths."""
+    one of them before step 1: size_micro_batches). By tokens: one host sync, for the lengths.
+    Under torchrun the budget buys rows, as many as the longest row of any rank allows: FSDP pairs
+    each forward pass of a rank with one of every other, so all make the same passes."""
     if rows or not tokens:
         return list(order.split(rows or 4))
     multiple = shape_multiple(order.device)
     lengths = torch.stack([prompt_mask.sum(-1)[order], completion_mask.sum(-1)[order]]).clamp(min=1)  # (2, n)
     widths = torch.tensor([[prompt_mask.shape[1]], [completion_mask.shape[1]]], device=order.device)  # P, T
     kept = torch.minimum(-(-lengths // multiple) * multiple, widths).tolist()  # (2, n) as trim_padding keeps
+    if world_size() > 1:
+        return list(order.split(max(1, tokens // all_reduce(max(map(sum, zip(*kept))), "max"))))
     chunks, start, prompt, completion = [], 0, 0, 0
     for i, (row_prompt, row_completion) in enumerate(zip(*kept)):
         prompt, completion = max(prompt, row_prompt), max(completion, row_completion)

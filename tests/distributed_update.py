@@ -121,6 +121,19 @@ def main(out: Path) -> None:
 
         results[f"grpo-{loss_type}"] = one_step(fresh(), batch, backward, args, LR)
 
+    # Micro-batches by tokens (chunks_of), 800 a micro-batch: rank 0's rows (prompts of 255 tokens,
+    # completions of 12) would go 2 at a time (3 · 267 > 800), rank 1's (252) 3 at a time (3 · 264 =
+    # 792): 4 forward passes against 3, and FSDP, which pairs each rank's forward pass with one of
+    # every other, would hang. Under torchrun the budget buys rows, the same on every rank.
+    token_args = grpo.Args(beta=0.04, micro_batch_tokens=800, max_new_tokens=MAX_NEW_TOKENS, num_iterations=2)
+
+    def token_backward(model, share):
+        scale = grpo.reward_scale(token_args)
+        share["advantages"] = grpo.scaled_advantages(share["rewards"], GROUP_SIZE, scale, 1e-6, common.all_reduce)
+        return grpo.policy_backward(model, share, token_args, vocab)[0]
+
+    results["grpo-tokens"] = one_step(fresh(), batch, token_backward, token_args, LR)
+
     args = dapo.Args(
         overlong_filter=True, overlong_buffer=4, micro_batch_size=3, max_new_tokens=MAX_NEW_TOKENS,
         num_iterations=2, group_size=GROUP_SIZE, beta=0.04,

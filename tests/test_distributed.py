@@ -17,6 +17,7 @@ from conftest import ROOT
 TIMEOUT = 300  # seconds; a 2-process launch of the tiny model takes ~10-20 on 2 busy cores
 CASES = ["grpo-grpo", "grpo-dr_grpo", "grpo-gspo", "grpo-gpg", "grpo-sapo", "dapo-overlong_filter", "ppo-actor"]
 CASES += ["ppo-critic", "grpo-clip_cov", "grpo-kl_cov", "grpo-dppo"]  # the techniques of tests/distributed_update.py
+CASES += ["grpo-tokens"]  # micro-batches by tokens: the same passes on every rank
 
 
 def launch(args: list, cwd, processes: int | None = 2) -> subprocess.CompletedProcess:

@@ -74,7 +74,6 @@ DIFFERS_BY_DESIGN = {
     "check_args": "each script validates its own hyperparameters",
     "train": "the training loop is the algorithm",
     "policy_backward": "each objective normalises and batches its loss differently",
-    "micro_batch_passes": "PPO's preflight measures its critic's passes too",
     "on_policy": "PPO counts its epochs K (--ppo_epochs), GRPO and DAPO their iterations μ (--num_iterations)",
     "clip_range": "GRPO's ε is symmetric with GSPO's own; DAPO's is clip-higher's ε_low, ε_high",
     "update_metrics": "each objective logs its own update statistics",

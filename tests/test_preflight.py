@@ -26,12 +26,13 @@ def linear_peaks(base: float, per_row: float, measured: list, limit: float = flo
 
 
 def test_preflight_doubles_then_fills_the_budget_along_the_line():
-    # Peaks of 10 + 3·rows GiB against a budget of 40: 1, 2, 4, 8 rows fit (13, 16, 22, 34), 16 does
-    # not (58). From 4 to 8 the peak grew 3 GiB a row; 34 + 3·2 = 40 puts 10 rows at the budget, and
-    # 10 rows, run once more, fit: 10.
+    # Peaks of 10 + 3·rows GiB against a budget of 40: 1, 2, 4, 8 rows fit (13, 16, 22, 34); the line
+    # through 4 and 8 (3 GiB a row) puts 16 at 58, over, so 16 is not run (under torchrun an
+    # out-of-memory error would strand the other ranks); it puts 10 at 34 + 3·2 = 40, and 10 rows,
+    # run once more, fit: 10.
     measured = []
     assert preflight(None, 64, "--flags", 40 * GiB, linear_peaks(10, 3, measured), "pass") == 10
-    assert measured == [1, 2, 4, 8, 16, 10]
+    assert measured == [1, 2, 4, 8, 10]
 
 
 def test_preflight_stops_at_the_rows_there_are():
@@ -45,7 +46,7 @@ def test_preflight_keeps_what_fitted_when_the_line_overreaches():
     # 10, the line's guess, fails, and 8, the last measured to fit, stays.
     measured = []
     assert preflight(None, 64, "--flags", 40 * GiB, linear_peaks(10, 3, measured, limit=9), "pass") == 8
-    assert measured == [1, 2, 4, 8, 16, 10]
+    assert measured == [1, 2, 4, 8, 10]
 
 
 def test_preflight_stops_the_run_when_one_row_does_not_fit():
@@ -55,6 +56,8 @@ def test_preflight_stops_the_run_when_one_row_does_not_fit():
     message = str(stop.value)
     assert "one row of the micro_batch of 1280 tokens does not fit: 44.0 GiB at its peak" in message
     assert "over the 40.0 GiB left of 80% of this GPU" in message and "--lora_rank 32" in message
+    with pytest.raises(SystemExit, match="one row of the pass does not fit: ran out of memory, over"):
+        preflight(None, 64, "--flags", 40 * GiB, linear_peaks(10, 3, [], limit=1), "pass")
 
 
 @pytest.mark.parametrize("script", [grpo, dapo, ppo], ids=lambda s: s.__name__)

@@ -60,7 +60,7 @@ def test_flops_and_bytes_by_hand():
     # position, every layer and KV head) 1·1·2·2·2 = 8 bytes.
     #   decode: weights once for the prefill and once per step (1 + 2), and the decode keys read:
     #           3·360 + 15·8 = 1200
-    #   score, two models (policy and reference), chunks of 8: one pass each over the weights:
+    #   score, two models (policy and reference), one chunk: one pass each over the weights:
     #           2 · 4152 FLOPs = 8304, 2 · 1 · 360 = 720 bytes
     #   train, micro-batches of 2: 3 · 4152 = 12456 FLOPs; ceil(3/2) = 2 micro-batches, 3 weight
     #           reads each: 3·2·360 = 2160 bytes
@@ -68,11 +68,16 @@ def test_flops_and_bytes_by_hand():
     assert bench.forward_flops(shape, bench.token_counts(*batch)) == 4152
     assert bench.forward_flops(shape, bench.token_counts(*batch, decode=True)) == 3136
     assert bench.phase_work("decode", shape, batch, element_bytes=2) == (3136, 1200)
-    assert bench.phase_work("score", shape, batch, element_bytes=2, chunk=8, models=2) == (8304, 720)
-    assert bench.phase_work("train", shape, batch, element_bytes=2, chunk=2) == (12456, 2160)
+    assert bench.phase_work("score", shape, batch, element_bytes=2, passes=1, models=2) == (8304, 720)
+    assert bench.phase_work("train", shape, batch, element_bytes=2, passes=2) == (12456, 2160)
+    # The passes as the scripts cut the 3 rows: 2 rows at a time, 2 passes; 8 at a time, 1; by tokens,
+    # a budget of one row's tokens (or less), one pass a row.
+    prompt_ids, prompt_mask, completion_mask = batch
+    assert [bench.passes_of(batch, rows, 0) for rows in (2, 8)] == [2, 1]
+    assert bench.passes_of(batch, 0, 1) == len(prompt_ids) == 3
     # A value head (head_rows 1) adds 2·4·1 per scored position instead of 64: 3016 + 752 + 48
     critic = bench.model_shape(toy_model(), head_rows=1)
-    assert bench.phase_work("score", critic, batch, element_bytes=4, chunk=8) == (3816, 720)
+    assert bench.phase_work("score", critic, batch, element_bytes=4, passes=1) == (3816, 720)
 
 
 def test_host_syncs_counted_from_the_profiler():
