@@ -997,8 +997,6 @@ def train(args: Args) -> Path:
     )
     vocab_size = len(tokenizer)  # ids the tokenizer has; the embedding may have more rows
     optimizer, scheduler = make_optimizer(policy, args.lr, args)  # AdamW, linear warm-up
-    passes = micro_batch_passes(policy, args, vocab_size, amp)  # the preflight's, on a GPU
-    size_micro_batches(args, task, tokenizer, [policy], *passes)  # rows or tokens per pass, before step 1
     evaluate = functools.partial(  # run.end_step calls it every eval_every steps and at the end
         evaluate_heldout, policy, tokenizer, eos_ids, heldout, max_new_tokens=args.max_new_tokens,
         batch_size=args.eval_batch_size, amp=amp,
@@ -1011,6 +1009,8 @@ def train(args: Args) -> Path:
         state={"rounds": 0}, reward_key="sampling/reward_mean",  # rounds generated: the place in the prompt stream
         compute_dtype=compute_dtype,  # checkpoints in bf16 on a GPU, the fp32 masters in the newest's trainer state
     )  # fmt: skip
+    passes = micro_batch_passes(policy, args, vocab_size, amp)  # the preflight's, on a GPU
+    size_micro_batches(args, task, tokenizer, [policy], *passes)  # per pass; args.json keeps the flags given
     # Without dynamic sampling a step is one round of B prompts, exactly as in grpo.py.
     round_size = (args.gen_batch_size or args.batch_size) if args.dynamic_sampling else args.batch_size
     max_rounds, share = (args.max_gen_rounds if args.dynamic_sampling else 1), args.batch_size // world_size()

@@ -931,8 +931,6 @@ def train(args: Args) -> Path:
     )
     vocab_size = len(tokenizer)  # ids the tokenizer has; the embedding may have more rows
     optimizer, scheduler = make_optimizer(policy, args.lr, args)  # AdamW, linear warm-up
-    passes = micro_batch_passes(policy, args, vocab_size, amp)  # the preflight's, on a GPU
-    size_micro_batches(args, task, tokenizer, [policy], *passes)  # rows or tokens per pass, before step 1
     evaluate = functools.partial(  # run.end_step calls it every eval_every steps and at the end
         evaluate_heldout, policy, tokenizer, eos_ids, heldout, max_new_tokens=args.max_new_tokens,
         batch_size=args.eval_batch_size, amp=amp,
@@ -944,6 +942,8 @@ def train(args: Args) -> Path:
         args, "grpo", policy, tokenizer, resumable=resumable, same_on_resume=SAME_ON_RESUME, evaluate=evaluate,
         compute_dtype=compute_dtype,  # checkpoints in bf16 on a GPU, the fp32 masters in the newest's trainer state
     )  # fmt: skip
+    passes = micro_batch_passes(policy, args, vocab_size, amp)  # the preflight's, on a GPU
+    size_micro_batches(args, task, tokenizer, [policy], *passes)  # per pass; args.json keeps the flags given
     num_sequences = args.batch_size * args.group_size // world_size()  # N, or this rank's N/K under torchrun
 
     with run:  # Ctrl-C stops with one line naming the newest checkpoint

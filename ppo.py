@@ -640,8 +640,6 @@ def train(args: Args) -> Path:
     optimizer, scheduler = make_optimizer(policy, args.lr, args)  # AdamW, linear warm-up
     critic_lr = args.critic_lr or 10 * (LORA_LR if args.lora_rank else FULL_LR)  # unset: 10× the actor's default
     critic_optimizer, critic_scheduler = make_optimizer(critic, critic_lr, args)
-    passes = actor_critic_passes(policy, critic, args, vocab_size, amp)  # the preflight's, on a GPU
-    size_micro_batches(args, task, tokenizer, [policy, critic], *passes)  # rows or tokens per pass, before step 1
     evaluate = functools.partial(  # run.end_step calls it every eval_every steps and at the end
         evaluate_heldout, policy, tokenizer, eos_ids, heldout, max_new_tokens=args.max_new_tokens,
         batch_size=args.eval_batch_size, amp=amp,
@@ -654,6 +652,8 @@ def train(args: Args) -> Path:
         write_extra=write_critic, resume_only=(CRITIC_DIR,),  # the critic only resumes: the newest checkpoint keeps it
         compute_dtype=compute_dtype,  # checkpoints in bf16 on a GPU, the fp32 masters in the newest's trainer state
     )  # fmt: skip
+    passes = actor_critic_passes(policy, critic, args, vocab_size, amp)  # the preflight's, on a GPU
+    size_micro_batches(args, task, tokenizer, [policy, critic], *passes)  # per pass; args.json keeps the flags
     num_sequences = args.batch_size * args.group_size // world_size()  # N, or this rank's N/K under torchrun
 
     with run:  # Ctrl-C stops with one line naming the newest checkpoint
