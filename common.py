@@ -613,18 +613,20 @@ def size_micro_batches(args, task, tokenizer, trained: list, update, score) -> N
     budget = PREFLIGHT_MEMORY_SHARE * torch.cuda.get_device_properties(device).total_memory - pending
     measure = functools.partial(cuda_peak, sequences=sequences, device=device)
     chosen, inside = {}, IN_PREFLIGHT.set(True)
-    with torch.random.fork_rng(devices=[device]):  # dropout in the update's pass draws; the run's stream stays
-        for kind in open_:
-            for model in trained:  # step 4 finds no gradients (optimizer_step frees them); step 6 makes them
-                model.zero_grad(set_to_none=True)
-            chosen[kind] = preflight(*passes[kind], budget, measure, f"{kind} of {length} tokens")
-    IN_PREFLIGHT.reset(inside)
+    try:
+        with torch.random.fork_rng(devices=[device]):  # dropout in the update's pass draws; the run's stream stays
+            for kind in open_:
+                for model in trained:  # step 4 finds no gradients (optimizer_step frees them); step 6 makes them
+                    model.zero_grad(set_to_none=True)
+                chosen[kind] = preflight(*passes[kind], budget, measure, f"{kind} of {length} tokens")
+    finally:
+        IN_PREFLIGHT.reset(inside)
     for model in trained:
         model.zero_grad(set_to_none=True)
     for kind, fitting in chosen.items():
         setattr(args, f"{kind}_tokens", fitting * length)
     if rank() == 0:
-        sized = [f"--{kind}_tokens {rows * length} ({rows} rows of {length})" for kind, rows in chosen.items()]
+        sized = [f"--{kind}_tokens {fit * length} ({fit} rows of {length})" for kind, fit in chosen.items()]
         share = f"{PREFLIGHT_MEMORY_SHARE:.0%} of the GPU, AdamW's {pending / 2**30:.1f} GiB counted"
         seconds = time.perf_counter() - start
         print(f"preflight ({seconds:.1f} s): {', '.join(sized)}: the most that peak within {share}")

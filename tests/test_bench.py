@@ -184,6 +184,11 @@ def test_compared_replaces_a_choice_for_the_run_and_restores_it():
     with bench.compared(bench.Args(shape_multiple=8, sdpa_backend="math")):
         assert [s.shape_multiple(torch.device("cpu")) for s in (grpo, dapo, ppo)] == [8, 8, 8]
         inside = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+        backends = [
+            getattr(torch.backends.cuda, f"{b}_sdp_enabled")() for b in ("flash", "mem_efficient", "cudnn", "math")
+        ]
+        assert backends == [False, False, False, True]  # math alone
+    assert torch.backends.cuda.flash_sdp_enabled()  # and every backend again after
     assert [s.shape_multiple(torch.device("cpu")) for s in (grpo, dapo, ppo)] == [1, 1, 1]
     assert torch.allclose(inside, torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask))
     with pytest.raises(SystemExit, match="--sdpa_backend fast: one of cudnn, efficient, flash, math"):
