@@ -24,6 +24,7 @@ import threading
 import time
 import typing
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -583,7 +584,7 @@ def size_micro_batches(args, task, tokenizer, trained: list, update, score) -> N
     the preflight measures it: update(sequences) and score(sequences), the script's step 6 forward and
     backward and its step 4 no-grad scoring pass, run on rows of the longest sequence the run can
     produce (the task's longest prompt, a distinct one in every row, and every completion at
-    max_new_tokens), and the largest number of rows that fits becomes --micro_batch_tokens and
+    max_new_tokens, plus max_turns tool answers of max_tool_tokens with tools), and the largest number of rows that fits becomes --micro_batch_tokens and
     --logprob_chunk_tokens (rows × that length: shorter rows then go more to a micro-batch,
     chunks_of). AdamW's moments for `trained`, allocated at the first optimizer step, are counted
     in. The run stops here, naming the flags to turn, when one row does not fit: an out-of-memory
@@ -596,7 +597,7 @@ def size_micro_batches(args, task, tokenizer, trained: list, update, score) -> N
         return
     start = time.perf_counter()
     prompt = longest_prompt(tokenizer, task)
-    length = prompt + args.max_new_tokens
+    length = prompt + args.max_new_tokens + (args.max_turns * args.max_tool_tokens if task.tools else 0)  # + answers
     draws = torch.Generator(device).manual_seed(0)  # the run's own random stream is left as it is
 
     def sequences(rows: int) -> tuple:  # prompt_ids, prompt_mask, completion_ids, completion_mask
@@ -694,8 +695,9 @@ def local_bytes(tensor) -> int:
 
 
 def longest_prompt(tokenizer, task) -> int:
-    """Tokens in the task's longest prompt, chat template included: what a step's prompts are at most."""
-    texts = [render_chat(tokenizer, task.messages(problem)) for problem in task.problems]
+    """Tokens in the task's longest prompt, chat template (and the tools it shows) included: what a
+    step's prompts are at most."""
+    texts = [render_chat(tokenizer, task.messages(problem), tools=task.tools or None) for problem in task.problems]
     return max(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
 
 
@@ -966,16 +968,26 @@ def render_plain(tokenizer, messages: list[dict]) -> str:
     return (tokenizer.bos_token if bos else "") + "".join(parts) + "Answer:"
 
 
-def render_chat(tokenizer, messages: list[dict]) -> str:
+def render_chat(tokenizer, messages: list[dict], tools: list[Callable] | None = None) -> str:
     """One conversation through the model's chat template, ending where the assistant's turn
     begins (or as plain text, render_plain, when the tokenizer's prompt format is plain). Some
     templates have no system role: Gemma's raises on one, others drop it without
     a word. For those the system text goes at the top of the first user message, which is what
-    such models are fine-tuned to see, rather than being lost or stopping the run."""
+    such models are fine-tuned to see, rather than being lost or stopping the run.
+
+    tools: functions the model may call (a task's tools), which the template shows the model as
+    their JSON schemas (transformers' get_json_schema). A template that ignores them (tiny's plain
+    ChatML) would leave the model calling tools it was never shown: that stops, as plain prompts do."""
     if getattr(tokenizer, "plain_prompt", False):
+        if tools:
+            raise SystemExit(
+                "Tools need a chat template, to show the model the tools and their answers, and these prompts "
+                "are plain text: drop --prompt_format plain, or use a chat model (tiny-tools among the tiny ones)."
+            )
         return render_plain(tokenizer, messages)
+    shown = {"tools": tools} if tools else {}  # no tools: the template's own text, not an empty tools section
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **shown)
     except TemplateError:
         if messages[0]["role"] != "system":
             raise
@@ -983,8 +995,66 @@ def render_chat(tokenizer, messages: list[dict]) -> str:
     if messages[0]["role"] == "system" and (text is None or messages[0]["content"] not in text):
         system, first, *rest = messages
         folded = {"role": first["role"], "content": f"{system['content']}\n\n{first['content']}"}
-        text = tokenizer.apply_chat_template([folded, *rest], add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template([folded, *rest], add_generation_prompt=True, tokenize=False, **shown)
+    unshown = [tool.__name__ for tool in tools or [] if tool.__name__ not in text]
+    if unshown:
+        raise SystemExit(
+            f"The chat template of this model does not show the tools {unshown} in its prompts, so the model "
+            "could not know it may call them. Use a model whose template takes `tools` (Qwen2.5, Qwen3, Llama 3.1; "
+            "tiny-tools among the tiny ones), or drop --tools/--tool."
+        )
     return text
+
+
+# The assistant's text in tool_turn_text's conversation: it marks where that turn ends.
+TOOL_TURN_MARK = "nanoPO: the assistant's turn"
+
+
+def tool_turn_text(tokenizer, answers: list[tuple[str, str]]) -> str:
+    """The text the chat template writes after an assistant turn that called tools, from the
+    end-of-turn token the model wrote (tokenizer.eos_token, such as <|im_end|>) to where the
+    assistant writes again: the tool messages holding `answers` ((tool name, answer text)
+    pairs, one per call of the turn) and the next assistant header. A rollout appends its
+    tokens to the row and lets the model go on.
+
+    Read off the template itself, for any model: a conversation [user, assistant, the tool
+    messages] is rendered with the generation prompt, and the text after the assistant turn's
+    end-of-turn token is the answer ("\\n<|im_start|>user\\n<tool_response>\\n7\\n</tool_response>
+    <|im_end|>\\n<|im_start|>assistant\\n" for tiny-tools, as Qwen2.5's). Only what follows that
+    turn is read, so a template may write earlier turns otherwise once a tool message follows
+    (Qwen3's drops the empty <think></think> it gives the last assistant turn): the tokens the
+    model wrote stay as they are. Stops where the template cannot write a tool message."""
+    if getattr(tokenizer, "plain_prompt", False) or tokenizer.chat_template is None:
+        raise SystemExit(
+            "Tools need a chat template, to give the model the tools' answers, and these prompts are plain "
+            "text: drop --prompt_format plain, or use a chat model (tiny-tools among the tiny ones)."
+        )
+    messages = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": TOOL_TURN_MARK},
+        *[{"role": "tool", "name": name, "content": answer} for name, answer in answers],
+    ]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except TemplateError as error:
+        raise SystemExit(
+            f"This model's chat template has no tool role (it raised on a tool message: {error}), so the "
+            "tools' answers cannot be given to the model. Use a model whose template takes tool messages."
+        ) from error
+    mark = text.find(TOOL_TURN_MARK)
+    end = text.find(tokenizer.eos_token, mark) if mark >= 0 else -1
+    if end < 0:
+        raise SystemExit(
+            f"This model's chat template does not end an assistant turn with its EOS token "
+            f"{tokenizer.eos_token!r}, so where a tool's answer goes after the model's turn is unknown."
+        )
+    after = text[end + len(tokenizer.eos_token) :]
+    if not all(answer.strip() in after for _, answer in answers):
+        raise SystemExit(
+            "This model's chat template drops the tool's answer (a message of role 'tool'), so the model "
+            "would never see it. Use a model whose template takes tool messages."
+        )
+    return after
 
 
 def load_model(
@@ -1183,6 +1253,11 @@ def save_merged(policy, directory: Path) -> None:
 #                        default system prompt, BOS from the template, pad chosen by set_pad_token
 #   tiny-llama-nosystem  the same model with a Gemma-style template that has no system role
 #                        (it raises on one), as several real chat models do
+#   tiny-tools           tiny (the same weights and BPE) with three added tokens, not special, as
+#                        Qwen2.5's tool tokens: <tool_response>, </tool_response> and one whose text is
+#                        the secret task's whole call and the turn's end (TINY_SECRET_CALL, a stop
+#                        token), so that a random model can call its tool by sampling one token; a
+#                        ChatML template that shows tools and their answers in Qwen2.5's shape
 
 TINY_VERSION = 1  # bump when anything below changes; the cache directory is keyed by it
 TINY_VOCAB = 384  # tokenizer size; the embedding is padded to 448 rows, like Qwen's
@@ -1218,7 +1293,31 @@ NO_SYSTEM_TEMPLATE = (  # the shape of Gemma's: user and model turns only
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
-TINY_MODELS = ("tiny", "tiny-llama", "tiny-llama-nosystem", "tiny-base")  # tiny-base: tiny without a chat template
+# tiny-tools' call token: the secret task's whole call and the end of the turn, which the template writes
+# after it; a stop token (a real model writes a call token by token, parse_tool_calls reads both alike)
+TINY_SECRET_CALL = '<tool_call>\n{"name": "secret_digit", "arguments": {}}\n</tool_call><|im_end|>'
+TINY_TOOL_TOKENS = ["<tool_response>", "</tool_response>", TINY_SECRET_CALL]
+TOOLS_INSTRUCTION = (  # one sentence: how to call, in the format parse_tool_calls reads
+    'To call a function, write <tool_call>\n{"name": <its name>, "arguments": <a JSON object>}\n</tool_call> '
+    "and end your turn; these are the functions:"
+)
+TOOLS_TEMPLATE = (  # ChatML, plus the tools in a system turn and each answer as a user turn (Qwen2.5's shape)
+    "{% set system = messages[0]['content'] if messages[0]['role'] == 'system' else none %}"
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}{% if system is not none %}{{ system + '\n\n' }}{% endif %}"
+    "{{ '" + TOOLS_INSTRUCTION + "\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\n</tools><|im_end|>\n' }}"
+    "{% if system is not none %}{% set messages = messages[1:] %}{% endif %}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+TINY_MODELS = ("tiny", "tiny-llama", "tiny-llama-nosystem", "tiny-base", "tiny-tools")  # tiny-base: no chat template
 
 
 def _tiny_corpus(seed: int = 0, lines: int = 3000) -> list[str]:
@@ -1241,14 +1340,14 @@ def _tiny_corpus(seed: int = 0, lines: int = 3000) -> list[str]:
 
 def build_tiny_model(cache_dir: str | None = None, name: str = "tiny") -> Path:
     """Builds a tiny model (one of TINY_MODELS) once into a cache directory; returns its path."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     root = Path(cache_dir or os.environ.get("NANOPO_CACHE", Path.home() / ".cache" / "nanopo"))
     path = root / f"{name}-v{TINY_VERSION}"
     if (path / "config.json").exists():
         return path
-    qwen = name in ("tiny", "tiny-base")
+    qwen = name in ("tiny", "tiny-base", "tiny-tools")
     special = TINY_SPECIAL if qwen else LLAMA_SPECIAL
 
     bpe = Tokenizer(models.BPE())
@@ -1273,12 +1372,14 @@ def build_tiny_model(cache_dir: str | None = None, name: str = "tiny") -> Path:
         max_position_embeddings=2048,
     )
     if qwen:
-        template = CHATML_TEMPLATE if name == "tiny" else None  # a base model's tokenizer has none
+        template = {"tiny": CHATML_TEMPLATE, "tiny-tools": TOOLS_TEMPLATE}.get(name)  # tiny-base has none
         tokenizer = PreTrainedTokenizerFast(
             tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=template
         )
         tokenizer.chat_template = template
-        stop_tokens = ("<|im_end|>", "<|endoftext|>")
+        if name == "tiny-tools":  # ids TINY_VOCAB onwards, in rows the padded embedding already has
+            tokenizer.add_tokens([AddedToken(text, special=False, normalized=False) for text in TINY_TOOL_TOKENS])
+        stop_tokens = ("<|im_end|>", "<|endoftext|>") + ((TINY_SECRET_CALL,) if name == "tiny-tools" else ())
         config = Qwen2Config(
             vocab_size=TINY_EMBED_ROWS,
             **shape,

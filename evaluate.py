@@ -264,7 +264,7 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
         # Encoded exactly as in training: chat template, left padding, each repeated k times.
         prompt_ids, prompt_mask = encode_prompts(tokenizer, [conversations[i] for i in batch], k, device)  # (N, P)
         with autocast(device, compute_dtype, LM_HEAD_PRECISIONS[0]):  # the training scripts' default head
-            completion_ids, completion_mask, truncated, _ = generate(
+            completion_ids, completion_mask, truncated, _, _ = generate(
                 model,
                 prompt_ids,
                 prompt_mask,

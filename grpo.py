@@ -92,10 +92,11 @@ from common import (
     seed_everything,
     shard_model,
     size_micro_batches,
+    tool_turn_text,
     unsharded,
     world_size,
 )
-from rewards import Score, heldout_task, training_task
+from rewards import Score, heldout_task, parse_tool_calls, run_tool_call, training_task
 
 
 @dataclass
@@ -109,7 +110,7 @@ class Args:
     countdown_numbers: str = arg("3-4", "numbers per Countdown problem, N or MIN-MAX (training and held-out)")
     shots: int = arg(0, "worked examples in each prompt, as earlier turns (countdown, gsm8k); 0 = none")
     prompt_format: str = arg("auto", PROMPT_FORMAT_HELP)
-    # your own task (--task file; docs/tasks.md) and your own reward
+    # your own task (--task file; docs/tasks.md), your own reward, tools to call (docs/tools.md)
     data_file: str = arg("", "--task file: a .jsonl/.json/.csv/.parquet file or a Hub dataset id (owner/name[:config])")
     data_split: str = arg("train", "--task file: the split of a Hub dataset (or the key of a JSON file) to train on")
     prompt_key: str = arg("prompt", "--task file: the column of the prompt (a text, or a list of chat messages)")
@@ -121,6 +122,11 @@ class Args:
     eval_data_split: str = arg("test", "--task file: the split of --eval_data_file when it is a Hub dataset")
     reward_fn: str = arg("", "your reward: module:function or file.py:function, called (completion, row, truncated)")
     reward_fn_timeout: float = arg(10.0, "seconds a --reward_fn call may take; past it, or raising: reward 0, counted")
+    tools: str = arg("", "built-in tools, comma separated: calculator; '' = none (the task's own still apply)")
+    tool: str = arg("", "your tools: module:function or file.py:function (type hints, docstring), comma separated")
+    max_turns: int = arg(4, "tool turns a completion may take; a call past them ends it")
+    max_tool_tokens: int = arg(256, "tokens one tool turn adds (answers cut to fit); not in --max_new_tokens")
+    tool_timeout: float = arg(10.0, "seconds a tool call may take; past it, or raising: the error is its answer")
     # sampling
     batch_size: int = arg(32, "B, prompts per step")
     group_size: int = arg(8, "G, completions per prompt (seed study: 8 beats 2 and 4)")
@@ -228,18 +234,21 @@ class Rollout:
     prompt_ids: torch.Tensor  # (n, P) left padded
     prompt_mask: torch.Tensor  # (n, P) 1 for prompt tokens, 0 for padding
     completion_ids: torch.Tensor  # (n, T) right padded with the pad id
-    completion_mask: torch.Tensor  # (n, T) 1 up to and including the EOS
+    completion_mask: torch.Tensor  # (n, T) the model's own tokens: 1 up to and including the EOS
     truncated: torch.Tensor  # (n,) True where no EOS came within max_new_tokens
     sample_logp: torch.Tensor  # (n, T) log π of each sampled token, as generate drew it
     rewards: torch.Tensor  # (n,) the task's rule-based reward
     texts: list[str]  # the n completions, decoded
     scores: list[Score]  # the n grades: reward, correct, formatted, strict
     seconds: dict[str, float] = field(default_factory=dict)  # time rollout() spent generating and scoring
+    tool_mask: torch.Tensor | None = None  # (n, T) the tools' answers: attended, never trained (None: none)
+    tool_counts: torch.Tensor | None = None  # (n, 3) each completion's tool calls, failed calls, tool turns
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The (n, …) tensors by name, for the update to slice into mini-batches and micro-batches."""
         names = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated", "sample_logp")
-        return {name: getattr(self, name) for name in names}
+        tool_mask = self.tool_mask if self.tool_mask is not None else torch.zeros_like(self.completion_mask)
+        return {name: getattr(self, name) for name in names} | {"tool_mask": tool_mask}
 
 
 # ----------------------------------------------------------------------------------------
@@ -461,7 +470,7 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
                 policy, micro["prompt_ids"], micro["prompt_mask"], micro["completion_ids"], micro["completion_mask"],
                 temperature=args.temperature, vocab_size=vocab_size, chunk_size=len(rows),
                 with_entropy=record or args.entropy_coef > 0,  # for the metrics; T1's bonus with grad
-                entropy_grad=args.entropy_coef > 0,
+                entropy_grad=args.entropy_coef > 0, tool_mask=micro.get("tool_mask"),
             )  # (m, T) each  # fmt: skip
             old_logp = logp.detach() if on_policy(args) else micro["old_logp"]
             is_weight, policy_mask, correction_stats = corrections(micro, logp, old_logp, args)
@@ -933,7 +942,7 @@ def train(args: Args) -> Path:
     optimizer, scheduler = make_optimizer(policy, args.lr, args)  # AdamW, linear warm-up
     evaluate = functools.partial(  # run.end_step calls it every eval_every steps and at the end
         evaluate_heldout, policy, tokenizer, eos_ids, heldout, max_new_tokens=args.max_new_tokens,
-        batch_size=args.eval_batch_size, amp=amp,
+        batch_size=args.eval_batch_size, amp=amp, **tool_limits(args),
     )  # fmt: skip
     resumable = {"optimizer": optimizer, "scheduler": scheduler}
     if args.ref_ema_decay:  # T1's reference moves with the policy: a resumed run needs where it was
@@ -954,6 +963,7 @@ def train(args: Args) -> Path:
                 batch = rollout(
                     policy, tokenizer, eos_ids, task, my_share(problems), group_size=args.group_size,
                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, amp=amp,
+                    **tool_limits(args),
                 )  # fmt: skip
 
             # 4. Log-probs of the sampled tokens under π_θold and π_ref, no grad. On-policy (μ = 1, one
@@ -1083,6 +1093,22 @@ def step_metrics(batch: Rollout, entropy: torch.Tensor, old_logp: torch.Tensor, 
         # Sampler and scorer must agree, or every ratio is off before any update: ~1e-6 in fp32, more in bf16.
         "policy/sample_logp_diff": (batch.sample_logp - old_logp)[mask].abs().mean().item(),
         "policy/sample_logp_diff_max": (batch.sample_logp - old_logp)[mask].abs().max().item(),
+    } | tool_metrics(batch)
+
+
+def tool_metrics(batch: Rollout) -> dict:
+    """With tools: calls and answered turns per completion, the share of calls that failed (a
+    malformed call, an unknown tool, wrong arguments, an exception, a timeout) and the share of
+    the completions' tokens that the tools put in. Without: none."""
+    if batch.tool_counts is None:
+        return {}
+    calls, failed, turns = batch.tool_counts.float().sum(0).tolist()
+    environment = batch.tool_mask.sum().item()
+    return {
+        "tools/calls": calls / len(batch.tool_counts),
+        "tools/errors": failed / max(calls, 1),
+        "tools/turns": turns / len(batch.tool_counts),
+        "tools/env_share": environment / max(environment + batch.completion_mask.sum().item(), 1),
     }
 
 
@@ -1148,20 +1174,20 @@ def accumulate(totals: dict, stats: dict) -> None:
 
 
 def evaluate_heldout(
-    policy, tokenizer, eos_ids, task, max_new_tokens: int, batch_size: int, amp=contextlib.nullcontext
+    policy, tokenizer, eos_ids, task, max_new_tokens: int, batch_size: int, amp=contextlib.nullcontext, **tools
 ):
     """Greedy (temperature 0) accuracy on the held-out problems of `task` (rewards.py's
     load_heldout_task: problems no training step samples), the same decoding evaluate.py
     uses by default. Greedy decoding draws no random numbers, so evaluating does not change
     what training samples next (a resumed run stays exact). amp() is the autocast context.
-    Returns the eval/ metrics, means over the problems."""
+    tools: rollout's tool limits (tool_limits). Returns the eval/ metrics, means over the problems."""
     start = time.perf_counter()
     scores, lengths, truncations = [], [], []
     for first in range(0, len(task.problems), batch_size):
         problems = task.problems[first : first + batch_size]
         batch = rollout(  # greedy: one completion per problem, temperature 0
             policy, tokenizer, eos_ids, task, problems, group_size=1, max_new_tokens=max_new_tokens,
-            temperature=0.0, top_p=1.0, amp=amp,
+            temperature=0.0, top_p=1.0, amp=amp, **tools,
         )  # fmt: skip
         scores += batch.scores
         lengths += batch.completion_mask.sum(-1).tolist()
@@ -1193,23 +1219,33 @@ def rollout(
     temperature: float,
     top_p: float,
     amp=contextlib.nullcontext,
+    max_turns: int = 0,
+    max_tool_tokens: int = 0,
+    tool_timeout: float = 0.0,
 ) -> Rollout:
     """Steps 1-3 for a list of problems: 1. each problem's prompt through the chat template,
     repeated G times; 2. G completions of each from the policy as it is now (π_θold), sampled
     with the KV cache; 3. every completion decoded and scored with the task's rule-based reward.
-    temperature 0 is greedy decoding (held-out evaluation). amp() is the autocast context."""
+    temperature 0 is greedy decoding (held-out evaluation). amp() is the autocast context.
+    With task.tools a completion may call them, up to max_turns times (tool_turns); each turn's
+    answers, at most max_tool_tokens, go into it as the environment's tokens (Rollout.tool_mask)."""
     device = next(policy.parameters()).device
     timer = time.perf_counter()
     conversations = [task.messages(problem) for problem in problems]
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, conversations, group_size, device)  # (n, P)
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, conversations, group_size, device, task.tools)  # (n, P)
+    tool_turn, tool_counts = None, None  # without tools: one turn, ended by an EOS or max_new_tokens
+    if task.tools:
+        limits = len(prompt_ids), max_turns, max_tool_tokens, tool_timeout
+        tool_turn, tool_counts = tool_turns(tokenizer, task.tools, *limits)
     with amp():
-        completion_ids, completion_mask, truncated, sample_logp = generate(
+        completion_ids, completion_mask, truncated, sample_logp, tool_mask = generate(
             policy, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
             pad_id=tokenizer.pad_token_id, vocab_size=len(tokenizer), temperature=temperature, top_p=top_p,
-        )  # (n, T), (n, T), (n,), (n, T)  # fmt: skip
+            tool_turn=tool_turn, max_turns=max_turns, max_tool_tokens=max_tool_tokens,
+        )  # (n, T), (n, T), (n,), (n, T), (n, T)  # fmt: skip
     seconds = {"generate": time.perf_counter() - timer}
     timer = time.perf_counter()
-    lengths = completion_mask.sum(-1).tolist()
+    lengths = (completion_mask + tool_mask).sum(-1).tolist()  # the model's tokens and the tools' answers
     texts = tokenizer.batch_decode(
         [ids[:length] for ids, length in zip(completion_ids.tolist(), lengths)], skip_special_tokens=True
     )
@@ -1229,7 +1265,56 @@ def rollout(
         texts=texts,
         scores=scores,
         seconds=seconds,
+        tool_mask=tool_mask,
+        tool_counts=tool_counts.to(device) if tool_counts is not None else None,
     )
+
+
+def tool_turns(tokenizer, tools: list, num_rows: int, max_turns: int, max_tool_tokens: int, timeout_s: float):
+    """generate's tool_turn for a task's tools (functions; rewards.py's Tools): a turn's text, as the
+    model wrote it, is parsed for calls in the model's own format (parse_tool_calls); each call
+    runs (run_tool_call: an unknown tool, wrong arguments, an exception or a timeout become the
+    answer's error text, never the run's end); the answers go back as the chat template renders
+    tool messages and the next assistant header (common.tool_turn_text), cut to max_tool_tokens.
+    No call, or max_turns answered already: None, the completion ends. Returns (tool_turn, counts):
+    counts (n, 3) the calls, failed calls and answered turns of each row, filled as it runs."""
+    by_name = {tool.__name__: tool for tool in tools}
+    counts = torch.zeros(num_rows, 3, dtype=torch.long)  # calls, failed calls, turns answered
+    fitted_answer(tokenizer, [("", "")], max_tool_tokens)  # stops now if the template's own tokens do not fit
+
+    def tool_turn(row: int, ids: list[int]) -> list[int] | None:
+        calls = parse_tool_calls(tokenizer.decode(ids))  # the turn as written, its EOS too
+        if not calls or counts[row, 2] >= max_turns:
+            return None
+        answers = [run_tool_call(call, by_name, timeout_s) for call in calls]  # (text, failed) each
+        counts[row] += torch.tensor([len(calls), sum(failed for _, failed in answers), 1])
+        names = [call.get("name", "") for call in calls]
+        return fitted_answer(tokenizer, [(name, text) for name, (text, _) in zip(names, answers)], max_tool_tokens)
+
+    return tool_turn, counts
+
+
+def fitted_answer(tokenizer, answers: list[tuple[str, str]], max_tokens: int) -> list[int]:
+    """The token ids of one tool turn's (name, text) answers as the chat template renders them
+    (common.tool_turn_text), the longest answer's text cut ("…") until they fit max_tokens."""
+    names, texts = [name for name, _ in answers], [text for _, text in answers]
+    while True:
+        ids = tokenizer(tool_turn_text(tokenizer, list(zip(names, texts))), add_special_tokens=False)["input_ids"]
+        if len(ids) <= max_tokens:
+            return ids
+        longest = max(range(len(texts)), key=lambda k: len(texts[k]))
+        if not texts[longest]:
+            raise SystemExit(
+                f"--max_tool_tokens {max_tokens} is fewer than the {len(ids)} tokens the chat template puts around "
+                "a tool's answer: raise it (the answers' own tokens come on top)."
+            )
+        keep = len(texts[longest]) * max_tokens // len(ids) - 2  # about the share that fits, less the "…"
+        texts[longest] = texts[longest][:keep] + "…" if keep > 0 else ""
+
+
+def tool_limits(args) -> dict:
+    """rollout's limits on tool turns, from the flags (they matter only for a task with tools)."""
+    return {"max_turns": args.max_turns, "max_tool_tokens": args.max_tool_tokens, "tool_timeout": args.tool_timeout}
 
 
 def prompt_indices(step: int, batch_size: int, num_problems: int, seed: int) -> list[int]:
@@ -1244,10 +1329,11 @@ def prompt_indices(step: int, batch_size: int, num_problems: int, seed: int) -> 
     return indices
 
 
-def encode_prompts(tokenizer, conversations: list[list[dict]], group_size: int, device: torch.device):
-    """Chat-templated prompts (common.render_chat), left padded, each repeated G times in a row, so that
-    rows i·G … i·G+G-1 are the group of prompt i. Returns prompt_ids, prompt_mask (N, P)."""
-    texts = [render_chat(tokenizer, c) for c in conversations]
+def encode_prompts(tokenizer, conversations: list[list[dict]], group_size: int, device: torch.device, tools=()):
+    """Chat-templated prompts (common.render_chat; the tools' schemas in them as the template writes
+    them), left padded, each repeated G times in a row, so that rows i·G … i·G+G-1 are the group of
+    prompt i. Returns prompt_ids, prompt_mask (N, P)."""
+    texts = [render_chat(tokenizer, c, tools=list(tools) or None) for c in conversations]
     encoded = tokenizer(texts, padding=True, add_special_tokens=False, return_tensors="pt")
     prompt_ids = encoded["input_ids"].repeat_interleave(group_size, dim=0).to(device)  # (N, P)
     prompt_mask = encoded["attention_mask"].repeat_interleave(group_size, dim=0).to(device)  # (N, P)
@@ -1267,6 +1353,9 @@ def generate(
     top_p: float = 1.0,
     check_every: int | None = None,
     compact_below: float = 0.5,
+    tool_turn=None,
+    max_turns: int = 0,
+    max_tool_tokens: int = 0,
 ):
     """Autoregressive sampling with a KV cache: one forward pass over the prompts, then one
     single-token pass per new token that reuses every earlier key and value.
@@ -1280,6 +1369,16 @@ def generate(
       truncated       (N,)   True where no EOS came within max_new_tokens
       sample_logp     (N, T) log π(token) under the sampling distribution, before top-p
                              (the one sequence_logprobs scores), 0 where masked
+      tool_mask       (N, T) 1 at the tokens a tool turn put in (below), which completion_mask leaves out
+
+    Tools (tool_turn, multi-turn rollouts): a row whose model ends its turn (samples an EOS)
+    hands that turn's token ids to tool_turn(row, ids); when the turn called a tool it returns the
+    environment's tokens (the tools' answers and the next assistant header, at most max_tool_tokens),
+    which the row then takes one a step as forced tokens, in place of the ones it samples, while
+    every other row goes on sampling; then the row samples again. None ends the row. Forced tokens
+    keep every row's columns its positions, so the cache, the masks and the CUDA graphs stay as
+    they are; seeing each turn's end costs one host sync a token. max_new_tokens bounds the model's
+    own tokens; T may reach max_new_tokens + max_turns · max_tool_tokens.
 
     The phases: 1. prefill each distinct prompt once; 2. set up the one-token step's buffers;
     3. decode: sample, record, check for the end every check_every tokens (compacting finished
@@ -1295,7 +1394,8 @@ def generate(
     if cuda and device.index != torch.cuda.current_device():  # streams and graphs go to the current device
         raise ValueError(f"generate on {device} while cuda:{torch.cuda.current_device()} is current: set_device first")
     num_rows, prompt_length = prompt_ids.shape  # N, P
-    length = prompt_length + max_new_tokens  # S
+    steps = max_new_tokens + (max_turns * max_tool_tokens if tool_turn else 0)  # columns a completion may fill
+    length = prompt_length + steps  # S
     masked = -1e30  # the bias of a position not attended to: exp() of it is 0, finite in bf16 and fp32
     eos = torch.tensor(eos_ids, device=device)
     cache = KVCache(num_rows, length)
@@ -1344,7 +1444,7 @@ def generate(
     for kind, window in windows.items():  # the first query, column P, sees columns P-window+1 … P
         if window:
             biases[kind][..., : max(prompt_length - window + 1, 0)] = masked
-    widths = decode_widths(prompt_length, max_new_tokens)
+    widths = decode_widths(prompt_length, steps)
 
     def step(width: int, captured: bool = False):  # captured: the step a CUDA graph holds
         cache.width = width
@@ -1362,14 +1462,17 @@ def generate(
     graphs, pool = {}, None  # on CUDA: width -> captured step, for the rows decoded now
     if cuda and not torch.distributed.is_initialized():
         pool = torch.cuda.graph_pool_handle()
-    completion_ids = torch.full((num_rows, max_new_tokens), pad_id, device=device)  # (N, max_new_tokens)
-    completion_mask = torch.zeros(num_rows, max_new_tokens, dtype=torch.long, device=device)
-    sample_logp = torch.zeros(num_rows, max_new_tokens, device=device)
+    completion_ids = torch.full((num_rows, steps), pad_id, device=device)  # (N, steps)
+    completion_mask = torch.zeros(num_rows, steps, dtype=torch.long, device=device)
+    tool_mask = torch.zeros_like(completion_mask)
+    sample_logp = torch.zeros(num_rows, steps, device=device)
     finished = torch.zeros(num_rows, dtype=torch.bool, device=device)  # (n,) of the rows decoded
+    truncated = torch.zeros(num_rows, dtype=torch.bool, device=device)  # (N,) set as rows finish without an EOS
+    env = tool_queue(num_rows, max_tool_tokens, pad_id, device) if tool_turn else None  # forced tokens, per row
     rows = torch.arange(num_rows, device=device)  # (n,) the row of the output each decoded row is
     rng_states = []  # rng_states[t]: the state of the random generator before token t was drawn
     # 3. Decode, one token a step for every unfinished row.
-    for t in range(max_new_tokens):
+    for t in range(steps):
         # logit − logsumexp, as sequence_logprobs scores, not F.log_softmax (biased on the CPU: docs/metrics.md)
         if temperature > 0:
             rng_states.append(torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state())
@@ -1381,11 +1484,26 @@ def generate(
             token = logits.argmax(dim=-1)  # (n,)
             token_logp = logits.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # (n,)
         alive = ~finished
+        sampled = alive  # (n,) the rows whose token is the model's own
+        if env is not None:  # a row in a tool turn takes the environment's next token instead
+            forced = alive & (env["queued"] > 0)  # (n,)
+            token = torch.where(forced, env["ids"].gather(1, env["next"][:, None]).squeeze(-1), token)
+            tool_mask[rows, t] = forced.long()
+            sampled = alive & ~forced
+            env["next"] = (env["next"] + forced.long()).clamp(max=max_tool_tokens - 1)
+            env["queued"] -= forced.long()
+            env["spent"] += sampled.long()
         completion_ids[rows, t] = torch.where(alive, token, pad_id)
-        completion_mask[rows, t] = alive.long()
-        sample_logp[rows, t] = torch.where(alive, token_logp, 0.0)
-        finished = finished | (alive & torch.isin(token, eos))
-        if t == max_new_tokens - 1:
+        completion_mask[rows, t] = sampled.long()
+        sample_logp[rows, t] = torch.where(sampled, token_logp, 0.0)
+        ended = sampled & torch.isin(token, eos)  # (n,) the row's turn ends here
+        if env is not None:  # a turn that called a tool goes on with its answers; a row out of budget stops
+            ended = tool_turns_due(env, ended, completion_ids, rows, t, tool_turn, max_new_tokens)
+            out_of_budget = alive & ~ended & (env["spent"] >= max_new_tokens)
+            truncated[rows] |= out_of_budget
+            ended |= out_of_budget
+        finished = finished | ended
+        if t == steps - 1:
             break
         if (t + 1) % check_every == 0:  # the only host syncs
             live = (~finished).nonzero().squeeze(-1)  # (n',)
@@ -1393,6 +1511,7 @@ def generate(
                 break
             if len(live) <= compact_below * len(rows):  # the finished rows leave the batch
                 rows, finished, token = rows[live], finished[live], token[live]
+                env = {name: value[live] for name, value in env.items()} if env is not None else None
                 token_in, position = token_in[live], position[live]
                 biases = {kind: bias[live] for kind, bias in biases.items()}
                 cache.keep_rows(live)
@@ -1411,9 +1530,8 @@ def generate(
         cache.slots += 1
     # 4. Cut to the longest completion; the random draws past its EOS never happened.
     model.train(was_training)
-    truncated = torch.zeros(num_rows, dtype=torch.bool, device=device)  # (N,) the rows that left had ended
-    truncated[rows] = ~finished
-    num_tokens = completion_mask.sum(-1).max().item()  # T: the longest completion, its EOS included
+    truncated[rows] |= ~finished  # the rows still decoded at the last step; those that left had ended
+    num_tokens = (completion_mask + tool_mask).sum(-1).max().item()  # T: the longest completion, its EOS included
     if num_tokens < len(rng_states):  # tokens were drawn past the last EOS: as if they never were
         if cuda:
             torch.cuda.set_rng_state(rng_states[num_tokens], device)
@@ -1425,7 +1543,43 @@ def generate(
         completion_mask[:, cut].contiguous(),
         truncated,
         sample_logp[:, cut].contiguous(),
+        tool_mask[:, cut].contiguous(),
     )
+
+
+def tool_queue(num_rows: int, max_tool_tokens: int, pad_id: int, device: torch.device) -> dict:
+    """Per row of generate's decode loop, what a tool turn needs: the environment's tokens still to
+    force (ids (n, max_tool_tokens), `queued` of them from index `next`), the model's own tokens so
+    far (`spent`, bounded by max_new_tokens) and the column its current turn began at (`start`)."""
+    zeros = torch.zeros(num_rows, dtype=torch.long, device=device)
+    ids = torch.full((num_rows, max(max_tool_tokens, 1)), pad_id, device=device)
+    return {"ids": ids, "queued": zeros, "next": zeros.clone(), "spent": zeros.clone(), "start": zeros.clone()}
+
+
+def tool_turns_due(env: dict, ended, completion_ids, rows, t: int, tool_turn, max_new_tokens: int):
+    """The rows whose turn ended at column t, handed to tool_turn with their turn's token ids: one
+    that called a tool gets its answer queued as forced tokens from column t + 1 and goes on; the
+    others end. A row with none of max_new_tokens left ends without its tools run. One host sync
+    (whether any turn ended), then one copy of the ended rows' ids. Returns `ended` less the rows
+    that go on. ended (n,) bool; rows (n,) their rows in completion_ids (N, ·)."""
+    due = ended & (env["spent"] < max_new_tokens)  # (n,)
+    if not due.any():
+        return ended
+    indices = due.nonzero().squeeze(-1)  # (d,)
+    texts = completion_ids[rows[indices], : t + 1].tolist()  # (d, t + 1): each turn's ids, and before it
+    going_on = []
+    for i, row, start, ids in zip(indices.tolist(), rows[indices].tolist(), env["start"][indices].tolist(), texts):
+        answer = tool_turn(row, ids[start:])
+        if not answer:  # no call (or no turns left): the completion ends with this turn
+            continue
+        if len(answer) > env["ids"].shape[1]:
+            raise ValueError(f"tool_turn gave {len(answer)} tokens; max_tool_tokens is {env['ids'].shape[1]}")
+        env["ids"][i, : len(answer)] = torch.tensor(answer, device=ended.device)
+        env["queued"][i], env["next"][i], env["start"][i] = len(answer), 0, t + 1 + len(answer)
+        going_on.append(i)
+    ended = ended.clone()
+    ended[going_on] = False
+    return ended
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -1847,6 +2001,7 @@ def old_and_ref_logprobs(policy, reference, batch: Rollout, args, vocab_size: in
                 args.logprob_chunk_size,
                 with_entropy=True,
                 chunk_tokens=args.logprob_chunk_tokens,
+                tool_mask=batch.tool_mask,
             )  # (N, T), (N, T)
         if reference is not None:
             ref_logp, _ = sequence_logprobs(
@@ -1856,6 +2011,7 @@ def old_and_ref_logprobs(policy, reference, batch: Rollout, args, vocab_size: in
                 vocab_size,
                 args.logprob_chunk_size,
                 chunk_tokens=args.logprob_chunk_tokens,
+                tool_mask=batch.tool_mask,
             )  # (N, T)
     policy.train()
     return old_logp, entropy, ref_logp
@@ -1873,6 +2029,7 @@ def sequence_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     chunk_tokens: int = 0,
+    tool_mask: torch.Tensor | None = None,  # (N, T) the tools' answers: in the sequence, not scored
 ):
     """log π(o_t | q, o_<t) of every completion token, from logits / temperature restricted to the
     tokenizer's vocabulary, exactly as `generate` sampled them. Rows go through the model chunk_size
@@ -1884,17 +2041,19 @@ def sequence_logprobs(
     padding that a longer row elsewhere in the rollout forced on it. The rows come back in the order
     they came in.
     Returns logp (N, T) and, with with_entropy, the entropy of π at each position (N, T);
-    both 0 where completion_mask is 0. logp is differentiable when called with grad enabled;
-    the entropy only with entropy_grad too (PPO's entropy bonus, T1's).
+    both 0 where completion_mask is 0 (the tools' answers, tool_mask, are attended to, not scored).
+    logp is differentiable when called with grad enabled; the entropy only with entropy_grad too
+    (PPO's entropy bonus, T1's).
     """
     num_tokens = completion_ids.shape[1]  # T
     scale = temperature if temperature > 0 else 1.0
+    in_sequence = completion_mask if tool_mask is None else completion_mask + tool_mask  # (N, T) attended
     order = torch.arange(len(prompt_ids), device=prompt_ids.device)  # one chunk: the rows as they come
     if not chunk_size or len(prompt_ids) > chunk_size:  # chunks of whole groups of similar length (a host sync)
-        order = length_order(prompt_ids, prompt_mask, completion_mask)
+        order = length_order(prompt_ids, prompt_mask, in_sequence)
     scored = []
-    for rows in chunks_of(order, prompt_mask, completion_mask, chunk_size, chunk_tokens):
-        chunk = trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows])
+    for rows in chunks_of(order, prompt_mask, in_sequence, chunk_size, chunk_tokens):
+        chunk = trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], in_sequence[rows])
         kept = chunk[2].shape[1]  # t ≤ T: the chunk's longest completion
         # fp32 logits, as generate's; position p-1+j predicts token j
         with fp32_lm_head(model), logprob_head(model, chunk[2], scale, vocab_size, with_entropy, entropy_grad) as read:
@@ -1912,8 +2071,11 @@ def micro_batches(batch: dict, size: int, tokens: int = 0):
     and a group's rows together, so that its prompt runs once (forward_completions). Yields (rows,
     micro): rows (m,) are the micro-batch's indices in `batch`, where what it computes goes back
     (`recorded[rows] = …`: input order again)."""
-    order = length_order(batch["prompt_ids"], batch["prompt_mask"], batch["completion_mask"])  # (n,)
-    for rows in chunks_of(order, batch["prompt_mask"], batch["completion_mask"], size, tokens):
+    in_sequence = batch["completion_mask"]  # (n, T) the model's tokens, and the tools' answers it attends to
+    if batch.get("tool_mask") is not None:
+        in_sequence = in_sequence + batch["tool_mask"]
+    order = length_order(batch["prompt_ids"], batch["prompt_mask"], in_sequence)  # (n,)
+    for rows in chunks_of(order, batch["prompt_mask"], in_sequence, size, tokens):
         yield rows, {k: v[rows] if v is not None else None for k, v in batch.items()}
 
 
@@ -2079,6 +2241,8 @@ def check_args(args: Args) -> None:
     for name in ("batch_size", "max_new_tokens", "num_iterations"):
         if getattr(args, name) < 1:
             problems.append(f"--{name} must be at least 1.")
+    if args.max_turns < 0 or args.max_tool_tokens < 1 or args.tool_timeout <= 0:
+        problems.append("--max_turns must be >= 0, --max_tool_tokens >= 1 and --tool_timeout > 0.")
     if problems:
         raise SystemExit("Invalid arguments:\n  " + "\n  ".join(problems))
 

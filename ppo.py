@@ -101,11 +101,12 @@ from common import (
     seed_everything,
     shard_model,
     size_micro_batches,
+    tool_turn_text,
     unsharded,
     with_adapters,
     world_size,
 )
-from rewards import Score, heldout_task, training_task
+from rewards import Score, heldout_task, parse_tool_calls, run_tool_call, training_task
 
 
 @dataclass
@@ -119,7 +120,7 @@ class Args:
     countdown_numbers: str = arg("3-4", "numbers per Countdown problem, N or MIN-MAX (training and held-out)")
     shots: int = arg(0, "worked examples in each prompt, as earlier turns (countdown, gsm8k); 0 = none")
     prompt_format: str = arg("auto", PROMPT_FORMAT_HELP)
-    # your own task (--task file; docs/tasks.md) and your own reward
+    # your own task (--task file; docs/tasks.md), your own reward, tools to call (docs/tools.md)
     data_file: str = arg("", "--task file: a .jsonl/.json/.csv/.parquet file or a Hub dataset id (owner/name[:config])")
     data_split: str = arg("train", "--task file: the split of a Hub dataset (or the key of a JSON file) to train on")
     prompt_key: str = arg("prompt", "--task file: the column of the prompt (a text, or a list of chat messages)")
@@ -131,6 +132,11 @@ class Args:
     eval_data_split: str = arg("test", "--task file: the split of --eval_data_file when it is a Hub dataset")
     reward_fn: str = arg("", "your reward: module:function or file.py:function, called (completion, row, truncated)")
     reward_fn_timeout: float = arg(10.0, "seconds a --reward_fn call may take; past it, or raising: reward 0, counted")
+    tools: str = arg("", "built-in tools, comma separated: calculator; '' = none (the task's own still apply)")
+    tool: str = arg("", "your tools: module:function or file.py:function (type hints, docstring), comma separated")
+    max_turns: int = arg(4, "tool turns a completion may take; a call past them ends it")
+    max_tool_tokens: int = arg(256, "tokens one tool turn adds (answers cut to fit); not in --max_new_tokens")
+    tool_timeout: float = arg(10.0, "seconds a tool call may take; past it, or raising: the error is its answer")
     # sampling: PPO needs no groups (the critic is the baseline), but B prompts × G samples keeps
     # N = B·G = 256 completions a step, the same prompts and compute as grpo.py, so runs compare
     batch_size: int = arg(32, "B, prompts per step")
@@ -209,18 +215,21 @@ class Rollout:
     prompt_ids: torch.Tensor  # (n, P) left padded
     prompt_mask: torch.Tensor  # (n, P) 1 for prompt tokens, 0 for padding
     completion_ids: torch.Tensor  # (n, T) right padded with the pad id
-    completion_mask: torch.Tensor  # (n, T) 1 up to and including the EOS
+    completion_mask: torch.Tensor  # (n, T) the model's own tokens: 1 up to and including the EOS
     truncated: torch.Tensor  # (n,) True where no EOS came within max_new_tokens
     sample_logp: torch.Tensor  # (n, T) log π of each sampled token, as generate drew it
     rewards: torch.Tensor  # (n,) the task's rule-based reward
     texts: list[str]  # the n completions, decoded
     scores: list[Score]  # the n grades: reward, correct, formatted, strict
     seconds: dict[str, float] = field(default_factory=dict)  # time rollout() spent generating and scoring
+    tool_mask: torch.Tensor | None = None  # (n, T) the tools' answers: attended, never trained (None: none)
+    tool_counts: torch.Tensor | None = None  # (n, 3) each completion's tool calls, failed calls, tool turns
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The (n, …) tensors by name, for the update to slice into mini-batches and micro-batches."""
         names = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated", "sample_logp")
-        return {name: getattr(self, name) for name in names}
+        tool_mask = self.tool_mask if self.tool_mask is not None else torch.zeros_like(self.completion_mask)
+        return {name: getattr(self, name) for name in names} | {"tool_mask": tool_mask}
 
 
 # ----------------------------------------------------------------------------------------
@@ -298,7 +307,16 @@ def advantages_and_returns(
     values: with λ_actor (VAPO: length-adaptive) for the policy's advantages, with λ_critic for the
     critic's return targets (VAPO's decoupled GAE). Returns the raw advantages, the advantages the
     policy trains on (whitened over the batch's valid tokens unless --whiten_advantages false) and
-    the returns, (N, T) each."""
+    the returns, (N, T) each.
+
+    With tools, the tools' answers sit between the model's tokens (completion_mask 0 there): every
+    tensor's model tokens are first gathered to the front of their row, in order (model_tokens_first),
+    so that GAE steps across an answer in one step, from the model's last token before it to its
+    first after it (the answer is part of the next state, not a state of its own), and go back after."""
+    order = model_tokens_first(completion_mask)  # (N, T) the identity without tools
+    old_logp, ref_logp, old_values, completion_mask = (
+        x.gather(1, order) if x is not None else None for x in (old_logp, ref_logp, old_values, completion_mask)
+    )
     per_token_reward = token_rewards(rewards, old_logp, ref_logp, completion_mask, beta=args.beta)  # (N, T)
     lengths = completion_mask.sum(-1)  # (N,)
     lam_actor = adaptive_lambda(lengths, args.lam_alpha) if args.length_adaptive_lam else args.lam_actor
@@ -309,7 +327,14 @@ def advantages_and_returns(
     advantages = raw_advantages  # (N, T)
     if args.whiten_advantages:
         advantages = masked_whiten(raw_advantages, completion_mask, args.whiten_eps, all_reduce)
-    return raw_advantages, advantages, returns
+    return tuple(torch.zeros_like(x).scatter(1, order, x) for x in (raw_advantages, advantages, returns))
+
+
+def model_tokens_first(completion_mask: torch.Tensor) -> torch.Tensor:
+    """The column order that puts each row's model tokens (completion_mask 1) first, in their order,
+    and the rest (the tools' answers, padding) after: (N, T) -> (N, T) indices for gather, and for
+    scatter back. Without tools the model's tokens are already a prefix: the identity."""
+    return (1 - completion_mask.long()).argsort(dim=1, stable=True)
 
 
 def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
@@ -461,6 +486,7 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
                 policy, micro["prompt_ids"], micro["prompt_mask"], micro["completion_ids"], micro["completion_mask"],
                 temperature=args.temperature, vocab_size=vocab_size, chunk_size=len(rows),
                 with_entropy=args.entropy_coef > 0 or record, entropy_grad=args.entropy_coef > 0,
+                tool_mask=micro.get("tool_mask"),
             )  # (m, T) each  # fmt: skip
             old_logp = logp.detach() if on_policy(args) else micro["old_logp"]
             is_weight = None
@@ -494,7 +520,7 @@ def critic_backward(critic: "Critic", batch: dict, args: Args, amp=contextlib.nu
         with amp():
             values = critic_values(
                 critic, micro["prompt_ids"], micro["prompt_mask"], micro["completion_ids"], micro["completion_mask"],
-                chunk_size=len(rows),
+                chunk_size=len(rows), tool_mask=micro.get("tool_mask"),
             )  # (m, T)  # fmt: skip
             loss, stats = value_loss(
                 values, micro["old_values"], micro["returns"], micro["completion_mask"], eps_value=args.eps_value,
@@ -642,7 +668,7 @@ def train(args: Args) -> Path:
     critic_optimizer, critic_scheduler = make_optimizer(critic, critic_lr, args)
     evaluate = functools.partial(  # run.end_step calls it every eval_every steps and at the end
         evaluate_heldout, policy, tokenizer, eos_ids, heldout, max_new_tokens=args.max_new_tokens,
-        batch_size=args.eval_batch_size, amp=amp,
+        batch_size=args.eval_batch_size, amp=amp, **tool_limits(args),
     )  # fmt: skip
     resumable = {"optimizer": optimizer, "scheduler": scheduler}
     resumable |= {"critic_optimizer": critic_optimizer, "critic_scheduler": critic_scheduler}
@@ -664,6 +690,7 @@ def train(args: Args) -> Path:
                 batch = rollout(
                     policy, tokenizer, eos_ids, task, my_share(problems), group_size=args.group_size,
                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, amp=amp,
+                    **tool_limits(args),
                 )  # fmt: skip
 
             # 4. Log-probs under π_θold and π_ref, and values V_φ(s_t), no grad. On-policy with β = 0,
@@ -823,6 +850,22 @@ def step_metrics(batch: Rollout, entropy: torch.Tensor, old_logp: torch.Tensor, 
         # Sampler and scorer must agree, or every ratio is off before any update: ~1e-6 in fp32, more in bf16.
         "policy/sample_logp_diff": (batch.sample_logp - old_logp)[mask].abs().mean().item(),
         "policy/sample_logp_diff_max": (batch.sample_logp - old_logp)[mask].abs().max().item(),
+    } | tool_metrics(batch)
+
+
+def tool_metrics(batch: Rollout) -> dict:
+    """With tools: calls and answered turns per completion, the share of calls that failed (a
+    malformed call, an unknown tool, wrong arguments, an exception, a timeout) and the share of
+    the completions' tokens that the tools put in. Without: none."""
+    if batch.tool_counts is None:
+        return {}
+    calls, failed, turns = batch.tool_counts.float().sum(0).tolist()
+    environment = batch.tool_mask.sum().item()
+    return {
+        "tools/calls": calls / len(batch.tool_counts),
+        "tools/errors": failed / max(calls, 1),
+        "tools/turns": turns / len(batch.tool_counts),
+        "tools/env_share": environment / max(environment + batch.completion_mask.sum().item(), 1),
     }
 
 
@@ -924,20 +967,20 @@ def accumulate(totals: dict, stats: dict) -> None:
 
 
 def evaluate_heldout(
-    policy, tokenizer, eos_ids, task, max_new_tokens: int, batch_size: int, amp=contextlib.nullcontext
+    policy, tokenizer, eos_ids, task, max_new_tokens: int, batch_size: int, amp=contextlib.nullcontext, **tools
 ):
     """Greedy (temperature 0) accuracy on the held-out problems of `task` (rewards.py's
     load_heldout_task: problems no training step samples), the same decoding evaluate.py
     uses by default. Greedy decoding draws no random numbers, so evaluating does not change
     what training samples next (a resumed run stays exact). amp() is the autocast context.
-    Returns the eval/ metrics, means over the problems."""
+    tools: rollout's tool limits (tool_limits). Returns the eval/ metrics, means over the problems."""
     start = time.perf_counter()
     scores, lengths, truncations = [], [], []
     for first in range(0, len(task.problems), batch_size):
         problems = task.problems[first : first + batch_size]
         batch = rollout(  # greedy: one completion per problem, temperature 0
             policy, tokenizer, eos_ids, task, problems, group_size=1, max_new_tokens=max_new_tokens,
-            temperature=0.0, top_p=1.0, amp=amp,
+            temperature=0.0, top_p=1.0, amp=amp, **tools,
         )  # fmt: skip
         scores += batch.scores
         lengths += batch.completion_mask.sum(-1).tolist()
@@ -1040,7 +1083,9 @@ def old_critic_values(critic: Critic, batch: Rollout, args: Args, amp) -> torch.
     critic.eval()  # same mode as sampling (matters for models with dropout)
     with torch.no_grad(), amp():
         sequences = batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
-        old_values = critic_values(critic, *sequences, args.logprob_chunk_size, args.logprob_chunk_tokens)  # (N, T)
+        old_values = critic_values(
+            critic, *sequences, args.logprob_chunk_size, args.logprob_chunk_tokens, tool_mask=batch.tool_mask
+        )  # (N, T)
     critic.train()
     return old_values
 
@@ -1053,20 +1098,23 @@ def critic_values(
     completion_mask: torch.Tensor,  # (N, T)
     chunk_size: int,
     chunk_tokens: int = 0,
+    tool_mask: torch.Tensor | None = None,  # (N, T) the tools' answers: in the sequence, no value read
 ) -> torch.Tensor:
     """V_φ(s_t) for every completion position t, s_t = (q, o_<t): the state in which token t
     is chosen, read at position P-1+t, the same position whose logits give log π(o_t) in
     sequence_logprobs (same left padding, attention mask and position ids). chunk_size rows
     (or chunk_tokens tokens: chunks_of) at a time, in order of length, each chunk cut to its own
     longest (as sequence_logprobs).
-    Returns values (N, T), 0 where completion_mask is 0, rows in the order given; differentiable with grad."""
+    Returns values (N, T), 0 where completion_mask is 0 (the tools' answers, tool_mask, are attended to,
+    their positions get no value), rows in the order given; differentiable with grad."""
     num_tokens = completion_ids.shape[1]  # T
+    in_sequence = completion_mask if tool_mask is None else completion_mask + tool_mask  # (N, T) attended
     order = torch.arange(len(prompt_ids), device=prompt_ids.device)  # one chunk: the rows as they come
     if not chunk_size or len(prompt_ids) > chunk_size:  # chunks of whole groups, each trimmed (a host sync)
-        order = length_order(prompt_ids, prompt_mask, completion_mask)
+        order = length_order(prompt_ids, prompt_mask, in_sequence)
     values = []
-    for rows in chunks_of(order, prompt_mask, completion_mask, chunk_size, chunk_tokens):
-        chunk = trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows])
+    for rows in chunks_of(order, prompt_mask, in_sequence, chunk_size, chunk_tokens):
+        chunk = trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], in_sequence[rows])
         chunk_values = critic(*chunk)  # (n, t), t ≤ T the chunk's longest completion
         values.append(torch.nn.functional.pad(chunk_values, (0, num_tokens - chunk_values.shape[1])))  # (n, T)
     return torch.cat(values)[order.argsort()] * completion_mask.to(torch.float32)  # (N, T)
@@ -1089,23 +1137,33 @@ def rollout(
     temperature: float,
     top_p: float,
     amp=contextlib.nullcontext,
+    max_turns: int = 0,
+    max_tool_tokens: int = 0,
+    tool_timeout: float = 0.0,
 ) -> Rollout:
     """Steps 1-3 for a list of problems: 1. each problem's prompt through the chat template,
     repeated G times; 2. G completions of each from the policy as it is now (π_θold), sampled
     with the KV cache; 3. every completion decoded and scored with the task's rule-based reward.
-    temperature 0 is greedy decoding (held-out evaluation). amp() is the autocast context."""
+    temperature 0 is greedy decoding (held-out evaluation). amp() is the autocast context.
+    With task.tools a completion may call them, up to max_turns times (tool_turns); each turn's
+    answers, at most max_tool_tokens, go into it as the environment's tokens (Rollout.tool_mask)."""
     device = next(policy.parameters()).device
     timer = time.perf_counter()
     conversations = [task.messages(problem) for problem in problems]
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, conversations, group_size, device)  # (n, P)
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, conversations, group_size, device, task.tools)  # (n, P)
+    tool_turn, tool_counts = None, None  # without tools: one turn, ended by an EOS or max_new_tokens
+    if task.tools:
+        limits = len(prompt_ids), max_turns, max_tool_tokens, tool_timeout
+        tool_turn, tool_counts = tool_turns(tokenizer, task.tools, *limits)
     with amp():
-        completion_ids, completion_mask, truncated, sample_logp = generate(
+        completion_ids, completion_mask, truncated, sample_logp, tool_mask = generate(
             policy, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
             pad_id=tokenizer.pad_token_id, vocab_size=len(tokenizer), temperature=temperature, top_p=top_p,
-        )  # (n, T), (n, T), (n,), (n, T)  # fmt: skip
+            tool_turn=tool_turn, max_turns=max_turns, max_tool_tokens=max_tool_tokens,
+        )  # (n, T), (n, T), (n,), (n, T), (n, T)  # fmt: skip
     seconds = {"generate": time.perf_counter() - timer}
     timer = time.perf_counter()
-    lengths = completion_mask.sum(-1).tolist()
+    lengths = (completion_mask + tool_mask).sum(-1).tolist()  # the model's tokens and the tools' answers
     texts = tokenizer.batch_decode(
         [ids[:length] for ids, length in zip(completion_ids.tolist(), lengths)], skip_special_tokens=True
     )
@@ -1125,7 +1183,56 @@ def rollout(
         texts=texts,
         scores=scores,
         seconds=seconds,
+        tool_mask=tool_mask,
+        tool_counts=tool_counts.to(device) if tool_counts is not None else None,
     )
+
+
+def tool_turns(tokenizer, tools: list, num_rows: int, max_turns: int, max_tool_tokens: int, timeout_s: float):
+    """generate's tool_turn for a task's tools (functions; rewards.py's Tools): a turn's text, as the
+    model wrote it, is parsed for calls in the model's own format (parse_tool_calls); each call
+    runs (run_tool_call: an unknown tool, wrong arguments, an exception or a timeout become the
+    answer's error text, never the run's end); the answers go back as the chat template renders
+    tool messages and the next assistant header (common.tool_turn_text), cut to max_tool_tokens.
+    No call, or max_turns answered already: None, the completion ends. Returns (tool_turn, counts):
+    counts (n, 3) the calls, failed calls and answered turns of each row, filled as it runs."""
+    by_name = {tool.__name__: tool for tool in tools}
+    counts = torch.zeros(num_rows, 3, dtype=torch.long)  # calls, failed calls, turns answered
+    fitted_answer(tokenizer, [("", "")], max_tool_tokens)  # stops now if the template's own tokens do not fit
+
+    def tool_turn(row: int, ids: list[int]) -> list[int] | None:
+        calls = parse_tool_calls(tokenizer.decode(ids))  # the turn as written, its EOS too
+        if not calls or counts[row, 2] >= max_turns:
+            return None
+        answers = [run_tool_call(call, by_name, timeout_s) for call in calls]  # (text, failed) each
+        counts[row] += torch.tensor([len(calls), sum(failed for _, failed in answers), 1])
+        names = [call.get("name", "") for call in calls]
+        return fitted_answer(tokenizer, [(name, text) for name, (text, _) in zip(names, answers)], max_tool_tokens)
+
+    return tool_turn, counts
+
+
+def fitted_answer(tokenizer, answers: list[tuple[str, str]], max_tokens: int) -> list[int]:
+    """The token ids of one tool turn's (name, text) answers as the chat template renders them
+    (common.tool_turn_text), the longest answer's text cut ("…") until they fit max_tokens."""
+    names, texts = [name for name, _ in answers], [text for _, text in answers]
+    while True:
+        ids = tokenizer(tool_turn_text(tokenizer, list(zip(names, texts))), add_special_tokens=False)["input_ids"]
+        if len(ids) <= max_tokens:
+            return ids
+        longest = max(range(len(texts)), key=lambda k: len(texts[k]))
+        if not texts[longest]:
+            raise SystemExit(
+                f"--max_tool_tokens {max_tokens} is fewer than the {len(ids)} tokens the chat template puts around "
+                "a tool's answer: raise it (the answers' own tokens come on top)."
+            )
+        keep = len(texts[longest]) * max_tokens // len(ids) - 2  # about the share that fits, less the "…"
+        texts[longest] = texts[longest][:keep] + "…" if keep > 0 else ""
+
+
+def tool_limits(args) -> dict:
+    """rollout's limits on tool turns, from the flags (they matter only for a task with tools)."""
+    return {"max_turns": args.max_turns, "max_tool_tokens": args.max_tool_tokens, "tool_timeout": args.tool_timeout}
 
 
 def prompt_indices(step: int, batch_size: int, num_problems: int, seed: int) -> list[int]:
@@ -1140,10 +1247,11 @@ def prompt_indices(step: int, batch_size: int, num_problems: int, seed: int) -> 
     return indices
 
 
-def encode_prompts(tokenizer, conversations: list[list[dict]], group_size: int, device: torch.device):
-    """Chat-templated prompts (common.render_chat), left padded, each repeated G times in a row, so that
-    rows i·G … i·G+G-1 are the group of prompt i. Returns prompt_ids, prompt_mask (N, P)."""
-    texts = [render_chat(tokenizer, c) for c in conversations]
+def encode_prompts(tokenizer, conversations: list[list[dict]], group_size: int, device: torch.device, tools=()):
+    """Chat-templated prompts (common.render_chat; the tools' schemas in them as the template writes
+    them), left padded, each repeated G times in a row, so that rows i·G … i·G+G-1 are the group of
+    prompt i. Returns prompt_ids, prompt_mask (N, P)."""
+    texts = [render_chat(tokenizer, c, tools=list(tools) or None) for c in conversations]
     encoded = tokenizer(texts, padding=True, add_special_tokens=False, return_tensors="pt")
     prompt_ids = encoded["input_ids"].repeat_interleave(group_size, dim=0).to(device)  # (N, P)
     prompt_mask = encoded["attention_mask"].repeat_interleave(group_size, dim=0).to(device)  # (N, P)
@@ -1163,6 +1271,9 @@ def generate(
     top_p: float = 1.0,
     check_every: int | None = None,
     compact_below: float = 0.5,
+    tool_turn=None,
+    max_turns: int = 0,
+    max_tool_tokens: int = 0,
 ):
     """Autoregressive sampling with a KV cache: one forward pass over the prompts, then one
     single-token pass per new token that reuses every earlier key and value.
@@ -1176,6 +1287,16 @@ def generate(
       truncated       (N,)   True where no EOS came within max_new_tokens
       sample_logp     (N, T) log π(token) under the sampling distribution, before top-p
                              (the one sequence_logprobs scores), 0 where masked
+      tool_mask       (N, T) 1 at the tokens a tool turn put in (below), which completion_mask leaves out
+
+    Tools (tool_turn, multi-turn rollouts): a row whose model ends its turn (samples an EOS)
+    hands that turn's token ids to tool_turn(row, ids); when the turn called a tool it returns the
+    environment's tokens (the tools' answers and the next assistant header, at most max_tool_tokens),
+    which the row then takes one a step as forced tokens, in place of the ones it samples, while
+    every other row goes on sampling; then the row samples again. None ends the row. Forced tokens
+    keep every row's columns its positions, so the cache, the masks and the CUDA graphs stay as
+    they are; seeing each turn's end costs one host sync a token. max_new_tokens bounds the model's
+    own tokens; T may reach max_new_tokens + max_turns · max_tool_tokens.
 
     The phases: 1. prefill each distinct prompt once; 2. set up the one-token step's buffers;
     3. decode: sample, record, check for the end every check_every tokens (compacting finished
@@ -1191,7 +1312,8 @@ def generate(
     if cuda and device.index != torch.cuda.current_device():  # streams and graphs go to the current device
         raise ValueError(f"generate on {device} while cuda:{torch.cuda.current_device()} is current: set_device first")
     num_rows, prompt_length = prompt_ids.shape  # N, P
-    length = prompt_length + max_new_tokens  # S
+    steps = max_new_tokens + (max_turns * max_tool_tokens if tool_turn else 0)  # columns a completion may fill
+    length = prompt_length + steps  # S
     masked = -1e30  # the bias of a position not attended to: exp() of it is 0, finite in bf16 and fp32
     eos = torch.tensor(eos_ids, device=device)
     cache = KVCache(num_rows, length)
@@ -1240,7 +1362,7 @@ def generate(
     for kind, window in windows.items():  # the first query, column P, sees columns P-window+1 … P
         if window:
             biases[kind][..., : max(prompt_length - window + 1, 0)] = masked
-    widths = decode_widths(prompt_length, max_new_tokens)
+    widths = decode_widths(prompt_length, steps)
 
     def step(width: int, captured: bool = False):  # captured: the step a CUDA graph holds
         cache.width = width
@@ -1258,14 +1380,17 @@ def generate(
     graphs, pool = {}, None  # on CUDA: width -> captured step, for the rows decoded now
     if cuda and not torch.distributed.is_initialized():
         pool = torch.cuda.graph_pool_handle()
-    completion_ids = torch.full((num_rows, max_new_tokens), pad_id, device=device)  # (N, max_new_tokens)
-    completion_mask = torch.zeros(num_rows, max_new_tokens, dtype=torch.long, device=device)
-    sample_logp = torch.zeros(num_rows, max_new_tokens, device=device)
+    completion_ids = torch.full((num_rows, steps), pad_id, device=device)  # (N, steps)
+    completion_mask = torch.zeros(num_rows, steps, dtype=torch.long, device=device)
+    tool_mask = torch.zeros_like(completion_mask)
+    sample_logp = torch.zeros(num_rows, steps, device=device)
     finished = torch.zeros(num_rows, dtype=torch.bool, device=device)  # (n,) of the rows decoded
+    truncated = torch.zeros(num_rows, dtype=torch.bool, device=device)  # (N,) set as rows finish without an EOS
+    env = tool_queue(num_rows, max_tool_tokens, pad_id, device) if tool_turn else None  # forced tokens, per row
     rows = torch.arange(num_rows, device=device)  # (n,) the row of the output each decoded row is
     rng_states = []  # rng_states[t]: the state of the random generator before token t was drawn
     # 3. Decode, one token a step for every unfinished row.
-    for t in range(max_new_tokens):
+    for t in range(steps):
         # logit − logsumexp, as sequence_logprobs scores, not F.log_softmax (biased on the CPU: docs/metrics.md)
         if temperature > 0:
             rng_states.append(torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state())
@@ -1277,11 +1402,26 @@ def generate(
             token = logits.argmax(dim=-1)  # (n,)
             token_logp = logits.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # (n,)
         alive = ~finished
+        sampled = alive  # (n,) the rows whose token is the model's own
+        if env is not None:  # a row in a tool turn takes the environment's next token instead
+            forced = alive & (env["queued"] > 0)  # (n,)
+            token = torch.where(forced, env["ids"].gather(1, env["next"][:, None]).squeeze(-1), token)
+            tool_mask[rows, t] = forced.long()
+            sampled = alive & ~forced
+            env["next"] = (env["next"] + forced.long()).clamp(max=max_tool_tokens - 1)
+            env["queued"] -= forced.long()
+            env["spent"] += sampled.long()
         completion_ids[rows, t] = torch.where(alive, token, pad_id)
-        completion_mask[rows, t] = alive.long()
-        sample_logp[rows, t] = torch.where(alive, token_logp, 0.0)
-        finished = finished | (alive & torch.isin(token, eos))
-        if t == max_new_tokens - 1:
+        completion_mask[rows, t] = sampled.long()
+        sample_logp[rows, t] = torch.where(sampled, token_logp, 0.0)
+        ended = sampled & torch.isin(token, eos)  # (n,) the row's turn ends here
+        if env is not None:  # a turn that called a tool goes on with its answers; a row out of budget stops
+            ended = tool_turns_due(env, ended, completion_ids, rows, t, tool_turn, max_new_tokens)
+            out_of_budget = alive & ~ended & (env["spent"] >= max_new_tokens)
+            truncated[rows] |= out_of_budget
+            ended |= out_of_budget
+        finished = finished | ended
+        if t == steps - 1:
             break
         if (t + 1) % check_every == 0:  # the only host syncs
             live = (~finished).nonzero().squeeze(-1)  # (n',)
@@ -1289,6 +1429,7 @@ def generate(
                 break
             if len(live) <= compact_below * len(rows):  # the finished rows leave the batch
                 rows, finished, token = rows[live], finished[live], token[live]
+                env = {name: value[live] for name, value in env.items()} if env is not None else None
                 token_in, position = token_in[live], position[live]
                 biases = {kind: bias[live] for kind, bias in biases.items()}
                 cache.keep_rows(live)
@@ -1307,9 +1448,8 @@ def generate(
         cache.slots += 1
     # 4. Cut to the longest completion; the random draws past its EOS never happened.
     model.train(was_training)
-    truncated = torch.zeros(num_rows, dtype=torch.bool, device=device)  # (N,) the rows that left had ended
-    truncated[rows] = ~finished
-    num_tokens = completion_mask.sum(-1).max().item()  # T: the longest completion, its EOS included
+    truncated[rows] |= ~finished  # the rows still decoded at the last step; those that left had ended
+    num_tokens = (completion_mask + tool_mask).sum(-1).max().item()  # T: the longest completion, its EOS included
     if num_tokens < len(rng_states):  # tokens were drawn past the last EOS: as if they never were
         if cuda:
             torch.cuda.set_rng_state(rng_states[num_tokens], device)
@@ -1321,6 +1461,7 @@ def generate(
         completion_mask[:, cut].contiguous(),
         truncated,
         sample_logp[:, cut].contiguous(),
+        tool_mask[:, cut].contiguous(),
     )
 
 
@@ -1333,6 +1474,41 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the tokens ranked higher
     sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)  # the top token always stays
     return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+
+
+def tool_queue(num_rows: int, max_tool_tokens: int, pad_id: int, device: torch.device) -> dict:
+    """Per row of generate's decode loop, what a tool turn needs: the environment's tokens still to
+    force (ids (n, max_tool_tokens), `queued` of them from index `next`), the model's own tokens so
+    far (`spent`, bounded by max_new_tokens) and the column its current turn began at (`start`)."""
+    zeros = torch.zeros(num_rows, dtype=torch.long, device=device)
+    ids = torch.full((num_rows, max(max_tool_tokens, 1)), pad_id, device=device)
+    return {"ids": ids, "queued": zeros, "next": zeros.clone(), "spent": zeros.clone(), "start": zeros.clone()}
+
+
+def tool_turns_due(env: dict, ended, completion_ids, rows, t: int, tool_turn, max_new_tokens: int):
+    """The rows whose turn ended at column t, handed to tool_turn with their turn's token ids: one
+    that called a tool gets its answer queued as forced tokens from column t + 1 and goes on; the
+    others end. A row with none of max_new_tokens left ends without its tools run. One host sync
+    (whether any turn ended), then one copy of the ended rows' ids. Returns `ended` less the rows
+    that go on. ended (n,) bool; rows (n,) their rows in completion_ids (N, ·)."""
+    due = ended & (env["spent"] < max_new_tokens)  # (n,)
+    if not due.any():
+        return ended
+    indices = due.nonzero().squeeze(-1)  # (d,)
+    texts = completion_ids[rows[indices], : t + 1].tolist()  # (d, t + 1): each turn's ids, and before it
+    going_on = []
+    for i, row, start, ids in zip(indices.tolist(), rows[indices].tolist(), env["start"][indices].tolist(), texts):
+        answer = tool_turn(row, ids[start:])
+        if not answer:  # no call (or no turns left): the completion ends with this turn
+            continue
+        if len(answer) > env["ids"].shape[1]:
+            raise ValueError(f"tool_turn gave {len(answer)} tokens; max_tool_tokens is {env['ids'].shape[1]}")
+        env["ids"][i, : len(answer)] = torch.tensor(answer, device=ended.device)
+        env["queued"][i], env["next"][i], env["start"][i] = len(answer), 0, t + 1 + len(answer)
+        going_on.append(i)
+    ended = ended.clone()
+    ended[going_on] = False
+    return ended
 
 
 class KVCache:
@@ -1743,6 +1919,7 @@ def old_and_ref_logprobs(policy, reference, batch: Rollout, args, vocab_size: in
                 args.logprob_chunk_size,
                 with_entropy=True,
                 chunk_tokens=args.logprob_chunk_tokens,
+                tool_mask=batch.tool_mask,
             )  # (N, T), (N, T)
         if reference is not None:
             ref_logp, _ = sequence_logprobs(
@@ -1752,6 +1929,7 @@ def old_and_ref_logprobs(policy, reference, batch: Rollout, args, vocab_size: in
                 vocab_size,
                 args.logprob_chunk_size,
                 chunk_tokens=args.logprob_chunk_tokens,
+                tool_mask=batch.tool_mask,
             )  # (N, T)
     policy.train()
     return old_logp, entropy, ref_logp
@@ -1769,6 +1947,7 @@ def sequence_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     chunk_tokens: int = 0,
+    tool_mask: torch.Tensor | None = None,  # (N, T) the tools' answers: in the sequence, not scored
 ):
     """log π(o_t | q, o_<t) of every completion token, from logits / temperature restricted to the
     tokenizer's vocabulary, exactly as `generate` sampled them. Rows go through the model chunk_size
@@ -1780,17 +1959,19 @@ def sequence_logprobs(
     padding that a longer row elsewhere in the rollout forced on it. The rows come back in the order
     they came in.
     Returns logp (N, T) and, with with_entropy, the entropy of π at each position (N, T);
-    both 0 where completion_mask is 0. logp is differentiable when called with grad enabled;
-    the entropy only with entropy_grad too (PPO's entropy bonus, T1's).
+    both 0 where completion_mask is 0 (the tools' answers, tool_mask, are attended to, not scored).
+    logp is differentiable when called with grad enabled; the entropy only with entropy_grad too
+    (PPO's entropy bonus, T1's).
     """
     num_tokens = completion_ids.shape[1]  # T
     scale = temperature if temperature > 0 else 1.0
+    in_sequence = completion_mask if tool_mask is None else completion_mask + tool_mask  # (N, T) attended
     order = torch.arange(len(prompt_ids), device=prompt_ids.device)  # one chunk: the rows as they come
     if not chunk_size or len(prompt_ids) > chunk_size:  # chunks of whole groups of similar length (a host sync)
-        order = length_order(prompt_ids, prompt_mask, completion_mask)
+        order = length_order(prompt_ids, prompt_mask, in_sequence)
     scored = []
-    for rows in chunks_of(order, prompt_mask, completion_mask, chunk_size, chunk_tokens):
-        chunk = trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows])
+    for rows in chunks_of(order, prompt_mask, in_sequence, chunk_size, chunk_tokens):
+        chunk = trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], in_sequence[rows])
         kept = chunk[2].shape[1]  # t ≤ T: the chunk's longest completion
         # fp32 logits, as generate's; position p-1+j predicts token j
         with fp32_lm_head(model), logprob_head(model, chunk[2], scale, vocab_size, with_entropy, entropy_grad) as read:
@@ -1808,8 +1989,11 @@ def micro_batches(batch: dict, size: int, tokens: int = 0):
     and a group's rows together, so that its prompt runs once (forward_completions). Yields (rows,
     micro): rows (m,) are the micro-batch's indices in `batch`, where what it computes goes back
     (`recorded[rows] = …`: input order again)."""
-    order = length_order(batch["prompt_ids"], batch["prompt_mask"], batch["completion_mask"])  # (n,)
-    for rows in chunks_of(order, batch["prompt_mask"], batch["completion_mask"], size, tokens):
+    in_sequence = batch["completion_mask"]  # (n, T) the model's tokens, and the tools' answers it attends to
+    if batch.get("tool_mask") is not None:
+        in_sequence = in_sequence + batch["tool_mask"]
+    order = length_order(batch["prompt_ids"], batch["prompt_mask"], in_sequence)  # (n,)
+    for rows in chunks_of(order, batch["prompt_mask"], in_sequence, size, tokens):
         yield rows, {k: v[rows] if v is not None else None for k, v in batch.items()}
 
 
@@ -1975,6 +2159,8 @@ def check_args(args: Args) -> None:
     for name in ("batch_size", "group_size", "max_new_tokens", "ppo_epochs"):
         if getattr(args, name) < 1:
             problems.append(f"--{name} must be at least 1.")
+    if args.max_turns < 0 or args.max_tool_tokens < 1 or args.tool_timeout <= 0:
+        problems.append("--max_turns must be >= 0, --max_tool_tokens >= 1 and --tool_timeout > 0.")
     if args.resume_from and not (Path(args.resume_from) / CRITIC_DIR / VALUE_HEAD_FILE).exists():
         problems.append(
             f"--resume_from {args.resume_from} has no {CRITIC_DIR}/{VALUE_HEAD_FILE}: not a ppo.py checkpoint."

@@ -13,6 +13,9 @@ Tasks:
              completion starts with a digit. Its expected reward under a policy π is exactly
              Σ_{v ∈ digit tokens} π(v | prompt) at the first position, so tests can measure
              learning without sampling noise.
+  secret     a toy task of tool use: reply with the digit its tool, secret_digit, draws at
+             each call; only a completion that called the tool and copied its answer earns
+             the reward (secret_score).
   gsm8k      grade-school maths word problems (openai/gsm8k, or --data_dir offline); reward
              only for the number in the last \\boxed{} (the format the prompt asks for),
              compared exactly with the gold after '####', and nothing for a completion cut
@@ -26,17 +29,24 @@ graders give two grades, as lm-eval's strict-match and flexible-extract do: `str
 in the format the benchmark's instruction asks for, and `correct`, which also reads the places
 models commonly put it instead.
 
+Tools: functions a model may call during its rollout (Task.tools: a task's own, --tools'
+built-in ones such as the calculator, --tool your own), the parser of the calls it writes
+(parse_tool_calls) and the runner whose failures become the answer, never the run's end
+(run_tool_call). The "Tools" section says how a rollout uses them.
+
 Model output is untrusted input: the Countdown verifier parses it with `ast` and computes
 with exact fractions; nothing is ever passed to `eval`.
 """
 
 import ast
+import functools
 import hashlib
+import inspect
 import json
 import random
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
 
@@ -80,6 +90,8 @@ class Task:
     # (completion text, problem, truncated) -> Score. truncated: the completion hit
     # max_new_tokens without an EOS; every scorer takes it as `truncated`, default False.
     score: Callable[[str, dict, bool], Score]
+    # functions the model may call during a rollout (Tools below): the task's own, then --tools/--tool's
+    tools: list[Callable] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------------------
@@ -214,28 +226,51 @@ def extract_answer(completion: str) -> str | None:
 def parse_expression(expression: str) -> tuple[ast.AST, list[int]] | None:
     """Parses an arithmetic expression over non-negative integer literals with + - * / and
     parentheses. Returns (syntax tree, literals) or None if it is anything else."""
-    if not expression or len(expression) > MAX_EXPRESSION_CHARS or not set(expression) <= ALLOWED_CHARS:
-        return None  # also rejects '.', '**' is caught below, names, unicode digits, '_'
+    try:
+        return read_expression(expression)
+    except ValueError:
+        return None
+
+
+def read_expression(expression: str) -> tuple[ast.AST, list[int]]:
+    """parse_expression's rules, with the reason a text breaks them: (syntax tree, literals), or a
+    ValueError saying what is wrong (the calculator tool hands it back to the model)."""
+    if not expression:
+        raise ValueError("the expression is empty")
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        raise ValueError(f"the expression is longer than {MAX_EXPRESSION_CHARS} characters")
+    # also rejects '.', names, unicode digits, '_'; '**' is caught below
+    others = "".join(sorted(set(expression) - ALLOWED_CHARS))
+    if others:
+        raise ValueError(f"only digits, + - * /, parentheses and spaces may be written, not: {' '.join(others)}")
     try:
         tree = ast.parse(expression, mode="eval").body
-    except SyntaxError:  # includes leading zeros ('07') and unbalanced parentheses
-        return None
+    except SyntaxError as error:  # includes leading zeros ('07') and unbalanced parentheses
+        raise ValueError("not a complete expression (a parenthesis or a number missing, or a leading 0)") from error
     literals = []
 
-    def valid(node: ast.AST, depth: int) -> bool:
+    def check(node: ast.AST, depth: int) -> None:
         if depth > MAX_EXPRESSION_DEPTH:
-            return False
+            raise ValueError(f"more than {MAX_EXPRESSION_DEPTH} operations nested in one another")
         if isinstance(node, ast.Constant):
             # bool is a subclass of int; the charset already excludes True/False, but be explicit
-            if type(node.value) is not int or not 0 <= node.value <= MAX_LITERAL:
-                return False
+            if type(node.value) is not int:
+                raise ValueError("only whole numbers may be written")
+            if not 0 <= node.value <= MAX_LITERAL:
+                raise ValueError(f"{node.value} is above {MAX_LITERAL}, the largest number allowed")
             literals.append(node.value)
-            return True
-        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
-            return valid(node.left, depth + 1) and valid(node.right, depth + 1)
-        return False  # Pow, FloorDiv, Mod, unary minus, calls, names, ...
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
+            check(node.left, depth + 1)
+            check(node.right, depth + 1)
+        elif isinstance(node, ast.BinOp):  # Pow, FloorDiv; Mod's '%' is not an allowed character
+            raise ValueError("only + - * / are operators here (not ** or //)")
+        elif isinstance(node, ast.UnaryOp):
+            raise ValueError("no sign before a number or a parenthesis (unary minus): write 0 - 5 for -5")
+        else:  # a tuple '()', a comparison, ...
+            raise ValueError("not arithmetic: write numbers joined by + - * / and parentheses")
 
-    return (tree, literals) if valid(tree, 0) else None
+    check(tree, 0)
+    return tree, literals
 
 
 def evaluate_expression(tree: ast.AST) -> Fraction:
@@ -366,6 +401,58 @@ def digit_score(completion: str, problem: dict, truncated: bool = False) -> Scor
     matter (runs of this toy use a few max_new_tokens, so most completions are cut)."""
     hit = completion[:1] in set("0123456789")
     return Score(REWARD_CORRECT if hit else REWARD_NONE, correct=hit, formatted=hit)
+
+
+# ----------------------------------------------------------------------------------------
+# secret: the CPU toy task of tool use. The digit to say is drawn by a tool at each call, so
+# the prompt cannot tell it: the only way to the reward is to call the tool and copy its answer.
+
+SECRET_PROMPTS = [
+    "What is the secret digit? Call the tool, then reply with the digit alone.",
+    "Call the tool to learn the secret digit, then say that digit and nothing else.",
+    "The secret digit changes every time. Ask the tool for it, then reply with it alone.",
+    "Find the secret digit with the tool and answer with the digit only.",
+]
+TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+
+
+def secret_digit() -> str:
+    """Tells the secret digit, drawn anew at every call.
+
+    Returns:
+        The secret digit, one character from 0 to 9.
+    """
+    # Python's own generator, which seed_everything seeds from --seed: a run draws the same digits again.
+    return str(random.randint(0, 9))
+
+
+def secret_score(completion: str, problem: dict, truncated: bool = False) -> Score:
+    """1.0 when the first digit written after the last tool answer is that answer's digit; 0.1 for a
+    call and another digit (the answer's format: a digit); 0.0 without a call, or without a digit
+    after its answer: Countdown's 1 / 0.1 / 0.
+
+    The completion is the whole decoded rollout (decoded skipping special tokens): the model's
+    turns and, between them, the tool answers as a Qwen-shaped chat template writes them,
+    <tool_response>…</tool_response> (tiny-tools, Qwen2.5, Qwen3). A template that writes them
+    otherwise (tiny's plain ChatML, Llama's) never scores here. Why this reward: a tiny random
+    model learns it only by calling the tool (one token in tiny-tools) and copying the digit that
+    came back; a digit written without a call is a 1-in-10 guess and earns nothing. A call alone
+    earns nothing either: a model paid for calling settles on calling and stopping (docs/tools.md),
+    and never writes the digits among which the right one is found. formatted: a call and a digit
+    after its answer. The scorer reads text, so it cannot tell an answer the model wrote itself
+    from the environment's; a forged one costs the model more tokens than a call. `truncated` is
+    ignored: only the first digit after the answer counts, as in digit_score.
+    """
+    close = completion.rfind(TOOL_RESPONSE_CLOSE)
+    start = completion.rfind(TOOL_RESPONSE_OPEN, 0, close) if close >= 0 else -1
+    if start < 0:
+        return Score(REWARD_NONE, correct=False, formatted=False)
+    answer = completion[start + len(TOOL_RESPONSE_OPEN) : close].strip()
+    after = completion[close + len(TOOL_RESPONSE_CLOSE) :]
+    reply = next((character for character in after if character in "0123456789"), None)
+    hit = len(answer) == 1 and answer in "0123456789" and reply == answer
+    reward = REWARD_CORRECT if hit else REWARD_FORMAT if reply is not None else REWARD_NONE
+    return Score(reward, correct=hit, formatted=reply is not None, extracted=reply)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1043,14 +1130,15 @@ def load_file_task(spec: FileTaskSpec, split: str, shots: int = 0) -> Task:
 # A reward function of your own (--reward_fn module:function or path/to/file.py:function)
 
 
-def import_reward_fn(path: str) -> Callable:
-    """The function --reward_fn names, imported once, before any model loads."""
+def import_function(path: str, flag: str) -> Callable:
+    """The function a flag (--reward_fn, --tool) names as module:function or path/to/file.py:function,
+    imported once, before any model loads; stops with a message naming the flag when it cannot."""
     import importlib
     import importlib.util
 
     module_name, _, function_name = path.rpartition(":")
     if not module_name or not function_name:
-        raise SystemExit(f"--reward_fn {path!r}: write module:function or path/to/file.py:function.")
+        raise SystemExit(f"{flag} {path!r}: write module:function or path/to/file.py:function.")
     try:
         if module_name.endswith(".py"):
             spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
@@ -1061,11 +1149,16 @@ def import_reward_fn(path: str) -> Callable:
         else:
             module = importlib.import_module(module_name)
     except Exception as error:  # whatever the user's module raises on import: stop, naming it
-        raise SystemExit(f"--reward_fn {path!r} does not import: {type(error).__name__}: {error}") from error
+        raise SystemExit(f"{flag} {path!r} does not import: {type(error).__name__}: {error}") from error
     function = getattr(module, function_name, None)
     if not callable(function):
-        raise SystemExit(f"--reward_fn {path!r}: {module_name} has no function {function_name!r}.")
+        raise SystemExit(f"{flag} {path!r}: {module_name} has no function {function_name!r}.")
     return function
+
+
+def import_reward_fn(path: str) -> Callable:
+    """The function --reward_fn names (import_function)."""
+    return import_function(path, "--reward_fn")
 
 
 class RewardTimeout(Exception):
@@ -1111,12 +1204,235 @@ def with_reward_fn(task: Task, path: str, timeout_s: float) -> Task:
         formatted = bool(formatted) if formatted is not None else reward > REWARD_NONE
         return Score(reward, correct=reward >= REWARD_CORRECT, formatted=formatted)
 
-    return Task(task.name, task.problems, task.messages, score)
+    return replace(task, score=score)  # the rest as it was: its tools too
+
+
+# ----------------------------------------------------------------------------------------
+# Tools: functions the model may call in the middle of its rollout. The model writes a call in
+# its chat template's format; the sampler reads it (parse_tool_calls), runs it (run_tool_call),
+# appends the answer as the template writes a tool message (common.tool_turn_text), and the
+# model's turn goes on. A tool is a plain Python function with type hints and a Google-style
+# docstring (a description, then "Args:"): transformers' get_json_schema turns those into the
+# JSON schema the chat template shows the model (apply_chat_template(tools=[function])), and the
+# model calls it by the function's name. --tools names built-in tools, --tool your own
+# (module:function or path/to/file.py:function); a task may bring its own (Task.tools).
+
+DECIMAL_PLACES = 6  # the calculator's decimal form of a fraction that is not whole
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"  # Hermes' format: Qwen2.5, Qwen3
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.1: what follows it is a call
+SPECIAL_TOKEN = re.compile(r"<\|\w+\|>")  # <|eot_id|>, <|im_end|>: the end of the turn, in its text
+
+
+# The Countdown verifier's parser and exact arithmetic (read_expression, evaluate_expression):
+# nothing reaches eval, and its bounds keep any expression a model writes quick to compute. As
+# in Countdown answers there is no unary minus (0 - 5 says the same); results may be negative.
+# A value that is not whole is written exactly, then "=" and its decimal when that ends within
+# DECIMAL_PLACES places, else "≈" and the decimal rounded (half to even) to DECIMAL_PLACES. The
+# docstring is the model's too: get_json_schema shows it its text (the description, Args, Returns).
+def calculator(expression: str) -> str:
+    """Computes an arithmetic expression exactly: whole numbers from 0 to 1000000, + - * / and parentheses.
+
+    Args:
+        expression: The expression, such as "(7 - 3) * 5 / 2"; write 0 - 5 for -5 (no sign before a number).
+
+    Returns:
+        The value: its digits when whole ("12"), else the fraction and its decimal ("7/2 = 3.5", "1/3 ≈ 0.333333").
+
+    Raises:
+        ValueError: what is wrong with the expression (division by zero included).
+    """
+    if not isinstance(expression, str):
+        raise ValueError(f'the expression must be text, such as "2 + 3", not {type(expression).__name__}')
+    tree, _ = read_expression(expression.strip())
+    try:
+        value = evaluate_expression(tree)
+    except ZeroDivisionError as error:
+        raise ValueError("division by zero") from error
+    if value.denominator == 1:
+        return str(value.numerator)
+    rounded = round(value, DECIMAL_PLACES)
+    return f"{value} {'=' if rounded == value else '≈'} {decimal_text(rounded)}"
+
+
+def decimal_text(value: Fraction) -> str:
+    """A fraction whose denominator divides 10^DECIMAL_PLACES written as a decimal: 7/2 -> '3.5'."""
+    whole, part = divmod(int(abs(value) * 10**DECIMAL_PLACES), 10**DECIMAL_PLACES)
+    digits = f"{part:0{DECIMAL_PLACES}d}".rstrip("0")
+    return ("-" if value < 0 else "") + str(whole) + (f".{digits}" if digits else "")
+
+
+BUILTIN_TOOLS = {"calculator": calculator}  # what --tools may name
+
+
+def load_tools(builtin: str, user: str) -> list[Callable]:
+    """The tools --tools (builtin: comma-separated names of BUILTIN_TOOLS) and --tool (user:
+    comma-separated module:function or path/to/file.py:function, imported as --reward_fn is)
+    name, in that order; [] for two empty flags. Stops before any model loads on an unknown
+    name, a function the chat template could not describe to the model, or two tools of one name."""
+    tools = []
+    for name in [part.strip() for part in builtin.split(",") if part.strip()]:
+        if name not in BUILTIN_TOOLS:
+            raise SystemExit(
+                f"--tools {name!r} is not a built-in tool; they are: {', '.join(BUILTIN_TOOLS)}. "
+                "For a function of your own, use --tool module:function or --tool path/to/file.py:function."
+            )
+        tools.append(BUILTIN_TOOLS[name])
+    for path in [part.strip() for part in user.split(",") if part.strip()]:
+        function = import_function(path, "--tool")
+        check_tool_schema(function, f"--tool {path!r}")
+        tools.append(function)
+    check_tool_names(tools)
+    return tools
+
+
+def check_tool_schema(function: Callable, where: str) -> None:
+    """Stops, naming where the tool came from, when transformers' get_json_schema cannot describe
+    it: that schema is all the chat template shows the model of a tool."""
+    from transformers.utils import get_json_schema
+    from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
+
+    try:
+        get_json_schema(function)
+    except (DocstringParsingException, TypeHintParsingException) as error:
+        raise SystemExit(
+            f"{where}: the model cannot be shown {getattr(function, '__name__', function)!r}: {error}. A tool needs a "
+            "type hint on every argument and a Google-style docstring: a description, then an 'Args:' section "
+            "with one line 'name: what it is' for each argument."
+        ) from error
+
+
+def check_tool_names(tools: list[Callable]) -> None:
+    """Stops on two tools of one name: the model calls a tool by its name, the function's."""
+    names = [tool.__name__ for tool in tools]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise SystemExit(
+            f"There are two tools named {twice[0]!r} (the task's own, --tools' and --tool's together); "
+            "the model calls a tool by its function's name, so each needs a name of its own."
+        )
+
+
+def with_tools(task: Task, args) -> Task:
+    """The task with the tools of --tools and --tool (load_tools) after its own; the task itself,
+    nothing imported, when neither flag is set (args: a script's Args, or any without the flags)."""
+    builtin, user = getattr(args, "tools", ""), getattr(args, "tool", "")
+    if not builtin and not user:
+        return task
+    tools = [*task.tools, *load_tools(builtin, user)]
+    check_tool_names(tools)
+    return replace(task, tools=tools)
+
+
+def parse_tool_calls(text: str) -> list[dict]:
+    """The tool calls in one assistant turn's text, decoded without skipping special tokens (as
+    the model wrote it): [{"name": str, "arguments": dict}, ...] in order; [] when it has none.
+
+    Two formats. Hermes (Qwen2.5, Qwen3): each <tool_call> ... </tool_call> block holds one JSON
+    object {"name": ..., "arguments": {...}} ("arguments" may be a JSON string holding the object;
+    none at all is {}). Llama 3.x: the whole turn, after an optional <|python_tag|>, is one JSON
+    object with "name" and "parameters" (or "arguments"); without the tag, a turn that is not
+    such an object is an answer, not a call. A call that cannot be read (not JSON, no name,
+    arguments that are not an object, a <tool_call> never closed) is still a call: {"error":
+    what was wrong}, which run_tool_call gives the model as the answer so that it can try again.
+    Linear time (str.find, json.loads): the text is untrusted input.
+    """
+    if TOOL_CALL_OPEN not in text:
+        return llama_tool_call(text)
+    calls, position = [], 0
+    while (start := text.find(TOOL_CALL_OPEN, position)) >= 0:
+        start += len(TOOL_CALL_OPEN)
+        end = text.find(TOOL_CALL_CLOSE, start)
+        if end < 0:
+            calls.append({"error": f"a {TOOL_CALL_OPEN} with no {TOOL_CALL_CLOSE} to close it"})
+            break
+        calls.append(tool_call_from_json(text[start:end]))
+        position = end + len(TOOL_CALL_CLOSE)
+    return calls
+
+
+def llama_tool_call(text: str) -> list[dict]:
+    """Llama 3.x's call (parse_tool_calls): [the call] or []."""
+    body = text.strip()
+    while (start := body.rfind("<|")) >= 0 and SPECIAL_TOKEN.fullmatch(body, start):
+        body = body[:start].rstrip()  # the end of the turn (<|eot_id|>, <|eom_id|>) is no part of the call
+    if body.startswith(PYTHON_TAG):
+        return [tool_call_from_json(body[len(PYTHON_TAG) :])]
+    if not (body.startswith("{") and body.endswith("}")):
+        return []
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):  # braces around text that is no JSON: an answer, not a call
+        return []
+    return [tool_call_from_value(value)] if isinstance(value, dict) and "name" in value else []
+
+
+def tool_call_from_json(text: str) -> dict:
+    """One call's JSON text as {"name", "arguments"}, or {"error": what was wrong}."""
+    try:
+        value = json.loads(text)
+    except RecursionError:  # json.loads recurses once per bracket: '[' * 100000 exhausts the stack
+        return {"error": "the call is not valid JSON: nested too deep"}
+    except ValueError as error:
+        return {"error": f"the call is not valid JSON ({error})"}
+    return tool_call_from_value(value)
+
+
+def tool_call_from_value(value) -> dict:
+    """A parsed call as {"name", "arguments"}, or {"error": what was wrong}."""
+    if not isinstance(value, dict):
+        return {"error": 'the call is not a JSON object {"name": ..., "arguments": {...}}'}
+    name = value.get("name")
+    if not isinstance(name, str) or not name:
+        return {"error": 'the call has no "name" (the tool\'s name, a string)'}
+    arguments = value["arguments"] if "arguments" in value else value.get("parameters", {})
+    if isinstance(arguments, str):  # some models write the arguments object as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            arguments = None  # not JSON: refused below with the others
+    if not isinstance(arguments, dict):
+        return {"error": f"the arguments of {name} are not a JSON object {{argument name: value, ...}}"}
+    return {"name": name, "arguments": arguments}
+
+
+def run_tool_call(call: dict, tools: dict[str, Callable], timeout_s: float) -> tuple[str, bool]:
+    """Runs one call of parse_tool_calls with the tools by name. Returns (the answer the model is
+    given, failed). The answer is the tool's result: a string as it is, anything else as JSON (its
+    str() when it is not JSON-able). A call that cannot run is answered with what went wrong,
+    "error: ...", and failed=True: a malformed call, a name that is no tool's (the answer lists
+    them), arguments that do not fit the function, the function raising, or running past
+    timeout_s (a SIGALRM, call_with_time_limit: from the main thread). Never raises an Exception:
+    the model's mistakes and the tools' failures end a call, not the run."""
+    if "error" in call:
+        return f"error: {call['error']}", True
+    name, arguments = call["name"], call["arguments"]
+    function = tools.get(name)
+    if function is None:
+        return f"error: no tool named {name!r}; the tools are: {', '.join(tools) or 'none'}", True
+    try:
+        inspect.signature(function).bind(**arguments)
+    except TypeError as error:  # a missing, unknown or repeated argument
+        return f"error: wrong arguments for {name}: {error}", True
+    try:
+        result = call_with_time_limit(functools.partial(function, **arguments), timeout_s)
+        return (result if isinstance(result, str) else json_or_text(result)), False
+    except RewardTimeout:
+        return f"error: {name} ran past its time limit of {timeout_s} s", True
+    except Exception as error:  # the tool's own failure is its answer; the rollout goes on
+        return f"error: {type(error).__name__}: {error}", True
+
+
+def json_or_text(result) -> str:
+    """A tool's result that is not a string, as the model reads it: JSON, else its str()."""
+    try:
+        return json.dumps(result, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):  # a set, an object, a cycle: no JSON for it
+        return str(result)
 
 
 # ----------------------------------------------------------------------------------------
 
-TASKS = ("countdown", "digit", "gsm8k", "file")
+TASKS = ("countdown", "digit", "secret", "gsm8k", "file")
 
 
 def load_task(
@@ -1149,6 +1465,9 @@ def load_task(
     if name == "digit":
         problems = [{"prompt": prompt} for prompt in DIGIT_PROMPTS]
         return Task(name, problems, digit_messages, digit_score)
+    if name == "secret":  # one user turn, as digit's; its tool is its own
+        problems = [{"prompt": prompt} for prompt in SECRET_PROMPTS]
+        return Task(name, problems, digit_messages, secret_score, tools=[secret_digit])
     if name == "gsm8k":  # the strict reward, not the benchmark's grade (gsm8k_reward says why)
         return Task(name, load_gsm8k(split, data_dir), with_examples(gsm8k_messages, examples), gsm8k_reward)
     if name == "file":
@@ -1158,7 +1477,8 @@ def load_task(
 
 def training_task(args) -> Task:
     """The task a training script's flags name (its Args: --task and the data flags), with its
-    reward from --reward_fn when that is set. Stops with a message before any model loads."""
+    reward from --reward_fn when that is set and the tools of --tools and --tool added to its own
+    (with_tools). Stops with a message before any model loads."""
     file_flags = [f"--{name}" for name in ("data_file", "eval_data_file") if getattr(args, name)]
     if args.task != "file" and file_flags:
         raise SystemExit(f"{' and '.join(file_flags)}: for --task file (your own data); drop it or add --task file.")
@@ -1169,18 +1489,20 @@ def training_task(args) -> Task:
             args.task, args.seed, args.num_problems, args.dataset, "train", args.data_dir, args.shots,
             args.countdown_numbers,
         )  # fmt: skip
-    return with_reward_fn(task, args.reward_fn, args.reward_fn_timeout) if args.reward_fn else task
+    task = with_reward_fn(task, args.reward_fn, args.reward_fn_timeout) if args.reward_fn else task
+    return with_tools(task, args)
 
 
 def heldout_task(args) -> Task:
     """--eval_every's problems: load_heldout_task's for the built-in tasks, and for --task file the
-    rows of --eval_data_file or the held-out share of --data_file; --reward_fn as in training."""
+    rows of --eval_data_file or the held-out share of --data_file; --reward_fn and the tools as in training."""
     if args.task == "file":
         task = load_file_task(FileTaskSpec.from_args(args), "heldout", args.shots)
         task.problems = task.problems[: args.eval_problems]
     else:
         task = load_heldout_task(args.task, args.eval_problems, args.data_dir, args.shots, args.countdown_numbers)
-    return with_reward_fn(task, args.reward_fn, args.reward_fn_timeout) if args.reward_fn else task
+    task = with_reward_fn(task, args.reward_fn, args.reward_fn_timeout) if args.reward_fn else task
+    return with_tools(task, args)
 
 
 def load_heldout_task(
@@ -1189,9 +1511,10 @@ def load_heldout_task(
     """Problems no training step sees, for evaluation during training (--eval_every): the
     first num_problems of the benchmark of the same name (Countdown: its held-out share;
     GSM8K: the test split), with the benchmark's grader: `strict` and `correct` as evaluate.py
-    grades them, `reward` the training reward. The digit toy has nothing held out: its own prompts.
+    grades them, `reward` the training reward. The toys, digit and secret, have nothing held out:
+    their own prompts.
     shots and countdown_numbers as the training task's, so both see the same prompts."""
-    if name == "digit":
+    if name in ("digit", "secret"):
         task = load_task(name)
     else:
         task = load_benchmark(name, data_dir, num_problems, shots, countdown_numbers)

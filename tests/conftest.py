@@ -84,7 +84,7 @@ def sample_batch(model, tokenizer, eos_ids) -> dict:
 
     task = load_task("countdown", seed=0, num_problems=3)
     prompt_ids, prompt_mask = encode_prompts(tokenizer, [task.messages(p) for p in task.problems], 4, "cpu")
-    ids, mask, truncated, _ = generate(
+    ids, mask, truncated, _, _ = generate(
         model, prompt_ids, prompt_mask, 12, eos_ids, tokenizer.pad_token_id, len(tokenizer)
     )
     with torch.no_grad():

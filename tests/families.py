@@ -122,7 +122,7 @@ def gaps(family: str, new_tokens: int = 16) -> dict:
     result = {}
     for temperature in (1.0, 0.0):
         torch.manual_seed(1)
-        ids, mask, _, sample_logp = generate(model, prompt_ids, prompt_mask, new_tokens, eos, 0, VOCAB, temperature)
+        ids, mask, _, sample_logp, _ = generate(model, prompt_ids, prompt_mask, new_tokens, eos, 0, VOCAB, temperature)
         scale = temperature or 1.0
         with torch.no_grad():
             scored, _ = sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, scale, VOCAB, chunk_size=2)

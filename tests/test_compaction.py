@@ -49,7 +49,7 @@ def test_greedy_with_finished_rows_leaving_equals_the_loop():
     expected = loop_generate(model, prompt_ids, prompt_mask, 40, eos, pad, vocab, 0.0)
     for check_every in (1, 16):
         rows, hook = decoded_rows(model)
-        ids, mask, truncated, logp = generate(
+        ids, mask, truncated, logp, _ = generate(
             model, prompt_ids, prompt_mask, 40, eos, pad, vocab, 0.0, 1.0, check_every
         )
         hook.remove()
@@ -69,7 +69,7 @@ def test_sampled_logprobs_after_compaction_equal_a_fresh_scoring_pass(tiny):
     eos = frequent_tokens(model, tokenizer, prompt_ids, prompt_mask, 1.0, 1.0)
     torch.manual_seed(11)
     rows, hook = decoded_rows(model)
-    ids, mask, truncated, sample_logp = generate(
+    ids, mask, truncated, sample_logp, _ = generate(
         model, prompt_ids, prompt_mask, 48, eos, tokenizer.pad_token_id, len(tokenizer), 1.0, 1.0, 4
     )
     hook.remove()
@@ -94,7 +94,7 @@ def test_compaction_keeps_the_distribution_of_lengths(tiny):
         runs = []
         for seed in range(4):
             torch.manual_seed(100 + seed)
-            _, mask, _, _ = generate(
+            _, mask, _, _, _ = generate(
                 model, prompt_ids, prompt_mask, 24, eos, tokenizer.pad_token_id, len(tokenizer), 1.0, 1.0, 2,
                 compact_below=compact_below,
             )  # fmt: skip
@@ -121,5 +121,5 @@ def test_keys_are_cached_in_the_compute_dtype():
     model, tokenizer, eos = load_model("tiny", torch.device("cpu"))
     prompt_ids = torch.randint(0, 300, (2, 5))
     with torch.autocast("cpu", torch.bfloat16):
-        ids, mask, _, _ = generate(model, prompt_ids, torch.ones_like(prompt_ids), 3, [], 0, len(tokenizer), 0.0)
+        ids, mask, _, _, _ = generate(model, prompt_ids, torch.ones_like(prompt_ids), 3, [], 0, len(tokenizer), 0.0)
     assert ids.shape == (2, 3)

@@ -57,7 +57,9 @@ def test_the_matrix_has_windows_shorter_than_its_prompts():
 def test_greedy_tokens_are_the_plain_forward_argmax(family):
     name, model = family
     prompt_ids, prompt_mask = family_prompts()
-    ids, mask, truncated, sample_logp = generate(model, prompt_ids, prompt_mask, NEW_TOKENS, [VOCAB + 1], 0, VOCAB, 0.0)
+    ids, mask, truncated, sample_logp, _ = generate(
+        model, prompt_ids, prompt_mask, NEW_TOKENS, [VOCAB + 1], 0, VOCAB, 0.0
+    )
     assert truncated.all() and mask.all()  # the EOS id is never drawn: every row runs NEW_TOKENS
     reference = greedy_by_recomputation(model, prompt_ids, prompt_mask, NEW_TOKENS, VOCAB)
     assert torch.equal(ids, reference), name
@@ -77,7 +79,7 @@ def test_sampled_logprobs_equal_scoring_and_the_plain_forward(family, monkeypatc
     keep_rows = grpo.KVCache.keep_rows
     monkeypatch.setattr(grpo.KVCache, "keep_rows", lambda cache, rows: (kept.append(len(rows)), keep_rows(cache, rows)))
     torch.manual_seed(3)
-    ids, mask, truncated, sample_logp = generate(model, prompt_ids, prompt_mask, NEW_TOKENS, stop, 0, VOCAB, 1.0)
+    ids, mask, truncated, sample_logp, _ = generate(model, prompt_ids, prompt_mask, NEW_TOKENS, stop, 0, VOCAB, 1.0)
     assert kept and mask.sum(-1).max() > WINDOW, f"{name}: rows must leave the batch, and one outlive the window"
     with torch.no_grad():
         scored, _ = sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, 1.0, VOCAB, chunk_size=4)
@@ -93,7 +95,7 @@ def test_a_sampler_without_windows_fails_this_matrix(monkeypatch):
     model = family_model("gemma3")
     prompt_ids, prompt_mask = family_prompts()
     monkeypatch.setattr(grpo, "attention_windows", lambda model: {"full_attention": None})
-    ids, mask, _, sample_logp = generate(model, prompt_ids, prompt_mask, NEW_TOKENS, [VOCAB + 1], 0, VOCAB, 0.0)
+    ids, mask, _, sample_logp, _ = generate(model, prompt_ids, prompt_mask, NEW_TOKENS, [VOCAB + 1], 0, VOCAB, 0.0)
     plain = plain_forward_logprobs(model, prompt_ids, prompt_mask, ids, mask)
     assert (sample_logp - plain).abs().max().item() > 100 * TOLERANCE
 
@@ -274,7 +276,7 @@ def test_the_captured_step_crosses_no_host_boundary(family, monkeypatch):
     # cache) made before it, and still samples the model itself: greedy tokens are the plain
     # forward's argmax, log-probs equal the plain forward's to TOLERANCE.
     name, model = family
-    crossing, inputs, (ids, mask, _, logp) = decode_ops(model, True, monkeypatch)
+    crossing, inputs, (ids, mask, _, logp, _) = decode_ops(model, True, monkeypatch)
     assert crossing == []
     assert inputs <= {"Tensor", "KVCache", "bool"}, inputs
     prompt_ids, prompt_mask = family_prompts()

@@ -127,7 +127,7 @@ def test_fast_generate_reproduces_the_loop(tiny, temperature, top_p):
     # compact_below=0: rows that have ended stay in the batch, as in the loop. Once they leave
     # (the default), the random numbers go to other rows and the sampled tokens of a seed differ
     # from the loop's; their distribution does not (tests/test_compaction.py).
-    ids, mask, truncated, logp = generate(model, prompt_ids, prompt_mask, *settings, compact_below=0.0)
+    ids, mask, truncated, logp, _ = generate(model, prompt_ids, prompt_mask, *settings, compact_below=0.0)
     after_fast = torch.rand(4)
     lengths = mask.sum(-1)
     # The case is the intended one: some rows end early, at different steps, and all before the cap,
@@ -153,7 +153,7 @@ def test_truncated_rows_and_the_rng_match_the_loop(tiny, temperature):
     expected = loop_generate(model, prompt_ids, prompt_mask, *settings)
     after_loop = torch.rand(4)
     torch.manual_seed(4)
-    ids, mask, truncated, logp = generate(model, prompt_ids, prompt_mask, *settings)
+    ids, mask, truncated, logp, _ = generate(model, prompt_ids, prompt_mask, *settings)
     assert ids.shape == (6, 20) and truncated.all()
     assert torch.equal(ids, expected[0]) and torch.equal(mask, expected[1])
     assert (logp - expected[3]).abs().max().item() <= 1e-5
@@ -172,7 +172,7 @@ def test_check_interval_changes_nothing(tiny, check_every):
     expected = generate(model, prompt_ids, prompt_mask, *settings, compact_below=0.0)  # check_every = 16
     after_default = torch.rand(4)
     torch.manual_seed(5)
-    ids, mask, truncated, logp = generate(
+    ids, mask, truncated, logp, _ = generate(
         model, prompt_ids, prompt_mask, *settings, check_every=check_every, compact_below=0.0
     )
     assert torch.equal(ids, expected[0]) and torch.equal(mask, expected[1]) and torch.equal(logp, expected[3])
@@ -191,7 +191,7 @@ def test_greedy_equals_the_loop_and_full_recomputation_with_groups_and_eos():
     plain, _, _, _ = loop_generate(model, prompt_ids, prompt_mask, 12, [], pad, vocab, 0.0)
     eos = [plain[2, 4].item()]  # the second prompt's 5th token: its rows end there, the others later or never
     expected = loop_generate(model, prompt_ids, prompt_mask, 40, eos, pad, vocab, 0.0)
-    cached, mask, truncated, logp = generate(model, prompt_ids, prompt_mask, 40, eos, pad, vocab, 0.0)
+    cached, mask, truncated, logp, _ = generate(model, prompt_ids, prompt_mask, 40, eos, pad, vocab, 0.0)
     assert mask.sum(-1).min() < mask.shape[1], "some row must end before the longest"
     assert torch.equal(cached, expected[0]) and torch.equal(mask, expected[1]) and torch.equal(truncated, expected[2])
     assert (logp - expected[3]).abs().max().item() <= 1e-5
@@ -211,7 +211,7 @@ def test_each_distinct_prompt_is_prefilled_once(tiny):
     )
     try:
         torch.manual_seed(6)
-        ids, _, _, _ = generate(model, prompt_ids, prompt_mask, 6, [], tokenizer.pad_token_id, len(tokenizer))
+        ids, _, _, _, _ = generate(model, prompt_ids, prompt_mask, 6, [], tokenizer.pad_token_id, len(tokenizer))
     finally:
         hook.remove()
     assert rows[0] == (3, prompt_ids.shape[1])
@@ -226,5 +226,5 @@ def test_never_an_id_beyond_the_vocabulary(tiny):
     vocab = len(tokenizer) // 2
     for temperature in (1.0, 0.0):
         torch.manual_seed(8)
-        ids, mask, _, _ = generate(model, prompt_ids, prompt_mask, 30, [], 0, vocab, temperature)
+        ids, mask, _, _, _ = generate(model, prompt_ids, prompt_mask, 30, [], 0, vocab, temperature)
         assert ids.shape == (6, 30) and (ids < vocab).all()

@@ -38,7 +38,7 @@ def test_sampling_logprobs_equal_scoring_logprobs(tiny, temperature):
     prompt_ids, prompt_mask = encode(tokenizer, group_size=2)
     assert (prompt_mask == 0).any(), "the batch must contain left padding"
     torch.manual_seed(1)
-    ids, mask, _, sample_logp = generate(
+    ids, mask, _, sample_logp, _ = generate(
         model, prompt_ids, prompt_mask, 24, eos_ids, tokenizer.pad_token_id, len(tokenizer), temperature
     )
     with torch.no_grad():
@@ -55,7 +55,7 @@ def test_scoring_does_not_depend_on_padding(tiny):
     model, tokenizer, eos_ids = tiny
     prompt_ids, prompt_mask = encode(tokenizer)
     torch.manual_seed(2)
-    ids, mask, _, _ = generate(model, prompt_ids, prompt_mask, 16, eos_ids, tokenizer.pad_token_id, len(tokenizer))
+    ids, mask, _, _, _ = generate(model, prompt_ids, prompt_mask, 16, eos_ids, tokenizer.pad_token_id, len(tokenizer))
     with torch.no_grad():
         batched, _ = sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, 1.0, len(tokenizer), 8)
         row = 0  # the shortest prompt: the most padding in the batch
@@ -73,7 +73,7 @@ def test_kv_cache_greedy_equals_full_recomputation(tiny):
     model, tokenizer, eos_ids = tiny
     prompt_ids, prompt_mask = encode(tokenizer)
     steps, vocab = 20, len(tokenizer)
-    cached, mask, _, _ = generate(
+    cached, mask, _, _, _ = generate(
         model, prompt_ids, prompt_mask, steps, eos_ids, tokenizer.pad_token_id, vocab, temperature=0.0
     )
     expected = greedy_by_recomputation(model, prompt_ids, prompt_mask, cached.shape[1], vocab)
@@ -111,7 +111,7 @@ def test_eos_handling_and_truncation_on_crafted_cases(temperature):
     prompt = torch.tensor([[1, 4], [1, 5], [1, 6]])  # a prompt of its own per row
     # compact_below=0: the scripted model knows a row by its place in the batch, which changes
     # when finished rows leave it (tests/test_compaction.py tests that with real models).
-    ids, mask, truncated, logp = generate(
+    ids, mask, truncated, logp, _ = generate(
         ScriptedModel(script, ROWS), prompt, torch.ones_like(prompt), 5, [EOS_A, EOS_B], PAD, VOCAB, temperature,
         compact_below=0.0,
     )  # fmt: skip
@@ -125,7 +125,7 @@ def test_eos_handling_and_truncation_on_crafted_cases(temperature):
 def test_generation_stops_when_every_row_has_ended():
     script = [[5, EOS_A, 9, 9, 9, 9], [EOS_B, 9, 9, 9, 9, 9]]
     prompt = torch.tensor([[1], [4]])
-    ids, mask, truncated, _ = generate(
+    ids, mask, truncated, _, _ = generate(
         ScriptedModel(script, ROWS), prompt, torch.ones_like(prompt), 6, [EOS_A, EOS_B], PAD, VOCAB, 0.0
     )
     assert ids.shape == (2, 2)  # T is the longest completion, not max_new_tokens
@@ -186,7 +186,7 @@ def test_sampler_logprobs_unbiased_when_confident():
     prompt_ids = torch.randint(1, V, (4, 6))
     prompt_mask = torch.ones_like(prompt_ids)
     prompt_mask[1:, :2] = 0  # left padding in three rows
-    ids, mask, _, sample_logp = generate(model, prompt_ids, prompt_mask, 12, [V - 1], V - 1, V, temperature=1.0)
+    ids, mask, _, sample_logp, _ = generate(model, prompt_ids, prompt_mask, 12, [V - 1], V - 1, V, temperature=1.0)
     with torch.no_grad():
         old_logp, _ = sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, 1.0, V, 4)
         inputs = torch.cat([prompt_ids, ids], 1)

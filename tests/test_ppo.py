@@ -235,7 +235,7 @@ def sampled():
     model, tokenizer, eos_ids = load_model("tiny", torch.device("cpu"))
     task = load_task("countdown", seed=0, num_problems=3)
     prompt_ids, prompt_mask = encode_prompts(tokenizer, [task.messages(p) for p in task.problems], 4, "cpu")
-    ids, mask, _, _ = generate(model, prompt_ids, prompt_mask, 12, eos_ids, tokenizer.pad_token_id, len(tokenizer))
+    ids, mask, _, _, _ = generate(model, prompt_ids, prompt_mask, 12, eos_ids, tokenizer.pad_token_id, len(tokenizer))
     critic = load_critic(Args(model="tiny"), torch.device("cpu"), torch.float32)
     torch.nn.init.normal_(critic.value_head.weight, std=0.1)
     with torch.no_grad():

@@ -87,6 +87,11 @@ def test_longest_prompt_is_the_widest_a_step_pads_to():
     task = load_task("countdown", seed=0, num_problems=6)
     prompt_ids, _ = grpo.encode_prompts(tokenizer, [task.messages(p) for p in task.problems], 1, "cpu")
     assert longest_prompt(tokenizer, task) == prompt_ids.shape[1]
+    # With tools, the prompts show their schemas: the preflight counts them too.
+    _, tokenizer, _ = load_model("tiny-tools", torch.device("cpu"))
+    task = load_task("secret")
+    prompt_ids, _ = grpo.encode_prompts(tokenizer, [task.messages(p) for p in task.problems], 1, "cpu", task.tools)
+    assert longest_prompt(tokenizer, task) == prompt_ids.shape[1] > 300
 
 
 @pytest.mark.parametrize("script", [grpo, dapo, ppo], ids=lambda s: s.__name__)

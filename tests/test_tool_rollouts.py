@@ -1,0 +1,275 @@
+"""Multi-turn rollouts (docs/tools.md): a row whose model ends its turn with a tool call takes the
+tool's answer as forced tokens, then samples again. Here the tool is scripted (a tool_turn that
+answers each ended turn with known tokens), so that every check is by hand: where the answers go,
+that the sampler's log-probs still equal the scorer's and the model's own forward pass on every
+model token, that the answers are attended to and never scored, counted in no normaliser, length
+or GAE step, and that the budgets hold."""
+
+import pytest
+import torch
+
+import dapo
+import grpo
+import ppo
+from families import VOCAB, family_model, family_prompts, plain_forward_logprobs
+from grpo import generate, sequence_logprobs
+
+TOLERANCE = 1e-5  # fp32, as tests/test_families.py
+STOP = list(range(3, 60))  # ~13% of the vocabulary as EOS ids: turns end after ~8 tokens
+NEW_TOKENS = 12
+ANSWER = 3  # tokens of each scripted answer
+
+
+def scripted_tools(max_turns: int = 2):
+    """A tool_turn that answers every ended turn of a row, up to max_turns, with ANSWER tokens
+    that say which row and turn they answer: [300 + row, 301 + turn, 400]. Records each call."""
+    calls = []
+
+    def tool_turn(row: int, ids: list[int]) -> list[int] | None:
+        calls.append((row, list(ids)))
+        turn = sum(r == row for r, _ in calls)
+        return [300 + row, 301 + turn, 400] if turn <= max_turns else None
+
+    return tool_turn, calls
+
+
+def sample_with_tools(model, temperature=1.0, seed=3, max_turns=2):
+    prompt_ids, prompt_mask = family_prompts()
+    prompt_ids, prompt_mask = prompt_ids.repeat_interleave(2, 0), prompt_mask.repeat_interleave(2, 0)  # (6, P)
+    tool_turn, calls = scripted_tools(max_turns)
+    torch.manual_seed(seed)
+    out = generate(
+        model, prompt_ids, prompt_mask, NEW_TOKENS, STOP, 0, VOCAB, temperature,
+        tool_turn=tool_turn, max_turns=max_turns, max_tool_tokens=ANSWER,
+    )  # fmt: skip
+    return prompt_ids, prompt_mask, out, calls
+
+
+def test_each_answer_follows_its_turn_and_the_budgets_hold():
+    model = family_model("qwen2")
+    _, _, (ids, mask, truncated, sample_logp, tool_mask), calls = sample_with_tools(model)
+    assert ids.shape[1] <= NEW_TOKENS + 2 * ANSWER
+    assert not (mask.bool() & tool_mask.bool()).any()  # a token is the model's or the tool's
+    assert (mask.sum(-1) <= NEW_TOKENS).all()  # max_new_tokens bounds the model's own tokens only
+    assert (sample_logp[tool_mask.bool()] == 0).all()
+    answered = 0
+    for row in range(len(ids)):
+        columns = (mask[row] + tool_mask[row]).sum().item()  # no gap: model and tool tokens, then padding
+        assert (mask[row] + tool_mask[row])[:columns].all() and not (mask[row] + tool_mask[row])[columns:].any()
+        turn, t = 0, 0
+        while t < columns:
+            if mask[row, t] and ids[row, t].item() in STOP:  # a turn ends: its answer follows, if any
+                if t + 1 < columns:
+                    turn += 1
+                    assert ids[row, t + 1 : t + 1 + ANSWER].tolist() == [300 + row, 301 + turn, 400]
+                    assert tool_mask[row, t + 1 : t + 1 + ANSWER].all()
+                    t += ANSWER
+                    answered += 1
+                else:  # the last turn: no call left (max_turns), or no budget left
+                    assert not truncated[row]
+            t += 1
+        assert turn <= 2
+        assert tool_mask[row].sum() == turn * ANSWER
+        if truncated[row]:  # out of model tokens, not ended by an EOS
+            assert mask[row].sum() == NEW_TOKENS and ids[row, columns - 1].item() not in STOP
+    assert answered >= 3, "the sample must hold answered turns"
+    # tool_turn saw each ended turn's own tokens, from the first after the last answer to its EOS
+    for row, turn_ids in calls:
+        assert turn_ids[-1] in STOP and all(token not in (300 + row, 400) for token in turn_ids)
+
+
+def test_a_row_without_calls_samples_as_without_tools():
+    # Greedy: row 0 never calls a tool, the others do; row 0's tokens are those of a run with no
+    # tools at all, whatever the others' answers do: no row waits for another's tool.
+    model = family_model("qwen2")
+    prompt_ids, prompt_mask = family_prompts()
+
+    def tool_turn(row, ids):
+        return None if row == 0 else [300, 301, 400]
+
+    plain, _, _, _, _ = generate(model, prompt_ids, prompt_mask, NEW_TOKENS, [], 0, VOCAB, 0.0)
+    stop = list({plain[1, 2].item(), plain[2, 3].item()} - set(plain[0].tolist()))  # ends turns of rows 1, 2
+    alone, _, _, _, _ = generate(model, prompt_ids, prompt_mask, NEW_TOKENS, stop, 0, VOCAB, 0.0)
+    ids, mask, _, _, tool_mask = generate(
+        model, prompt_ids, prompt_mask, NEW_TOKENS, stop, 0, VOCAB, 0.0,
+        tool_turn=tool_turn, max_turns=2, max_tool_tokens=ANSWER,
+    )  # fmt: skip
+    assert tool_mask[1:].any() and not tool_mask[0].any()
+    length = mask[0].sum()
+    assert torch.equal(ids[0, :length], alone[0, :length])
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3", "mistral"])  # windows shorter than the prompts in two
+def test_sampled_logprobs_equal_scoring_and_the_plain_forward_with_answers_in(family):
+    # The contract: the answers are conditioned on, as the sampler conditioned on them, and not
+    # scored. tests/test_families.py runs the same check on every family.
+    model = family_model(family)
+    prompt_ids, prompt_mask, (ids, mask, _, sample_logp, tool_mask), _ = sample_with_tools(model)
+    assert tool_mask.any()
+    with torch.no_grad():
+        scored, _ = sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, 1.0, VOCAB, 4, tool_mask=tool_mask)
+    plain = plain_forward_logprobs(model, prompt_ids, prompt_mask, ids, mask + tool_mask) * mask
+    assert (sample_logp - scored).abs().max().item() <= TOLERANCE
+    assert (sample_logp - plain).abs().max().item() <= TOLERANCE
+    # Planted: the scorer not attending to the answers gets other log-probs.
+    with torch.no_grad():
+        blind, _ = sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, 1.0, VOCAB, 4)
+    assert (sample_logp - blind).abs().max().item() > 100 * TOLERANCE
+
+
+def test_greedy_tokens_after_an_answer_are_the_plain_forward_argmax():
+    # Positions and masks after forced tokens: every greedy model token is the argmax of the model's
+    # own forward over prompt + everything before it, the answers included.
+    model = family_model("llama3")
+    prompt_ids, prompt_mask, (ids, mask, _, _, tool_mask), _ = sample_with_tools(model, temperature=0.0)
+    assert tool_mask.any()
+    sequence = torch.cat([prompt_ids, ids], 1)
+    attention = torch.cat([prompt_mask, mask + tool_mask], 1)
+    with torch.no_grad():
+        logits = model(
+            input_ids=sequence, attention_mask=attention, position_ids=(attention.cumsum(-1) - 1).clamp(min=0)
+        ).logits[:, prompt_ids.shape[1] - 1 : -1, :VOCAB]
+    model_tokens = mask.bool()
+    assert torch.equal(logits.argmax(-1)[model_tokens], ids[model_tokens])
+
+
+# ----------------------------------------------------------------------------------------
+# The losses: each script's gradient with two answers in a completion equals the one by hand, over
+# the model's tokens alone, from the model's forward over the whole sequence.
+
+
+def batch_with_two_answers(model):
+    """Two rows (one group of G = 2): row 0 holds two tool answers between its model tokens, row 1
+    none. completion (model m, tool e): row 0 m m e e m e m, row 1 m m m (then padding)."""
+    prompt_ids, prompt_mask = family_prompts(lengths=(12, 12))
+    prompt_ids[1] = prompt_ids[0]  # one prompt, its group of 2
+    completion_ids = torch.tensor([[5, 6, 300, 301, 7, 302, 8], [9, 10, 11, 0, 0, 0, 0]])
+    completion_mask = torch.tensor([[1, 1, 0, 0, 1, 0, 1], [1, 1, 1, 0, 0, 0, 0]])
+    tool_mask = torch.tensor([[0, 0, 1, 1, 0, 1, 0], [0, 0, 0, 0, 0, 0, 0]])
+    return prompt_ids, prompt_mask, completion_ids, completion_mask, tool_mask
+
+
+def hand_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, tool_mask):
+    """log π of every completion token from one plain forward pass over the whole sequence, with grad."""
+    ids = torch.cat([prompt_ids, completion_ids], 1)
+    attention = torch.cat([prompt_mask, completion_mask + tool_mask], 1)
+    logits = model(input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(-1) - 1).clamp(min=0))
+    logits = logits.logits[:, prompt_ids.shape[1] - 1 : -1, :VOCAB].float()
+    return logits.log_softmax(-1).gather(-1, completion_ids[..., None]).squeeze(-1)
+
+
+def gradient(model, loss_fn):
+    model.zero_grad()
+    loss_fn()
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+@pytest.mark.parametrize("script", [grpo, dapo], ids=["grpo", "dapo"])
+def test_the_policy_gradient_counts_the_model_tokens_only(script):
+    # On-policy, β = 0: GRPO's loss is −(1/N) Σ_i (Â_i/|o_i|) Σ_{t ∈ o_i} r_t with r_t = π/sg(π) = 1,
+    # whose gradient is −(1/N) Σ_i (Â_i/|o_i|) Σ_t ∇log π_t; DAPO's token-level mean divides by
+    # Σ_i |o_i| instead. |o_0| = 4 model tokens (not 7), |o_1| = 3. Â = (1, −1).
+    model = family_model("qwen2")
+    prompt_ids, prompt_mask, completion_ids, completion_mask, tool_mask = batch_with_two_answers(model)
+    advantages = torch.tensor([1.0, -1.0])
+    extra = dict(overlong_buffer=0) if script is dapo else dict(loss_type="grpo")
+    args = script.Args(beta=0.0, max_new_tokens=8, micro_batch_size=1, **extra)
+    batch = {
+        "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+        "completion_mask": completion_mask, "tool_mask": tool_mask, "truncated": torch.tensor([False, False]),
+        "sample_logp": torch.zeros(2, 7), "old_logp": None, "ref_logp": None, "advantages": advantages,
+        "entropy": None,
+    }  # fmt: skip
+    got = gradient(model, lambda: script.policy_backward(model, batch, args, VOCAB))
+
+    def by_hand():
+        logp = hand_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, tool_mask)
+        per_token = advantages[:, None] * logp * completion_mask
+        if script is grpo:
+            loss = -(per_token.sum(-1) / completion_mask.sum(-1)).mean()
+        else:
+            loss = -per_token.sum() / completion_mask.sum()
+        loss.backward()
+
+    expected = gradient(model, by_hand)
+    assert torch.allclose(got, expected, atol=1e-6, rtol=1e-4)
+
+    def answers_counted():  # planted: the answers trained as if the model had written them
+        logp = hand_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, tool_mask)
+        every = completion_mask + tool_mask
+        loss = -((advantages[:, None] * logp * every).sum(-1) / every.sum(-1)).mean()
+        loss.backward()
+
+    assert not torch.allclose(got, gradient(model, answers_counted), atol=1e-6, rtol=1e-4)
+
+
+def test_ppo_gae_steps_across_an_answer_in_one_step():
+    # Row 0: model tokens at columns 0, 1, 4 (answer at 2-3), padding at 5. The reward R = 1 at the
+    # last model token (column 4). Over the model's tokens alone, s_0 → s_1 → s_4 → end:
+    #   δ_4 = R − V_4 = 1 − 0.5 = 0.5
+    #   δ_1 = γV_4 − V_1 = 0.9·0.5 − 0.2 = 0.25
+    #   δ_0 = γV_1 − V_0 = 0.9·0.2 − 0.1 = 0.08
+    #   Â_4 = 0.5;  Â_1 = 0.25 + γλ·0.5 = 0.25 + 0.45·0.5 = 0.475;  Â_0 = 0.08 + 0.45·0.475 = 0.29375
+    # returns R_t = Â_t + V_t: 1.0, 0.675, 0.39375. At the answer's columns and the padding: 0.
+    mask = torch.tensor([[1, 1, 0, 0, 1, 0]])
+    values = torch.tensor([[0.1, 0.2, 9.0, 9.0, 0.5, 9.0]])  # 9: what the critic reads at an answer, unused
+    args = ppo.Args(beta=0.0, gamma=0.9, lam_actor=0.5, lam_critic=0.5, whiten_advantages=False)
+    raw, advantages, returns = ppo.advantages_and_returns(torch.tensor([1.0]), None, None, values, mask, args)
+    expected = torch.tensor([[0.29375, 0.475, 0.0, 0.0, 0.5, 0.0]])
+    assert torch.allclose(raw, expected) and torch.equal(advantages, raw)
+    assert torch.allclose(returns, torch.tensor([[0.39375, 0.675, 0.0, 0.0, 1.0, 0.0]]))
+    # Planted: GAE over the columns as they stand (answer steps of V = 0) gives other advantages.
+    gapped, _ = ppo.gae(ppo.token_rewards(torch.tensor([1.0]), None, None, mask + 0, 0.0), values, mask, 0.9, 0.5)
+    assert not torch.allclose(gapped, expected)
+
+
+def test_ppo_without_answers_is_unchanged_by_the_gather():
+    # The model's tokens a prefix (no tools): model_tokens_first is the identity, the numbers exact.
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    values, old_logp, ref_logp = torch.randn(2, 4), torch.randn(2, 4), torch.randn(2, 4)
+    args = ppo.Args(beta=0.05, gamma=1.0, lam_actor=0.95, lam_critic=1.0)
+    got = ppo.advantages_and_returns(torch.tensor([1.0, 0.0]), old_logp, ref_logp, values, mask, args)
+    assert torch.equal(ppo.model_tokens_first(mask), torch.arange(4).expand(2, 4))
+    per_token = ppo.token_rewards(torch.tensor([1.0, 0.0]), old_logp, ref_logp, mask, beta=0.05)
+    raw, _ = ppo.gae(per_token, values, mask, gamma=1.0, lam=0.95)
+    assert torch.equal(got[0], raw)
+
+
+def test_ppo_critic_reads_values_at_model_tokens_with_the_answers_attended():
+    model = family_model("qwen2")
+    prompt_ids, prompt_mask, completion_ids, completion_mask, tool_mask = batch_with_two_answers(model)
+    critic = ppo.Critic(model.model)
+    torch.nn.init.normal_(critic.value_head.weight)  # not the zeros it starts with: values to compare
+    with torch.no_grad():
+        values = ppo.critic_values(
+            critic, prompt_ids, prompt_mask, completion_ids, completion_mask, 1, tool_mask=tool_mask
+        )
+        ids = torch.cat([prompt_ids, completion_ids], 1)
+        attention = torch.cat([prompt_mask, completion_mask + tool_mask], 1)
+        hidden = critic.backbone(
+            input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(-1) - 1).clamp(min=0)
+        ).last_hidden_state[:, prompt_ids.shape[1] - 1 : -1]
+        expected = critic.value_head(hidden).squeeze(-1) * completion_mask
+    assert torch.allclose(values, expected, atol=1e-5)
+    assert (values[tool_mask.bool()] == 0).all()
+
+
+def test_tool_metrics_by_hand():
+    # Two completions: 3 calls (1 failed) in 2 turns, and none. Tokens: 7 + 4 of the model's, 4 of
+    # the tools': calls 3/2 = 1.5 a completion, errors 1/3, turns 2/2 = 1, env share 4/15.
+    completion_mask = torch.tensor([[1, 1, 1, 0, 0, 1, 0, 0, 1, 1, 1], [1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0]])
+    tool_mask = torch.tensor([[0, 0, 0, 1, 1, 0, 1, 1, 0, 0, 0], [0] * 11])
+    rollout = dict(
+        prompt_ids=torch.zeros(2, 1, dtype=torch.long), prompt_mask=torch.ones(2, 1, dtype=torch.long),
+        completion_ids=torch.zeros(2, 11, dtype=torch.long), completion_mask=completion_mask,
+        truncated=torch.tensor([False, False]), sample_logp=torch.zeros(2, 11), rewards=torch.zeros(2),
+        texts=["", ""], scores=[],
+    )  # fmt: skip
+    metrics = grpo.tool_metrics(
+        grpo.Rollout(**rollout, tool_mask=tool_mask, tool_counts=torch.tensor([[3, 1, 2], [0, 0, 0]]))
+    )
+    assert metrics == pytest.approx(
+        {"tools/calls": 1.5, "tools/errors": 1 / 3, "tools/turns": 1.0, "tools/env_share": 4 / 15}
+    )
+    assert grpo.tool_metrics(grpo.Rollout(**rollout)) == {}  # a task without tools: no tools/ metrics
