@@ -636,7 +636,7 @@ def bench_logprob_gap(args, model, tokenizer, vocab_size, device) -> list[dict]:
                 batch = grpo.generate(
                     model, ids, mask, args.max_new_tokens, eos, tokenizer.pad_token_id, vocab_size, 0.7
                 )
-                completion, completion_mask, _, sample_logp = batch
+                completion, completion_mask, _, sample_logp, _ = batch
                 logp, _ = grpo.sequence_logprobs(model, ids, mask, completion, completion_mask, 0.7, vocab_size, 8)
         finally:
             grpo.fp32_lm_head = real_head

@@ -584,7 +584,8 @@ def size_micro_batches(args, task, tokenizer, trained: list, update, score) -> N
     the preflight measures it: update(sequences) and score(sequences), the script's step 6 forward and
     backward and its step 4 no-grad scoring pass, run on rows of the longest sequence the run can
     produce (the task's longest prompt, a distinct one in every row, and every completion at
-    max_new_tokens, plus max_turns tool answers of max_tool_tokens with tools), and the largest number of rows that fits becomes --micro_batch_tokens and
+    max_new_tokens, plus max_turns tool answers of max_tool_tokens with tools), and the largest
+    number of rows that fits becomes --micro_batch_tokens and
     --logprob_chunk_tokens (rows × that length: shorter rows then go more to a micro-batch,
     chunks_of). AdamW's moments for `trained`, allocated at the first optimizer step, are counted
     in. The run stops here, naming the flags to turn, when one row does not fit: an out-of-memory
@@ -692,6 +693,20 @@ def local_bytes(tensor) -> int:
     """Bytes of this process's part of a tensor: an FSDP2 shard's (DTensor), or the whole."""
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
     return local.numel() * local.element_size()
+
+
+def turns_of(tokenizer, completion_ids, completion_mask, tool_mask) -> list[dict]:
+    """A multi-turn completion for samples.jsonl, in its turns: [{"model": text}, {"tool": text}, …],
+    each a run of the model's own tokens or of a tool turn's (tool_mask), decoded with the chat
+    template's markers kept. (T,) each -> the turns; the padding after the end left out."""
+    length = int((completion_mask + tool_mask).sum())
+    ids, owner = completion_ids[:length].tolist(), tool_mask[:length].tolist()
+    turns, start = [], 0
+    for t in range(1, len(ids) + 1):
+        if t == len(ids) or owner[t] != owner[start]:
+            turns.append({"tool" if owner[start] else "model": tokenizer.decode(ids[start:t])})
+            start = t
+    return turns
 
 
 def longest_prompt(tokenizer, task) -> int:
@@ -996,12 +1011,11 @@ def render_chat(tokenizer, messages: list[dict], tools: list[Callable] | None = 
         system, first, *rest = messages
         folded = {"role": first["role"], "content": f"{system['content']}\n\n{first['content']}"}
         text = tokenizer.apply_chat_template([folded, *rest], add_generation_prompt=True, tokenize=False, **shown)
-    unshown = [tool.__name__ for tool in tools or [] if tool.__name__ not in text]
-    if unshown:
+    if tools and text == render_chat(tokenizer, messages):  # the same prompt as without them
         raise SystemExit(
-            f"The chat template of this model does not show the tools {unshown} in its prompts, so the model "
-            "could not know it may call them. Use a model whose template takes `tools` (Qwen2.5, Qwen3, Llama 3.1; "
-            "tiny-tools among the tiny ones), or drop --tools/--tool."
+            f"The chat template of this model does not show the tools {[tool.__name__ for tool in tools]} in its "
+            "prompts, so the model could not know it may call them. Use a model whose template takes `tools` "
+            "(Qwen2.5, Qwen3, Llama 3.1; tiny-tools among the tiny ones), or drop --tools/--tool."
         )
     return text
 
@@ -1048,13 +1062,20 @@ def tool_turn_text(tokenizer, answers: list[tuple[str, str]]) -> str:
             f"This model's chat template does not end an assistant turn with its EOS token "
             f"{tokenizer.eos_token!r}, so where a tool's answer goes after the model's turn is unknown."
         )
-    after = text[end + len(tokenizer.eos_token) :]
-    if not all(answer.strip() in after for _, answer in answers):
+    return text[end + len(tokenizer.eos_token) :]
+
+
+def check_tool_turns(tokenizer) -> None:
+    """Stops, before a rollout, where the chat template cannot give the model a tool's answer: no
+    tool role (tool_turn_text says so), or one that drops the answer. Checked once, on a plain
+    answer: at a tool call the answers are any text, which a template may escape (Llama 3.1's
+    writes them through tojson), so that they are not found as they were given."""
+    probe = "4242"
+    if probe not in tool_turn_text(tokenizer, [("probe", probe)]):
         raise SystemExit(
             "This model's chat template drops the tool's answer (a message of role 'tool'), so the model "
             "would never see it. Use a model whose template takes tool messages."
         )
-    return after
 
 
 def load_model(
@@ -1595,6 +1616,10 @@ class Run:
             for i in range(0, min(args.num_samples * args.group_size, len(batch.texts)), args.group_size):
                 prompt = self.tokenizer.decode(batch.prompt_ids[i][batch.prompt_mask[i].bool()])
                 record = {"step": done, "prompt": prompt, "completion": batch.texts[i]}
+                if getattr(batch, "tool_counts", None) is not None:  # with tools: who wrote what, turn by turn
+                    record["turns"] = turns_of(
+                        self.tokenizer, batch.completion_ids[i], batch.completion_mask[i], batch.tool_mask[i]
+                    )
                 samples.append({**record, "reward": batch.scores[i].reward})
                 append_jsonl(self.dir / "samples.jsonl", samples[-1])
             for tracker in self.trackers:

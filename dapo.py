@@ -95,6 +95,7 @@ from common import (
     autocast,
     check_distributed,
     check_run_args,
+    check_tool_turns,
     host_numbers,
     init_distributed,
     load_policy,
@@ -114,14 +115,14 @@ from common import (
     unsharded,
     world_size,
 )
-from rewards import Score, heldout_task, parse_tool_calls, run_tool_call, training_task
+from rewards import Score, heldout_task, parse_tool_calls, run_tool_call, tool_call_format, training_task
 
 
 @dataclass
 class Args:
     # model and task
     model: str = arg("Qwen2.5-1.5B-Instruct", "local dir, Hub id, short name (common.MODEL_ALIASES) or 'tiny'")
-    task: str = arg("countdown", "a task of rewards.py: countdown, digit, gsm8k, or file (your own: --data_file)")
+    task: str = arg("countdown", "a task of rewards.py: countdown, digit, secret, gsm8k, or file (--data_file)")
     dataset: str = arg("", "Hub dataset for the task (Jiayi-Pan/Countdown-Tasks-3to4); '' = offline generator")
     data_dir: str = arg("", "gsm8k offline: a directory holding gsm8k/train.jsonl and gsm8k/test.jsonl; '' = the Hub")
     num_problems: int = arg(20000, "problems drawn from the offline Countdown generator")
@@ -1289,9 +1290,11 @@ def evaluate_heldout(
     load_heldout_task: problems no training step samples), the same decoding evaluate.py
     uses by default. Greedy decoding draws no random numbers, so evaluating does not change
     what training samples next (a resumed run stays exact). amp() is the autocast context.
-    tools: rollout's tool limits (tool_limits). Returns the eval/ metrics, means over the problems."""
+    tools: rollout's tool limits (tool_limits); what tools draw from Python's random module is
+    undone after. Returns the eval/ metrics, means over the problems."""
     start = time.perf_counter()
     scores, lengths, truncations = [], [], []
+    python_random = random.getstate()  # a tool may draw from it (the secret task's): training's draws stay
     for first in range(0, len(task.problems), batch_size):
         problems = task.problems[first : first + batch_size]
         batch = rollout(  # greedy: one completion per problem, temperature 0
@@ -1301,6 +1304,7 @@ def evaluate_heldout(
         scores += batch.scores
         lengths += batch.completion_mask.sum(-1).tolist()
         truncations += batch.truncated.tolist()
+    random.setstate(python_random)
     return {
         "eval/accuracy": sum(s.strict for s in scores) / len(scores),  # the answer where the prompt asks
         "eval/reward": sum(s.reward for s in scores) / len(scores),
@@ -1389,10 +1393,12 @@ def tool_turns(tokenizer, tools: list, num_rows: int, max_turns: int, max_tool_t
     counts (n, 3) the calls, failed calls and answered turns of each row, filled as it runs."""
     by_name = {tool.__name__: tool for tool in tools}
     counts = torch.zeros(num_rows, 3, dtype=torch.long)  # calls, failed calls, turns answered
-    fitted_answer(tokenizer, [("", "")], max_tool_tokens)  # stops now if the template's own tokens do not fit
+    check_tool_turns(tokenizer)  # stops now where the template cannot give the model an answer…
+    fitted_answer(tokenizer, [("", "")], max_tool_tokens)  # …or its own tokens around one do not fit
+    whole_turn_json = tool_call_format(tokenizer)  # Llama's whole-turn JSON calls, or Hermes' blocks only
 
     def tool_turn(row: int, ids: list[int]) -> list[int] | None:
-        calls = parse_tool_calls(tokenizer.decode(ids))  # the turn as written, its EOS too
+        calls = parse_tool_calls(tokenizer.decode(ids), whole_turn_json)  # the turn as written, its EOS too
         if not calls or counts[row, 2] >= max_turns:
             return None
         answers = [run_tool_call(call, by_name, timeout_s) for call in calls]  # (text, failed) each
@@ -1473,8 +1479,8 @@ def generate(
     has ~270 more rows than its tokenizer has tokens). A completion ends with the first EOS
     id it samples; that EOS is part of the completion (it is what teaches the model to stop),
     and later positions hold pad_id with mask 0. Returns
-      completion_ids  (N, T) T ≤ max_new_tokens: the longest completion, right padded
-      completion_mask (N, T) 1 up to and including the EOS
+      completion_ids  (N, T) T ≤ max_new_tokens (with tools, + their answers): the longest, right padded
+      completion_mask (N, T) 1 at the model's own tokens, up to and including the EOS
       truncated       (N,)   True where no EOS came within max_new_tokens
       sample_logp     (N, T) log π(token) under the sampling distribution, before top-p
                              (the one sequence_logprobs scores), 0 where masked
@@ -1577,7 +1583,7 @@ def generate(
     sample_logp = torch.zeros(num_rows, steps, device=device)
     finished = torch.zeros(num_rows, dtype=torch.bool, device=device)  # (n,) of the rows decoded
     truncated = torch.zeros(num_rows, dtype=torch.bool, device=device)  # (N,) set as rows finish without an EOS
-    env = tool_queue(num_rows, max_tool_tokens, pad_id, device) if tool_turn else None  # forced tokens, per row
+    env = ToolQueue.empty(num_rows, max_tool_tokens, pad_id, device) if tool_turn else None  # forced tokens
     rows = torch.arange(num_rows, device=device)  # (n,) the row of the output each decoded row is
     rng_states = []  # rng_states[t]: the state of the random generator before token t was drawn
     # 3. Decode, one token a step for every unfinished row.
@@ -1595,20 +1601,20 @@ def generate(
         alive = ~finished
         sampled = alive  # (n,) the rows whose token is the model's own
         if env is not None:  # a row in a tool turn takes the environment's next token instead
-            forced = alive & (env["queued"] > 0)  # (n,)
-            token = torch.where(forced, env["ids"].gather(1, env["next"][:, None]).squeeze(-1), token)
+            forced = alive & (env.queued > 0)  # (n,)
+            token = torch.where(forced, env.ids.gather(1, env.next[:, None]).squeeze(-1), token)
             tool_mask[rows, t] = forced.long()
             sampled = alive & ~forced
-            env["next"] = (env["next"] + forced.long()).clamp(max=max_tool_tokens - 1)
-            env["queued"] -= forced.long()
-            env["spent"] += sampled.long()
+            env.next = (env.next + forced.long()).clamp(max=max_tool_tokens - 1)
+            env.queued -= forced.long()
+            env.spent += sampled.long()
         completion_ids[rows, t] = torch.where(alive, token, pad_id)
         completion_mask[rows, t] = sampled.long()
         sample_logp[rows, t] = torch.where(sampled, token_logp, 0.0)
         ended = sampled & torch.isin(token, eos)  # (n,) the row's turn ends here
         if env is not None:  # a turn that called a tool goes on with its answers; a row out of budget stops
             ended = tool_turns_due(env, ended, completion_ids, rows, t, tool_turn, max_new_tokens)
-            out_of_budget = alive & ~ended & (env["spent"] >= max_new_tokens)
+            out_of_budget = alive & ~ended & (env.spent >= max_new_tokens)
             truncated[rows] |= out_of_budget
             ended |= out_of_budget
         finished = finished | ended
@@ -1620,7 +1626,7 @@ def generate(
                 break
             if len(live) <= compact_below * len(rows):  # the finished rows leave the batch
                 rows, finished, token = rows[live], finished[live], token[live]
-                env = {name: value[live] for name, value in env.items()} if env is not None else None
+                env = env.keep(live) if env is not None else None
                 token_in, position = token_in[live], position[live]
                 biases = {kind: bias[live] for kind, bias in biases.items()}
                 cache.keep_rows(live)
@@ -1667,35 +1673,49 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
 
 
-def tool_queue(num_rows: int, max_tool_tokens: int, pad_id: int, device: torch.device) -> dict:
-    """Per row of generate's decode loop, what a tool turn needs: the environment's tokens still to
-    force (ids (n, max_tool_tokens), `queued` of them from index `next`), the model's own tokens so
-    far (`spent`, bounded by max_new_tokens) and the column its current turn began at (`start`)."""
-    zeros = torch.zeros(num_rows, dtype=torch.long, device=device)
-    ids = torch.full((num_rows, max(max_tool_tokens, 1)), pad_id, device=device)
-    return {"ids": ids, "queued": zeros, "next": zeros.clone(), "spent": zeros.clone(), "start": zeros.clone()}
+@dataclass
+class ToolQueue:
+    """Per row of generate's decode loop, what its tool turns need: the environment's tokens still
+    to force (`queued` of ids, from index `next`), the model's own tokens so far (`spent`, bounded
+    by max_new_tokens) and the column its current turn began at (`start`). (n, ·) each."""
+
+    ids: torch.Tensor  # (n, max_tool_tokens) the current answer's tokens
+    queued: torch.Tensor  # (n,) how many of them are still to come
+    next: torch.Tensor  # (n,) the index of the next one
+    spent: torch.Tensor  # (n,) the model's own tokens so far
+    start: torch.Tensor  # (n,) the column the current turn began at
+
+    @classmethod
+    def empty(cls, num_rows: int, max_tool_tokens: int, pad_id: int, device: torch.device) -> "ToolQueue":
+        zeros = torch.zeros(num_rows, dtype=torch.long, device=device)
+        ids = torch.full((num_rows, max(max_tool_tokens, 1)), pad_id, device=device)
+        return cls(ids, zeros, zeros.clone(), zeros.clone(), zeros.clone())
+
+    def keep(self, rows: torch.Tensor) -> "ToolQueue":
+        """The queue of the rows that stay (generate's compaction)."""
+        return ToolQueue(self.ids[rows], self.queued[rows], self.next[rows], self.spent[rows], self.start[rows])
 
 
-def tool_turns_due(env: dict, ended, completion_ids, rows, t: int, tool_turn, max_new_tokens: int):
+def tool_turns_due(env: ToolQueue, ended, completion_ids, rows, t: int, tool_turn, max_new_tokens: int):
     """The rows whose turn ended at column t, handed to tool_turn with their turn's token ids: one
     that called a tool gets its answer queued as forced tokens from column t + 1 and goes on; the
     others end. A row with none of max_new_tokens left ends without its tools run. One host sync
     (whether any turn ended), then one copy of the ended rows' ids. Returns `ended` less the rows
     that go on. ended (n,) bool; rows (n,) their rows in completion_ids (N, ·)."""
-    due = ended & (env["spent"] < max_new_tokens)  # (n,)
+    due = ended & (env.spent < max_new_tokens)  # (n,)
     if not due.any():
         return ended
     indices = due.nonzero().squeeze(-1)  # (d,)
     texts = completion_ids[rows[indices], : t + 1].tolist()  # (d, t + 1): each turn's ids, and before it
     going_on = []
-    for i, row, start, ids in zip(indices.tolist(), rows[indices].tolist(), env["start"][indices].tolist(), texts):
+    for i, row, start, ids in zip(indices.tolist(), rows[indices].tolist(), env.start[indices].tolist(), texts):
         answer = tool_turn(row, ids[start:])
         if not answer:  # no call (or no turns left): the completion ends with this turn
             continue
-        if len(answer) > env["ids"].shape[1]:
-            raise ValueError(f"tool_turn gave {len(answer)} tokens; max_tool_tokens is {env['ids'].shape[1]}")
-        env["ids"][i, : len(answer)] = torch.tensor(answer, device=ended.device)
-        env["queued"][i], env["next"][i], env["start"][i] = len(answer), 0, t + 1 + len(answer)
+        if len(answer) > env.ids.shape[1]:
+            raise ValueError(f"tool_turn gave {len(answer)} tokens; max_tool_tokens is {env.ids.shape[1]}")
+        env.ids[i, : len(answer)] = torch.tensor(answer, device=ended.device)
+        env.queued[i], env.next[i], env.start[i] = len(answer), 0, t + 1 + len(answer)
         going_on.append(i)
     ended = ended.clone()
     ended[going_on] = False
@@ -1703,12 +1723,13 @@ def tool_turns_due(env: dict, ended, completion_ids, rows, t: int, tool_turn, ma
 
 
 class KVCache:
-    """The keys and values of every layer for N rows and S = P + max_new_tokens positions, in
-    buffers allocated once and written in place: generate passes it to the model as
-    past_key_values. transformers' attention layers call update() with the keys and values of
-    the tokens they just computed and attend over what it returns; generate sets the columns
-    they go to (slots), how many columns they attend over (width: the filled part, not all S)
-    and, with the attention mask, which of those columns each row may attend to.
+    """The keys and values of every layer for N rows and S = P + max_new_tokens positions (with
+    tools, + max_turns · max_tool_tokens for their answers), in buffers allocated once and written
+    in place: generate passes it to the model as past_key_values. transformers' attention layers
+    call update() with the keys and values of the tokens they just computed and attend over what
+    it returns; generate sets the columns they go to (slots), how many columns they attend over
+    (width: the filled part, not all S) and, with the attention mask, which of those columns each
+    row may attend to.
 
     Keys and values are both stored in the values' dtype, the compute dtype: under bf16 autocast
     with fp32 weights the rotary cos/sin are fp32 and promote the keys to fp32, which attention

@@ -1293,7 +1293,7 @@ def check_tool_schema(function: Callable, where: str) -> None:
 
     try:
         get_json_schema(function)
-    except (DocstringParsingException, TypeHintParsingException) as error:
+    except (DocstringParsingException, TypeHintParsingException, Exception) as error:  # a partial, a class, …
         raise SystemExit(
             f"{where}: the model cannot be shown {getattr(function, '__name__', function)!r}: {error}. A tool needs a "
             "type hint on every argument and a Google-style docstring: a description, then an 'Args:' section "
@@ -1323,21 +1323,23 @@ def with_tools(task: Task, args) -> Task:
     return replace(task, tools=tools)
 
 
-def parse_tool_calls(text: str) -> list[dict]:
+def parse_tool_calls(text: str, whole_turn_json: bool = True) -> list[dict]:
     """The tool calls in one assistant turn's text, decoded without skipping special tokens (as
     the model wrote it): [{"name": str, "arguments": dict}, ...] in order; [] when it has none.
 
     Two formats. Hermes (Qwen2.5, Qwen3): each <tool_call> ... </tool_call> block holds one JSON
     object {"name": ..., "arguments": {...}} ("arguments" may be a JSON string holding the object;
-    none at all is {}). Llama 3.x: the whole turn, after an optional <|python_tag|>, is one JSON
+    none at all is {}). Llama 3.x, read only with whole_turn_json (a model whose template has no
+    <tool_call>: tool_call_format): the whole turn, after an optional <|python_tag|>, is one JSON
     object with "name" and "parameters" (or "arguments"); without the tag, a turn that is not
-    such an object is an answer, not a call. A call that cannot be read (not JSON, no name,
+    such an object is an answer, not a call. A Hermes model's answer that is a JSON object with
+    a "name" is an answer. A call that cannot be read (not JSON, no name,
     arguments that are not an object, a <tool_call> never closed) is still a call: {"error":
     what was wrong}, which run_tool_call gives the model as the answer so that it can try again.
     Linear time (str.find, json.loads): the text is untrusted input.
     """
     if TOOL_CALL_OPEN not in text:
-        return llama_tool_call(text)
+        return llama_tool_call(text) if whole_turn_json else []
     calls, position = [], 0
     while (start := text.find(TOOL_CALL_OPEN, position)) >= 0:
         start += len(TOOL_CALL_OPEN)
@@ -1348,6 +1350,12 @@ def parse_tool_calls(text: str) -> list[dict]:
         calls.append(tool_call_from_json(text[start:end]))
         position = end + len(TOOL_CALL_CLOSE)
     return calls
+
+
+def tool_call_format(tokenizer) -> bool:
+    """parse_tool_calls' whole_turn_json for a model: False when its chat template writes calls in
+    <tool_call> blocks (Hermes: Qwen2.5, Qwen3), True otherwise (Llama 3.x's whole-turn JSON)."""
+    return TOOL_CALL_OPEN not in (tokenizer.chat_template or "")
 
 
 def llama_tool_call(text: str) -> list[dict]:
@@ -1418,7 +1426,7 @@ def run_tool_call(call: dict, tools: dict[str, Callable], timeout_s: float) -> t
         return (result if isinstance(result, str) else json_or_text(result)), False
     except RewardTimeout:
         return f"error: {name} ran past its time limit of {timeout_s} s", True
-    except Exception as error:  # the tool's own failure is its answer; the rollout goes on
+    except (Exception, SystemExit) as error:  # the tool's own failure (its exit too) is its answer; the rollout goes on
         return f"error: {type(error).__name__}: {error}", True
 
 

@@ -30,7 +30,7 @@ def fixed_batch(model, tokenizer, eos_ids) -> dict:
     task = load_task("countdown", seed=0, num_problems=4)
     conversations = [task.messages(p) for p in task.problems]
     prompt_ids, prompt_mask = grpo.encode_prompts(tokenizer, conversations, GROUP_SIZE, "cpu")
-    ids, mask, truncated, sample_logp = grpo.generate(
+    ids, mask, truncated, sample_logp, _ = grpo.generate(
         model, prompt_ids, prompt_mask, MAX_NEW_TOKENS, eos_ids, tokenizer.pad_token_id, len(tokenizer)
     )
     with torch.no_grad():

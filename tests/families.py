@@ -152,3 +152,37 @@ if __name__ == "__main__":
             f"| {name} | {r['sampled vs plain']:.1e} | {r['greedy vs plain']:.1e} | {r['sampled vs scoring']:.1e} | "
             f"{r['scoring vs plain']:.1e} | {'equal' if r['greedy tokens equal'] else 'DIFFER'} |"
         )
+
+
+# Multi-turn rollouts with a scripted tool (tests/test_tool_rollouts.py, the matrix in test_families.py)
+STOP = list(range(3, 60))  # ~13% of the vocabulary as EOS ids: turns end after ~8 tokens
+NEW_TOKENS = 12
+ANSWER = 3  # tokens of each scripted answer
+
+
+def scripted_tools(max_turns: int = 2):
+    """A tool_turn that answers every ended turn of a row, up to max_turns, with ANSWER tokens
+    that say which row and turn they answer: [300 + row, 301 + turn, 400]. Records each call."""
+    calls = []
+
+    def tool_turn(row: int, ids: list[int]) -> list[int] | None:
+        calls.append((row, list(ids)))
+        turn = sum(r == row for r, _ in calls)
+        return [300 + row, 301 + turn, 400] if turn <= max_turns else None
+
+    return tool_turn, calls
+
+
+def sample_with_tools(model, temperature=1.0, seed=3, max_turns=2, device="cpu"):
+    """generate on family_prompts (each twice), STOP ending turns, scripted_tools answering them.
+    Returns prompt_ids, prompt_mask, generate's five outputs, and tool_turn's calls."""
+    from grpo import generate
+
+    prompt_ids, prompt_mask = (tensor.repeat_interleave(2, 0).to(device) for tensor in family_prompts())  # (6, P)
+    tool_turn, calls = scripted_tools(max_turns)
+    torch.manual_seed(seed)
+    out = generate(
+        model, prompt_ids, prompt_mask, NEW_TOKENS, STOP, 0, VOCAB, temperature,
+        tool_turn=tool_turn, max_turns=max_turns, max_tool_tokens=ANSWER,
+    )  # fmt: skip
+    return prompt_ids, prompt_mask, out, calls

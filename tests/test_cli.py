@@ -65,7 +65,7 @@ def no_model_load(*args, **kwargs):
         (dict(lm_head_precision="bf16"), "--lm_head_precision 'bf16' is not one of: tf32, fp32"),
         (dict(beta=float("nan")), "--beta is NaN: give it a number"),
         (dict(resume_from="nowhere"), "--resume_from nowhere: no trainer_state.pt there"),
-        (dict(task="chess"), "--task 'chess' is not one of: countdown, digit, gsm8k"),
+        (dict(task="chess"), "--task 'chess' is not one of: countdown, digit, secret, gsm8k"),
         (dict(task="gsm8k", data_dir="no/such/dir"), "gsm8k/train.jsonl is missing"),
         (dict(task="digit", data_dir="no/such/dir"), "--data_dir is for --task gsm8k"),
         (dict(prompt_format="text"), "--prompt_format 'text' is not one of: auto, chat, plain"),

@@ -114,11 +114,36 @@ def test_graph_decode_keeps_each_layers_window(family, monkeypatch):
     monkeypatch.setattr(grpo, "CAPTURE_FAILED", [])
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        ids, mask, _, logp = decode(model, prompt_ids, prompt_mask, VOCAB, 0.0, True, monkeypatch, amp=False)
+        ids, mask, _, logp, _ = decode(model, prompt_ids, prompt_mask, VOCAB, 0.0, True, monkeypatch, amp=False)
     assert grpo.CAPTURE_FAILED == [] and not [w for w in seen if "capture" in str(w.message)]
     with torch.no_grad():
         assert torch.equal(ids, greedy_by_recomputation(model, prompt_ids, prompt_mask, ids.shape[1], VOCAB))
     assert (logp - plain_forward_logprobs(model, prompt_ids, prompt_mask, ids, mask)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_tool_turns_through_the_graph_equal_the_eager_step(temperature, monkeypatch):
+    # Multi-turn rollouts (tests/test_tool_rollouts.py) on the GPU: the forced tokens of the tools'
+    # answers go through the captured step as sampled ones do: the same tokens and log-probs as the
+    # eager step, and the sampler's log-probs equal the scorer's with the answers attended to.
+    from families import VOCAB, family_model, sample_with_tools
+
+    model = family_model("qwen2").cuda()
+    outputs = {}
+    for graph in (True, False):
+        with monkeypatch.context() as patch:
+            if not graph:
+                patch.setattr(grpo, "cuda_graph", lambda step, pool=None: step)
+            outputs[graph] = sample_with_tools(model, temperature, device="cuda")
+    prompt_ids, prompt_mask, (ids, mask, _, sample_logp, tool_mask), _ = outputs[True]
+    assert tool_mask.any()
+    for graphed, eager in zip(outputs[True][2], outputs[False][2]):
+        assert torch.equal(graphed, eager)
+    with torch.no_grad():
+        scored, _ = grpo.sequence_logprobs(
+            model, prompt_ids, prompt_mask, ids, mask, 1.0, VOCAB, 4, tool_mask=tool_mask
+        )
+    assert (sample_logp - scored).abs().max() <= 1e-5
 
 
 def test_no_id_at_or_beyond_the_tokenizer_is_sampled(tiny_cuda, monkeypatch):
@@ -131,7 +156,7 @@ def test_no_id_at_or_beyond_the_tokenizer_is_sampled(tiny_cuda, monkeypatch):
         weight[len(tokenizer) :] *= 50
     try:
         prompt_ids, prompt_mask = countdown_prompts(tokenizer, group_size=8)
-        ids, mask, _, _ = decode(model, prompt_ids, prompt_mask, len(tokenizer), 1.0, True, monkeypatch)
+        ids, mask, _, _, _ = decode(model, prompt_ids, prompt_mask, len(tokenizer), 1.0, True, monkeypatch)
     finally:
         with torch.no_grad():
             weight.copy_(saved)
@@ -148,7 +173,7 @@ def test_sampler_and_trainer_log_probs_under_bf16(qwen_shape, monkeypatch):
     prompt_ids, prompt_mask = countdown_prompts(tokenizer, group_size=4)
     gaps = {}
     for amp in (False, True):
-        ids, mask, _, sample_logp = decode(model, prompt_ids, prompt_mask, vocab_size, 1.0, True, monkeypatch, amp)
+        ids, mask, _, sample_logp, _ = decode(model, prompt_ids, prompt_mask, vocab_size, 1.0, True, monkeypatch, amp)
         with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=amp):
             logp, _ = grpo.sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, 1.0, vocab_size, 8)
         gap = (logp - sample_logp).abs()[mask.bool()]
@@ -172,7 +197,7 @@ def test_the_tf32_head_keeps_sampler_and_trainer_together(qwen_shape):
     for precision in ("fp32", "tf32"):
         torch.manual_seed(1234)
         with torch.no_grad(), autocast(device, torch.bfloat16, precision):
-            ids, mask, _, sample_logp = grpo.generate(model, prompt_ids, prompt_mask, 24, [], 0, vocab_size, 1.0)
+            ids, mask, _, sample_logp, _ = grpo.generate(model, prompt_ids, prompt_mask, 24, [], 0, vocab_size, 1.0)
             logp, _ = grpo.sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, 1.0, vocab_size, 8)
         gap = (logp - sample_logp).abs()[mask.bool()]
         scored[precision] = gap.mean().item(), gap.max().item()

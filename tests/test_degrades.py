@@ -137,8 +137,8 @@ def test_out_of_memory_in_the_held_out_evaluation_names_it(tmp_path, capsys, mon
 def test_a_sampler_off_the_model_is_reported_once(tmp_path, monkeypatch):
     # Every sampled log-prob 0.01 off the model's: 10x the fp32 bound (1e-3), 10^4 x a correct run.
     def off(*args, **kwargs):
-        ids, mask, truncated, sample_logp, _ = generate(*args, **kwargs)
-        return ids, mask, truncated, sample_logp + 0.01 * mask
+        ids, mask, truncated, sample_logp, tool_mask = generate(*args, **kwargs)
+        return ids, mask, truncated, sample_logp + 0.01 * mask, tool_mask
 
     generate = grpo.generate
     monkeypatch.setattr(grpo, "generate", off)

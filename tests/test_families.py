@@ -10,6 +10,7 @@ import contextlib
 
 import pytest
 import torch
+from test_tool_rollouts import sample_with_tools
 from transformers import AutoTokenizer, T5Config, T5ForConditionalGeneration
 
 import dapo
@@ -84,6 +85,20 @@ def test_sampled_logprobs_equal_scoring_and_the_plain_forward(family, monkeypatc
     with torch.no_grad():
         scored, _ = sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, 1.0, VOCAB, chunk_size=4)
     plain = plain_forward_logprobs(model, prompt_ids, prompt_mask, ids, mask)
+    assert (sample_logp - scored).abs().max().item() <= TOLERANCE, name
+    assert (sample_logp - plain).abs().max().item() <= TOLERANCE, name
+
+
+def test_tool_turns_keep_sampled_logprobs_equal_to_scoring(family):
+    # Multi-turn rollouts (tests/test_tool_rollouts.py): each ended turn gets a scripted answer of
+    # forced tokens; the sampler conditioned on them, so the scorer must attend to them, window
+    # included, and score the model's tokens alone.
+    name, model = family
+    prompt_ids, prompt_mask, (ids, mask, _, sample_logp, tool_mask), _ = sample_with_tools(model)
+    assert tool_mask.any(), name
+    with torch.no_grad():
+        scored, _ = sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, 1.0, VOCAB, 4, tool_mask=tool_mask)
+    plain = plain_forward_logprobs(model, prompt_ids, prompt_mask, ids, mask + tool_mask) * mask
     assert (sample_logp - scored).abs().max().item() <= TOLERANCE, name
     assert (sample_logp - plain).abs().max().item() <= TOLERANCE, name
 

@@ -70,7 +70,9 @@ def test_generate_and_sequence_logprobs_both_read_fp32_logits(script):
     mask = torch.ones_like(ids)
     torch.manual_seed(0)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        completion, completion_mask, _, sample_logp = script.generate(model, ids, mask, 6, [], 0, 300, temperature=1.0)
+        completion, completion_mask, _, sample_logp, _ = script.generate(
+            model, ids, mask, 6, [], 0, 300, temperature=1.0
+        )
         logp, _ = script.sequence_logprobs(model, ids, mask, completion, completion_mask, 1.0, 300, chunk_size=2)
     hook.remove()
     assert dtypes and set(dtypes) == {torch.float32}  # the prefill, every decode step, every chunk
@@ -140,7 +142,7 @@ def test_tf32_on_the_cpu_computes_what_fp32_does(script):
     for precision in ("fp32", "tf32"):
         torch.manual_seed(0)
         with common.autocast(torch.device("cpu"), torch.bfloat16, precision):
-            completion, completion_mask, _, sample_logp = script.generate(model, ids, mask, 6, [], 0, 300, 1.0)
+            completion, completion_mask, _, sample_logp, _ = script.generate(model, ids, mask, 6, [], 0, 300, 1.0)
             logp, _ = script.sequence_logprobs(model, ids, mask, completion, completion_mask, 1.0, 300, chunk_size=2)
         runs[precision] = completion, sample_logp, logp
     assert all(torch.equal(a, b) for a, b in zip(runs["fp32"], runs["tf32"]))

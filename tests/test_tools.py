@@ -18,6 +18,7 @@ from common import (
     TINY_SECRET_CALL,
     TINY_VOCAB,
     build_tiny_model,
+    check_tool_turns,
     load_model,
     render_chat,
     tool_turn_text,
@@ -37,6 +38,7 @@ from rewards import (
     run_tool_call,
     secret_digit,
     secret_score,
+    tool_call_format,
     training_task,
     with_reward_fn,
     with_tools,
@@ -145,6 +147,18 @@ def test_the_tools_schemas_are_what_the_chat_template_shows():
 )
 def test_tool_calls_are_read_in_each_format(text, calls):
     assert parse_tool_calls(text) == calls
+
+
+def test_a_hermes_models_json_answer_is_no_call(tiny_tools):
+    # Qwen's template writes calls in <tool_call> blocks: a final answer that is a JSON object with a
+    # "name" is an answer there, not Llama's whole-turn call (the review's repro: it was answered
+    # "error: no tool named 'Alice'" and the completion went on).
+    _, tokenizer, _ = tiny_tools
+    assert not tool_call_format(tokenizer)  # tiny-tools' template: Hermes
+    answer = '{"name": "Alice", "age": 30}<|im_end|>'
+    assert parse_tool_calls(answer, whole_turn_json=False) == []
+    assert parse_tool_calls(answer) == [{"name": "Alice", "arguments": {}}]  # as Llama's format reads it
+    assert tool_call_format(fresh_tokenizer("tiny-llama"))  # no <tool_call> in its template: whole-turn JSON
 
 
 @pytest.mark.parametrize(
@@ -406,10 +420,24 @@ def test_tool_turn_text_stops_where_a_template_cannot_write_tool_answers():
         "{% for m in messages %}{% if m['role'] != 'tool' %}{{ m['content'] + '<|im_end|>' }}{% endif %}{% endfor %}"
     )
     with pytest.raises(SystemExit, match="drops the tool's answer"):
-        tool_turn_text(drops, [("calculator", "12")])
+        check_tool_turns(drops)
     _, plain, _ = load_model("tiny-base", torch.device("cpu"))
     with pytest.raises(SystemExit, match="need a chat template"):
         tool_turn_text(plain, [("calculator", "12")])
+
+
+def test_an_answer_the_template_escapes_goes_through(tiny_tools):
+    # Llama 3.1's template writes a tool message's content through tojson: quoted, its quotes and
+    # newlines escaped. The answer is then not found as given, and a tool turn must not stop on it
+    # (the review's repro: an error answer with quotes stopped training); the template passes its check.
+    escapes = fresh_tokenizer("tiny")
+    escapes.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{{ '<tool>' + (m['content'] | tojson) + '<|im_end|>' }}"
+        "{% else %}{{ m['content'] + '<|im_end|>' }}{% endif %}{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+    )
+    check_tool_turns(escapes)
+    answer = 'error: the call has no "name"\nline two'
+    assert tool_turn_text(escapes, [("calculator", answer)]) == f"<tool>{json.dumps(answer)}<|im_end|>A:"
 
 
 def test_the_prompt_shows_the_tools_schemas(tiny_tools):
@@ -435,6 +463,9 @@ def test_tools_need_a_template_that_shows_them():
         render_chat(plain, [{"role": "user", "content": "x"}], tools=[secret_digit])
     with pytest.raises(SystemExit, match="does not show the tools"):  # tiny's ChatML ignores `tools`
         render_chat(fresh_tokenizer("tiny"), [{"role": "user", "content": "x"}], tools=[secret_digit])
+    # A prompt that happens to hold the tool's name shows no tools either: the same text as without.
+    with pytest.raises(SystemExit, match="does not show the tools"):
+        render_chat(fresh_tokenizer("tiny"), [{"role": "user", "content": "call secret_digit"}], tools=[secret_digit])
 
 
 # ----------------------------------------------------------------------------------------
