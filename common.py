@@ -1318,23 +1318,24 @@ NO_SYSTEM_TEMPLATE = (  # the shape of Gemma's: user and model turns only
 # after it; a stop token (a real model writes a call token by token, parse_tool_calls reads both alike)
 TINY_SECRET_CALL = '<tool_call>\n{"name": "secret_digit", "arguments": {}}\n</tool_call><|im_end|>'
 TINY_TOOL_TOKENS = ["<tool_response>", "</tool_response>", TINY_SECRET_CALL]
-TOOLS_INSTRUCTION = (  # one sentence: how to call, in the format parse_tool_calls reads
-    'To call a function, write <tool_call>\n{"name": <its name>, "arguments": <a JSON object>}\n</tool_call> '
-    "and end your turn; these are the functions:"
-)
-TOOLS_TEMPLATE = (  # ChatML, plus the tools in a system turn and each answer as a user turn (Qwen2.5's shape)
+# ChatML, plus the tools in a system turn and each answer as a user turn (Qwen2.5's shape). The tools
+# by name only, not Qwen's JSON schemas and instructions (~400 tokens): a random model attends about
+# evenly over its context, and the secret task's answer must stand out of a short one to be copied.
+TOOLS_TEMPLATE = (
     "{% set system = messages[0]['content'] if messages[0]['role'] == 'system' else none %}"
     "{% if tools %}"
     "{{ '<|im_start|>system\n' }}{% if system is not none %}{{ system + '\n\n' }}{% endif %}"
-    "{{ '" + TOOLS_INSTRUCTION + "\n<tools>' }}"
-    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
-    "{{ '\n</tools><|im_end|>\n' }}"
+    "{{ '<tools>' }}{% for tool in tools %}{{ ' ' + tool['function']['name'] }}{% endfor %}"
+    "{{ ' </tools><|im_end|>\n' }}"
     "{% if system is not none %}{% set messages = messages[1:] %}{% endif %}"
     "{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'tool' %}"
     "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
-    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] or [] %}"  # an assistant's calls, as Qwen2.5 writes them
+    "{{ '<tool_call>\n' + {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
+    "{{ '\n</tool_call>' }}{% endfor %}{{ '<|im_end|>\n' }}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )

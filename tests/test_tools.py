@@ -440,13 +440,16 @@ def test_an_answer_the_template_escapes_goes_through(tiny_tools):
     assert tool_turn_text(escapes, [("calculator", answer)]) == f"<tool>{json.dumps(answer)}<|im_end|>A:"
 
 
-def test_the_prompt_shows_the_tools_schemas(tiny_tools):
+def test_the_prompt_shows_the_tools(tiny_tools):
+    # tiny-tools' template lists the tools by name in a system turn (a real one, Qwen2.5's, writes
+    # their JSON schemas there: get_json_schema's, which render_chat passes on).
     _, tokenizer, _ = tiny_tools
     question = [{"role": "user", "content": "What is the secret digit?"}]
-    schema = json.dumps(get_json_schema(secret_digit), ensure_ascii=False)
-    text = render_chat(tokenizer, question, tools=[secret_digit])
-    assert text.startswith("<|im_start|>system\n") and f"<tools>\n{schema}\n</tools><|im_end|>\n" in text
-    assert text.endswith("<|im_start|>user\nWhat is the secret digit?<|im_end|>\n<|im_start|>assistant\n")
+    text = render_chat(tokenizer, question, tools=[secret_digit, calculator])
+    assert text == (
+        "<|im_start|>system\n<tools> secret_digit calculator </tools><|im_end|>\n"
+        "<|im_start|>user\nWhat is the secret digit?<|im_end|>\n<|im_start|>assistant\n"
+    )
     # Without tools, plain ChatML as tiny's; a system message joins the tools' system turn, once.
     assert (
         render_chat(tokenizer, question)
@@ -454,7 +457,7 @@ def test_the_prompt_shows_the_tools_schemas(tiny_tools):
     )
     system = [{"role": "system", "content": "Be brief."}, *question]
     text = render_chat(tokenizer, system, tools=[secret_digit])
-    assert text.startswith("<|im_start|>system\nBe brief.\n\n") and text.count("<|im_start|>system") == 1
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n<tools>") and text.count("<|im_start|>system") == 1
 
 
 def test_tools_need_a_template_that_shows_them():
