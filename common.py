@@ -990,9 +990,10 @@ def render_chat(tokenizer, messages: list[dict], tools: list[Callable] | None = 
     a word. For those the system text goes at the top of the first user message, which is what
     such models are fine-tuned to see, rather than being lost or stopping the run.
 
-    tools: functions the model may call (a task's tools), which the template shows the model as
-    their JSON schemas (transformers' get_json_schema). A template that ignores them (tiny's plain
-    ChatML) would leave the model calling tools it was never shown: that stops, as plain prompts do."""
+    tools: functions the model may call (a task's tools), which the template shows the model from
+    their JSON schemas (transformers' get_json_schema; Qwen's writes them whole, tiny-tools' the
+    names). A template that ignores them (tiny's plain ChatML) would leave the model calling tools
+    it was never shown: that stops, as plain prompts do."""
     if getattr(tokenizer, "plain_prompt", False):
         if tools:
             raise SystemExit(
@@ -1319,8 +1320,8 @@ NO_SYSTEM_TEMPLATE = (  # the shape of Gemma's: user and model turns only
 TINY_SECRET_CALL = '<tool_call>\n{"name": "secret_digit", "arguments": {}}\n</tool_call><|im_end|>'
 TINY_TOOL_TOKENS = ["<tool_response>", "</tool_response>", TINY_SECRET_CALL]
 # ChatML, plus the tools in a system turn and each answer as a user turn (Qwen2.5's shape). The tools
-# by name only, not Qwen's JSON schemas and instructions (~400 tokens): a random model attends about
-# evenly over its context, and the secret task's answer must stand out of a short one to be copied.
+# by name only, not JSON schemas and instructions (~425 tokens of prompt in a first version, ~80 now):
+# a random model attends about evenly over its context, and a short one leaves the answer less buried.
 TOOLS_TEMPLATE = (
     "{% set system = messages[0]['content'] if messages[0]['role'] == 'system' else none %}"
     "{% if tools %}"

@@ -15,7 +15,7 @@ Tasks:
              learning without sampling noise.
   secret     a toy task of tool use: reply with the digit its tool, secret_digit, draws at
              each call; only a completion that called the tool and copied its answer earns
-             the reward (secret_score).
+             the full reward (secret_score).
   gsm8k      grade-school maths word problems (openai/gsm8k, or --data_dir offline); reward
              only for the number in the last \\boxed{} (the format the prompt asks for),
              compared exactly with the gold after '####', and nothing for a completion cut
@@ -434,14 +434,15 @@ def secret_score(completion: str, problem: dict, truncated: bool = False) -> Sco
     The completion is the whole decoded rollout (decoded skipping special tokens): the model's
     turns and, between them, the tool answers as a Qwen-shaped chat template writes them,
     <tool_response>…</tool_response> (tiny-tools, Qwen2.5, Qwen3). A template that writes them
-    otherwise (tiny's plain ChatML, Llama's) never scores here. Why this reward: a tiny random
-    model learns it only by calling the tool (one token in tiny-tools) and copying the digit that
-    came back; a digit written without a call is a 1-in-10 guess and earns nothing. A call alone
-    earns nothing either: a model paid for calling settles on calling and stopping (docs/tools.md),
-    and never writes the digits among which the right one is found. formatted: a call and a digit
-    after its answer. The scorer reads text, so it cannot tell an answer the model wrote itself
-    from the environment's; a forged one costs the model more tokens than a call. `truncated` is
-    ignored: only the first digit after the answer counts, as in digit_score.
+    otherwise (tiny's plain ChatML, Llama's) never scores here. Why this reward: a model earns
+    it only by calling the tool (one token in tiny-tools) and copying the digit that came back
+    (a tiny random one learns the call, not yet the copy: docs/tools.md); a digit written
+    without a call is a 1-in-10 guess and earns nothing. A call alone earns nothing either: a
+    model paid for calling settles on calling and stopping (docs/tools.md), and never writes the
+    digits among which the right one is found. formatted: a call and a digit after its answer.
+    The scorer reads text, so it cannot tell an answer the model wrote itself from the
+    environment's; a forged one costs the model more tokens than a call. `truncated` is ignored:
+    only the first digit after the answer counts, as in digit_score.
     """
     close = completion.rfind(TOOL_RESPONSE_CLOSE)
     start = completion.rfind(TOOL_RESPONSE_OPEN, 0, close) if close >= 0 else -1
@@ -1289,11 +1290,10 @@ def check_tool_schema(function: Callable, where: str) -> None:
     """Stops, naming where the tool came from, when transformers' get_json_schema cannot describe
     it: that schema is all the chat template shows the model of a tool."""
     from transformers.utils import get_json_schema
-    from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
 
     try:
         get_json_schema(function)
-    except (DocstringParsingException, TypeHintParsingException, Exception) as error:  # a partial, a class, …
+    except Exception as error:  # its own DocstringParsingException, TypeHintParsingException; a partial's, …
         raise SystemExit(
             f"{where}: the model cannot be shown {getattr(function, '__name__', function)!r}: {error}. A tool needs a "
             "type hint on every argument and a Google-style docstring: a description, then an 'Args:' section "

@@ -6,6 +6,7 @@ model token, that the answers are attended to and never scored, counted in no no
 or GAE step, and that the budgets hold."""
 
 import json
+import random
 import shutil
 
 import pytest
@@ -320,3 +321,26 @@ def test_grpo_learns_to_call_the_tool(tmp_path):
     calls = [row["tools/calls"] for row in rows]
     assert calls[0] < 0.1 and sum(calls[-3:]) / 3 > 0.3
     assert rows[-1]["reward/mean"] > rows[0]["reward/mean"]
+
+
+def test_held_out_evaluation_undoes_what_the_tools_draw(calling_model):
+    # A tool may draw from Python's random module (the secret task's does): --eval_every must not
+    # shift the draws training makes next. Planted (no setstate): random.random() differs after.
+    model, tokenizer, eos_ids = load_model(str(calling_model), torch.device("cpu"))
+    draws = []
+
+    def secret_digit() -> str:
+        """Tells the secret digit, as the task's own does, counting its draws."""
+        draws.append(random.random())
+        return "7"
+
+    task = load_task("secret")
+    task.tools = [secret_digit]
+    random.seed(5)
+    expected = random.Random(5).random()
+    grpo.evaluate_heldout(
+        model, tokenizer, eos_ids, task, max_new_tokens=6, batch_size=4, max_turns=1, max_tool_tokens=24,
+        tool_timeout=10.0,
+    )  # fmt: skip
+    assert draws  # greedy, the taught model calls
+    assert random.random() == expected
