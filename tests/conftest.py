@@ -36,8 +36,24 @@ HIDDEN = ""  # CUDA_VISIBLE_DEVICES of the CPU tier: the processes it starts (to
 os.environ["CUDA_VISIBLE_DEVICES"] = HIDDEN
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_setupnodes(config, specs):
+    """`pytest -n` (pytest-xdist): the workers are new processes started from this one's environment,
+    in which the line above has cleared CUDA_VISIBLE_DEVICES. They get the variable back as the
+    session found it, so that each asks torch the question above for itself and keeps its GPUs for
+    the CUDA tier; this process only hands out tests."""
+    visible = GPU_ENV.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: the CUDA tier, run where a GPU is (python -m pytest -m cuda)")
+    # pytest-xdist's own marker, declared here too for a run without it (the GPU image): the tests of one
+    # group share a costly module fixture, and `-n 2 --dist loadgroup` gives them one worker
+    config.addinivalue_line("markers", "xdist_group(name): run in one worker under pytest -n --dist loadgroup")
 
 
 def tier_environment(item) -> str | None:

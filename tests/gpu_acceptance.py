@@ -179,6 +179,12 @@ def main() -> int:
     output = Path(options.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + options.deadline
+    planned = stages(options.smoke, output.parent, Path(options.model_dir))
+    if options.stages:  # checked before anything runs
+        chosen = [int(n) for n in options.stages.split(",")]
+        if not all(1 <= n <= len(planned) for n in chosen):
+            parser.error(f"--stages {options.stages}: stages are numbered 1 to {len(planned)}")
+        planned = [planned[n - 1] for n in sorted(set(chosen))]
     sections = [
         "# nanoPO: the CUDA path's acceptance run",
         "",
@@ -188,12 +194,6 @@ def main() -> int:
     log = output.with_suffix(".log")
     log.unlink(missing_ok=True)
     failed = 0
-    planned = stages(options.smoke, output.parent, Path(options.model_dir))
-    if options.stages:
-        chosen = [int(n) for n in options.stages.split(",")]
-        if not all(1 <= n <= len(planned) for n in chosen):
-            parser.error(f"--stages {options.stages}: stages are numbered 1 to {len(planned)}")
-        planned = [planned[n - 1] for n in sorted(set(chosen))]
     for i, stage in enumerate(planned):
         later = sum(s["seconds"] for s in planned[i + 1 :])  # what the stages after it keep
         result = run_stage(stage, max(1.0, deadline - time.monotonic() - later))  # its share, and time left over

@@ -42,6 +42,7 @@ def updates(tmp_path_factory):
     return results
 
 
+@pytest.mark.xdist_group("updates")  # one worker runs them (-n 2 --dist loadgroup): the fixture launches twice, ~30 s
 @pytest.mark.parametrize("case", CASES)
 def test_one_update_on_two_processes_equals_one(updates, case):
     # The same 16 rows (4 groups of 4, rewards and log-probs given) as one batch in one process,

@@ -5,6 +5,8 @@ and its report are known to work before a GPU session spends its minutes on them
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 
@@ -27,14 +29,29 @@ def test_acceptance_runner_smoke(tmp_path):
     assert "| script | time/generate |" in text and "| ppo |" in text  # the step's own time/* metrics
 
 
-def test_acceptance_runner_runs_the_stages_asked_for(tmp_path):
-    """--stages 1,3: the CUDA tier and the decode profile alone; a stage number out of range is
-    refused before anything runs."""
+def test_acceptance_runner_runs_the_stages_asked_for(tmp_path, monkeypatch, capsys):
+    """--stages 3,1: the CUDA tier and the decode profile alone, in order; a stage number out of
+    range is refused before anything runs. The runner in this process, each stage's command
+    replaced by a print (the smoke test above runs the real ones)."""
+    import gpu_acceptance
+
+    real = gpu_acceptance.stages
+
+    def quick(*args):
+        return [{**stage, "command": [sys.executable, "-c", "print('ran')"]} for stage in real(*args)]
+
+    ran = []
+    monkeypatch.setattr(gpu_acceptance, "stages", quick)
+    monkeypatch.setattr(gpu_acceptance, "versions", lambda: ran.append("versions") or "versions")
     report = tmp_path / "acceptance.md"
-    command = [sys.executable, str(ROOT / "tests" / "gpu_acceptance.py"), "--output", str(report), "--smoke"]
-    done = subprocess.run([*command, "--stages", "3,1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    monkeypatch.setattr(sys, "argv", ["gpu_acceptance.py", "--output", str(report), "--smoke", "--stages", "3,1"])
+    assert gpu_acceptance.main() == 0
     headings = [line for line in report.read_text().splitlines() if line.startswith("## ")]
     assert headings == ["## CUDA tier", "## profile: decode, N = 4 × 8 new tokens, sampled"]
-    refused = subprocess.run([*command, "--stages", "7"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert refused.returncode == 2 and "stages are numbered 1 to 6" in refused.stderr
+    assert report.read_text().count("passed, ") == 2
+    ran.clear()
+    monkeypatch.setattr(sys, "argv", ["gpu_acceptance.py", "--output", str(report), "--smoke", "--stages", "7"])
+    with pytest.raises(SystemExit) as refused:
+        gpu_acceptance.main()
+    assert refused.value.code == 2 and "stages are numbered 1 to 6" in capsys.readouterr().err
+    assert ran == []  # before anything ran, the versions' probe included

@@ -125,6 +125,7 @@ def test_the_peak_mfu_is_measured_against(monkeypatch):
 
 
 @pytest.mark.cuda
+@pytest.mark.xdist_group("cuda")  # with the rest of the tier (tests/test_cuda.py)
 def test_profiled_on_cuda():
     # On a GPU: the busy time is the kernels' (no aten op carries device time of its own, so
     # nothing is counted twice), each .item() is one host sync and at least one runtime sync.

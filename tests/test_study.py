@@ -16,6 +16,9 @@ from common import parse_args, read_jsonl
 from conftest import ROOT
 from evaluate import Args, Outcome, judge, load_study, run_study, wilson_interval
 
+# One worker runs this file when the suite runs in processes (-n 2 --dist loadgroup): its module
+# fixture trains and evaluates a study (~40 s), which every worker would otherwise repeat.
+pytestmark = pytest.mark.xdist_group("tiny_study")
 TINY = str(ROOT / "recipes" / "study-tiny.yaml")
 TWO = "arms: {a: {set: {model: tiny}}, b: {script: grpo.py, recipe: ok.yaml}}\n"  # a base and a trained arm
 
