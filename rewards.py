@@ -1162,8 +1162,10 @@ def import_reward_fn(path: str) -> Callable:
     return import_function(path, "--reward_fn")
 
 
-class RewardTimeout(Exception):
-    pass
+class RewardTimeout(BaseException):
+    """A reward function or tool ran past its time limit. A BaseException, as KeyboardInterrupt is:
+    user code that catches Exception around its slow part (a retry, a fallback) cannot swallow it
+    and run on, or return as if it had finished in time."""
 
 
 def call_with_time_limit(function: Callable, seconds: float, *args):
@@ -1200,7 +1202,7 @@ def with_reward_fn(task: Task, path: str, timeout_s: float) -> Task:
             reward = float(reward)
             if reward != reward or reward in (float("inf"), float("-inf")):
                 raise ValueError(f"returned {reward}")
-        except Exception:  # the user's code: any failure is one completion's 0, counted, never the run's end
+        except (Exception, RewardTimeout):  # the user's code: any failure is a completion's 0, counted, not the end
             return Score(REWARD_NONE, correct=False, formatted=False, failed=True)
         formatted = bool(formatted) if formatted is not None else reward > REWARD_NONE
         return Score(reward, correct=reward >= REWARD_CORRECT, formatted=formatted)

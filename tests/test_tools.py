@@ -218,7 +218,26 @@ def answers_a_set() -> set:
     return {7}
 
 
-TOOLS = {"calculator": calculator, "sleeps": sleeps, "answers_a_dict": answers_a_dict, "answers_a_set": answers_a_set}
+def sleeps_and_catches_everything(seconds: float) -> str:
+    """Sleeps inside `except Exception`, as careless code does.
+
+    Args:
+        seconds: how long
+    """
+    try:
+        time.sleep(seconds)
+    except Exception:
+        return "swallowed"
+    return "slept"
+
+
+TOOLS = {
+    "calculator": calculator,
+    "sleeps": sleeps,
+    "sleeps_and_catches_everything": sleeps_and_catches_everything,
+    "answers_a_dict": answers_a_dict,
+    "answers_a_set": answers_a_set,
+}
 
 
 @pytest.mark.parametrize(
@@ -245,10 +264,12 @@ def test_a_call_runs_and_its_failures_are_the_answer(call, answer, failed):
     assert run_tool_call(call, TOOLS, timeout_s=1.0) == (answer, failed)
 
 
-def test_a_tool_past_its_time_is_stopped():
+@pytest.mark.parametrize("tool", ["sleeps", "sleeps_and_catches_everything"])
+def test_a_tool_past_its_time_is_stopped(tool):
+    # The time limit is not an Exception: a tool that catches every Exception does not swallow it
     start = time.perf_counter()
-    answer, failed = run_tool_call({"name": "sleeps", "arguments": {"seconds": 5}}, TOOLS, timeout_s=0.5)
-    assert failed and answer == "error: sleeps ran past its time limit of 0.5 s"
+    answer, failed = run_tool_call({"name": tool, "arguments": {"seconds": 5}}, TOOLS, timeout_s=0.5)
+    assert failed and answer == f"error: {tool} ran past its time limit of 0.5 s"
     assert time.perf_counter() - start < 2  # stopped at 0.5 s, not after the 5 s sleep
 
 
