@@ -234,7 +234,6 @@ def sleeps_and_catches_everything(seconds: float) -> str:
 TOOLS = {
     "calculator": calculator,
     "sleeps": sleeps,
-    "sleeps_and_catches_everything": sleeps_and_catches_everything,
     "answers_a_dict": answers_a_dict,
     "answers_a_set": answers_a_set,
 }
@@ -268,7 +267,8 @@ def test_a_call_runs_and_its_failures_are_the_answer(call, answer, failed):
 def test_a_tool_past_its_time_is_stopped(tool):
     # The time limit is not an Exception: a tool that catches every Exception does not swallow it
     start = time.perf_counter()
-    answer, failed = run_tool_call({"name": tool, "arguments": {"seconds": 5}}, TOOLS, timeout_s=0.5)
+    tools = TOOLS | {"sleeps_and_catches_everything": sleeps_and_catches_everything}
+    answer, failed = run_tool_call({"name": tool, "arguments": {"seconds": 5}}, tools, timeout_s=0.5)
     assert failed and answer == f"error: {tool} ran past its time limit of 0.5 s"
     assert time.perf_counter() - start < 2  # stopped at 0.5 s, not after the 5 s sleep
 
