@@ -69,10 +69,11 @@ from common import (
     resolve_device,
     resolve_precision,
     seed_everything,
+    turns_of,
     use_device,
 )
-from grpo import encode_prompts, generate
-from rewards import BENCHMARKS, REWARD_NONE, FileTaskSpec, Score, load_benchmark, load_file_task
+from grpo import encode_prompts, generate, tool_turns
+from rewards import BENCHMARKS, REWARD_NONE, FileTaskSpec, Score, load_benchmark, load_file_task, with_tools
 
 Z_95 = 1.959963984540054  # standard normal quantile of 0.975: two-sided 95% intervals
 # Training-curve panels of --plot: (metrics.jsonl key, title). Runs lacking a key skip that panel.
@@ -114,6 +115,12 @@ class Args:
     temperature: float = arg(0.0, "0 = greedy decoding")
     top_p: float = arg(1.0, "nucleus sampling when temperature > 0")
     grade_timeout: float = arg(60.0, "seconds one grading may take before its worker process is killed (counted wrong)")
+    # tools (docs/tools.md): the model may call them mid-answer, as in training with the same flags
+    tools: str = arg("", "built-in tools, comma separated: calculator; '' = none (the task's own still apply)")
+    tool: str = arg("", "your tools: module:function or file.py:function (type hints, docstring), comma separated")
+    max_turns: int = arg(4, "tool turns a completion may take; a call past them ends it")
+    max_tool_tokens: int = arg(256, "tokens one tool turn adds (answers cut to fit); not in --max_new_tokens")
+    tool_timeout: float = arg(10.0, "seconds a tool call may take; past it, or raising: the error is its answer")
     # run
     seed: int = arg(0, "seeds sampling when temperature > 0")
     device: str = arg("auto", "auto, cpu, cuda, cuda:1, ...")
@@ -154,6 +161,8 @@ def check_args(args: Args) -> list[str]:
         problems.append(f"--shots must be >= 0 (got {args.shots}).")
     if args.limit < 0 or args.grade_timeout <= 0:
         problems.append("--limit must be >= 0 and --grade_timeout > 0.")
+    if args.max_turns < 0 or args.max_tool_tokens < 1 or args.tool_timeout <= 0:
+        problems.append("--max_turns must be >= 0, --max_tool_tokens >= 1 and --tool_timeout > 0.")
     if problems:
         raise SystemExit("Invalid arguments:\n  " + "\n  ".join(problems))
     return names
@@ -245,7 +254,9 @@ class Grader:
 
 def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, grader: Grader, samples_path: Path):
     """Generates num_samples completions for every problem, grades them, appends each to
-    samples.jsonl, and returns the benchmark's entry of results.json."""
+    samples.jsonl, and returns the benchmark's entry of results.json. With tools (task.tools) a
+    completion may call them as in training (grpo.tool_turns): its text for the grader holds the
+    answers, its length counts the model's own tokens, and the entry counts the calls."""
     device = next(model.parameters()).device
     _, compute_dtype = resolve_precision(args.dtype, device)
     k = args.num_samples
@@ -255,16 +266,21 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
     order = sorted(range(len(problems)), key=lambda i: -sum(len(m["content"]) for m in conversations[i]))
     correct = [[False] * k for _ in problems]  # [problem][sample], the flexible grade
     strict = [[False] * k for _ in problems]  # [problem][sample], the answer in the asked format only
-    lengths, truncations, formatted = [], [], []
+    lengths, truncations, formatted, calls = [], [], [], []
     timeouts_before = grader.timeouts
     start = time.perf_counter()
     progress = tqdm(total=len(problems), desc=task.name, unit="problem")
     for first in range(0, len(order), args.batch_size):
         batch = order[first : first + args.batch_size]
         # Encoded exactly as in training: chat template, left padding, each repeated k times.
-        prompt_ids, prompt_mask = encode_prompts(tokenizer, [conversations[i] for i in batch], k, device)  # (N, P)
+        prompts = [conversations[i] for i in batch]
+        prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, k, device, task.tools)  # (N, P)
+        tool_turn, counts = None, None
+        if task.tools:
+            limits = len(prompt_ids), args.max_turns, args.max_tool_tokens, args.tool_timeout
+            tool_turn, counts = tool_turns(tokenizer, task.tools, *limits)  # counts (N, 3): calls, failed, turns
         with autocast(device, compute_dtype, LM_HEAD_PRECISIONS[0]):  # the training scripts' default head
-            completion_ids, completion_mask, truncated, _, _ = generate(
+            completion_ids, completion_mask, truncated, _, tool_mask = generate(
                 model,
                 prompt_ids,
                 prompt_mask,
@@ -274,10 +290,17 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
                 len(tokenizer),
                 args.temperature,
                 args.top_p,
-            )  # (N, T), (N, T), (N,)
-        row_lengths = completion_mask.sum(-1).tolist()  # (N,) the EOS included
-        texts = tokenizer.batch_decode(
-            [ids[:length] for ids, length in zip(completion_ids.tolist(), row_lengths)], skip_special_tokens=True
+                tool_turn=tool_turn,
+                max_turns=args.max_turns,
+                max_tool_tokens=args.max_tool_tokens,
+            )  # (N, T), (N, T), (N,), (N, T), (N, T)
+        row_lengths = completion_mask.sum(-1).tolist()  # (N,) the model's own tokens, the EOS included
+        texts = tokenizer.batch_decode(  # the model's tokens and the tools' answers between them
+            [
+                ids[:length]
+                for ids, length in zip(completion_ids.tolist(), (completion_mask + tool_mask).sum(-1).tolist())
+            ],
+            skip_special_tokens=True,
         )
         for row, text in enumerate(texts):
             index, sample = batch[row // k], row % k  # rows i·k … i·k+k−1 belong to problem i
@@ -300,6 +323,10 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
                 "length": row_lengths[row],
                 "truncated": bool(truncated[row]),
             }
+            if counts is not None:  # who wrote what, and the row's calls
+                record["turns"] = turns_of(tokenizer, completion_ids[row], completion_mask[row], tool_mask[row])
+                record["tool_calls"], record["tool_errors"] = counts[row, 0].item(), counts[row, 1].item()
+                calls.append(counts[row, :2].tolist())
             append_jsonl(samples_path, record)
         progress.update(len(batch))
     progress.close()
@@ -313,6 +340,9 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
             "seconds": time.perf_counter() - start,
         }
     )
+    if calls:  # per completion, as training's tools/calls; the share of calls that failed, as tools/errors
+        made, failed = sum(c for c, _ in calls), sum(f for _, f in calls)
+        result.update({"tool_calls": made / len(calls), "tool_errors": failed / made if made else 0.0})
     return result
 
 
@@ -1124,9 +1154,12 @@ def main(args: Args) -> Path | None:
     names = check_args(args)
     # Data first: a missing file or column stops the run before the model is loaded.
     tasks = {
-        name: load_file_task(FileTaskSpec.from_args(args), "heldout", shots=args.shots)
-        if name == "file"
-        else load_benchmark(name, args.data_dir, args.countdown_problems, args.shots, args.countdown_numbers)
+        name: with_tools(  # --tools and --tool: checked here too, before the model loads
+            load_file_task(FileTaskSpec.from_args(args), "heldout", shots=args.shots)
+            if name == "file"
+            else load_benchmark(name, args.data_dir, args.countdown_problems, args.shots, args.countdown_numbers),
+            args,
+        )
         for name in names
     }
     device = use_device(resolve_device(args.device))  # a GPU named by --device becomes the current one
@@ -1136,6 +1169,8 @@ def main(args: Args) -> Path | None:
     model.eval().requires_grad_(False)
     run_dir = make_run_dir(args, "eval", task="+".join(names))
     settings = {k: getattr(args, k) for k in ("model", "max_new_tokens", "num_samples", "temperature", "top_p")}
+    if args.tools or args.tool:
+        settings |= {k: getattr(args, k) for k in ("tools", "tool", "max_turns", "max_tool_tokens", "tool_timeout")}
     results = {}
     grader = Grader(args.grade_timeout)
     try:

@@ -169,3 +169,14 @@ def test_the_scripts_share_their_imports_from_common():
     ppo_only |= {"model_source", "dequantised"}  # the critic's backbone from a GGUF file
     ppo_only |= {"frozen_dtype"}  # a LoRA critic's frozen backbone in the compute dtype, as the policy's
     assert imported["grpo.py"] == imported["dapo.py"] == imported["ppo.py"] - ppo_only
+
+
+def test_evaluate_takes_the_tools_flags_as_the_scripts_do():
+    # evaluate.py --tools … benchmarks a model as training rolled it out: the same flags, defaults and help
+    import evaluate
+
+    tool_flags = ("tools", "tool", "max_turns", "max_tool_tokens", "tool_timeout")
+    evaluated = {f.name: (f.default, f.metadata["help"]) for f in dataclasses.fields(evaluate.Args)}
+    assert {name: evaluated.get(name) for name in tool_flags} == {
+        name: args_fields("grpo.py")[name] for name in tool_flags
+    }

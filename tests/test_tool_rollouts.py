@@ -344,3 +344,45 @@ def test_held_out_evaluation_undoes_what_the_tools_draw(calling_model):
     )  # fmt: skip
     assert draws  # greedy, the taught model calls
     assert random.random() == expected
+
+
+SECRET_TOOL = '''
+def secret_digit() -> str:
+    """Tells the secret digit.
+
+    Returns:
+        The secret digit.
+    """
+    return "7"
+'''
+
+
+def test_evaluate_py_benchmarks_with_the_tools(calling_model, tmp_path):
+    # evaluate.py --tool: the secret prompts as a file benchmark, the taught model greedy. It calls
+    # (p ≈ 0.9 at its first token), the answer comes in, and the entry counts the calls; a
+    # completion's length is the model's own tokens, at most --max_new_tokens, the answers on top.
+    import evaluate
+
+    data = tmp_path / "secret.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": p["prompt"], "answer": "7"}) + "\n" for p in load_task("secret").problems)
+    )
+    (tmp_path / "secret_tool.py").write_text(SECRET_TOOL)
+    args = evaluate.Args(
+        model=str(calling_model), benchmarks="file", eval_data_file=str(data), grader="number", instruction="",
+        tool=f"{tmp_path / 'secret_tool.py'}:secret_digit", max_turns=1, max_tool_tokens=24, max_new_tokens=6,
+        batch_size=4, output_dir=str(tmp_path / "out"),
+    )  # fmt: skip
+    run_dir = evaluate.main(args)
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["tool"] and results["max_turns"] == 1  # the settings say it had tools
+    entry = results["results"]["file"]
+    assert entry["tool_calls"] > 0.5 and entry["tool_errors"] == 0
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 4 and all(s["length"] <= 6 for s in samples)
+    called = [s for s in samples if s["tool_calls"]]
+    assert called and all(s["turns"][0]["model"] == TINY_SECRET_CALL for s in called)
+    assert all("<tool_response>" in s["turns"][1]["tool"] and "7" in s["turns"][1]["tool"] for s in called)
+    without = evaluate.main(evaluate.Args(**{**vars(args), "tool": "", "output_dir": str(tmp_path / "plain")}))
+    plain = json.loads((without / "results.json").read_text())
+    assert "tool_calls" not in plain["results"]["file"] and "tool" not in plain  # no tools: as before
