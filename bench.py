@@ -16,7 +16,9 @@ so that the LM head, the sampler and the log-softmax run at the real vocabulary'
    With --lengths realistic the completions end as real ones do, most short, a tail at the cap
    (EndLikeCompletions: each token is EOS with a fixed probability, lengths geometric with median
    0.3·max_new_tokens, 10% reach max_new_tokens); tok/s counts the expected tokens then. Contender
-   `static` is generate as it was before issue 19 (tests/static_generate.py).
+   `static` is generate as it was before issue 19 (tests/static_generate.py); `tools` is generate
+   with tool turns on and none called (a tool_turn that answers None): what enabling them costs,
+   one host sync a token (tool_turns_due) and the answers' columns in the KV cache.
    The contenders take turns within each repetition; the table gives the median of --repeats.
    On CUDA also the fraction of the memory-bandwidth bound of a decode step (bytes of weights
    and KV cache read per step ÷ measured copy bandwidth), with its arithmetic.
@@ -106,7 +108,11 @@ class Args:
     lengths: str = arg("fixed", "fixed: every completion max_new_tokens long; realistic: most short, 10% at the cap")
     repeats: int = arg(3, "repetitions per contender; the median is reported")
     modes: str = arg("greedy,sampled", "greedy (τ = 0) and/or sampled (τ = 1)")
-    contenders: str = arg("nanopo,hf,loop", "nanopo (generate), hf (model.generate), loop, static (older generates)")
+    contenders: str = arg(
+        "nanopo,hf,loop",
+        "nanopo (generate), hf (model.generate), loop, static (older generates), tools (generate with tool turns on, "
+        "no call made: their cost when unused)",
+    )
     step_rows: int = arg(0, "N of the steps 4 + 6 comparison (--lengths decides the lengths); 0 = skip it")
     shots: int = arg(0, "worked examples in each Countdown prompt of the steps 4 + 6 comparison (longer prompts)")
     micro_batch_size: int = arg(4, "rows per forward and backward in the steps 4 + 6 comparison's step 6")
@@ -315,6 +321,10 @@ def bench_generation(args, model, tokenizer, vocab_size, device, amp, compute_dt
                 ),
                 "loop": functools.partial(loop_generate, *inputs),
                 "static": functools.partial(static_generate, *inputs),
+                # tools on (the scripts' default limits), no call made: each turn's end asks the host
+                "tools": functools.partial(
+                    grpo.generate, *inputs, tool_turn=lambda row, ids: None, max_turns=4, max_tool_tokens=256
+                ),
             }
             chosen = args.contenders.split(",")
             seconds = {name: [] for name in chosen}

@@ -18,7 +18,8 @@ acceptance as it was then ran out of time:
      together ~20 s (13 s of it the first fixture's set-up) while 18 of them failed early, so
      60 s leaves them room to pass. The two run on their own (130 s):
      python -m pytest -m cuda tests/test_cuda.py -k "torchrun_one_process or bench_smoke_on_cuda"
-  2. generation, N = 16 × 64 new tokens, greedy: nanopo against model.generate: 55 s. The first
+  2. generation, N = 16 × 64 new tokens, greedy: nanopo against model.generate, and nanopo with
+     tool turns on and none called (bench.py's `tools`: the cost of their per-token check): 55 s. The first
      bench stage also builds the 1.5B model on the GPU and writes it (bf16) to --model_dir, which
      every later stage and the training scripts load instead of initialising it again (measured:
      the random 1.5B model built on the CPU in each stage, nothing printed within 110 s).
@@ -75,11 +76,11 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
     return [
         dict(name="CUDA tier", seconds=60, command=[*tier, "-k", SLOW_CUDA_TESTS]),
         dict(
-            name=f"generation, N = {sizes['rows']} × {sizes['tokens']} new tokens, against model.generate",
+            name=f"generation, N = {sizes['rows']} × {sizes['tokens']} new tokens, against model.generate and tools on",
             seconds=55,
             json=directory / "generation.json",
             command=[*bench, *model, "--batch_sizes", sizes["rows"], "--max_new_tokens", sizes["tokens"]]
-            + ["--modes", "greedy", "--contenders", "nanopo,hf", "--repeats", "1", "--train_steps", ""]
+            + ["--modes", "greedy", "--contenders", "nanopo,hf,tools", "--repeats", "1", "--train_steps", ""]
             + ["--logprob_rows", "0"],
         ),
         dict(

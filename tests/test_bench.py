@@ -14,10 +14,11 @@ def test_bench_smoke(tmp_path):
     output = tmp_path / "bench.json"
     command = [sys.executable, "bench.py", "--model", "tiny", "--batch_sizes", "1,4", "--max_new_tokens", "4"]
     command += ["--repeats", "1", "--group_size", "2", "--train_batch_size", "1", "--logprob_rows", "2"]
-    command += ["--output", str(output)]
+    command += ["--contenders", "nanopo,hf,loop,tools", "--output", str(output)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(output.read_text())
+    assert all(row["tools tok/s"] > 0 and row["nanopo/tools"] > 0 for row in report["generation"])
     assert [(row["N"], row["mode"]) for row in report["generation"]] == [
         (1, "greedy"),
         (1, "sampled"),
