@@ -325,7 +325,7 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
             }
             if counts is not None:  # who wrote what, and the row's calls
                 record["turns"] = turns_of(tokenizer, completion_ids[row], completion_mask[row], tool_mask[row])
-                record["tool_calls"], record["tool_errors"] = counts[row, 0].item(), counts[row, 1].item()
+                record["tool_calls"], record["tool_failed"] = counts[row, 0].item(), counts[row, 1].item()
                 calls.append(counts[row, :2].tolist())
             append_jsonl(samples_path, record)
         progress.update(len(batch))
@@ -1167,6 +1167,9 @@ def main(args: Args) -> Path | None:
     seed_everything(args.seed)
     model, tokenizer, eos_ids = load_model(args.model, device, weight_dtype, prompt_format=args.prompt_format)
     model.eval().requires_grad_(False)
+    for task in tasks.values():  # the chat template can give the tools' answers, and they fit: before any output
+        if task.tools:
+            tool_turns(tokenizer, task.tools, 1, args.max_turns, args.max_tool_tokens, args.tool_timeout)
     run_dir = make_run_dir(args, "eval", task="+".join(names))
     settings = {k: getattr(args, k) for k in ("model", "max_new_tokens", "num_samples", "temperature", "top_p")}
     if args.tools or args.tool:

@@ -182,7 +182,7 @@ def main() -> int:
     deadline = time.monotonic() + options.deadline
     planned = stages(options.smoke, output.parent, Path(options.model_dir))
     if options.stages:  # checked before anything runs
-        chosen = [int(n) for n in options.stages.split(",")]
+        chosen = [int(n) if n.strip().isdigit() else 0 for n in options.stages.split(",")]
         if not all(1 <= n <= len(planned) for n in chosen):
             parser.error(f"--stages {options.stages}: stages are numbered 1 to {len(planned)}")
         planned = [planned[n - 1] for n in sorted(set(chosen))]

@@ -50,8 +50,9 @@ def test_acceptance_runner_runs_the_stages_asked_for(tmp_path, monkeypatch, caps
     assert headings == ["## CUDA tier", "## profile: decode, N = 4 × 8 new tokens, sampled"]
     assert report.read_text().count("passed, ") == 2
     ran.clear()
-    monkeypatch.setattr(sys, "argv", ["gpu_acceptance.py", "--output", str(report), "--smoke", "--stages", "7"])
-    with pytest.raises(SystemExit) as refused:
-        gpu_acceptance.main()
-    assert refused.value.code == 2 and "stages are numbered 1 to 6" in capsys.readouterr().err
+    for wrong in ("7", "2,x"):
+        monkeypatch.setattr(sys, "argv", ["gpu_acceptance.py", "--output", str(report), "--smoke", "--stages", wrong])
+        with pytest.raises(SystemExit) as refused:
+            gpu_acceptance.main()
+        assert refused.value.code == 2 and "stages are numbered 1 to 6" in capsys.readouterr().err
     assert ran == []  # before anything ran, the versions' probe included

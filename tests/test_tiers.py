@@ -3,6 +3,7 @@ torch.cuda.is_available() answers True and CUDA_VISIBLE_DEVICES names GPU 3 runs
 tests/tier_probe.py, in one process and in two pytest-xdist workers; its tests record the
 environment they see."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -17,7 +18,14 @@ from conftest import ROOT
 GPU_SIMULATION = "import torch\n\ntorch.cuda.is_available = lambda: True\n"
 
 
-@pytest.mark.parametrize("workers", [[], ["-n", "2", "--dist", "loadgroup"]], ids=["one process", "two workers"])
+XDIST = importlib.util.find_spec("xdist") is not None  # pytest-xdist (requirements.txt), for -n
+
+
+@pytest.mark.parametrize(
+    "workers",
+    [[], pytest.param(["-n", "2", "--dist", "loadgroup"], marks=pytest.mark.skipif(not XDIST, reason="no xdist"))],
+    ids=["one process", "two workers"],
+)
 def test_the_cuda_tier_sees_the_gpu_and_the_cpu_tier_does_not(tmp_path, workers):
     # The bug this guards: conftest cleared CUDA_VISIBLE_DEVICES for the whole session, so every
     # CUDA-tier test after the first saw 0 GPUs (torch.cuda.device_count reads the variable
@@ -26,7 +34,12 @@ def test_the_cuda_tier_sees_the_gpu_and_the_cpu_tier_does_not(tmp_path, workers)
     # cleared, and skipped the whole tier: the workers get it back (pytest_xdist_setupnodes).
     log = tmp_path / "seen.jsonl"
     (tmp_path / "gpu_simulation.py").write_text(GPU_SIMULATION)
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "3", "NANOPO_TIER_PROBE": str(log), "PYTHONPATH": str(tmp_path)}
+    env = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "3",
+        "NANOPO_TIER_PROBE": str(log),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])),
+    }
     command = [sys.executable, "-m", "pytest", "-p", "gpu_simulation", "-p", "no:cacheprovider", *workers]
     done = subprocess.run(
         [*command, str(ROOT / "tests" / "tier_probe.py")],

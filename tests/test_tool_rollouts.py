@@ -290,6 +290,7 @@ def calling_model(tmp_path_factory):
     return path
 
 
+@pytest.mark.xdist_group("calling_model")  # one worker teaches the model once (-n 2 --dist loadgroup)
 @pytest.mark.parametrize("script", [grpo, dapo, ppo], ids=["grpo", "dapo", "ppo"])
 def test_each_script_trains_a_step_with_tool_turns(script, calling_model, tmp_path):
     extra = dict(overlong_buffer=2, dynamic_sampling=False) if script is dapo else {}
@@ -323,6 +324,7 @@ def test_grpo_learns_to_call_the_tool(tmp_path):
     assert rows[-1]["reward/mean"] > rows[0]["reward/mean"]
 
 
+@pytest.mark.xdist_group("calling_model")  # one worker teaches the model once (-n 2 --dist loadgroup)
 def test_held_out_evaluation_undoes_what_the_tools_draw(calling_model):
     # A tool may draw from Python's random module (the secret task's does): --eval_every must not
     # shift the draws training makes next. Planted (no setstate): random.random() differs after.
@@ -357,6 +359,7 @@ def secret_digit() -> str:
 '''
 
 
+@pytest.mark.xdist_group("calling_model")  # one worker teaches the model once (-n 2 --dist loadgroup)
 def test_evaluate_py_benchmarks_with_the_tools(calling_model, tmp_path):
     # evaluate.py --tool: the secret prompts as a file benchmark, the taught model greedy. It calls
     # (p ≈ 0.9 at its first token), the answer comes in, and the entry counts the calls; a
@@ -379,7 +382,7 @@ def test_evaluate_py_benchmarks_with_the_tools(calling_model, tmp_path):
     entry = results["results"]["file"]
     assert entry["tool_calls"] > 0.5 and entry["tool_errors"] == 0
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
-    assert len(samples) == 4 and all(s["length"] <= 6 for s in samples)
+    assert len(samples) == 4 and all(s["length"] <= 6 and s["tool_failed"] == 0 for s in samples)
     called = [s for s in samples if s["tool_calls"]]
     assert called and all(s["turns"][0]["model"] == TINY_SECRET_CALL for s in called)
     assert all("<tool_response>" in s["turns"][1]["tool"] and "7" in s["turns"][1]["tool"] for s in called)
