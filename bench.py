@@ -51,6 +51,9 @@ so that the LM head, the sampler and the log-softmax run at the real vocabulary'
    each phase call under its own torch.profiler: per phase wall time, device-busy time (CPU op
    time on the CPU), its ten largest kernels, FLOP/s and MFU, bytes/s against the measured copy
    bandwidth, peak memory and host syncs (Profiles, phase_work, count_host_syncs; docs/speed.md).
+7. With --sampler_rows N, first (before --profile too): each op generate's sampler runs a token
+   outside the captured step, on (N, 151,665) fp32 logits, timed alone, then the whole sampler and
+   the exponential race that could replace multinomial (bench_sampler).
 Prints Markdown tables and writes them to --output (JSON).
 """
 
@@ -125,6 +128,9 @@ class Args:
         0, "N of the sampler/trainer log-prob gap under bf16 autocast, LM head bf16/fp32/tf32; 0 = skip"
     )
     head_rows: int = arg(0, "positions whose log-probs each LM-head precision computes, against fp64; 0 = skip")
+    sampler_rows: int = arg(
+        0, "N of the sampler's parts: each op generate runs a token outside its captured step, on (N, 151,665) logits"
+    )
     head_logit_std: float = arg(4.0, "--head_rows: the logits' spread the head is scaled to (a trained model's)")
     profile: str = arg("", "decode, grpo, dapo or ppo (comma-separated): each phase under torch.profiler; '' = none")
     peak_tflops: float = arg(
@@ -505,6 +511,60 @@ def bandwidth_bound(model, num_rows: int, context: int, tokens_per_s: float, dev
     )
     print(arithmetic)
     return {"bound tok/s": bound, "of bound": tokens_per_s / bound, "bound arithmetic": arithmetic}
+
+
+def bench_sampler(num_rows: int, vocab_size: int, device, calls: int = 20) -> list[dict]:
+    """What generate runs every token outside its captured one-token step, at τ ≠ 1 and top-p 1, op by
+    op on (N, V) fp32 logits: ms a call, the mean of `calls` calls between two synchronisations (each
+    op's inputs made beforehand, so each time is its own). Then the whole sampler as generate runs it,
+    and an alternative that would replace multinomial: the exponential race (Gumbel-max), argmax of
+    the scaled logits minus the log of Exp(1) noise, which draws from the same softmax in one pass
+    over the noise (tests/test_bench.py checks the distribution), with the token's log-prob."""
+    cuda = device.type == "cuda"
+    temperature = 0.7
+    logits = torch.randn(num_rows, vocab_size, device=device) * 4  # (N, V)
+    scaled = logits / temperature
+    lse = torch.logsumexp(scaled, dim=-1, keepdim=True)  # (N, 1)
+    logp = scaled - lse
+    probs = logp.exp()
+    token = torch.multinomial(probs, 1).squeeze(-1)  # (N,)
+
+    def sampler():  # generate's sampled branch, as its text runs it
+        torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
+        scaled = logits / temperature
+        logp = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)
+        token = torch.multinomial(logp.exp(), 1).squeeze(-1)
+        return logp.gather(-1, token[:, None]).squeeze(-1)
+
+    def race():
+        scaled = logits / temperature
+        token = (scaled - torch.empty_like(scaled).exponential_().log()).argmax(dim=-1)  # (N,)
+        return scaled.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+
+    parts = {
+        "the random generator's state, kept per token": lambda: (
+            torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
+        ),
+        "scale: logits / τ": lambda: logits / temperature,
+        "logsumexp": lambda: torch.logsumexp(scaled, dim=-1, keepdim=True),
+        "log-probs: scaled − logsumexp": lambda: scaled - lse,
+        "exp": lambda: logp.exp(),
+        "multinomial": lambda: torch.multinomial(probs, 1),
+        "the token's log-prob (gather)": lambda: logp.gather(-1, token[:, None]),
+        "the whole sampler, as generate": sampler,
+        "alternative: exponential race, with the token's log-prob": race,
+    }
+    rows = []
+    for name, part in parts.items():
+        part()  # warm-up
+        seconds = timed(functools.partial(repeat_calls, part, calls), device)
+        rows.append({"part": name, "N": num_rows, "V": vocab_size, "ms a call": 1000 * seconds / calls})
+    return rows
+
+
+def repeat_calls(function, calls: int) -> None:
+    for _ in range(calls):
+        function()
 
 
 def bench_logprob_memory(args, model, vocab_size, device, amp) -> dict:
@@ -1112,6 +1172,10 @@ def measure(args: Args) -> dict:
     if device.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name(device)
     save = lambda: Path(args.output).write_text(json.dumps(report, indent=1))  # noqa: E731  (after every section)
+    if args.sampler_rows:  # no model: the sampler's cost is its (N, V) alone
+        report["sampler"] = bench_sampler(args.sampler_rows, QWEN_TOKENIZER_SIZE, device)
+        save()
+        print(f"\n### sampler\n\n{markdown(report['sampler'])}")
     if args.profile:
         unknown = set(args.profile.split(",")) - {"decode", *SCRIPTS}
         if unknown:

@@ -24,8 +24,8 @@ acceptance as it was then ran out of time:
      every later stage and the training scripts load instead of initialising it again (measured:
      the random 1.5B model built on the CPU in each stage, nothing printed within 110 s).
      model.generate ran 457 tok/s at N = 64 × 128 (140 ms a step): 64 steps take ~9 s.
-  3. the profile of the decode, N = 256 × 1024 new tokens, sampled (bench.py --profile decode):
-     55 s. Measured: that decode 14-16 s (18,585 tok/s; 15.6 s as the seed-study step's generate).
+  3. the profile of the decode, N = 256 × 1024 new tokens, sampled (bench.py --profile decode),
+     and before it the sampler's ops outside the captured step timed one by one (--sampler_rows): 55 s. Measured: that decode 14-16 s (18,585 tok/s; 15.6 s as the seed-study step's generate).
   4. the seed-study step of grpo.py, profiled phase by phase (B = 32, G = 8, 1024 new tokens):
      100 s. Measured: 69.7 s a step (generate 15.6, reward 0.27, logprobs 9.4, update 44.4).
   5. the same step of dapo.py (no reference, on-policy: no scoring pass): 80 s. Not measured;
@@ -57,7 +57,7 @@ from bench import default_model_dir, markdown  # noqa: E402  (after the path: be
 
 SHAPE = "qwen2.5-1.5b-shape"
 SLOW_CUDA_TESTS = "not torchrun_one_process_with_nccl and not bench_smoke_on_cuda"
-SECTIONS = ("generation", "profile", "profile_top", "training_step")
+SECTIONS = ("generation", "sampler", "profile", "profile_top", "training_step")
 
 
 def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
@@ -88,7 +88,7 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
             seconds=55,
             json=directory / "profile_decode.json",
             command=[*bench, *model, "--profile", "decode", "--batch_sizes", sizes["decode_rows"]]
-            + ["--max_new_tokens", sizes["decode_tokens"]],
+            + ["--max_new_tokens", sizes["decode_tokens"], "--sampler_rows", sizes["decode_rows"]],
         ),
         *[
             dict(

@@ -23,6 +23,7 @@ def test_acceptance_runner_smoke(tmp_path):
     assert "| run | phase | calls | wall s | CPU op s | busy/wall | TFLOP | TFLOP/s | MFU | GB | GB/s |" in text
     assert "| run | phase | # | CPU op | ms | calls | of busy |" in text
     assert "| decode | generate N=4 | 1 |" in text
+    assert "| part | N | V | ms a call |" in text and "| multinomial | 4 | 151665 |" in text  # the sampler's ops
     for script in ("grpo", "dapo", "ppo"):
         assert f"| {script} | generate+reward | 1 |" in text and f"| {script} | update |" in text
     assert "| ppo | values |" in text and "| ppo | critic update |" in text
