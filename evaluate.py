@@ -66,6 +66,7 @@ from common import (
     parse_args,
     read_config,
     read_jsonl,
+    render_chat,
     resolve_device,
     resolve_precision,
     seed_everything,
@@ -1167,8 +1168,9 @@ def main(args: Args) -> Path | None:
     seed_everything(args.seed)
     model, tokenizer, eos_ids = load_model(args.model, device, weight_dtype, prompt_format=args.prompt_format)
     model.eval().requires_grad_(False)
-    for task in tasks.values():  # the chat template can give the tools' answers, and they fit: before any output
+    for task in tasks.values():  # the template shows the tools and gives their answers, which fit: before any output
         if task.tools:
+            render_chat(tokenizer, task.messages(task.problems[0]), tools=task.tools)
             tool_turns(tokenizer, task.tools, 1, args.max_turns, args.max_tool_tokens, args.tool_timeout)
     run_dir = make_run_dir(args, "eval", task="+".join(names))
     settings = {k: getattr(args, k) for k in ("model", "max_new_tokens", "num_samples", "temperature", "top_p")}

@@ -7,6 +7,7 @@ or GAE step, and that the budgets hold."""
 
 import json
 import random
+import re
 import shutil
 
 import pytest
@@ -389,3 +390,22 @@ def test_evaluate_py_benchmarks_with_the_tools(calling_model, tmp_path):
     without = evaluate.main(evaluate.Args(**{**vars(args), "tool": "", "output_dir": str(tmp_path / "plain")}))
     plain = json.loads((without / "results.json").read_text())
     assert "tool_calls" not in plain["results"]["file"] and "tool" not in plain  # no tools: as before
+
+
+@pytest.mark.parametrize(
+    "model, limits, message",
+    [
+        ("tiny", {}, "does not show the tools ['calculator']"),  # its template has no `tools`
+        ("tiny-tools", {"max_tool_tokens": 4}, "--max_tool_tokens 4 is fewer than the"),
+    ],
+)
+def test_evaluate_py_stops_on_tools_it_cannot_give_before_writing_anything(model, limits, message, tmp_path):
+    import evaluate
+
+    args = evaluate.Args(
+        model=model, benchmarks="countdown", tools="calculator", limit=2, max_new_tokens=4,
+        output_dir=str(tmp_path / "out"), **limits,
+    )  # fmt: skip
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        evaluate.main(args)
+    assert not (tmp_path / "out").exists()
