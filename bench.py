@@ -518,8 +518,8 @@ def bench_sampler(num_rows: int, vocab_size: int, device, calls: int = 20) -> li
     op on (N, V) fp32 logits: ms a call, the mean of `calls` calls between two synchronisations (each
     op's inputs made beforehand, so each time is its own). Then the whole sampler as generate runs it,
     and an alternative that would replace multinomial: the exponential race (Gumbel-max), argmax of
-    the scaled logits minus the log of Exp(1) noise, which draws from the same softmax in one pass
-    over the noise (tests/test_bench.py checks the distribution), with the token's log-prob."""
+    the scaled logits minus the log of Exp(1) noise, which draws from the same softmax with no
+    cumulative sum or search (tests/test_bench.py checks the distribution), with the token's log-prob."""
     cuda = device.type == "cuda"
     temperature = 0.7
     logits = torch.randn(num_rows, vocab_size, device=device) * 4  # (N, V)

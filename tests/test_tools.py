@@ -231,12 +231,7 @@ def sleeps_and_catches_everything(seconds: float) -> str:
     return "slept"
 
 
-TOOLS = {
-    "calculator": calculator,
-    "sleeps": sleeps,
-    "answers_a_dict": answers_a_dict,
-    "answers_a_set": answers_a_set,
-}
+TOOLS = {"calculator": calculator, "sleeps": sleeps, "answers_a_dict": answers_a_dict, "answers_a_set": answers_a_set}
 
 
 @pytest.mark.parametrize(
