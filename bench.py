@@ -54,6 +54,10 @@ so that the LM head, the sampler and the log-softmax run at the real vocabulary'
 7. With --sampler_rows N, first (before --profile too): each op generate's sampler runs a token
    outside the captured step, on (N, 151,665) fp32 logits, timed alone, then the whole sampler and
    the exponential race that could replace multinomial (bench_sampler).
+8. With --attention_rows N, next (before --profile too): the one-token step's attention, one
+   layer's call at the model's shape, at each width generate attends over: SDPA as generate calls
+   it, each SDPA backend alone, the candidate matmul_decode_attention, SDPA with no mask; ms a
+   call, GB/s of keys and values read, and the error against float64 (bench_attention).
 Prints Markdown tables and writes them to --output (JSON).
 """
 
@@ -130,6 +134,9 @@ class Args:
     head_rows: int = arg(0, "positions whose log-probs each LM-head precision computes, against fp64; 0 = skip")
     sampler_rows: int = arg(
         0, "N of the sampler's parts: each op generate runs a token outside its captured step, on (N, 151,665) logits"
+    )
+    attention_rows: int = arg(
+        0, "N of the one-token step's attention timed alone, per variant and width (the model's shape); 0 = skip"
     )
     head_logit_std: float = arg(4.0, "--head_rows: the logits' spread the head is scaled to (a trained model's)")
     profile: str = arg("", "decode, grpo, dapo or ppo (comma-separated): each phase under torch.profiler; '' = none")
@@ -562,6 +569,101 @@ def bench_sampler(num_rows: int, vocab_size: int, device, calls: int = 20) -> li
     return rows
 
 
+def attention_shape(args: Args, device) -> tuple:
+    """(the model's text config, --attention_rows, the prompt length of that many Countdown rows), from
+    the model's directory: its config and tokenizer, no weights loaded."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    directory = bench_directory(args, device)
+    config = AutoConfig.from_pretrained(directory).get_text_config()
+    if args.num_layers:
+        config.num_hidden_layers = args.num_layers
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    return config, args.attention_rows, prompts(tokenizer, args.attention_rows, args.group_size, device)[0].shape[1]
+
+
+def matmul_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **unused):
+    """A candidate for generate's one-token attention (bench_attention times it; generate does not run
+    it): grouped_decode_attention's function written as two batched products and a softmax, the
+    query heads of a KV head as the rows of one product, so each cached key and value is read once.
+    The scores (n, kv heads, group, S) are small next to the cache at one query token. Under
+    autocast the products run in bf16 and the mask's addition and the softmax in fp32."""
+    num_rows, heads, _, head_dim = query.shape
+    kv_heads = key.shape[1]
+    folded = query.reshape(num_rows, kv_heads, heads // kv_heads, head_dim)  # (n, kv, g, d)
+    scale = head_dim**-0.5 if scaling is None else scaling
+    scores = torch.matmul(folded, key.transpose(-1, -2)) * scale  # (n, kv, g, S)
+    if attention_mask is not None:
+        scores = scores + attention_mask  # (n, 1, 1, S): one row of columns for every head
+    weights = torch.softmax(scores.float(), dim=-1).to(value.dtype)
+    return torch.matmul(weights, value).reshape(num_rows, 1, heads, head_dim), None
+
+
+def bench_attention(config, num_rows: int, prompt_length: int, max_new_tokens: int, device, amp, calls: int = 20):
+    """The attention of generate's one-token step, one layer's call at a time, at each width it
+    attends over (decode_widths: prompt_length + 64, + 128, … + max_new_tokens): PyTorch's SDPA as
+    grouped_decode_attention calls it (the backend PyTorch picks, then each backend alone), the
+    candidate matmul_decode_attention, and SDPA with no mask (what the kernel costs when it has
+    neither padding nor unfilled columns to hide). Inputs as generate's step has them: the query
+    and the cache in the compute dtype (bf16 under autocast on a GPU), the additive mask in fp32,
+    each row's first columns masked as left padding and the columns past the filled ones masked.
+    ms a call is the mean of `calls` calls between two synchronisations; GB/s counts the keys and
+    values read (N · kv heads · width · head dim · 2 · bytes); ms a step is a call times the layers.
+    max |Δ| is the output's largest difference from the same attention in float64."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # what autocast computes in
+    generator = torch.Generator(device).manual_seed(0)
+    length = prompt_length + max_new_tokens
+    query = torch.randn(num_rows, heads, 1, head_dim, device=device, generator=generator).to(dtype)
+    key = torch.randn(num_rows, kv_heads, length, head_dim, device=device, generator=generator).to(dtype)
+    value = torch.randn(num_rows, kv_heads, length, head_dim, device=device, generator=generator).to(dtype)
+    padding = torch.arange(num_rows, device=device)[:, None] % 8  # (n, 1) left padding of 0-7 columns
+    columns = torch.arange(length, device=device)  # (S,)
+    variants = {
+        "sdpa (generate's)": (grpo.grouped_decode_attention, None, True),
+        **{
+            f"sdpa, {name} only": (grpo.grouped_decode_attention, backend, True)
+            for name, backend in (
+                ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+                ("flash", SDPBackend.FLASH_ATTENTION),
+                ("math", SDPBackend.MATH),
+            )
+        },  # fmt: skip
+        "matmul (candidate)": (matmul_decode_attention, None, True),
+        "sdpa, no mask": (grpo.grouped_decode_attention, None, False),
+    }
+    rows, widths = [], grpo.decode_widths(prompt_length, max_new_tokens)
+    for previous, width in zip([prompt_length, *widths], widths):
+        filled = (previous + width) // 2 + 1  # halfway through the width's tokens
+        visible = (columns[:width] >= padding) & (columns[:width] < filled)  # (n, W)
+        mask = torch.where(visible, 0.0, -1e30)[:, None, None, :]  # (n, 1, 1, W) fp32
+        k, v = key[:, :, :width], value[:, :, :width]
+        scores = torch.einsum("nkgd,nksd->nkgs", query.double().reshape(num_rows, kv_heads, -1, head_dim), k.double())
+        scores = scores * head_dim**-0.5 + mask.double()
+        expected = torch.einsum("nkgs,nksd->nkgd", scores.softmax(-1), v.double()).reshape(num_rows, 1, heads, head_dim)
+        read = num_rows * kv_heads * width * head_dim * 2 * key.element_size()
+        for name, (attention, backend, masked) in variants.items():
+            call = functools.partial(attention, None, query, k, v, mask if masked else None, head_dim**-0.5)
+            row = {"variant": name, "N": num_rows, "width": width}
+            with amp(), sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+                try:
+                    output = call()[0]  # warm-up
+                except RuntimeError as error:  # a backend that does not take these inputs
+                    rows.append(row | {"refused": str(error).strip().splitlines()[0][:120]})
+                    continue
+                seconds = timed(functools.partial(repeat_calls, call, calls), device) / calls
+            row |= {"ms a call": 1000 * seconds, "GB/s": read / seconds / 1e9}
+            row |= {"ms a step": 1000 * seconds * config.num_hidden_layers}
+            if masked:
+                row["max |Δ| vs fp64"] = (output.double() - expected).abs().max().item()
+            rows.append(row)
+    return rows
+
+
 def repeat_calls(function, calls: int) -> None:
     for _ in range(calls):
         function()
@@ -646,7 +748,9 @@ def no_final_checkpoint():
 
 
 def one_step(args, name: str, directory: str) -> dict:
-    """One training step of script `name` with the bench model: its last metrics row."""
+    """One training step of script `name` with the bench model: its last metrics row, the micro-batch
+    and scoring-chunk sizes it ran with (`sized`: the flags, as the preflight set them on a GPU) and
+    the preflight's seconds (before step 1, in no time/* metric)."""
     script = SCRIPTS[name]
     settings = dict(model=directory, max_steps=1, batch_size=args.train_batch_size, group_size=args.group_size)
     settings |= dict(max_new_tokens=args.max_new_tokens, device=args.device, dtype=args.dtype, save_every=0)
@@ -654,28 +758,65 @@ def one_step(args, name: str, directory: str) -> dict:
     settings |= dict(gradient_checkpointing=args.gradient_checkpointing)
     settings |= {"overlong_buffer": 0, "dynamic_sampling": False} if script is dapo else {}
     settings |= {"num_mini_batches": 1} if script is ppo and args.train_batch_size * args.group_size < 4 else {}
-    with tempfile.TemporaryDirectory() as output, no_final_checkpoint():
-        run_dir = script.train(script.Args(output_dir=output, **settings))
-        return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    run_args, sizing, seconds = script.Args(**settings), script.size_micro_batches, []
+
+    def timed_sizing(*a, **k):  # the preflight (on a GPU; on the CPU the rows it sets), timed
+        start = time.perf_counter()
+        sizing(*a, **k)
+        seconds.append(time.perf_counter() - start)
+
+    script.size_micro_batches = timed_sizing
+    try:
+        with tempfile.TemporaryDirectory() as output, no_final_checkpoint():
+            run_args.output_dir = output
+            run_dir = script.train(run_args)
+            metrics = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    finally:
+        script.size_micro_batches = sizing
+    sizes = ("micro_batch_size", "micro_batch_tokens", "logprob_chunk_size", "logprob_chunk_tokens")
+    return metrics | {"sized": {name: getattr(run_args, name) for name in sizes}, "preflight s": sum(seconds)}
 
 
 def bench_training(args, directory: str, device, rows: list, save=lambda: None) -> list[dict]:
-    """One step of each script with the bench model; its time/* metrics and peak memory, a row
-    appended to `rows` (and saved) as each script finishes, so a run cut short keeps the rest."""
+    """One step of each script with the bench model; its time/* metrics and, per phase, peak memory
+    and the work done per second: each phase call timed from a synchronised start to a synchronise
+    after it (no profiler), its FLOPs computed as --profile computes them (phase_batch, phase_work),
+    TFLOP/s and, against the device's peak (peak_flops), MFU. A row is appended to `rows` (and saved)
+    as each script finishes, so a run cut short keeps the rest."""
+    weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
+    element_bytes = (compute_dtype or weight_dtype).itemsize
+    peak, _ = peak_flops(args, device)
     for name in [s for s in args.train_steps.split(",") if s]:
-        peaks = {}
+        peaks, work = {}, {}  # phase -> GB; phase -> [seconds, FLOPs]
 
-        def peak_of(phase, function, *a, _peaks=peaks, **k):
-            if device.type != "cuda":
-                return function(*a, **k)
-            torch.cuda.reset_peak_memory_stats(device)
+        def measured(phase, function, *a, _peaks=peaks, _work=work, **k):
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            synchronize(device)
+            start = time.perf_counter()
             result = function(*a, **k)
-            _peaks[phase] = max(_peaks.get(phase, 0), torch.cuda.max_memory_allocated(device) / 1e9)
+            synchronize(device)
+            seconds = time.perf_counter() - start
+            if device.type == "cuda":
+                _peaks[phase] = max(_peaks.get(phase, 0), torch.cuda.max_memory_allocated(device) / 1e9)
+            shape, batch, kind, passes, models = phase_batch(
+                phase, inspect.signature(function).bind(*a, **k).arguments, result
+            )
+            total = _work.setdefault(phase, [0.0, 0])
+            total[0] += seconds
+            total[1] += phase_work(kind, shape, batch, element_bytes, passes, models)[0]
             return result
 
-        with phases_wrapped(SCRIPTS[name], peak_of):
+        with phases_wrapped(SCRIPTS[name], measured):
             metrics = one_step(args, name, directory)
         row = {"script": name, **{k: v for k, v in metrics.items() if k.startswith("time/")}}
+        row["time/* summed"] = sum(v for k, v in row.items() if k.startswith("time/"))
+        row["preflight s"] = metrics["preflight s"]
+        row |= {name: size for name, size in metrics["sized"].items() if size}
+        for phase, (seconds, flops) in work.items():
+            row[f"TFLOP/s {phase}"] = flops / seconds / 1e12
+            if peak:
+                row[f"MFU {phase}"] = flops / seconds / peak
         if device.type == "cuda":
             row |= {f"peak GB {phase}": value for phase, value in peaks.items()}
         else:
@@ -1164,26 +1305,10 @@ def main(args: Args) -> dict:
         return measure(args)
 
 
-def measure(args: Args) -> dict:
-    device = use_device(resolve_device(args.device))  # a GPU named by --device becomes the current one
-    weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
-    amp = lambda: autocast(device, compute_dtype, args.lm_head_precision)  # noqa: E731
-    report = {"args": asdict(args), "device": str(device), "threads": torch.get_num_threads()}
-    if device.type == "cuda":
-        report["gpu"] = torch.cuda.get_device_name(device)
-    save = lambda: Path(args.output).write_text(json.dumps(report, indent=1))  # noqa: E731  (after every section)
-    if args.sampler_rows:  # no model: the sampler's cost is its (N, V) alone
-        report["sampler"] = bench_sampler(args.sampler_rows, QWEN_TOKENIZER_SIZE, device)
-        save()
-        print(f"\n### sampler\n\n{markdown(report['sampler'])}")
-    if args.profile:
-        unknown = set(args.profile.split(",")) - {"decode", *SCRIPTS}
-        if unknown:
-            raise SystemExit(
-                f"--profile {args.profile}: {', '.join(sorted(unknown))} is none of decode, grpo, dapo, ppo"
-            )
-        return bench_profile(args, device, weight_dtype, compute_dtype, amp, report, save)
-    model, tokenizer, vocab_size, directory = load_bench_model(args, device, weight_dtype)
+def bench_with_model(args, device, weight_dtype, compute_dtype, amp, report: dict, save) -> None:
+    """Sections 1, 2, 3 and 5, in one loaded copy of the model (released after: the training steps
+    load their own); none of them is asked for, none is loaded (a run of --train_steps alone)."""
+    model, tokenizer, vocab_size, _ = load_bench_model(args, device, weight_dtype)
     report["generation"] = bench_generation(args, model, tokenizer, vocab_size, device, amp, compute_dtype)
     save()
     report["decode_bytes"] = [
@@ -1209,9 +1334,38 @@ def measure(args: Args) -> dict:
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the training steps load their own copy
-    report["training_step"] = []
-    bench_training(args, directory, device, report["training_step"], save)
+
+
+def measure(args: Args) -> dict:
+    device = use_device(resolve_device(args.device))  # a GPU named by --device becomes the current one
+    weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
+    amp = lambda: autocast(device, compute_dtype, args.lm_head_precision)  # noqa: E731
+    report = {"args": asdict(args), "device": str(device), "threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        report["gpu"] = torch.cuda.get_device_name(device)
+    save = lambda: Path(args.output).write_text(json.dumps(report, indent=1))  # noqa: E731  (after every section)
+    if args.sampler_rows:  # no model: the sampler's cost is its (N, V) alone
+        report["sampler"] = bench_sampler(args.sampler_rows, QWEN_TOKENIZER_SIZE, device)
+        save()
+        print(f"\n### sampler\n\n{markdown(report['sampler'])}")
+    if args.attention_rows:  # no weights: the attention's cost is its shapes alone
+        report["attention"] = bench_attention(*attention_shape(args, device), args.max_new_tokens, device, amp)
+        save()
+        print(f"\n### attention\n\n{markdown(report['attention'])}")
+    if args.profile:
+        unknown = set(args.profile.split(",")) - {"decode", *SCRIPTS}
+        if unknown:
+            raise SystemExit(
+                f"--profile {args.profile}: {', '.join(sorted(unknown))} is none of decode, grpo, dapo, ppo"
+            )
+        return bench_profile(args, device, weight_dtype, compute_dtype, amp, report, save)
     sections = ("generation", "decode_bytes", "steps_4_and_6", "logprob_memory", "logprob_gap", "head_precision")
+    report |= {section: [] for section in sections}
+    if any((args.batch_sizes, args.step_rows, args.logprob_rows, args.gap_rows, args.head_rows)):
+        bench_with_model(args, device, weight_dtype, compute_dtype, amp, report, save)
+    report["training_step"] = []
+    if args.train_steps:
+        bench_training(args, bench_directory(args, device), device, report["training_step"], save)
     for section in (*sections, "training_step"):
         print(f"\n### {section}\n\n{markdown(report[section])}")
     return report

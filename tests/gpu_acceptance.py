@@ -25,14 +25,24 @@ acceptance as it was then ran out of time:
      the random 1.5B model built on the CPU in each stage, nothing printed within 110 s).
      model.generate ran 457 tok/s at N = 64 × 128 (140 ms a step): 64 steps take ~9 s.
   3. the profile of the decode, N = 256 × 1024 new tokens, sampled (bench.py --profile decode),
-     and before it the sampler's ops outside the captured step timed one by one (--sampler_rows): 55 s. Measured: that decode 14-16 s (18,585 tok/s; 15.6 s as the seed-study step's generate).
-  4. the seed-study step of grpo.py, profiled phase by phase (B = 32, G = 8, 1024 new tokens):
-     100 s. Measured: 69.7 s a step (generate 15.6, reward 0.27, logprobs 9.4, update 44.4).
-  5. the same step of dapo.py (no reference, on-policy: no scoring pass): 80 s. Not measured;
-     grpo's generate and update are 60 s.
+     and before it the sampler's ops outside the captured step timed one by one (--sampler_rows)
+     and the step's attention alone, per variant and width (--attention_rows): 55 s. Measured:
+     that decode 14-16 s (18,585 tok/s; 15.6 s as the seed-study step's generate).
+  4. the seed-study step of grpo.py (B = 32, G = 8, 1024 new tokens), no profiler: the issue's
+     targets are this step's own time, peak memory and MFU. The preflight sizes its micro-batches
+     and scoring chunks first; bench reports the preflight's seconds and sizes, each phase's
+     time/* metric, TFLOP/s and MFU (FLOPs computed as --profile computes them), and peak GB:
+     100 s. Measured: 69.7 s a step on the H100 (generate 15.6, reward 0.27, logprobs 9.4,
+     update 44.4), 41.1 s on the H200 with 4-row micro-batches; with the preflight, not yet.
+  5. the same step of dapo.py (no reference, on-policy: no scoring pass): 80 s. Measured: 32.0 s
+     on the H200 with 4-row micro-batches.
   6. the same step of ppo.py with --gradient_checkpointing true (the README's flags for one 80 GB
-     GPU): 170 s, and whatever the stages before it left unused. Not measured: a policy scoring
-     pass besides the reference's, the critic's values and update, and the recomputation.
+     GPU): 170 s. Not measured: a policy scoring pass besides the reference's, the critic's
+     values and update, and the recomputation.
+  7. the grpo step of stage 4 again, each phase under the profiler (bench.py --profile grpo): its
+     largest kernels, busy/wall, host syncs. No share of its own: it runs on what the stages before
+     it left. On the H200 the profiled step with 4-row micro-batches ran out of 161 s in the update
+     (recording 64 micro-batches costs more than the step), so the unprofiled steps come first.
 The profiler's overhead on these steps has not been measured. A stage gets its own share and
 the time the stages before it left (never the share of a stage after it). The report (Markdown)
 gathers the versions, every command with its status and time, and the tables; every stage's
@@ -57,7 +67,7 @@ from bench import default_model_dir, markdown  # noqa: E402  (after the path: be
 
 SHAPE = "qwen2.5-1.5b-shape"
 SLOW_CUDA_TESTS = "not torchrun_one_process_with_nccl and not bench_smoke_on_cuda"
-SECTIONS = ("generation", "sampler", "profile", "profile_top", "training_step")
+SECTIONS = ("generation", "sampler", "attention", "profile", "profile_top", "training_step")
 
 
 def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
@@ -88,19 +98,27 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
             seconds=55,
             json=directory / "profile_decode.json",
             command=[*bench, *model, "--profile", "decode", "--batch_sizes", sizes["decode_rows"]]
-            + ["--max_new_tokens", sizes["decode_tokens"], "--sampler_rows", sizes["decode_rows"]],
+            + ["--max_new_tokens", sizes["decode_tokens"], "--sampler_rows", sizes["decode_rows"]]
+            + ["--attention_rows", sizes["decode_rows"]],
         ),
         *[
             dict(
-                name=f"profile: one {script}.py step, B = {sizes['batch']}, G = {sizes['group']}, "
-                f"{sizes['decode_tokens']} new tokens" + (", gradient checkpointing" if script == "ppo" else ""),
+                name=f"one {script}.py step, B = {sizes['batch']}, G = {sizes['group']}, {sizes['decode_tokens']} new "
+                "tokens, sized by the preflight" + (", gradient checkpointing" if script == "ppo" else ""),
                 seconds=seconds,
-                json=directory / f"profile_{script}.json",
-                command=[*bench, *model, "--profile", script, *step]
+                json=directory / f"step_{script}.json",
+                command=[*bench, *model, "--train_steps", script, *step, "--batch_sizes", "", "--logprob_rows", "0"]
                 + (["--gradient_checkpointing", "true"] if script == "ppo" else []),
             )
             for script, seconds in (("grpo", 100), ("dapo", 80), ("ppo", 170))
         ],
+        dict(
+            name=f"profile: one grpo.py step, B = {sizes['batch']}, G = {sizes['group']}, "
+            f"{sizes['decode_tokens']} new tokens",
+            seconds=0,
+            json=directory / "profile_grpo.json",
+            command=[*bench, *model, "--profile", "grpo", *step],
+        ),
     ]
 
 
@@ -173,7 +191,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="the same stages with the tiny model on the CPU")
     parser.add_argument("--deadline", type=float, default=530, help="seconds for every stage together")
     parser.add_argument(
-        "--stages", default="", help="the stages to run, by number (1-6, as above), comma-separated; default all"
+        "--stages", default="", help="the stages to run, by number (1-7, as above), comma-separated; default all"
     )
     parser.add_argument("--model_dir", default=str(default_model_dir(SHAPE)), help="the 1.5B shape, written once")
     options = parser.parse_args()

@@ -1,5 +1,6 @@
 """bench.py runs end to end on the tiny model with tiny settings and writes its tables."""
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -216,3 +217,34 @@ def test_the_sampler_parts_and_the_exponential_race():
     draws = (x - torch.empty(40000, 4).exponential_().log()).argmax(-1)
     counts = torch.bincount(draws, minlength=4).float()
     assert (counts - 40000 * x.softmax(-1)).abs().max() < 600
+
+
+def test_the_decode_attention_variants_compute_generate_attention():
+    # bench.py --attention_rows times the one-token step's attention per variant and width. Every
+    # variant that runs must compute the attention generate's step computes (against float64,
+    # fp32 on the CPU: 1e-5), at each of decode_widths' widths, and the candidate
+    # matmul_decode_attention must equal grouped_decode_attention itself on a mask with padding
+    # and unfilled columns (1e-6): 4 query heads on 2 KV heads, so the fold of heads is tested.
+    from transformers import Qwen2Config
+
+    import grpo
+    from bench import bench_attention, matmul_decode_attention
+
+    config = Qwen2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
+    rows = bench_attention(config, 3, 5, 130, torch.device("cpu"), contextlib.nullcontext, calls=2)
+    assert sorted({row["width"] for row in rows}) == grpo.decode_widths(5, 130) == [69, 133, 135]
+    for width in (69, 133, 135):
+        ran = {row["variant"]: row for row in rows if row["width"] == width and "refused" not in row}
+        assert {"sdpa (generate's)", "sdpa, math only", "matmul (candidate)", "sdpa, no mask"} <= set(ran)
+        for name, row in ran.items():
+            assert row["ms a call"] > 0 and row["ms a step"] == pytest.approx(3 * row["ms a call"])
+            assert name == "sdpa, no mask" or row["max |Δ| vs fp64"] < 1e-5
+    torch.manual_seed(0)
+    query, key, value = torch.randn(3, 4, 1, 8), torch.randn(3, 2, 20, 8), torch.randn(3, 2, 20, 8)
+    mask = torch.zeros(3, 1, 1, 20)
+    mask[0, ..., :4] = mask[1, ..., 15:] = -1e30  # left padding; columns not yet filled
+    expected = grpo.grouped_decode_attention(None, query, key, value, mask, 8**-0.5)[0]  # (n, 1, heads, d)
+    assert expected.shape == (3, 1, 4, 8)
+    torch.testing.assert_close(
+        matmul_decode_attention(None, query, key, value, mask, 8**-0.5)[0], expected, atol=1e-6, rtol=0
+    )

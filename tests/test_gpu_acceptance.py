@@ -1,5 +1,5 @@
 """tests/gpu_acceptance.py, the CUDA path's one-command acceptance run, end to end with --smoke:
-the same six stages with the tiny model on the CPU, profile tables included, so that the runner
+the same seven stages with the tiny model on the CPU, profile tables included, so that the runner
 and its report are known to work before a GPU session spends its minutes on them."""
 
 import subprocess
@@ -16,7 +16,7 @@ def test_acceptance_runner_smoke(tmp_path):
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     text = report.read_text()
-    assert text.count("\n## ") == 6 and text.count("passed, ") == 6  # six stages, each passed
+    assert text.count("\n## ") == 7 and text.count("passed, ") == 7  # seven stages, each passed
     assert "pytest: " in text and "skipped" in text  # the CUDA tier: skipped on the CPU, and said so
     assert "| N | P | mode | lengths | nanopo tok/s | hf tok/s |" in text  # generation against model.generate
     # The profile table (one row per phase) and the table of the ten largest CPU ops per phase.
@@ -24,10 +24,18 @@ def test_acceptance_runner_smoke(tmp_path):
     assert "| run | phase | # | CPU op | ms | calls | of busy |" in text
     assert "| decode | generate N=4 | 1 |" in text
     assert "| part | N | V | ms a call |" in text and "| multinomial | 4 | 151665 |" in text  # the sampler's ops
+    assert "| variant | N | width | ms a call |" in text and "| matmul (candidate) | 4 |" in text  # attention
+    # Stages 4-6, each script's step unprofiled: its time/* metrics, the preflight's time and sizes
+    # (on the CPU the rows it falls back to), the work per second of each phase.
     for script in ("grpo", "dapo", "ppo"):
-        assert f"| {script} | generate+reward | 1 |" in text and f"| {script} | update |" in text
-    assert "| ppo | values |" in text and "| ppo | critic update |" in text
-    assert "| script | time/generate |" in text and "| ppo |" in text  # the step's own time/* metrics
+        assert f"\n| {script} | " in text
+    assert (
+        "| script | time/generate | time/reward | time/logprobs | time/update | time/* summed | preflight s |" in text
+    )
+    assert "| micro_batch_size | logprob_chunk_size | TFLOP/s generate+reward |" in text
+    assert "| TFLOP/s values |" in text and "| TFLOP/s critic update |" in text  # ppo's critic
+    # Stage 7, the grpo step profiled phase by phase.
+    assert "| grpo | generate+reward | 1 |" in text and "| grpo | update |" in text
 
 
 def test_acceptance_runner_runs_the_stages_asked_for(tmp_path, monkeypatch, capsys):
@@ -51,9 +59,9 @@ def test_acceptance_runner_runs_the_stages_asked_for(tmp_path, monkeypatch, caps
     assert headings == ["## CUDA tier", "## profile: decode, N = 4 × 8 new tokens, sampled"]
     assert report.read_text().count("passed, ") == 2
     ran.clear()
-    for wrong in ("7", "2,x"):
+    for wrong in ("8", "2,x"):
         monkeypatch.setattr(sys, "argv", ["gpu_acceptance.py", "--output", str(report), "--smoke", "--stages", wrong])
         with pytest.raises(SystemExit) as refused:
             gpu_acceptance.main()
-        assert refused.value.code == 2 and "stages are numbered 1 to 6" in capsys.readouterr().err
+        assert refused.value.code == 2 and "stages are numbered 1 to 7" in capsys.readouterr().err
     assert ran == []  # before anything ran, the versions' probe included
