@@ -35,7 +35,9 @@ so that the LM head, the sampler and the log-softmax run at the real vocabulary'
    --shots and --countdown_numbers set the prompts (the SmolLM2 setting of docs/learning.md:
    --shots 1 --countdown_numbers 2).
 4. One training step of grpo.py, dapo.py and ppo.py, per phase (the time/* metrics the scripts
-   log), with peak memory: per phase on CUDA; on the CPU the process's peak RSS after the step.
+   log), with peak memory: per phase on CUDA; on the CPU the process's peak RSS after the step;
+   the preflight's seconds and the sizes it set, and each phase's TFLOP/s and MFU (its FLOPs
+   computed as --profile computes them, over its synchronised time; no profiler).
 5. With --gap_rows N: the gap between the log-probs generate samples with and those
    sequence_logprobs scores for the same tokens, under bf16 autocast (on the CPU too), with the
    LM head in bf16 (fp32_lm_head switched off: the code before it), in fp32 (fp32_lm_head) and
@@ -71,6 +73,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -651,9 +654,12 @@ def bench_attention(config, num_rows: int, prompt_length: int, max_new_tokens: i
             row = {"variant": name, "N": num_rows, "width": width}
             with amp(), sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
                 try:
-                    output = call()[0]  # warm-up
+                    with warnings.catch_warnings(record=True) as warned:  # why a backend is not used
+                        warnings.simplefilter("always")
+                        output = call()[0]  # warm-up
                 except RuntimeError as error:  # a backend that does not take these inputs
-                    rows.append(row | {"refused": str(error).strip().splitlines()[0][:120]})
+                    reasons = [str(w.message).splitlines()[0] for w in warned if "not used because" in str(w.message)]
+                    rows.append(row | {"refused": "; ".join(reasons) or str(error).strip().split(". ")[0]})
                     continue
                 seconds = timed(functools.partial(repeat_calls, call, calls), device) / calls
             row |= {"ms a call": 1000 * seconds, "GB/s": read / seconds / 1e9}
