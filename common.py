@@ -613,13 +613,13 @@ def size_micro_batches(args, task, tokenizer, trained: list, update, score) -> N
     }
     pending = 2 * sum(local_bytes(p) for model in trained for p in model.parameters() if p.requires_grad)
     budget = PREFLIGHT_MEMORY_SHARE * torch.cuda.get_device_properties(device).total_memory - pending
-    measure = functools.partial(cuda_peak, sequences=sequences, device=device)
-    chosen, inside = {}, IN_PREFLIGHT.set(True)
+    chosen, timings, inside = {}, {kind: {} for kind in open_}, IN_PREFLIGHT.set(True)
     try:
         with torch.random.fork_rng(devices=[device]):  # dropout in the update's pass draws; the run's stream stays
             for kind in open_:
                 for model in trained:  # step 4 finds no gradients (optimizer_step frees them); step 6 makes them
                     model.zero_grad(set_to_none=True)
+                measure = functools.partial(cuda_peak, sequences=sequences, device=device, seconds=timings[kind])
                 chosen[kind] = preflight(*passes[kind], budget, measure, f"{kind} of {length} tokens")
     finally:
         IN_PREFLIGHT.reset(inside)
@@ -632,6 +632,18 @@ def size_micro_batches(args, task, tokenizer, trained: list, update, score) -> N
         share = f"{PREFLIGHT_MEMORY_SHARE:.0%} of the GPU, AdamW's {pending / 2**30:.1f} GiB counted"
         seconds = time.perf_counter() - start
         print(f"preflight ({seconds:.1f} s): {', '.join(sized)}: the most that peak within {share}")
+        print(f"preflight passes, {pass_speeds(timings, length)}")
+
+
+def pass_speeds(timings: dict, length: int) -> str:
+    """The preflight's passes as tokens per second by rows (timings: kind -> rows -> seconds, as they
+    ran; the first pass of a kind carries the set-up of its kernels): whether a larger micro-batch
+    buys speed or only fills memory."""
+    return "; ".join(
+        f"{kind}: "
+        + ", ".join(f"{rows} row{'s' * (rows > 1)} {rows * length / s / 1e3:.1f}k tok/s" for rows, s in runs.items())
+        for kind, runs in timings.items()
+    )
 
 
 def preflight(run, most_rows: int, flags: str, budget: float, measure, what: str) -> int:
@@ -674,18 +686,25 @@ def preflight(run, most_rows: int, flags: str, budget: float, measure, what: str
     return fitting
 
 
-def cuda_peak(run, rows: int, sequences, device) -> float:
-    """The peak bytes allocated on `device` while run(sequences(rows)) runs; inf if it runs out of memory."""
+def cuda_peak(run, rows: int, sequences, device, seconds: dict | None = None) -> float:
+    """The peak bytes allocated on `device` while run(sequences(rows)) runs; inf if it runs out of memory.
+    seconds: where the pass's time goes, by rows (from a synchronised start to a synchronise after it)."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
+    batch = sequences(rows)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
     try:
-        run(sequences(rows))
+        run(batch)
+        torch.cuda.synchronize(device)
     except RuntimeError as error:  # torch.OutOfMemoryError, or cuBLAS's or cuDNN's failed allocation
         if "out of memory" not in str(error).lower() and "alloc" not in str(error).lower():
             raise
         return float("inf")
     finally:
         torch.cuda.empty_cache()
+    if seconds is not None:
+        seconds[rows] = time.perf_counter() - start
     return torch.cuda.max_memory_allocated(device)
 
 

@@ -268,6 +268,7 @@ def test_the_preflight_sizes_the_passes_by_tokens(script, tmp_path, capsys):
         "preflight (" in printed
         and f"--micro_batch_tokens {mini_batch * length} ({mini_batch} rows of {length})" in printed
     )
+    assert "preflight passes, micro_batch: 1 row " in printed and "; logprob_chunk: 1 row " in printed  # tok/s
     assert [row["step"] for row in rows] == [1] and math.isfinite(rows[0]["loss/policy"])
 
 

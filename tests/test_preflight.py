@@ -9,7 +9,7 @@ import torch
 import dapo
 import grpo
 import ppo
-from common import UNSIZED_ROWS, longest_prompt, preflight, size_micro_batches
+from common import UNSIZED_ROWS, longest_prompt, pass_speeds, preflight, size_micro_batches
 from rewards import load_task
 
 GiB = 2**30
@@ -47,6 +47,14 @@ def test_preflight_keeps_what_fitted_when_the_line_overreaches():
     measured = []
     assert preflight(None, 64, "--flags", 40 * GiB, linear_peaks(10, 3, measured, limit=9), "pass") == 8
     assert measured == [1, 2, 4, 8, 10]
+
+
+def test_the_preflight_says_what_each_size_of_pass_runs_at():
+    # Its passes, timed as they ran, as tokens per second: 1 row of 1,000 tokens in 0.5 s is 2.0k
+    # tok/s, 4 rows in 0.8 s 5.0k; 256 rows of scoring in 3.2 s 80.0k.
+    timings = {"micro_batch": {1: 0.5, 4: 0.8}, "logprob_chunk": {256: 3.2}}
+    expected = "micro_batch: 1 row 2.0k tok/s, 4 rows 5.0k tok/s; logprob_chunk: 256 rows 80.0k tok/s"
+    assert pass_speeds(timings, 1000) == expected
 
 
 def test_preflight_stops_the_run_when_one_row_does_not_fit():
