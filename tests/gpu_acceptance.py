@@ -24,15 +24,18 @@ acceptance as it was then ran out of time:
      every later stage and the training scripts load instead of initialising it again (measured:
      the random 1.5B model built on the CPU in each stage, nothing printed within 110 s).
      model.generate ran 457 tok/s at N = 64 × 128 (140 ms a step): 64 steps take ~9 s.
-  3. the profile of the decode, N = 256 × 1024 new tokens, sampled (bench.py --profile decode),
-     and before it the sampler's ops outside the captured step timed one by one (--sampler_rows)
-     and the step's attention alone, per variant and width (--attention_rows): 55 s. Measured:
-     that decode 14-16 s (18,585 tok/s; 15.6 s as the seed-study step's generate).
+  3. the decode, N = 256 × 1024 new tokens, sampled, no profiler: generate (its share of the
+     bandwidth bound, issue 40's target) against its two candidates (bench.py's contenders matmul
+     and widths: matmul_decode_attention, finer_widths), each once after a warm-up; before it the
+     sampler's ops outside the captured step timed one by one (--sampler_rows) and the step's
+     attention alone, per variant and width (--attention_rows): 65 s. Measured: that decode 12.2 s
+     on the H200 under the profiler (14-16 s on the H100), whose kernels are in docs/speed.md
+     (bench.py --profile decode runs it again).
   4. the seed-study step of grpo.py (B = 32, G = 8, 1024 new tokens), no profiler: the issue's
      targets are this step's own time, peak memory and MFU. The preflight sizes its micro-batches
      and scoring chunks first; bench reports the preflight's seconds and sizes, each phase's
      time/* metric, TFLOP/s and MFU (FLOPs computed as --profile computes them), and peak GB:
-     100 s. Measured: 69.7 s a step on the H100 (generate 15.6, reward 0.27, logprobs 9.4,
+     90 s. Measured: 69.7 s a step on the H100 (generate 15.6, reward 0.27, logprobs 9.4,
      update 44.4), 41.1 s on the H200 with 4-row micro-batches; with the preflight, not yet.
   5. the same step of dapo.py (no reference, on-policy: no scoring pass): 80 s. Measured: 32.0 s
      on the H200 with 4-row micro-batches.
@@ -67,7 +70,7 @@ from bench import default_model_dir, markdown  # noqa: E402  (after the path: be
 
 SHAPE = "qwen2.5-1.5b-shape"
 SLOW_CUDA_TESTS = "not torchrun_one_process_with_nccl and not bench_smoke_on_cuda"
-SECTIONS = ("generation", "sampler", "attention", "profile", "profile_top", "training_step")
+SECTIONS = ("generation", "decode_bytes", "sampler", "attention", "profile", "profile_top", "training_step")
 
 
 def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
@@ -94,12 +97,13 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
             + ["--logprob_rows", "0"],
         ),
         dict(
-            name=f"profile: decode, N = {sizes['decode_rows']} × {sizes['decode_tokens']} new tokens, sampled",
-            seconds=55,
-            json=directory / "profile_decode.json",
-            command=[*bench, *model, "--profile", "decode", "--batch_sizes", sizes["decode_rows"]]
-            + ["--max_new_tokens", sizes["decode_tokens"], "--sampler_rows", sizes["decode_rows"]]
-            + ["--attention_rows", sizes["decode_rows"]],
+            name=f"decode, N = {sizes['decode_rows']} × {sizes['decode_tokens']} new tokens, sampled, against "
+            "its candidates; the sampler and the attention part by part",
+            seconds=65,
+            json=directory / "decode.json",
+            command=[*bench, *model, "--batch_sizes", sizes["decode_rows"], "--max_new_tokens", sizes["decode_tokens"]]
+            + ["--modes", "sampled", "--contenders", "nanopo,matmul,widths", "--repeats", "1", "--train_steps", ""]
+            + ["--logprob_rows", "0", "--sampler_rows", sizes["decode_rows"], "--attention_rows", sizes["decode_rows"]],
         ),
         *[
             dict(
@@ -110,7 +114,7 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
                 command=[*bench, *model, "--train_steps", script, *step, "--batch_sizes", "", "--logprob_rows", "0"]
                 + (["--gradient_checkpointing", "true"] if script == "ppo" else []),
             )
-            for script, seconds in (("grpo", 100), ("dapo", 80), ("ppo", 170))
+            for script, seconds in (("grpo", 90), ("dapo", 80), ("ppo", 170))
         ],
         dict(
             name=f"profile: one grpo.py step, B = {sizes['batch']}, G = {sizes['group']}, "

@@ -248,3 +248,27 @@ def test_the_decode_attention_variants_compute_generate_attention():
     torch.testing.assert_close(
         matmul_decode_attention(None, query, key, value, mask, 8**-0.5)[0], expected, atol=1e-6, rtol=0
     )
+
+
+def test_the_decode_candidates_generate_what_generate_does():
+    # bench.py's contenders `matmul` and `widths` are generate with one function replaced: the
+    # one-token attention by matmul_decode_attention, decode_widths by finer_widths. Each computes
+    # the same function (the widths only add masked columns), so on the tiny model in fp32 the
+    # greedy tokens are generate's and the log-probs within float rounding (1e-5); grpo's own
+    # functions are back in place after the call. finer_widths: new columns 64, then a quarter
+    # more each, rounded up to 32: 64, 80 → 96, 120 → 128, 160, 200 → 224, 280 → 288, then the cap.
+    import grpo
+    from bench import finer_widths, matmul_decode_attention, prompts, replaced
+    from common import load_model
+
+    assert finer_widths(10, 300) == [74, 106, 138, 170, 234, 298, 310]
+    model, tokenizer, _ = load_model("tiny", torch.device("cpu"))
+    ids, mask = prompts(tokenizer, 4, 2, torch.device("cpu"))
+    inputs = (model, ids, mask, 80, [], tokenizer.pad_token_id, len(tokenizer), 0.0)
+    expected = grpo.generate(*inputs)
+    originals = grpo.grouped_decode_attention, grpo.decode_widths
+    for name, candidate in (("grouped_decode_attention", matmul_decode_attention), ("decode_widths", finer_widths)):
+        got = replaced(name, candidate, *inputs)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+        torch.testing.assert_close(got[3], expected[3], atol=1e-5, rtol=0)
+    assert (grpo.grouped_decode_attention, grpo.decode_widths) == originals

@@ -19,10 +19,8 @@ def test_acceptance_runner_smoke(tmp_path):
     assert text.count("\n## ") == 7 and text.count("passed, ") == 7  # seven stages, each passed
     assert "pytest: " in text and "skipped" in text  # the CUDA tier: skipped on the CPU, and said so
     assert "| N | P | mode | lengths | nanopo tok/s | hf tok/s |" in text  # generation against model.generate
-    # The profile table (one row per phase) and the table of the ten largest CPU ops per phase.
-    assert "| run | phase | calls | wall s | CPU op s | busy/wall | TFLOP | TFLOP/s | MFU | GB | GB/s |" in text
-    assert "| run | phase | # | CPU op | ms | calls | of busy |" in text
-    assert "| decode | generate N=4 | 1 |" in text
+    # Stage 3: the decode against its candidates, the sampler and the attention part by part.
+    assert "| 4 | " in text and "| sampled | fixed |" in text and "| nanopo/matmul | nanopo/widths |" in text
     assert "| part | N | V | ms a call |" in text and "| multinomial | 4 | 151665 |" in text  # the sampler's ops
     assert "| variant | N | width | ms a call |" in text and "| matmul (candidate) | 4 |" in text  # attention
     # Stages 4-6, each script's step unprofiled: its time/* metrics, the preflight's time and sizes
@@ -34,7 +32,9 @@ def test_acceptance_runner_smoke(tmp_path):
     )
     assert "| micro_batch_size | logprob_chunk_size | TFLOP/s generate+reward |" in text
     assert "| TFLOP/s values |" in text and "| TFLOP/s critic update |" in text  # ppo's critic
-    # Stage 7, the grpo step profiled phase by phase.
+    # Stage 7, the grpo step profiled phase by phase: one row per phase, the ten largest CPU ops of each.
+    assert "| run | phase | calls | wall s | CPU op s | busy/wall | TFLOP | TFLOP/s | MFU | GB | GB/s |" in text
+    assert "| run | phase | # | CPU op | ms | calls | of busy |" in text
     assert "| grpo | generate+reward | 1 |" in text and "| grpo | update |" in text
 
 
@@ -56,7 +56,10 @@ def test_acceptance_runner_runs_the_stages_asked_for(tmp_path, monkeypatch, caps
     monkeypatch.setattr(sys, "argv", ["gpu_acceptance.py", "--output", str(report), "--smoke", "--stages", "3,1"])
     assert gpu_acceptance.main() == 0
     headings = [line for line in report.read_text().splitlines() if line.startswith("## ")]
-    assert headings == ["## CUDA tier", "## profile: decode, N = 4 × 8 new tokens, sampled"]
+    assert headings == [
+        "## CUDA tier",
+        "## decode, N = 4 × 8 new tokens, sampled, against its candidates; the sampler and the attention part by part",
+    ]
     assert report.read_text().count("passed, ") == 2
     ran.clear()
     for wrong in ("8", "2,x"):
