@@ -589,9 +589,9 @@ def replaced(name: str, candidate, *inputs, **settings):
 
 def finer_widths(prompt_length: int, max_new_tokens: int, smallest: int = 64) -> list[int]:
     """A candidate for decode_widths: the new columns grow by a quarter (rounded up to a multiple of
-    32) where decode_widths doubles them. Over 1024 new tokens after a 130-token prompt the one-token
-    step then reads 1.09 times the filled columns on average, where doubling reads 1.27 times, at
-    the price of more CUDA graphs (12 against 5)."""
+    32) where decode_widths doubles them. Over 1024 new tokens after the acceptance run's 285-token
+    prompts the one-token step then reads 1.07 times the filled columns on average, where doubling
+    reads 1.22 times (after 130 tokens: 1.09 and 1.27), at the price of more CUDA graphs (12 against 5)."""
     widths, new = [], smallest
     while new < max_new_tokens:
         widths.append(prompt_length + new)
@@ -617,34 +617,35 @@ def matmul_decode_attention(module, query, key, value, attention_mask, scaling=N
     it): grouped_decode_attention's function written as two batched products and a softmax, the
     query heads of a KV head as the rows of one product, so each cached key and value is read once.
     The scores (n, kv heads, group, S) are small next to the cache at one query token. Under
-    autocast the products run in bf16 and the mask's addition and the softmax in fp32."""
+    autocast the products run in bf16, the scaling, the (additive) mask and the softmax in fp32."""
     num_rows, heads, _, head_dim = query.shape
     kv_heads = key.shape[1]
     folded = query.reshape(num_rows, kv_heads, heads // kv_heads, head_dim)  # (n, kv, g, d)
     scale = head_dim**-0.5 if scaling is None else scaling
-    scores = torch.matmul(folded, key.transpose(-1, -2)) * scale  # (n, kv, g, S)
+    scores = torch.matmul(folded, key.transpose(-1, -2)).float() * scale  # (n, kv, g, S), scaled in fp32
     if attention_mask is not None:
-        scores = scores + attention_mask  # (n, 1, 1, S): one row of columns for every head
-    weights = torch.softmax(scores.float(), dim=-1).to(value.dtype)
+        scores = scores + attention_mask  # (n, 1, 1, S) additive: one row of columns for every head
+    weights = torch.softmax(scores, dim=-1).to(value.dtype)
     return torch.matmul(weights, value).reshape(num_rows, 1, heads, head_dim), None
 
 
-def bench_attention(config, num_rows: int, prompt_length: int, max_new_tokens: int, device, amp, calls: int = 20):
+def bench_attention(config, num_rows: int, prompt_length: int, max_new_tokens: int, device, amp, dtype, calls=20):
     """The attention of generate's one-token step, one layer's call at a time, at each width it
     attends over (decode_widths: prompt_length + 64, + 128, … + max_new_tokens): PyTorch's SDPA as
     grouped_decode_attention calls it (the backend PyTorch picks, then each backend alone), the
     candidate matmul_decode_attention, and SDPA with no mask (what the kernel costs when it has
     neither padding nor unfilled columns to hide). Inputs as generate's step has them: the query
-    and the cache in the compute dtype (bf16 under autocast on a GPU), the additive mask in fp32,
-    each row's first columns masked as left padding and the columns past the filled ones masked.
-    ms a call is the mean of `calls` calls between two synchronisations; GB/s counts the keys and
-    values read (N · kv heads · width · head dim · 2 · bytes); ms a step is a call times the layers.
-    max |Δ| is the output's largest difference from the same attention in float64."""
+    and the cache in `dtype`, the compute dtype (bf16 under autocast on a GPU), the additive mask in
+    fp32, each row's first columns masked as left padding and the columns past the filled ones
+    masked. ms a call is the mean of `calls` calls between two synchronisations, on CUDA replays of
+    the call captured as a CUDA graph, as generate's step runs (eager if the capture fails: `timed`
+    says which), so that a variant of more kernels pays no launches the decode does not; GB/s counts
+    the keys and values read (N · kv heads · width · head dim · 2 · bytes); ms a step is a call
+    times the layers. max |Δ| is the output's largest difference from the same attention in float64."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # what autocast computes in
     generator = torch.Generator(device).manual_seed(0)
     length = prompt_length + max_new_tokens
     query = torch.randn(num_rows, heads, 1, head_dim, device=device, generator=generator).to(dtype)
@@ -685,16 +686,32 @@ def bench_attention(config, num_rows: int, prompt_length: int, max_new_tokens: i
                         warnings.simplefilter("always")
                         output = call()[0]  # warm-up
                 except RuntimeError as error:  # a backend that does not take these inputs
-                    reasons = [str(w.message).splitlines()[0] for w in warned if "not used because" in str(w.message)]
-                    rows.append(row | {"refused": "; ".join(reasons) or str(error).strip().split(". ")[0]})
+                    rows.append(row | {"refused": refusal([str(w.message) for w in warned], error)})
                     continue
-                seconds = timed(functools.partial(repeat_calls, call, calls), device) / calls
+                run, row["timed"] = call, "eager"
+                if device.type == "cuda":
+                    try:
+                        run, row["timed"] = grpo.cuda_graph(call), "graph replay"
+                    except RuntimeError as error:
+                        row["timed"] = f"eager (capture failed: {str(error).strip()[:80]})"
+                seconds = timed(functools.partial(repeat_calls, run, calls), device) / calls
             row |= {"ms a call": 1000 * seconds, "GB/s": read / seconds / 1e9}
             row |= {"ms a step": 1000 * seconds * config.num_hidden_layers}
             if masked:
                 row["max |Δ| vs fp64"] = (output.double() - expected).abs().max().item()
             rows.append(row)
     return rows
+
+
+def refusal(messages: list[str], error: Exception) -> str:
+    """Why PyTorch refused a backend, from its warnings: a header per backend ("… not used
+    because:"), each followed by its reasons; the source locations cut, headers left without a
+    reason dropped. Else the error's first sentence."""
+    lines = [message.split(" (Triggered internally")[0].strip() for message in messages]
+    lines = [line for line in lines if line]
+    following = lines[1:] + [":"]  # a header at the end has no reason after it
+    kept = [line for line, after in zip(lines, following) if not (line.endswith(":") and after.endswith(":"))]
+    return " ".join(dict.fromkeys(kept))[:400] or str(error).strip().split(". ")[0]
 
 
 def repeat_calls(function, calls: int) -> None:
@@ -1382,7 +1399,8 @@ def measure(args: Args) -> dict:
         save()
         print(f"\n### sampler\n\n{markdown(report['sampler'])}")
     if args.attention_rows:  # no weights: the attention's cost is its shapes alone
-        report["attention"] = bench_attention(*attention_shape(args, device), args.max_new_tokens, device, amp)
+        shape = attention_shape(args, device)
+        report["attention"] = bench_attention(*shape, args.max_new_tokens, device, amp, compute_dtype or weight_dtype)
         save()
         print(f"\n### attention\n\n{markdown(report['attention'])}")
     if args.profile:

@@ -228,10 +228,10 @@ def test_the_decode_attention_variants_compute_generate_attention():
     from transformers import Qwen2Config
 
     import grpo
-    from bench import bench_attention, matmul_decode_attention
+    from bench import bench_attention, matmul_decode_attention, refusal
 
     config = Qwen2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
-    rows = bench_attention(config, 3, 5, 130, torch.device("cpu"), contextlib.nullcontext, calls=2)
+    rows = bench_attention(config, 3, 5, 130, torch.device("cpu"), contextlib.nullcontext, torch.float32, calls=2)
     assert sorted({row["width"] for row in rows}) == grpo.decode_widths(5, 130) == [69, 133, 135]
     for width in (69, 133, 135):
         ran = {row["variant"]: row for row in rows if row["width"] == width and "refused" not in row}
@@ -248,6 +248,17 @@ def test_the_decode_attention_variants_compute_generate_attention():
     torch.testing.assert_close(
         matmul_decode_attention(None, query, key, value, mask, 8**-0.5)[0], expected, atol=1e-6, rtol=0
     )
+    # A refused backend's row says why, as PyTorch's warnings do (here the CPU's, for flash with
+    # dropout): the header and its reason, without the source locations; a header with no reason
+    # after it (a backend switched off) is dropped.
+    messages = [
+        "Flash attention kernel not used because: (Triggered internally at sdp_utils_cpp.cpp:99.)",
+        "Both fused kernels do not support non-zero dropout. (Triggered internally at sdp_utils_cpp.h:241.)",
+        "Memory efficient kernel not used because:",
+    ]
+    expected = "Flash attention kernel not used because: Both fused kernels do not support non-zero dropout."
+    assert refusal(messages, RuntimeError("No available kernel.  Aborting execution.")) == expected
+    assert refusal([], RuntimeError("No viable backend was found. This is likely …")) == "No viable backend was found"
 
 
 def test_the_decode_candidates_generate_what_generate_does():
@@ -264,7 +275,9 @@ def test_the_decode_candidates_generate_what_generate_does():
     assert finer_widths(10, 300) == [74, 106, 138, 170, 234, 298, 310]
     model, tokenizer, _ = load_model("tiny", torch.device("cpu"))
     ids, mask = prompts(tokenizer, 4, 2, torch.device("cpu"))
-    inputs = (model, ids, mask, 80, [], tokenizer.pad_token_id, len(tokenizer), 0.0)
+    prompt_length = ids.shape[1]
+    assert len(finer_widths(prompt_length, 300)) == 7 and len(grpo.decode_widths(prompt_length, 300)) == 4
+    inputs = (model, ids, mask, 300, [], tokenizer.pad_token_id, len(tokenizer), 0.0)  # every width its own
     expected = grpo.generate(*inputs)
     originals = grpo.grouped_decode_attention, grpo.decode_widths
     for name, candidate in (("grouped_decode_attention", matmul_decode_attention), ("decode_widths", finer_widths)):
@@ -272,3 +285,26 @@ def test_the_decode_candidates_generate_what_generate_does():
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
         torch.testing.assert_close(got[3], expected[3], atol=1e-5, rtol=0)
     assert (grpo.grouped_decode_attention, grpo.decode_widths) == originals
+
+
+def test_training_steps_alone_load_no_model_and_report_each_phase(tmp_path, monkeypatch):
+    # bench.py --train_steps grpo with no section that needs the model (--batch_sizes '', no
+    # logprob, gap, head or step rows) loads none (the training step loads its own), and the step's
+    # row has the preflight's seconds, the sizes it ran with (on the CPU 4 and 8 rows) and each
+    # phase's TFLOP/s.
+    import bench
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(bench, "load_bench_model", no_model)
+    settings = dict(model="tiny", batch_sizes="", logprob_rows=0, train_steps="grpo", max_new_tokens=4)
+    settings |= dict(group_size=2, train_batch_size=1, output=str(tmp_path / "bench.json"))
+    report = bench.main(bench.Args(**settings))
+    (row,) = report["training_step"]
+    assert row["script"] == "grpo" and row["preflight s"] >= 0
+    assert (row["micro_batch_size"], row["logprob_chunk_size"]) == (4, 8)
+    assert all(row[f"TFLOP/s {phase}"] > 0 for phase in ("generate+reward", "logprobs", "update"))
+    assert row["time/* summed"] == pytest.approx(
+        sum(v for k, v in row.items() if k.startswith("time/") and k != "time/* summed")
+    )
