@@ -54,8 +54,8 @@ so that the LM head, the sampler and the log-softmax run at the real vocabulary'
    time on the CPU), its ten largest kernels, FLOP/s and MFU, bytes/s against the measured copy
    bandwidth, peak memory and host syncs (Profiles, phase_work, count_host_syncs; docs/speed.md).
 7. With --sampler_rows N, first (before --profile too): each op generate's sampler runs a token
-   outside the captured step, on (N, 151,665) fp32 logits, timed alone, then the whole sampler and
-   the exponential race that could replace multinomial (bench_sampler).
+   outside the captured step, on (N, 151,665) fp32 logits, timed alone, then the whole sampler (the
+   exponential race) and the sampler before it (exp and multinomial) (bench_sampler).
 8. With --attention_rows N, next (before --profile too): the one-token step's attention, one
    layer's call at the model's shape, at each width generate attends over: SDPA as generate calls
    it, each SDPA backend alone, the candidate matmul_decode_attention, SDPA with no mask; ms a
@@ -530,43 +530,44 @@ def bandwidth_bound(model, num_rows: int, context: int, tokens_per_s: float, dev
 def bench_sampler(num_rows: int, vocab_size: int, device, calls: int = 20) -> list[dict]:
     """What generate runs every token outside its captured one-token step, at τ ≠ 1 and top-p 1, op by
     op on (N, V) fp32 logits: ms a call, the mean of `calls` calls between two synchronisations (each
-    op's inputs made beforehand, so each time is its own). Then the whole sampler as generate runs it,
-    and an alternative that would replace multinomial: the exponential race (Gumbel-max), argmax of
-    the scaled logits minus the log of Exp(1) noise, which draws from the same softmax with no
-    cumulative sum or search (tests/test_bench.py checks the distribution), with the token's log-prob."""
+    op's inputs made beforehand, so each time is its own). Then the whole sampler as generate runs it
+    (grpo.sample: the exponential race, argmax of the scaled logits minus the log of Exp(1) noise),
+    and the sampler before it, log-probs, exp and torch.multinomial, which draws the same tokens
+    (tests/test_generation.py) with more passes over (N, V)."""
     cuda = device.type == "cuda"
     temperature = 0.7
     logits = torch.randn(num_rows, vocab_size, device=device) * 4  # (N, V)
     scaled = logits / temperature
-    lse = torch.logsumexp(scaled, dim=-1, keepdim=True)  # (N, 1)
-    logp = scaled - lse
-    probs = logp.exp()
-    token = torch.multinomial(probs, 1).squeeze(-1)  # (N,)
+    lse = torch.logsumexp(scaled, dim=-1)  # (N,)
+    noise = torch.empty_like(scaled).exponential_()
+    keys = scaled - noise.log()  # (N, V)
+    token = keys.argmax(dim=-1)  # (N,)
+
+    def rng_state():
+        return torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
 
     def sampler():  # generate's sampled branch, as its text runs it
-        torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
+        rng_state()
+        return grpo.sample(logits / temperature, 1.0)
+
+    def multinomial_sampler():  # generate's sampled branch before the race
+        rng_state()
         scaled = logits / temperature
         logp = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)
         token = torch.multinomial(logp.exp(), 1).squeeze(-1)
         return logp.gather(-1, token[:, None]).squeeze(-1)
 
-    def race():
-        scaled = logits / temperature
-        token = (scaled - torch.empty_like(scaled).exponential_().log()).argmax(dim=-1)  # (N,)
-        return scaled.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
-
     parts = {
-        "the random generator's state, kept per token": lambda: (
-            torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
-        ),
+        "the random generator's state, kept per token": rng_state,
         "scale: logits / τ": lambda: logits / temperature,
-        "logsumexp": lambda: torch.logsumexp(scaled, dim=-1, keepdim=True),
-        "log-probs: scaled − logsumexp": lambda: scaled - lse,
-        "exp": lambda: logp.exp(),
-        "multinomial": lambda: torch.multinomial(probs, 1),
-        "the token's log-prob (gather)": lambda: logp.gather(-1, token[:, None]),
-        "the whole sampler, as generate": sampler,
-        "alternative: exponential race, with the token's log-prob": race,
+        "logsumexp": lambda: torch.logsumexp(scaled, dim=-1),
+        "noise: E ~ Exp(1)": lambda: torch.empty_like(scaled).exponential_(),
+        "log E": lambda: noise.log(),
+        "scaled − log E": lambda: scaled - noise,
+        "argmax": lambda: keys.argmax(dim=-1),
+        "the token's log-prob (gather − logsumexp)": lambda: scaled.gather(-1, token[:, None]).squeeze(-1) - lse,
+        "the whole sampler, as generate (sample)": sampler,
+        "before: log-probs, exp, multinomial": multinomial_sampler,
     }
     rows = []
     for name, part in parts.items():

@@ -1400,10 +1400,7 @@ def generate(
         # logit − logsumexp, as sequence_logprobs scores, not F.log_softmax (biased on the CPU: docs/metrics.md)
         if temperature > 0:
             rng_states.append(torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state())
-            scaled = logits / temperature  # (n, V)
-            logp = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)  # (n, V)
-            token = torch.multinomial(top_p_filter(logp.exp(), top_p), 1).squeeze(-1)  # (n,)
-            token_logp = logp.gather(-1, token[:, None]).squeeze(-1)  # (n,)
+            token, token_logp = sample(logits / temperature, top_p)  # (n,), (n,)
         else:  # greedy: the log-probability of the chosen token only, no (n, V) log-softmax
             token = logits.argmax(dim=-1)  # (n,)
             token_logp = logits.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # (n,)
@@ -1469,6 +1466,22 @@ def generate(
         sample_logp[:, cut].contiguous(),
         tool_mask[:, cut].contiguous(),
     )
+
+
+def sample(scaled: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from softmax(scaled) (top-p: from its nucleus), and its log-prob before top-p,
+    logit − logsumexp as sequence_logprobs scores it. scaled (n, V) -> token (n,), log-prob (n,).
+    By the exponential race (Gumbel-max): with E ~ Exp(1) drawn for every id, argmax(x − log E) is
+    distributed as softmax(x). torch.multinomial draws one sample the same way, argmax(p / E) with
+    E from one exponential_ over the (n, V) tensor, so this takes the same random numbers and gives
+    the same tokens (bar a float tie) for a seed; it saves what multinomial adds: the probabilities
+    (an exp over (n, V), which top-p still needs), its checks of them (max, min, row sums) and the division."""
+    lse = torch.logsumexp(scaled, dim=-1)  # (n,)
+    if top_p < 1.0:  # the tail outside the nucleus cannot win
+        scaled = scaled.masked_fill(top_p_filter((scaled - lse[:, None]).exp(), top_p) == 0, float("-inf"))
+    noise = torch.empty_like(scaled).exponential_()  # (n, V) E ~ Exp(1)
+    token = (scaled - noise.log_()).argmax(dim=-1)  # (n,)
+    return token, scaled.gather(-1, token[:, None]).squeeze(-1) - lse
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:

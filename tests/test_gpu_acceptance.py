@@ -21,7 +21,7 @@ def test_acceptance_runner_smoke(tmp_path):
     assert "| N | P | mode | lengths | nanopo tok/s | hf tok/s |" in text  # generation against model.generate
     # Stage 3: the decode against its candidates, the sampler and the attention part by part.
     assert "| 4 | " in text and "| sampled | fixed |" in text and "| nanopo/matmul | nanopo/widths |" in text
-    assert "| part | N | V | ms a call |" in text and "| multinomial | 4 | 151665 |" in text  # the sampler's ops
+    assert "| part | N | V | ms a call |" in text and "| argmax | 4 | 151665 |" in text  # the sampler's ops
     assert "| variant | N | width | timed | ms a call |" in text and "| matmul (candidate) | 4 |" in text  # attention
     # Stages 4-6, each script's step unprofiled: its time/* metrics, the preflight's time and sizes
     # (on the CPU the rows it falls back to), the work per second of each phase.
