@@ -56,6 +56,8 @@ so that the LM head, the sampler and the log-softmax run at the real vocabulary'
 7. With --sampler_rows N, first (before --profile too): each op generate's sampler runs a token
    outside the captured step, on (N, 151,665) fp32 logits, timed alone, then the whole sampler (the
    exponential race) and the sampler before it (exp and multinomial) (bench_sampler).
+   With --race_rows N: how often the race and multinomial draw different tokens from the same
+   random state, over N rows of 8 ids on the CPU (near-ties the two roundings break apart).
 8. With --attention_rows N, next (before --profile too): the one-token step's attention, one
    layer's call at the model's shape, at each width generate attends over: SDPA as generate calls
    it, each SDPA backend alone, the candidate matmul_decode_attention, SDPA with no mask; ms a
@@ -141,6 +143,9 @@ class Args:
     )
     attention_rows: int = arg(
         0, "N of the one-token step's attention timed alone, per variant and width (the model's shape); 0 = skip"
+    )
+    race_rows: int = arg(
+        0, "rows over which sample's tokens are compared with torch.multinomial's (near-ties); 0 = skip"
     )
     head_logit_std: float = arg(4.0, "--head_rows: the logits' spread the head is scaled to (a trained model's)")
     profile: str = arg("", "decode, grpo, dapo or ppo (comma-separated): each phase under torch.profiler; '' = none")
@@ -531,16 +536,18 @@ def bench_sampler(num_rows: int, vocab_size: int, device, calls: int = 20) -> li
     """What generate runs every token outside its captured one-token step, at τ ≠ 1 and top-p 1, op by
     op on (N, V) fp32 logits: ms a call, the mean of `calls` calls between two synchronisations (each
     op's inputs made beforehand, so each time is its own). Then the whole sampler as generate runs it
-    (grpo.sample: the exponential race, argmax of the scaled logits minus the log of Exp(1) noise),
+    (grpo.sample: the exponential race, argmax of the log-probs minus the log of Exp(1) noise),
     and the sampler before it, log-probs, exp and torch.multinomial, which draws the same tokens
-    (tests/test_generation.py) with more passes over (N, V)."""
+    (tests/test_generation.py): one call of each in turn, `calls` times, the median of each's."""
     cuda = device.type == "cuda"
     temperature = 0.7
     logits = torch.randn(num_rows, vocab_size, device=device) * 4  # (N, V)
     scaled = logits / temperature
-    lse = torch.logsumexp(scaled, dim=-1)  # (N,)
+    lse = torch.logsumexp(scaled, dim=-1, keepdim=True)  # (N, 1)
+    logp = scaled - lse
     noise = torch.empty_like(scaled).exponential_()
-    keys = scaled - noise.log()  # (N, V)
+    log_noise = noise.log()
+    keys = logp - log_noise  # (N, V)
     token = keys.argmax(dim=-1)  # (N,)
 
     def rng_state():
@@ -560,20 +567,54 @@ def bench_sampler(num_rows: int, vocab_size: int, device, calls: int = 20) -> li
     parts = {
         "the random generator's state, kept per token": rng_state,
         "scale: logits / τ": lambda: logits / temperature,
-        "logsumexp": lambda: torch.logsumexp(scaled, dim=-1),
+        "logsumexp": lambda: torch.logsumexp(scaled, dim=-1, keepdim=True),
+        "the check that it is finite": lambda: torch._assert_async(lse.isfinite().all()),
+        "log-probs: scaled − logsumexp": lambda: scaled - lse,
         "noise: E ~ Exp(1)": lambda: torch.empty_like(scaled).exponential_(),
         "log E": lambda: noise.log(),
-        "scaled − log E": lambda: scaled - noise,
+        "log-probs − log E": lambda: logp - log_noise,
         "argmax": lambda: keys.argmax(dim=-1),
-        "the token's log-prob (gather − logsumexp)": lambda: scaled.gather(-1, token[:, None]).squeeze(-1) - lse,
-        "the whole sampler, as generate (sample)": sampler,
-        "before: log-probs, exp, multinomial": multinomial_sampler,
+        "the token's log-prob (gather)": lambda: logp.gather(-1, token[:, None]),
     }
     rows = []
     for name, part in parts.items():
         part()  # warm-up
         seconds = timed(functools.partial(repeat_calls, part, calls), device)
         rows.append({"part": name, "N": num_rows, "V": vocab_size, "ms a call": 1000 * seconds / calls})
+    # The two whole samplers one call each in turn, the median of each's calls: a slow spell of a
+    # shared machine hits both alike.
+    whole = {
+        "the whole sampler, as generate (sample)": sampler,
+        "before: log-probs, exp, multinomial": multinomial_sampler,
+    }
+    seconds = {name: [] for name in whole}
+    for _ in range(calls):
+        for name, function in whole.items():
+            seconds[name].append(timed(function, device))
+    for name, times in seconds.items():
+        rows.append({"part": name, "N": num_rows, "V": vocab_size, "ms a call": 1000 * statistics.median(times)})
+    return rows
+
+
+def race_agreement(num_rows: int, ids: int = 8, chunk: int = 500_000) -> list[dict]:
+    """How often generate's sample (argmax(log π − log E)) and torch.multinomial (argmax(π / E), the
+    same E) draw different tokens from the same random state: near-ties that the two roundings break
+    apart. num_rows rows of `ids` ids, logits around 30 and around 0 (± 0.5, so many near-ties),
+    on the CPU; beside it the keys computed from the logits, x − log E, without the log-softmax."""
+    generator, rows = torch.Generator().manual_seed(0), []
+    for offset in (30.0, 0.0):
+        counts = {"log π − log E": 0, "x − log E": 0}
+        for start in range(0, num_rows, chunk):
+            scaled = offset + 0.5 * torch.randn(min(chunk, num_rows - start), ids, generator=generator)
+            logp = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)
+            state = torch.get_rng_state()
+            expected = torch.multinomial(logp.exp(), 1).squeeze(-1)
+            torch.set_rng_state(state)
+            log_noise = torch.empty_like(logp).exponential_().log()
+            counts["log π − log E"] += int(((logp - log_noise).argmax(-1) != expected).sum())
+            counts["x − log E"] += int(((scaled - log_noise).argmax(-1) != expected).sum())
+        row = {"logits": f"{offset:g} ± 0.5", "rows": num_rows, "ids": ids}
+        rows.append(row | {f"tokens unlike multinomial's, keys {key}": n for key, n in counts.items()})
     return rows
 
 
@@ -1399,6 +1440,10 @@ def measure(args: Args) -> dict:
         report["sampler"] = bench_sampler(args.sampler_rows, QWEN_TOKENIZER_SIZE, device)
         save()
         print(f"\n### sampler\n\n{markdown(report['sampler'])}")
+    if args.race_rows:  # no model, on the CPU: how often a near-tie parts the race from multinomial
+        report["race"] = race_agreement(args.race_rows)
+        save()
+        print(f"\n### race\n\n{markdown(report['race'])}")
     if args.attention_rows:  # no weights: the attention's cost is its shapes alone
         shape = attention_shape(args, device)
         report["attention"] = bench_attention(*shape, args.max_new_tokens, device, amp, compute_dtype or weight_dtype)

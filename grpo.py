@@ -1553,17 +1553,19 @@ def generate(
 def sample(scaled: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row from softmax(scaled) (top-p: from its nucleus), and its log-prob before top-p,
     logit − logsumexp as sequence_logprobs scores it. scaled (n, V) -> token (n,), log-prob (n,).
-    By the exponential race (Gumbel-max): with E ~ Exp(1) drawn for every id, argmax(x − log E) is
-    distributed as softmax(x). torch.multinomial draws one sample the same way, argmax(p / E) with
-    E from one exponential_ over the (n, V) tensor, so this takes the same random numbers and gives
-    the same tokens (bar a float tie) for a seed; it saves what multinomial adds: the probabilities
-    (an exp over (n, V), which top-p still needs), its checks of them (max, min, row sums) and the division."""
-    lse = torch.logsumexp(scaled, dim=-1)  # (n,)
-    if top_p < 1.0:  # the tail outside the nucleus cannot win
-        scaled = scaled.masked_fill(top_p_filter((scaled - lse[:, None]).exp(), top_p) == 0, float("-inf"))
-    noise = torch.empty_like(scaled).exponential_()  # (n, V) E ~ Exp(1)
-    token = (scaled - noise.log_()).argmax(dim=-1)  # (n,)
-    return token, scaled.gather(-1, token[:, None]).squeeze(-1) - lse
+    By the exponential race (Gumbel-max): with E ~ Exp(1) drawn for every id, argmax(log π − log E)
+    is distributed as π. torch.multinomial draws one sample the same way, argmax(π / E) with E from
+    one exponential_ over the (n, V) tensor, so this takes the same random numbers and gives the same
+    tokens for a seed (bar a near-tie that float rounding breaks the other way); it saves what
+    multinomial adds: its checks of π (max, min, row sums), the division, and the exp where top-p is 1.
+    A row whose logits are not numbers (NaN, +inf, all −inf) stops the run, as multinomial did."""
+    lse = torch.logsumexp(scaled, dim=-1, keepdim=True)  # (n, 1)
+    torch._assert_async(lse.isfinite().all(), "generate: a row's logits are NaN or infinite (diverged weights?)")
+    logp = scaled - lse  # (n, V)
+    keys = logp if top_p >= 1.0 else logp.masked_fill(top_p_filter(logp.exp(), top_p) == 0, float("-inf"))
+    noise = torch.empty_like(logp).exponential_()  # (n, V) E ~ Exp(1)
+    token = (keys - noise.log_()).argmax(dim=-1)  # (n,)
+    return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -209,6 +209,13 @@ def test_the_sampler_parts():
         "before: log-probs, exp, multinomial",
     ]
     assert all(row["ms a call"] > 0 and (row["N"], row["V"]) == (2, 50) for row in rows)
+    # --race_rows: tokens of the race against multinomial's from the same state, chunk by chunk
+    # (a last chunk shorter than the others); a near-tie is ~1 in 10 million, so none in 1,000 rows.
+    from bench import race_agreement
+
+    rows = race_agreement(1000, chunk=300)
+    assert [(row["logits"], row["rows"], row["ids"]) for row in rows] == [("30 ± 0.5", 1000, 8), ("0 ± 0.5", 1000, 8)]
+    assert all(row["tokens unlike multinomial's, keys log π − log E"] == 0 for row in rows)
 
 
 def test_the_decode_attention_variants_compute_generate_attention():

@@ -316,3 +316,24 @@ def test_a_gpu_beyond_the_machine_stops_with_a_message():
     assert resolve_device("cuda") == torch.device("cuda", 0)  # named with its index
     with pytest.raises(SystemExit, match="GPU"):
         resolve_device(f"cuda:{torch.cuda.device_count()}")
+
+
+def test_the_sampler_draws_what_torch_multinomial_draws_on_cuda():
+    # generate's sample() (the exponential race, argmax(log π − log E)) against torch.multinomial
+    # on the GPU: ATen's single draw is argmax(π / E) with E from one exponential_ over the (n, V)
+    # tensor, so from the same CUDA generator state both take the same Philox numbers: the same
+    # tokens (bar a near-tie, ~1 in 10 million rows of close logits on the CPU) and the generator
+    # left where multinomial leaves it. 256 rows of Qwen's 151,665 ids, τ 1 and top-p 1 and 0.9.
+    draws = torch.Generator("cuda").manual_seed(0)
+    for top_p in (1.0, 0.9):
+        for seed in range(4):
+            scaled = torch.randn(256, 151665, device="cuda", generator=draws) * 4  # (n, V)
+            logp = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)
+            torch.cuda.manual_seed(seed)
+            expected = torch.multinomial(grpo.top_p_filter(logp.exp(), top_p), 1).squeeze(-1)
+            after = torch.cuda.get_rng_state()
+            torch.cuda.manual_seed(seed)
+            token, token_logp = grpo.sample(scaled, top_p)
+            assert torch.equal(torch.cuda.get_rng_state(), after)
+            assert torch.equal(token, expected)
+            assert torch.equal(token_logp, logp.gather(-1, expected[:, None]).squeeze(-1))

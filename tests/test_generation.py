@@ -254,3 +254,19 @@ def test_the_exponential_race_draws_from_the_softmax_and_its_nucleus():
         assert (counts - 40000 * torch.tensor(expected)).abs().max() < 600
         assert counts[0] + counts[3] == 0 or top_p == 1.0
         torch.testing.assert_close(token_logp, x[0].log_softmax(-1)[token])  # before top-p
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "all -inf"])
+def test_logits_that_are_not_numbers_stop_the_sampler(bad):
+    # A row of NaN or +inf logits (diverged weights), or of −inf only, has no distribution to draw
+    # from: sample() stops the run there, as torch.multinomial did ("probability tensor contains
+    # either inf, nan or element < 0"), instead of drawing id 0 with a NaN log-prob.
+    import grpo
+
+    scaled = torch.randn(3, 50)
+    if bad == "all -inf":
+        scaled[1] = float("-inf")
+    else:
+        scaled[1, 7] = float(bad)
+    with pytest.raises(RuntimeError, match="logits are NaN or infinite"):
+        grpo.sample(scaled, 1.0)
