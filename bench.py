@@ -139,7 +139,8 @@ class Args:
     )
     head_rows: int = arg(0, "positions whose log-probs each LM-head precision computes, against fp64; 0 = skip")
     sampler_rows: int = arg(
-        0, "N of the sampler's parts: each op generate runs a token outside its captured step, on (N, 151,665) logits"
+        0,
+        "N of the sampler's parts (each op generate runs a token outside its captured step, (N, 151,665)); 0 = skip",
     )
     attention_rows: int = arg(
         0, "N of the one-token step's attention timed alone, per variant and width (the model's shape); 0 = skip"
@@ -891,12 +892,9 @@ def bench_training(args, directory: str, device, rows: list, save=lambda: None) 
             seconds = time.perf_counter() - start
             if device.type == "cuda":
                 _peaks[phase] = max(_peaks.get(phase, 0), torch.cuda.max_memory_allocated(device) / 1e9)
-            shape, batch, kind, passes, models = phase_batch(
-                phase, inspect.signature(function).bind(*a, **k).arguments, result
-            )
             total = _work.setdefault(phase, [0.0, 0])
             total[0] += seconds
-            total[1] += phase_work(kind, shape, batch, element_bytes, passes, models)[0]
+            total[1] += call_work(phase, function, a, k, result, element_bytes)[0]
             return result
 
         with phases_wrapped(SCRIPTS[name], measured):
@@ -1293,6 +1291,13 @@ def phase_batch(phase: str, named: dict, result) -> tuple:
     return shape, batch, "train", passes_of(batch, named["args"].micro_batch_size, named["args"].micro_batch_tokens), 1
 
 
+def call_work(phase: str, function, args: tuple, kwargs: dict, result, element_bytes: int) -> tuple:
+    """(FLOPs, bytes, batch, kind) of one call of a script's phase function (phase_batch, phase_work)."""
+    named = inspect.signature(function).bind(*args, **kwargs).arguments
+    shape, batch, kind, passes, models = phase_batch(phase, named, result)
+    return (*phase_work(kind, shape, batch, element_bytes, passes, models), batch, kind)
+
+
 def passes_of(batch, rows: int, tokens: int) -> int:
     """How many chunks (passes) the scripts cut batch = (prompt_ids, prompt_mask, completion_mask)
     into, by rows or by tokens (chunks_of, the same text in the three scripts)."""
@@ -1312,9 +1317,7 @@ def profile_script(args, name: str, directory: str, device, element_bytes: int, 
 
     def around(phase, function, *a, **k):
         result, measured = profiled(lambda: function(*a, **k), device)
-        named = inspect.signature(function).bind(*a, **k).arguments
-        shape, batch, kind, passes, models = phase_batch(phase, named, result)
-        flops, nbytes = phase_work(kind, shape, batch, element_bytes, passes, models)
+        flops, nbytes, batch, kind = call_work(phase, function, a, k, result, element_bytes)
         tokens = int(batch[2].sum()) if kind == "decode" else None
         profiles.add(name, phase, measured, flops, nbytes, tokens)
         return result

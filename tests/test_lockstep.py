@@ -25,6 +25,7 @@ SCRIPTS = {"grpo.py": grpo, "dapo.py": dapo, "ppo.py": ppo}
 SHARED = [
     "prompt_indices",
     "encode_prompts",
+    "sample",
     "top_p_filter",
     "KVCache",
     "cache_argument",
