@@ -254,7 +254,8 @@ def test_the_preflight_sizes_the_passes_by_tokens(script, tmp_path, capsys):
     # the GPU and sets --micro_batch_tokens and --logprob_chunk_tokens, whole rows of the longest
     # sequence the run can produce (its longest prompt + max_new_tokens); the tiny model fits every
     # row of a mini-batch. It says so in one line, and the step trains.
-    from common import longest_prompt, training_task
+    from common import longest_prompt
+    from rewards import training_task
 
     more = {"critic_lr": 3e-3, "num_mini_batches": 2} if script is ppo else {}
     args = script.Args(**train_settings(tmp_path, max_steps=1, save_every=0, **more))
