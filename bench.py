@@ -51,8 +51,9 @@ so that the LM head, the sampler and the log-softmax run at the real vocabulary'
 6. With --profile decode | grpo | dapo | ppo (comma-separated): instead of the sections above,
    grpo.generate at N = the largest of --batch_sizes (sampled), or one training step of the script,
    each phase call under its own torch.profiler: per phase wall time, device-busy time (CPU op
-   time on the CPU), its ten largest kernels, FLOP/s and MFU, bytes/s against the measured copy
-   bandwidth, peak memory and host syncs (Profiles, phase_work, count_host_syncs; docs/speed.md).
+   time on the CPU), its ten largest kernels, its busy time by kind of kernel (kernel_kind),
+   FLOP/s and MFU, bytes/s against the measured copy bandwidth, peak memory and host syncs
+   (Profiles, phase_work, count_host_syncs; docs/speed.md).
 7. With --sampler_rows N, first (before --profile too): each op generate's sampler runs a token
    outside the captured step, on (N, 151,665) fp32 logits, timed alone, then the whole sampler (the
    exponential race) and the sampler before it (exp and multinomial) (bench_sampler).
@@ -70,6 +71,7 @@ import functools
 import inspect
 import json
 import os
+import re
 import resource
 import shutil
 import statistics
@@ -164,6 +166,7 @@ class Args:
     lm_head_precision: str = arg(LM_HEAD_PRECISIONS[0], "the LM head's GEMMs under autocast on a GPU: tf32 or fp32")
     shape_multiple: int = arg(0, "A/B: trim_padding's multiple in the scripts (1 = exact lengths); 0 = their own")
     sdpa_backend: str = arg("", "A/B: every attention under one SDPA backend (cudnn, efficient, flash, math)")
+    head_chunk_mb: int = arg(0, "A/B: logprob_head's chunk of fp32 logits in MiB (HEAD_CHUNK_BYTES); 0 = the scripts'")
     output: str = arg("bench.json", "where the tables go, as JSON")
 
 
@@ -1240,6 +1243,7 @@ class Profiles:
             total["ops"][name] = (before[0] + us, before[1] + calls)
         self.report["profile"] = [self.row(run, phase, t) for (run, phase), t in self.phases.items()]
         self.report["profile_top"] = [r for (run, phase), t in self.phases.items() for r in self.top(run, phase, t)]
+        self.report["profile_kinds"] = [r for (run, phase), t in self.phases.items() for r in self.kinds(run, phase, t)]
         self.save()
         print(self.row(run, phase, total), flush=True)
 
@@ -1269,6 +1273,39 @@ class Profiles:
             | {"ms": us / 1e3, "calls": calls, "of busy": us / busy}
             for i, (name, (us, calls)) in enumerate(largest)
         ]
+
+    def kinds(self, run: str, phase: str, total: dict) -> list[dict]:
+        """The phase's busy time by kernel_kind, largest first: where the time goes beyond the ten
+        largest kernels, and how small the kernels of each kind are (µs a kernel)."""
+        busy = sum(us for us, _ in total["ops"].values()) or 1.0
+        grouped = {}
+        for name, (us, calls) in total["ops"].items():
+            before = grouped.get(kernel_kind(name), (0.0, 0))
+            grouped[kernel_kind(name)] = (before[0] + us, before[1] + calls)
+        return [
+            {"run": run, "phase": phase, "kind": kind, "ms": us / 1e3, "calls": calls}
+            | {"µs a call": us / calls if calls else 0.0, "of busy": us / busy}
+            for kind, (us, calls) in sorted(grouped.items(), key=lambda item: -item[1][0])
+        ]
+
+
+KERNEL_KINDS = (  # (kind, pattern in a CUDA kernel's or a CPU op's name), the first that matches
+    ("communication", r"nccl|allreduce|allgather|reducescatter|c10d::"),
+    ("attention", r"sdpa|flash|fmha|attention|attn"),
+    ("matrix products, fp32 inputs", r"(gemm|gemv).*(f32f32|tf32)|sgemm"),
+    ("matrix products", r"gemm|gemv|nvjet|xmma|cutlass|wgmma|aten::(mm|addmm|bmm|baddbmm|linear|matmul)$"),
+    ("copies and casts", r"copy|Memcpy|cast|aten::(to|_to_copy|copy_|contiguous|clone)$"),
+    ("fills", r"Memset|fill|aten::(zero_|zeros|zeros_like|ones|full)$"),
+    ("reductions, softmax, norms", r"reduce|softmax|norm|logsumexp|aten::(sum|mean|max|amax|argmax|cumsum)$"),
+    ("indexing, gathers, sorts", r"index|gather|scatter|embedding|sort|radix|unique|cat"),
+    ("elementwise", r"elementwise|functor|vectorized|unrolled|aten::"),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """What a kernel (CUDA) or op (CPU) does, from its name (KERNEL_KINDS; case ignored): the
+    profile's busy time by kind (Profiles.kinds)."""
+    return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
 
 
 def phase_batch(phase: str, named: dict, result) -> tuple:
@@ -1345,8 +1382,8 @@ def profile_decode(args, device, weight_dtype, amp, element_bytes: int, profiles
 
 
 def bench_profile(args, device, weight_dtype, compute_dtype, amp, report: dict, save) -> dict:
-    """--profile: the phases of each run named, one table row per phase and its ten largest
-    kernels (CPU ops on the CPU), saved after every phase."""
+    """--profile: the phases of each run named, one table row per phase, its ten largest kernels
+    (CPU ops on the CPU) and its busy time by kind, saved after every phase."""
     if device.type == "cuda":  # kineto set up before any CUDA graph is captured (pytorch#75504)
         with torch.profiler.profile():
             pass
@@ -1354,6 +1391,7 @@ def bench_profile(args, device, weight_dtype, compute_dtype, amp, report: dict, 
     peak, source = peak_flops(args, device)
     element_bytes = (compute_dtype or weight_dtype).itemsize  # what a pass reads: bf16 under autocast
     report |= {"copy bandwidth GB/s": bandwidth / 1e9, "peak": source, "profile": [], "profile_top": []}
+    report["profile_kinds"] = []
     report["training_step"] = []
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; peak: {source}", flush=True)
     profiles = Profiles(device, bandwidth, peak, report, save)
@@ -1367,17 +1405,20 @@ def bench_profile(args, device, weight_dtype, compute_dtype, amp, report: dict, 
                 profile_script(args, name, bench_directory(args, device), device, element_bytes, profiles)
             )
             save()
-    for section in ("profile", "profile_top", "training_step"):
+    for section in ("profile", "profile_top", "profile_kinds", "training_step"):
         print(f"\n### {section}\n\n{markdown(report[section])}")
     return report
 
 
 @contextlib.contextmanager
 def compared(args: Args):
-    """--shape_multiple and --sdpa_backend: a choice of the scripts replaced for the whole run, to
-    measure what it buys (the same command with and without). --sdpa_backend limits PyTorch's
-    scaled_dot_product_attention to one backend in every forward (generate's one-token step as its
-    CUDA graph is captured, the scoring and training passes; backward follows its forward)."""
+    """--shape_multiple, --sdpa_backend and --head_chunk_mb: a choice of the scripts replaced for the
+    whole run, to measure what it buys (the same command with and without). --sdpa_backend limits
+    PyTorch's scaled_dot_product_attention to one backend in every forward (generate's one-token
+    step as its CUDA graph is captured, the scoring and training passes; backward follows its
+    forward). --head_chunk_mb: the positions logprob_head turns into log-probs at a time, in the
+    scoring and training passes (the preflight, in the same run, sizes the passes with it): fewer,
+    larger chunks make fewer (V, d) weight gradients to sum, and larger fp32 logits."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -1392,6 +1433,10 @@ def compared(args: Args):
                 stack.callback(setattr, script, "shape_multiple", original)
         if args.sdpa_backend:
             stack.enter_context(sdpa_kernel(backends[args.sdpa_backend]))
+        if args.head_chunk_mb:
+            for script in SCRIPTS.values():
+                stack.callback(setattr, script, "HEAD_CHUNK_BYTES", script.HEAD_CHUNK_BYTES)
+                script.HEAD_CHUNK_BYTES = args.head_chunk_mb * 2**20
         yield
 
 

@@ -72,7 +72,16 @@ from bench import default_model_dir, markdown  # noqa: E402  (after the path: be
 
 SHAPE = "qwen2.5-1.5b-shape"
 SLOW_CUDA_TESTS = "not torchrun_one_process_with_nccl and not bench_smoke_on_cuda"
-SECTIONS = ("generation", "decode_bytes", "sampler", "attention", "profile", "profile_top", "training_step")
+SECTIONS = (
+    "generation",
+    "decode_bytes",
+    "sampler",
+    "attention",
+    "profile",
+    "profile_top",
+    "profile_kinds",
+    "training_step",
+)
 
 
 def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:

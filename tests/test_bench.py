@@ -175,7 +175,8 @@ def test_the_shapes_model_is_written_once_and_read_back(tmp_path, monkeypatch):
 def test_compared_replaces_a_choice_for_the_run_and_restores_it():
     # --shape_multiple: every script's trim_padding rounds to it inside the run, and to its own
     # after; --sdpa_backend: attention runs only that backend inside (math on the CPU gives the
-    # numbers the default does there), and a name that is none of them is refused.
+    # numbers the default does there), and a name that is none of them is refused; --head_chunk_mb:
+    # logprob_head's chunk in every script, MiB, inside the run only.
     import bench
     import dapo
     import grpo
@@ -183,8 +184,9 @@ def test_compared_replaces_a_choice_for_the_run_and_restores_it():
 
     query = key = value = torch.randn(1, 2, 3, 4)
     mask = torch.zeros(1, 1, 3, 3)
-    with bench.compared(bench.Args(shape_multiple=8, sdpa_backend="math")):
+    with bench.compared(bench.Args(shape_multiple=8, sdpa_backend="math", head_chunk_mb=2048)):
         assert [s.shape_multiple(torch.device("cpu")) for s in (grpo, dapo, ppo)] == [8, 8, 8]
+        assert [s.HEAD_CHUNK_BYTES for s in (grpo, dapo, ppo)] == [2**31] * 3
         inside = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
         backends = [
             getattr(torch.backends.cuda, f"{b}_sdp_enabled")() for b in ("flash", "mem_efficient", "cudnn", "math")
@@ -192,6 +194,7 @@ def test_compared_replaces_a_choice_for_the_run_and_restores_it():
         assert backends == [False, False, False, True]  # math alone
     assert torch.backends.cuda.flash_sdp_enabled()  # and every backend again after
     assert [s.shape_multiple(torch.device("cpu")) for s in (grpo, dapo, ppo)] == [1, 1, 1]
+    assert [s.HEAD_CHUNK_BYTES for s in (grpo, dapo, ppo)] == [2**28] * 3
     assert torch.allclose(inside, torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask))
     with pytest.raises(SystemExit, match="--sdpa_backend fast: one of cudnn, efficient, flash, math"):
         with bench.compared(bench.Args(sdpa_backend="fast")):

@@ -166,3 +166,40 @@ def test_the_events_read_as_torch_reads_them():
     for name, (us, calls) in theirs.items():
         assert mine["ops"][name][1] == calls and abs(mine["ops"][name][0] - us) < 1e-3, name
     assert abs(mine["busy s"] - sum(us for us, _ in theirs.values()) / 1e6) < 1e-6
+
+
+def test_kernels_are_grouped_by_kind():
+    # Kernel names as the H100 profile of a grpo.py step printed them (bench.py --profile grpo,
+    # torch 2.11): cuDNN's attention names wgmma too, so attention is matched first; the LM head's
+    # TF32 GEMM (f32f32_tf32f32 in its name) apart from the bf16 ones; NCCL's all-reduce is not a
+    # reduction kernel; a CPU op by its aten name.
+    names = {
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128": "attention",
+        "sm90_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize128x128x32_warpgroupsize1x1x1": "matrix products, fp32 inputs",
+        "nvjet_sm90_tst_72x64_64x12_2x1_v_bz_TNN": "matrix products",
+        "void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda(at::Tens": (
+            "copies and casts"
+        ),
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float": (
+            "reductions, softmax, norms"
+        ),
+        "void at::native::unrolled_elementwise_kernel<at::native::CUDAFunctor_add<float>, std::array": "elementwise",
+        "void at::native::(anonymous namespace)::indexSelectLargeIndex<float, long, unsigned int>": (
+            "indexing, gathers, sorts"
+        ),
+        "Memset (Device)": "fills",
+        "aten::mm": "matrix products",
+        "aten::_to_copy": "copies and casts",
+        "aten::mul": "elementwise",
+        "ncclDevKernel_AllReduce_Sum_f32": "communication",
+        "void cub::DeviceScanKernel<float>": "other",
+    }
+    assert {name: bench.kernel_kind(name) for name in names} == names
+    # The table: busy time summed by kind, largest first, each kind's share and µs a call.
+    profiles = bench.Profiles(torch.device("cpu"), 1e9, None, {}, lambda: None)
+    ops = {"aten::mm": (600.0, 2), "aten::addmm": (200.0, 2), "aten::mul": (150.0, 3), "aten::_to_copy": (50.0, 5)}
+    rows = profiles.kinds("grpo", "update", {"ops": ops})
+    assert [(r["kind"], r["ms"], r["calls"]) for r in rows] == [
+        ("matrix products", 0.8, 4), ("elementwise", 0.15, 3), ("copies and casts", 0.05, 5)
+    ]  # fmt: skip
+    assert [r["of busy"] for r in rows] == [0.8, 0.15, 0.05] and rows[0]["µs a call"] == 200.0
