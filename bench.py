@@ -165,7 +165,7 @@ class Args:
     dtype: str = arg("auto", "auto (bf16 autocast on GPU, fp32 on CPU), bfloat16, float32")
     lm_head_precision: str = arg(LM_HEAD_PRECISIONS[0], "the LM head's GEMMs under autocast on a GPU: tf32 or fp32")
     shape_multiple: int = arg(0, "A/B: trim_padding's multiple in the scripts (1 = exact lengths); 0 = their own")
-    sdpa_backend: str = arg("", "A/B: every attention under one SDPA backend (cudnn, efficient, flash, math)")
+    sdpa_backend: str = arg("", "A/B: PyTorch's SDPA tries this backend first (cudnn, efficient, flash, math)")
     head_chunk_mb: int = arg(0, "A/B: logprob_head's chunk of fp32 logits in MiB (HEAD_CHUNK_BYTES); 0 = the scripts'")
     output: str = arg("bench.json", "where the tables go, as JSON")
 
@@ -1140,11 +1140,15 @@ def summarise(events: list[tuple], cuda: bool) -> dict:
                   .cpu() are copies, not such ops: only the CUDA count sees them.
       CUDA syncs  CUDA_SYNCS calls of the runtime (cudaMemcpy is the synchronous copy;
                   cudaMemcpyAsync is not counted).
+      sync wait s the host's time inside those calls: waiting for the device. With busy s, it
+                  says whose the idle time is: a device idle while the host waited little was
+                  waiting for the host (Python, launches), not the other way round.
+      launches    kernels the host launched (cudaLaunchKernel and its variants; none on the CPU).
     Nesting is by time on each thread: a sweep with a stack of the ops still open. An op whose only
     child has its name (a redispatch: div_ calls div_) is one call with it, as torch counts it."""
     ranges = [(start, end) for name, _, start, end, _ in events if name == PHASE_RANGE]
     inside = lambda start: any(low <= start <= high for low, high in ranges)  # noqa: E731
-    ops, syncs, runtime, stack = {}, 0, 0, []
+    ops, syncs, runtime, waited, launches, stack = {}, 0, 0, 0, 0, []
     # stack: [name, start, end, thread, children's ns, under a sync op, children, first child of its name]
 
     def add(name: str, ns: int, call: int = 1) -> None:
@@ -1160,7 +1164,9 @@ def summarise(events: list[tuple], cuda: bool) -> dict:
             if cuda and name != PHASE_RANGE:
                 add(name, end - start)
             continue
-        runtime += name in CUDA_SYNCS and inside(start)
+        if inside(start) and name in CUDA_SYNCS:
+            runtime, waited = runtime + 1, waited + end - start
+        launches += name.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperative")) and inside(start)
         while stack and (stack[-1][3] != thread or stack[-1][2] <= start):
             close(stack.pop())
         parent = stack[-1] if stack else None
@@ -1173,7 +1179,9 @@ def summarise(events: list[tuple], cuda: bool) -> dict:
         stack.append([name, start, end, thread, 0, under, 0, False])
     while stack:
         close(stack.pop())
-    return {"ops": ops, "busy s": sum(us for us, _ in ops.values()) / 1e6, "host syncs": syncs, "CUDA syncs": runtime}
+    busy = sum(us for us, _ in ops.values()) / 1e6
+    waits = {"CUDA syncs": runtime, "sync wait s": waited / 1e9, "launches": launches}
+    return {"ops": ops, "busy s": busy, "host syncs": syncs, **waits}
 
 
 def synchronize(device) -> None:
@@ -1184,9 +1192,9 @@ def synchronize(device) -> None:
 def profiled(function, device):
     """function() under its own torch.profiler.profile (CPU, and CUDA on a GPU): returns its result
     and a dict: wall s (the call and its device work, from a synchronised start to a synchronise
-    after it), and from the profiler's events (summarise) busy s, ops, host syncs and CUDA syncs;
-    peak GB (CUDA: max_memory_allocated during the call; CPU: the process's peak RSS so far) and
-    profiler s (stopping the profiler and reading its events: not in wall s)."""
+    after it), and from the profiler's events (summarise) busy s, ops, host syncs, CUDA syncs, sync
+    wait s and launches; peak GB (CUDA: max_memory_allocated during the call; CPU: the process's
+    peak RSS so far) and profiler s (stopping the profiler and reading its events: not in wall s)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     cuda = device.type == "cuda"
@@ -1235,7 +1243,7 @@ class Profiles:
         total["bytes"] += nbytes
         if tokens is not None:
             total["tokens"] = (total["tokens"] or 0) + tokens
-        for key in ("wall s", "busy s", "host syncs", "CUDA syncs", "profiler s"):
+        for key in ("wall s", "busy s", "host syncs", "CUDA syncs", "sync wait s", "launches", "profiler s"):
             total[key] = total.get(key, 0) + measured[key]
         total["peak GB"] = max(total.get("peak GB", 0), measured["peak GB"])
         for name, (us, calls) in measured["ops"].items():
@@ -1260,7 +1268,7 @@ class Profiles:
         row["peak GB" if cuda else "peak RSS GB"] = total["peak GB"]
         row["host syncs"] = total["host syncs"]
         if cuda:
-            row["CUDA syncs"] = total["CUDA syncs"]
+            row |= {key: total[key] for key in ("CUDA syncs", "sync wait s", "launches")}
         row["profiler s"] = total["profiler s"]
         return row
 
@@ -1413,12 +1421,14 @@ def bench_profile(args, device, weight_dtype, compute_dtype, amp, report: dict, 
 @contextlib.contextmanager
 def compared(args: Args):
     """--shape_multiple, --sdpa_backend and --head_chunk_mb: a choice of the scripts replaced for the
-    whole run, to measure what it buys (the same command with and without). --sdpa_backend limits
-    PyTorch's scaled_dot_product_attention to one backend in every forward (generate's one-token
+    whole run, to measure what it buys (the same command with and without). --sdpa_backend puts one
+    backend first in PyTorch's scaled_dot_product_attention for every forward (generate's one-token
     step as its CUDA graph is captured, the scoring and training passes; backward follows its
-    forward). --head_chunk_mb: the positions logprob_head turns into log-probs at a time, in the
-    scoring and training passes (the preflight, in the same run, sizes the passes with it): fewer,
-    larger chunks make fewer (V, d) weight gradients to sum, and larger fp32 logits."""
+    forward); the others stay, in PyTorch's order, for the inputs it refuses (the H100 run of
+    2026-11-26: the memory-efficient kernel alone refused a grouped-query call without a mask).
+    --head_chunk_mb: the positions logprob_head turns into log-probs at a time, in the scoring and
+    training passes (the preflight, in the same run, sizes the passes with it): fewer, larger
+    chunks make fewer (V, d) weight gradients to sum, and larger fp32 logits."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -1432,7 +1442,9 @@ def compared(args: Args):
                 script.shape_multiple = lambda device, m=args.shape_multiple: m
                 stack.callback(setattr, script, "shape_multiple", original)
         if args.sdpa_backend:
-            stack.enter_context(sdpa_kernel(backends[args.sdpa_backend]))
+            first, current = backends[args.sdpa_backend], torch._C._get_sdp_priority_order()  # PyTorch's, ints
+            rest = sorted((b for b in backends.values() if b != first), key=lambda b: current.index(int(b)))
+            stack.enter_context(sdpa_kernel([first, *rest], set_priority=True))
         if args.head_chunk_mb:
             for script in SCRIPTS.values():
                 stack.callback(setattr, script, "HEAD_CHUNK_BYTES", script.HEAD_CHUNK_BYTES)

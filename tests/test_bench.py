@@ -174,9 +174,12 @@ def test_the_shapes_model_is_written_once_and_read_back(tmp_path, monkeypatch):
 
 def test_compared_replaces_a_choice_for_the_run_and_restores_it():
     # --shape_multiple: every script's trim_padding rounds to it inside the run, and to its own
-    # after; --sdpa_backend: attention runs only that backend inside (math on the CPU gives the
-    # numbers the default does there), and a name that is none of them is refused; --head_chunk_mb:
-    # logprob_head's chunk in every script, MiB, inside the run only.
+    # after; --sdpa_backend: that backend first inside, the others after it in PyTorch's own order
+    # and still enabled (for the inputs it refuses), every backend in PyTorch's order again after
+    # (math on the CPU gives the numbers the default does there), and a name that is none of them
+    # is refused; --head_chunk_mb: logprob_head's chunk in every script, MiB, inside the run only.
+    from torch.nn.attention import SDPBackend
+
     import bench
     import dapo
     import grpo
@@ -184,6 +187,8 @@ def test_compared_replaces_a_choice_for_the_run_and_restores_it():
 
     query = key = value = torch.randn(1, 2, 3, 4)
     mask = torch.zeros(1, 1, 3, 3)
+    before = torch._C._get_sdp_priority_order()
+    others = [int(b) for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION)]
     with bench.compared(bench.Args(shape_multiple=8, sdpa_backend="math", head_chunk_mb=2048)):
         assert [s.shape_multiple(torch.device("cpu")) for s in (grpo, dapo, ppo)] == [8, 8, 8]
         assert [s.HEAD_CHUNK_BYTES for s in (grpo, dapo, ppo)] == [2**31] * 3
@@ -191,8 +196,11 @@ def test_compared_replaces_a_choice_for_the_run_and_restores_it():
         backends = [
             getattr(torch.backends.cuda, f"{b}_sdp_enabled")() for b in ("flash", "mem_efficient", "cudnn", "math")
         ]
-        assert backends == [False, False, False, True]  # math alone
-    assert torch.backends.cuda.flash_sdp_enabled()  # and every backend again after
+        assert backends == [True] * 4  # every one enabled
+        order = torch._C._get_sdp_priority_order()
+        assert order[0] == int(SDPBackend.MATH)  # math first, then the others as PyTorch had them
+        assert [b for b in order[1:] if b in others] == [b for b in before if b in others]
+    assert torch._C._get_sdp_priority_order() == before  # PyTorch's own order again after
     assert [s.shape_multiple(torch.device("cpu")) for s in (grpo, dapo, ppo)] == [1, 1, 1]
     assert [s.HEAD_CHUNK_BYTES for s in (grpo, dapo, ppo)] == [2**28] * 3
     assert torch.allclose(inside, torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask))

@@ -138,6 +138,7 @@ def test_profiled_on_cuda():
 
     _, measured = bench.profiled(three_items, device)
     assert measured["host syncs"] == 3 and measured["CUDA syncs"] >= 3
+    assert measured["launches"] >= 6 and 0 < measured["sync wait s"] <= measured["wall s"]  # 3 products, 3 sums
     assert 0 < measured["busy s"] <= measured["wall s"]
     assert measured["ops"] and not any(name.startswith("aten::") for name in measured["ops"])
     assert measured["peak GB"] > 0
@@ -203,3 +204,22 @@ def test_kernels_are_grouped_by_kind():
         ("matrix products", 0.8, 4), ("elementwise", 0.15, 3), ("copies and casts", 0.05, 5)
     ]  # fmt: skip
     assert [r["of busy"] for r in rows] == [0.8, 0.15, 0.05] and rows[0]["µs a call"] == 200.0
+
+
+def test_the_host_side_of_the_device_time_is_summed():
+    # Events as read_events gives them, (name, on the device, start ns, end ns, thread), by hand:
+    # the phase's range 0-1000 ns; two kernel launches and a stream synchronise of 300 ns inside
+    # it, a synchronise of 50 ns after it (bench's own, outside the phase); two kernels of 100 and
+    # 200 ns on the device. Busy 300 ns, 1 CUDA sync, 300 ns waited, 2 launches.
+    events = [
+        (bench.PHASE_RANGE, False, 0, 1000, 1),
+        ("cudaLaunchKernel", False, 10, 20, 1),
+        ("cudaLaunchKernelExC", False, 30, 40, 1),
+        ("cudaStreamSynchronize", False, 100, 400, 1),
+        ("cudaStreamSynchronize", False, 1100, 1150, 1),
+        ("gemm_kernel", True, 50, 150, 7),
+        ("elementwise_kernel", True, 150, 350, 7),
+    ]
+    measured = bench.summarise(events, cuda=True)
+    assert measured["busy s"] == pytest.approx(300e-9) and measured["CUDA syncs"] == 1
+    assert measured["sync wait s"] == pytest.approx(300e-9) and measured["launches"] == 2
