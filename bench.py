@@ -152,6 +152,10 @@ class Args:
     )
     head_logit_std: float = arg(4.0, "--head_rows: the logits' spread the head is scaled to (a trained model's)")
     profile: str = arg("", "decode, grpo, dapo or ppo (comma-separated): each phase under torch.profiler; '' = none")
+    profile_phases: str = arg(
+        "",
+        "--profile's phases of a step to profile: generate+reward, logprobs, values, update, critic update; '' = all",
+    )
     peak_tflops: float = arg(
         0.0, "the device's peak for --profile's MFU; 0 = from PEAK_BF16_TFLOPS by GPU name (none on CPU)"
     )
@@ -1356,11 +1360,17 @@ def rollout_batch(rollout) -> tuple:
 
 
 def profile_script(args, name: str, directory: str, device, element_bytes: int, profiles: Profiles) -> dict:
-    """One step of script `name`, each phase call under its own profiler (profiled): the rows of
-    `profiles` as the phases end, and the step's time/* metrics (which include the profiler's
-    own stopping and reading: the profiler s column)."""
+    """One step of script `name`, each phase call under its own profiler (profiled), or only those
+    --profile_phases names (the others run as they are: a decode of 1024 tokens records ~1M kernels,
+    whose reading costs more than the update's): the rows of `profiles` as the phases end, and the
+    step's time/* metrics (which include the profiler's own stopping and reading: the profiler s
+    column)."""
+
+    chosen = [p.strip() for p in args.profile_phases.split(",") if p.strip()]
 
     def around(phase, function, *a, **k):
+        if chosen and phase not in chosen:  # unprofiled: its time is in the step's time/* metrics alone
+            return function(*a, **k)
         result, measured = profiled(lambda: function(*a, **k), device)
         flops, nbytes, batch, kind = call_work(phase, function, a, k, result, element_bytes)
         tokens = int(batch[2].sum()) if kind == "decode" else None
@@ -1515,6 +1525,11 @@ def measure(args: Args) -> dict:
             raise SystemExit(
                 f"--profile {args.profile}: {', '.join(sorted(unknown))} is none of decode, grpo, dapo, ppo"
             )
+        phases = [phase for phase, _ in PHASES]
+        unknown = {p.strip() for p in args.profile_phases.split(",") if p.strip()} - set(phases)
+        if unknown:
+            raise SystemExit(f"--profile_phases {args.profile_phases}: {', '.join(sorted(unknown))} is none of "
+                             f"{', '.join(phases)}")  # fmt: skip
         return bench_profile(args, device, weight_dtype, compute_dtype, amp, report, save)
     sections = ("generation", "decode_bytes", "steps_4_and_6", "logprob_memory", "logprob_gap", "head_precision")
     report |= {section: [] for section in sections}

@@ -1,4 +1,4 @@
-"""The CUDA path's acceptance run: one command, one GPU machine, at most 9 minutes, one report.
+"""The CUDA path's acceptance run: one command, one GPU machine, at most 9.5 minutes, one report.
 
     python tests/gpu_acceptance.py --output acceptance.md          # on a GPU machine
     python tests/gpu_acceptance.py --output /tmp/a.md --smoke      # the same stages, tiny, on the CPU
@@ -6,7 +6,7 @@
 
 It runs on the GPU image as it is (torch, transformers, peft; nothing downloaded: the models are
 random-initialised at Qwen2.5-1.5B's shape, the tokenizer is bench.py's 151,665-id one). Each stage
-is a subprocess under its share of the 530 s; a stage that fails or runs out of time is reported
+is a subprocess under its share of the 570 s; a stage that fails or runs out of time is reported
 as such, with the end of its output and what it measured (bench.py saves its JSON after every
 section and every profiled phase), and the stages after it still run. The shares come from the
 first GPU run (one H100 80GB HBM3, torch 2.11, transformers 5.17), where every stage of the
@@ -44,10 +44,17 @@ acceptance as it was then ran out of time:
      values and update, and the recomputation.
   7. optional, on the time the stages before it left (no share of its own; its failure or time-out
      does not fail the run): a grpo step at B = 8 (micro-batches sized by the same preflight),
-     each phase under the profiler (bench.py --profile grpo): its largest kernels, busy/wall, host
-     syncs. On the H200 the profiled B = 32 step with 4-row micro-batches ran out of 161 s in the
-     update (recording 64 micro-batches costs more than the step), so the unprofiled steps come
-     first.
+     its scoring and update under the profiler (bench.py --profile grpo --profile_phases
+     logprobs,update; the rollout unprofiled: its 1024-token decode records ~1M kernels, and the
+     decode's own profile is in docs/speed.md): its largest kernels, busy time by kind, busy/wall,
+     host syncs, the host's wait in them and its launches. On the H200 the profiled B = 32 step
+     with 4-row micro-batches ran out of 161 s in the update (recording 64 micro-batches costs
+     more than the step), so the unprofiled steps come first. On the H100 (2026-11-26) stages 1-6
+     took 374 s, and stage 7, every phase profiled, 90 s.
+  8. and 9., optional, on the time left: the grpo step of stage 4 again, with
+     --gradient_checkpointing true (fewer, larger micro-batches: the H100's update paid ~0.3 s a
+     pass whatever its rows, docs/speed.md) and with --sdpa_backend efficient (the memory-efficient
+     attention first: 10-12% faster than cuDNN's in the decode's one-token call, on its own).
 The profiler's overhead on these steps has not been measured. A stage gets its own share and
 the time the stages before it left (never the share of a stage after it). The report (Markdown)
 gathers the versions, every command with its status and time, and the tables; every stage's
@@ -130,13 +137,27 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
         ],
         dict(
             name=f"profile: one grpo.py step, B = {sizes['profile_batch']}, G = {sizes['group']}, "
-            f"{sizes['decode_tokens']} new tokens (optional: on the time left)",
+            f"{sizes['decode_tokens']} new tokens, its scoring and update (optional: on the time left)",
             seconds=0,
             optional=True,
             json=directory / "profile_grpo.json",
             command=[*bench, *model, "--profile", "grpo", *step[:2], "--train_batch_size", sizes["profile_batch"]]
-            + ["--group_size", sizes["group"]],
+            + ["--group_size", sizes["group"], "--profile_phases", "logprobs,update"],
         ),
+        *[
+            dict(
+                name=f"A/B against stage 4: one grpo.py step with {flags} (optional: on the time left)",
+                seconds=0,
+                optional=True,
+                json=directory / f"step_grpo_{name}.json",
+                command=[*bench, *model, "--train_steps", "grpo", *step, "--batch_sizes", "", "--logprob_rows", "0"]
+                + flags.split(),
+            )
+            for name, flags in (
+                ("checkpointed", "--gradient_checkpointing true"),
+                ("efficient", "--sdpa_backend efficient"),
+            )
+        ],
     ]
 
 
@@ -207,9 +228,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", required=True, help="the Markdown report; bench's JSON files go beside it")
     parser.add_argument("--smoke", action="store_true", help="the same stages with the tiny model on the CPU")
-    parser.add_argument("--deadline", type=float, default=530, help="seconds for every stage together")
+    parser.add_argument("--deadline", type=float, default=570, help="seconds for every stage together")
     parser.add_argument(
-        "--stages", default="", help="the stages to run, by number (1-7, as above), comma-separated; default all"
+        "--stages", default="", help="the stages to run, by number (1-9, as above), comma-separated; default all"
     )
     parser.add_argument("--model_dir", default=str(default_model_dir(SHAPE)), help="the 1.5B shape, written once")
     options = parser.parse_args()

@@ -1,7 +1,8 @@
 """tests/gpu_acceptance.py, the CUDA path's one-command acceptance run, end to end with --smoke:
-the same seven stages with the tiny model on the CPU, profile tables included, so that the runner
+the same nine stages with the tiny model on the CPU, profile tables included, so that the runner
 and its report are known to work before a GPU session spends its minutes on them."""
 
+import re
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ def test_acceptance_runner_smoke(tmp_path):
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     text = report.read_text()
-    assert text.count("\n## ") == 7 and text.count("passed, ") == 7  # seven stages, each passed
+    assert text.count("\n## ") == 9 and text.count("passed, ") == 9  # nine stages, each passed
     assert "pytest: " in text and "skipped" in text  # the CUDA tier: skipped on the CPU, and said so
     assert "| N | P | mode | lengths | nanopo tok/s | hf tok/s |" in text  # generation against model.generate
     # Stage 3: the decode against its candidates, the sampler and the attention part by part.
@@ -32,10 +33,17 @@ def test_acceptance_runner_smoke(tmp_path):
     )
     assert "| micro_batch_size | logprob_chunk_size | TFLOP/s generate+reward |" in text
     assert "| TFLOP/s values |" in text and "| TFLOP/s critic update |" in text  # ppo's critic
-    # Stage 7, the grpo step profiled phase by phase: one row per phase, the ten largest CPU ops of each.
+    # Stage 7, the grpo step's scoring and update profiled: one row per phase, the ten largest CPU
+    # ops of each, the busy time by kind; the rollout not profiled.
     assert "| run | phase | calls | wall s | CPU op s | busy/wall | TFLOP | TFLOP/s | MFU | GB | GB/s |" in text
     assert "| run | phase | # | CPU op | ms | calls | of busy |" in text
-    assert "| grpo | generate+reward | 1 |" in text and "| grpo | update |" in text
+    assert "| run | phase | kind | ms | calls | µs a call | of busy |" in text
+    assert "| grpo | logprobs | 1 |" in text and "| grpo | update | 1 |" in text
+    assert "| grpo | generate+reward |" not in text
+    # Stages 8 and 9: the grpo step again with gradient checkpointing, and the efficient attention first.
+    assert "with --gradient_checkpointing true (optional" in text and "with --sdpa_backend efficient (optional" in text
+    steps = re.findall(r"\n\| grpo \| [0-9.e-]+ \|", text)  # a training_step row: its time/generate first
+    assert len(steps) == 4  # stage 4's, the profiled step's, the two A/B steps'
 
 
 def test_acceptance_runner_runs_the_stages_asked_for(tmp_path, monkeypatch, capsys):
@@ -62,11 +70,11 @@ def test_acceptance_runner_runs_the_stages_asked_for(tmp_path, monkeypatch, caps
     ]
     assert report.read_text().count("passed, ") == 2
     ran.clear()
-    for wrong in ("8", "2,x"):
+    for wrong in ("10", "2,x"):
         monkeypatch.setattr(sys, "argv", ["gpu_acceptance.py", "--output", str(report), "--smoke", "--stages", wrong])
         with pytest.raises(SystemExit) as refused:
             gpu_acceptance.main()
-        assert refused.value.code == 2 and "stages are numbered 1 to 7" in capsys.readouterr().err
+        assert refused.value.code == 2 and "stages are numbered 1 to 9" in capsys.readouterr().err
     assert ran == []  # before anything ran, the versions' probe included
 
 

@@ -223,3 +223,19 @@ def test_the_host_side_of_the_device_time_is_summed():
     measured = bench.summarise(events, cuda=True)
     assert measured["busy s"] == pytest.approx(300e-9) and measured["CUDA syncs"] == 1
     assert measured["sync wait s"] == pytest.approx(300e-9) and measured["launches"] == 2
+
+
+def test_only_the_phases_named_are_profiled():
+    # --profile_phases update: one grpo.py step of the tiny model, whose update alone runs under the
+    # profiler (a row in the profile and its kinds); the rollout and scoring run as they are, their
+    # time still in the step's time/* metrics. A phase no script has is refused before anything runs.
+    args = bench.Args(profile="grpo", profile_phases="update", train_batch_size=2, group_size=2, max_new_tokens=4)
+    device = torch.device("cpu")
+    report = {}
+    profiles = bench.Profiles(device, 1e9, None, report, lambda: None)
+    step = bench.profile_script(args, "grpo", bench.bench_directory(args, device), device, 4, profiles)
+    assert [(row["run"], row["phase"]) for row in report["profile"]] == [("grpo", "update")]
+    assert {row["phase"] for row in report["profile_kinds"]} == {"update"}
+    assert step["time/generate"] > 0 and step["time/update"] > 0
+    with pytest.raises(SystemExit, match="--profile_phases update,backward: backward is none of generate"):
+        bench.measure(bench.Args(profile="grpo", profile_phases="update,backward", output=""))
