@@ -982,7 +982,8 @@ def bench_head_precision(args, model, tokenizer, vocab_size, device) -> list[dic
     emulated by rounding the inputs and summing the products in fp32, which is what their tensor
     cores do up to the order of the sums: the rows measure rounding, on any device, not speed."""
     ids, mask = prompts(tokenizer, max(1, args.head_rows // args.max_new_tokens + 1), args.group_size, device)
-    completion = torch.randint(0, vocab_size, (len(ids), args.max_new_tokens), device=device)
+    draws = torch.Generator(device=device).manual_seed(0)  # the same rows every run: their errors compare
+    completion = torch.randint(0, vocab_size, (len(ids), args.max_new_tokens), device=device, generator=draws)
     captured = []
     hook = model.get_output_embeddings().register_forward_hook(lambda m, inputs, out: captured.append(inputs[0]))
     with torch.no_grad():
