@@ -1020,7 +1020,8 @@ def bench_head_precision(args, model, tokenizer, vocab_size, device) -> list[dic
 
 SYNC_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::nonzero", "aten::masked_select"}
 SYNC_OPS |= {"aten::equal"}  # and every aten::unique* and aten::_unique* (is_sync_op); not nonzero_static
-CUDA_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+CUDA_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaFree")
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperative", "cudaGraphLaunch")  # a graph: one launch
 PHASE_RANGE = "bench.profiled"  # the record_function range around the phase's own call
 # Dense bf16 peaks, from NVIDIA's datasheets (the figures "with sparsity" halved): H100 SXM5 and
 # H200 989 TFLOP/s, H100 PCIe 756, A100 312. The H100 SXM5 is the "H100 80GB HBM3".
@@ -1144,11 +1145,13 @@ def summarise(events: list[tuple], cuda: bool) -> dict:
                   CPU's reads its value; CUDA's asserts on the device, no sync). .tolist() and
                   .cpu() are copies, not such ops: only the CUDA count sees them.
       CUDA syncs  CUDA_SYNCS calls of the runtime (cudaMemcpy is the synchronous copy;
-                  cudaMemcpyAsync is not counted).
+                  cudaMemcpyAsync is not counted; cudaFree, the allocator giving memory back,
+                  waits for the device too).
       sync wait s the host's time inside those calls: waiting for the device. With busy s, it
                   says whose the idle time is: a device idle while the host waited little was
                   waiting for the host (Python, launches), not the other way round.
-      launches    kernels the host launched (cudaLaunchKernel and its variants; none on the CPU).
+      launches    kernels the host launched (cudaLaunchKernel and its variants; a CUDA graph's
+                  replay, cudaGraphLaunch, is one launch of all its kernels; none on the CPU).
     Nesting is by time on each thread: a sweep with a stack of the ops still open. An op whose only
     child has its name (a redispatch: div_ calls div_) is one call with it, as torch counts it."""
     ranges = [(start, end) for name, _, start, end, _ in events if name == PHASE_RANGE]
@@ -1171,7 +1174,7 @@ def summarise(events: list[tuple], cuda: bool) -> dict:
             continue
         if inside(start) and name in CUDA_SYNCS:
             runtime, waited = runtime + 1, waited + end - start
-        launches += name.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperative")) and inside(start)
+        launches += name.startswith(LAUNCHES) and inside(start)
         while stack and (stack[-1][3] != thread or stack[-1][2] <= start):
             close(stack.pop())
         parent = stack[-1] if stack else None
@@ -1302,16 +1305,20 @@ class Profiles:
         ]
 
 
+ELEMENTWISE_OPS = "add|sub|rsub|mul|div|exp|log|pow|rsqrt|sqrt|neg|silu|sigmoid|tanh|where|clamp|abs|maximum|minimum"
+ELEMENTWISE_OPS += "|masked_fill|lt|gt|le|ge|eq|ne|cos|sin|reciprocal"
 KERNEL_KINDS = (  # (kind, pattern in a CUDA kernel's or a CPU op's name), the first that matches
     ("communication", r"nccl|allreduce|allgather|reducescatter|c10d::"),
     ("attention", r"sdpa|flash|fmha|attention|attn"),
     ("matrix products, fp32 inputs", r"(gemm|gemv).*(f32f32|tf32)|sgemm"),
-    ("matrix products", r"gemm|gemv|nvjet|xmma|cutlass|wgmma|aten::(mm|addmm|bmm|baddbmm|linear|matmul)$"),
-    ("copies and casts", r"copy|Memcpy|cast|aten::(to|_to_copy|copy_|contiguous|clone)$"),
+    ("matrix products", r"gemm|gemv|nvjet|xmma|cutlass|wgmma|splitKreduce|aten::(mm|addmm|bmm|baddbmm|linear|matmul)$"),
+    # a cast is a copy kernel (bfloat16_copy_kernel_cuda); "cast" alone would take gpu_kernel_impl_nocast
+    ("copies and casts", r"copy|Memcpy|aten::(to|_to_copy|copy_|contiguous|clone)$"),
     ("fills", r"Memset|fill|aten::(zero_|zeros|zeros_like|ones|full)$"),
+    ("random numbers", r"distribution|philox|curand|aten::(exponential_|uniform_|normal_|bernoulli_|rand\w*)$"),
     ("reductions, softmax, norms", r"reduce|softmax|norm|logsumexp|aten::(sum|mean|max|amax|argmax|cumsum)$"),
     ("indexing, gathers, sorts", r"index|gather|scatter|embedding|sort|radix|unique|cat"),
-    ("elementwise", r"elementwise|functor|vectorized|unrolled|aten::"),
+    ("elementwise", rf"elementwise|functor|vectorized|unrolled|aten::({ELEMENTWISE_OPS})_?$"),
 )
 
 
@@ -1437,6 +1444,8 @@ def compared(args: Args):
     step as its CUDA graph is captured, the scoring and training passes; backward follows its
     forward); the others stay, in PyTorch's order, for the inputs it refuses (the H100 run of
     2026-11-26: the memory-efficient kernel alone refused a grouped-query call without a mask).
+    PyTorch sets its CUDA order at its first CUDA call (cuDNN first on a Hopper), over an order set
+    before it, so that call is made first.
     --head_chunk_mb: the positions logprob_head turns into log-probs at a time, in the scoring and
     training passes (the preflight, in the same run, sizes the passes with it): fewer, larger
     chunks make fewer (V, d) weight gradients to sum, and larger fp32 logits."""
@@ -1453,6 +1462,9 @@ def compared(args: Args):
                 script.shape_multiple = lambda device, m=args.shape_multiple: m
                 stack.callback(setattr, script, "shape_multiple", original)
         if args.sdpa_backend:
+            if torch.cuda.is_available():  # PyTorch sets its CUDA order (cuDNN first on a Hopper) at its first
+                one = torch.zeros(1, 1, 1, 8, device="cuda", dtype=torch.bfloat16)  # CUDA call, over any order set
+                torch.nn.functional.scaled_dot_product_attention(one, one, one)  # before: make that call first
             first, current = backends[args.sdpa_backend], torch._C._get_sdp_priority_order()  # PyTorch's, ints
             rest = sorted((b for b in backends.values() if b != first), key=lambda b: current.index(int(b)))
             stack.enter_context(sdpa_kernel([first, *rest], set_priority=True))
@@ -1499,7 +1511,23 @@ def bench_with_model(args, device, weight_dtype, compute_dtype, amp, report: dic
         torch.cuda.empty_cache()  # the training steps load their own copy
 
 
+def check_profile_args(args: Args) -> None:
+    """--profile and --profile_phases name what exists, before anything runs."""
+    unknown = set(args.profile.split(",")) - {"decode", *SCRIPTS, ""}
+    if unknown:
+        raise SystemExit(f"--profile {args.profile}: {', '.join(sorted(unknown))} is none of decode, grpo, dapo, ppo")
+    if args.profile_phases and not args.profile:
+        raise SystemExit("--profile_phases names the phases --profile profiles: give --profile grpo (dapo, ppo) too")
+    phases = [phase for phase, _ in PHASES]
+    unknown = {p.strip() for p in args.profile_phases.split(",") if p.strip()} - set(phases)
+    if unknown:
+        raise SystemExit(
+            f"--profile_phases {args.profile_phases}: {', '.join(sorted(unknown))} is none of {', '.join(phases)}"
+        )
+
+
 def measure(args: Args) -> dict:
+    check_profile_args(args)
     device = use_device(resolve_device(args.device))  # a GPU named by --device becomes the current one
     weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
     amp = lambda: autocast(device, compute_dtype, args.lm_head_precision)  # noqa: E731
@@ -1521,16 +1549,6 @@ def measure(args: Args) -> dict:
         save()
         print(f"\n### attention\n\n{markdown(report['attention'])}")
     if args.profile:
-        unknown = set(args.profile.split(",")) - {"decode", *SCRIPTS}
-        if unknown:
-            raise SystemExit(
-                f"--profile {args.profile}: {', '.join(sorted(unknown))} is none of decode, grpo, dapo, ppo"
-            )
-        phases = [phase for phase, _ in PHASES]
-        unknown = {p.strip() for p in args.profile_phases.split(",") if p.strip()} - set(phases)
-        if unknown:
-            raise SystemExit(f"--profile_phases {args.profile_phases}: {', '.join(sorted(unknown))} is none of "
-                             f"{', '.join(phases)}")  # fmt: skip
         return bench_profile(args, device, weight_dtype, compute_dtype, amp, report, save)
     sections = ("generation", "decode_bytes", "steps_4_and_6", "logprob_memory", "logprob_gap", "head_precision")
     report |= {section: [] for section in sections}

@@ -6,7 +6,7 @@
 
 It runs on the GPU image as it is (torch, transformers, peft; nothing downloaded: the models are
 random-initialised at Qwen2.5-1.5B's shape, the tokenizer is bench.py's 151,665-id one). Each stage
-is a subprocess under its share of the 570 s; a stage that fails or runs out of time is reported
+is a subprocess under its share of the 560 s; a stage that fails or runs out of time is reported
 as such, with the end of its output and what it measured (bench.py saves its JSON after every
 section and every profiled phase), and the stages after it still run. The shares come from the
 first GPU run (one H100 80GB HBM3, torch 2.11, transformers 5.17), where every stage of the
@@ -228,7 +228,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", required=True, help="the Markdown report; bench's JSON files go beside it")
     parser.add_argument("--smoke", action="store_true", help="the same stages with the tiny model on the CPU")
-    parser.add_argument("--deadline", type=float, default=570, help="seconds for every stage together")
+    parser.add_argument("--deadline", type=float, default=560, help="seconds for every stage together")
     parser.add_argument(
         "--stages", default="", help="the stages to run, by number (1-9, as above), comma-separated; default all"
     )

@@ -338,3 +338,28 @@ def test_the_sampler_draws_what_torch_multinomial_draws_on_cuda():
             assert torch.equal(torch.cuda.get_rng_state(), after)
             assert torch.equal(token, expected)
             assert torch.equal(token_logp, logp.gather(-1, expected[:, None]).squeeze(-1))
+
+
+SDPA_FIRST_PROBE = """
+import torch
+import bench
+from torch.profiler import ProfilerActivity, profile
+
+query = torch.randn(2, 4, 16, 64, device="cuda", dtype=torch.bfloat16)
+mask = torch.ones(2, 1, 16, 16, device="cuda", dtype=torch.bool).tril()
+with bench.compared(bench.Args(sdpa_backend="efficient")):
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        torch.nn.functional.scaled_dot_product_attention(query, query, query, attn_mask=mask)
+        torch.cuda.synchronize()
+print(sorted({event.key for event in profiler.key_averages()}))
+"""
+
+
+def test_sdpa_backend_first_holds_from_the_first_cuda_call(tmp_path):
+    # PyTorch sets its CUDA order at its first CUDA attention call (cuDNN first on a Hopper), over
+    # any order set before it: bench.compared makes a call first, so --sdpa_backend efficient runs
+    # the memory-efficient kernel (cutlass's fmha) from the run's first call. A fresh process,
+    # where no attention has run yet: in this one an earlier test has already made that call.
+    done = run([sys.executable, "-c", SDPA_FIRST_PROBE], cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "fmha_cutlass" in done.stdout and "cudnn" not in done.stdout, done.stdout[-2000:]

@@ -192,6 +192,32 @@ def test_kernels_are_grouped_by_kind():
         "aten::mm": "matrix products",
         "aten::_to_copy": "copies and casts",
         "aten::mul": "elementwise",
+        "aten::add_": "elementwise",
+        "aten::empty": "other",  # an allocation, no kernel
+        "aten::exponential_": "random numbers",
+        # Whole names, as the profiler gives them before the report cuts them to 100 characters:
+        # PyTorch's elementwise templates name "nocast" and their loaders "...WithCast": not copies.
+        "void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor"
+        "<float, float, float, at::native::binary_internal::MulFunctor<float> > >(at::TensorIteratorBase&, "
+        "at::native::BinaryFunctor<float, float, float, at::native::binary_internal::MulFunctor<float> > const&)"
+        "::{lambda(int)#1}>(int, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor<float, float, float"
+        ", at::native::binary_internal::MulFunctor<float> > >(at::TensorIteratorBase&, at::native::BinaryFunctor"
+        "<float, float, float, at::native::binary_internal::MulFunctor<float> > const&)::{lambda(int)#1})": (
+            "elementwise"
+        ),
+        "void at::native::unrolled_elementwise_kernel<at::native::CUDAFunctor_add<float>, std::array<char*, 3ul>, "
+        "4, TrivialOffsetCalculator<2, unsigned int>, TrivialOffsetCalculator<1, unsigned int>, "
+        "at::native::memory::LoadWithCast<2>, at::native::memory::StoreWithCast<1> >(int, "
+        "at::native::CUDAFunctor_add<float>, std::array<char*, 3ul>, TrivialOffsetCalculator<2, unsigned int>, "
+        "TrivialOffsetCalculator<1, unsigned int>, at::native::memory::LoadWithCast<2>, "
+        "at::native::memory::StoreWithCast<1>)": "elementwise",
+        "void at::native::(anonymous namespace)::distribution_elementwise_grid_stride_kernel<float, 4, "
+        "at::native::templates::cuda::normal_and_transform<float, float, 4, at::CUDAGeneratorImpl*>": (
+            "random numbers"  # not a norm
+        ),
+        "void cublasLt::splitKreduce_kernel<32, 16, int, float, float, float, float, __nv_bfloat16>": (
+            "matrix products"  # the second half of a split-K GEMM, not a reduction of the model's
+        ),
         "ncclDevKernel_AllReduce_Sum_f32": "communication",
         "void cub::DeviceScanKernel<float>": "other",
     }
@@ -209,14 +235,15 @@ def test_kernels_are_grouped_by_kind():
 def test_the_host_side_of_the_device_time_is_summed():
     # Events as read_events gives them, (name, on the device, start ns, end ns, thread), by hand:
     # the phase's range 0-1000 ns; two kernel launches and a stream synchronise of 300 ns inside
-    # it, a synchronise of 50 ns after it (bench's own, outside the phase); two kernels of 100 and
-    # 200 ns on the device. Busy 300 ns, 1 CUDA sync, 300 ns waited, 2 launches.
+    # it, a synchronise of 50 ns and a launch after it (bench's own, outside the phase); two
+    # kernels of 100 and 200 ns on the device. Busy 300 ns, 1 CUDA sync, 300 ns waited, 2 launches.
     events = [
         (bench.PHASE_RANGE, False, 0, 1000, 1),
         ("cudaLaunchKernel", False, 10, 20, 1),
         ("cudaLaunchKernelExC", False, 30, 40, 1),
         ("cudaStreamSynchronize", False, 100, 400, 1),
         ("cudaStreamSynchronize", False, 1100, 1150, 1),
+        ("cudaLaunchKernel", False, 1200, 1210, 1),
         ("gemm_kernel", True, 50, 150, 7),
         ("elementwise_kernel", True, 150, 350, 7),
     ]
@@ -239,3 +266,5 @@ def test_only_the_phases_named_are_profiled():
     assert step["time/generate"] > 0 and step["time/update"] > 0
     with pytest.raises(SystemExit, match="--profile_phases update,backward: backward is none of generate"):
         bench.measure(bench.Args(profile="grpo", profile_phases="update,backward", output=""))
+    with pytest.raises(SystemExit, match="--profile_phases names the phases --profile profiles"):
+        bench.measure(bench.Args(profile_phases="update", sampler_rows=4, output=""))  # before the sampler runs
