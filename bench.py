@@ -1369,7 +1369,7 @@ def rollout_batch(rollout) -> tuple:
 
 def profile_script(args, name: str, directory: str, device, element_bytes: int, profiles: Profiles) -> dict:
     """One step of script `name`, each phase call under its own profiler (profiled), or only those
-    --profile_phases names (the others run as they are: a decode of 1024 tokens records ~1M kernels,
+    --profile_phases names (the others run as they are: a decode of 1024 tokens records >700k kernels,
     whose reading costs more than the update's): the rows of `profiles` as the phases end, and the
     step's time/* metrics (which include the profiler's own stopping and reading: the profiler s
     column)."""

@@ -45,7 +45,7 @@ acceptance as it was then ran out of time:
   7. optional, on the time the stages before it left (no share of its own; its failure or time-out
      does not fail the run): a grpo step at B = 8 (micro-batches sized by the same preflight),
      its scoring and update under the profiler (bench.py --profile grpo --profile_phases
-     logprobs,update; the rollout unprofiled: its 1024-token decode records ~1M kernels, and the
+     logprobs,update; the rollout unprofiled: its 1024-token decode recorded >700k kernels, and the
      decode's own profile is in docs/speed.md): its largest kernels, busy time by kind, busy/wall,
      host syncs, the host's wait in them and its launches. On the H200 the profiled B = 32 step
      with 4-row micro-batches ran out of 161 s in the update (recording 64 micro-batches costs
