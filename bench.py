@@ -171,6 +171,7 @@ class Args:
     shape_multiple: int = arg(0, "A/B: trim_padding's multiple in the scripts (1 = exact lengths); 0 = their own")
     sdpa_backend: str = arg("", "A/B: PyTorch's SDPA tries this backend first (cudnn, efficient, flash, math)")
     head_chunk_mb: int = arg(0, "A/B: logprob_head's chunk of fp32 logits in MiB (HEAD_CHUNK_BYTES); 0 = the scripts'")
+    aligned_prompts: str = arg("", "A/B: on or off, the prompt pass as aligned_prompts sets it; '' = the scripts'")
     output: str = arg("bench.json", "where the tables go, as JSON")
 
 
@@ -1360,7 +1361,7 @@ def passes_of(batch, rows: int, tokens: int) -> int:
     into, by rows or by tokens (chunks_of, the same text in the three scripts)."""
     prompt_ids, prompt_mask, completion_mask = batch
     order = grpo.length_order(prompt_ids, prompt_mask, completion_mask)
-    return len(grpo.chunks_of(order, prompt_mask, completion_mask, rows, tokens))
+    return len(grpo.chunks_of(order, prompt_ids, prompt_mask, completion_mask, rows, tokens))
 
 
 def rollout_batch(rollout) -> tuple:
@@ -1438,7 +1439,7 @@ def bench_profile(args, device, weight_dtype, compute_dtype, amp, report: dict, 
 
 @contextlib.contextmanager
 def compared(args: Args):
-    """--shape_multiple, --sdpa_backend and --head_chunk_mb: a choice of the scripts replaced for the
+    """--shape_multiple, --sdpa_backend, --head_chunk_mb and --aligned_prompts: a choice of the scripts replaced for the
     whole run, to measure what it buys (the same command with and without). --sdpa_backend puts one
     backend first in PyTorch's scaled_dot_product_attention for every forward (generate's one-token
     step as its CUDA graph is captured, the scoring and training passes; backward follows its
@@ -1448,13 +1449,18 @@ def compared(args: Args):
     before it, so that call is made first.
     --head_chunk_mb: the positions logprob_head turns into log-probs at a time, in the scoring and
     training passes (the preflight, in the same run, sizes the passes with it): fewer, larger
-    chunks make fewer (V, d) weight gradients to sum, and larger fp32 logits."""
+    chunks make fewer (V, d) weight gradients to sum, and larger fp32 logits.
+    --aligned_prompts off: forward_completions' prompt pass as on the CPU, left-padded with its mask,
+    whose padding transformers checks with a host sync in every micro-batch (the code before; on:
+    each prompt's tokens first, no mask, the CUDA default)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
     backends |= {"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
     if args.sdpa_backend and args.sdpa_backend not in backends:
         raise SystemExit(f"--sdpa_backend {args.sdpa_backend}: one of {', '.join(backends)}")
+    if args.aligned_prompts not in ("", "on", "off"):
+        raise SystemExit(f"--aligned_prompts {args.aligned_prompts}: on or off ('' for the scripts' own)")
     with contextlib.ExitStack() as stack:
         if args.shape_multiple:
             for script in SCRIPTS.values():
@@ -1472,6 +1478,10 @@ def compared(args: Args):
             for script in SCRIPTS.values():
                 stack.callback(setattr, script, "HEAD_CHUNK_BYTES", script.HEAD_CHUNK_BYTES)
                 script.HEAD_CHUNK_BYTES = args.head_chunk_mb * 2**20
+        if args.aligned_prompts:
+            for script in SCRIPTS.values():
+                stack.callback(setattr, script, "aligned_prompts", script.aligned_prompts)
+                script.aligned_prompts = lambda device, on=args.aligned_prompts == "on": on
         yield
 
 

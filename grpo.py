@@ -471,7 +471,7 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
                 policy, micro["prompt_ids"], micro["prompt_mask"], micro["completion_ids"], micro["completion_mask"],
                 temperature=args.temperature, vocab_size=vocab_size, chunk_size=len(rows),
                 with_entropy=record or args.entropy_coef > 0,  # for the metrics; T1's bonus with grad
-                entropy_grad=args.entropy_coef > 0, tool_mask=micro.get("tool_mask"),
+                entropy_grad=args.entropy_coef > 0, tool_mask=micro.get("tool_mask"), layout=micro["layout"],
             )  # (m, T) each  # fmt: skip
             old_logp = logp.detach() if on_policy(args) else micro["old_logp"]
             is_weight, policy_mask, correction_stats = corrections(micro, logp, old_logp, args)
@@ -2066,6 +2066,7 @@ def sequence_logprobs(
     entropy_grad: bool = False,
     chunk_tokens: int = 0,
     tool_mask: torch.Tensor | None = None,  # (N, T) the tools' answers: in the sequence, not scored
+    layout: "Layout | None" = None,  # the rows as one chunk, its Layout read by the caller (micro_batches)
 ):
     """log π(o_t | q, o_<t) of every completion token, from logits / temperature restricted to the
     tokenizer's vocabulary, exactly as `generate` sampled them. Rows go through the model chunk_size
@@ -2084,16 +2085,18 @@ def sequence_logprobs(
     num_tokens = completion_ids.shape[1]  # T
     scale = temperature if temperature > 0 else 1.0
     in_sequence = completion_mask if tool_mask is None else completion_mask + tool_mask  # (N, T) attended
+    chunking = chunk_size, chunk_tokens
     order = torch.arange(len(prompt_ids), device=prompt_ids.device)  # one chunk: the rows as they come
-    if not chunk_size or len(prompt_ids) > chunk_size:  # chunks of whole groups of similar length (a host sync)
+    if not layout and (not chunk_size or len(prompt_ids) > chunk_size):  # whole groups of similar length (a sync)
         order = length_order(prompt_ids, prompt_mask, in_sequence)
+    chunks = [(order, layout)] if layout else chunks_of(order, prompt_ids, prompt_mask, in_sequence, *chunking)
     scored = []
-    for rows in chunks_of(order, prompt_mask, in_sequence, chunk_size, chunk_tokens):
-        chunk = trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], in_sequence[rows])
+    for rows, shape in chunks:  # no host sync in this loop: each chunk's shape was read before it
+        chunk = trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], in_sequence[rows], shape)
         kept = chunk[2].shape[1]  # t ≤ T: the chunk's longest completion
         # fp32 logits, as generate's; position p-1+j predicts token j
         with fp32_lm_head(model), logprob_head(model, chunk[2], scale, vocab_size, with_entropy, entropy_grad) as read:
-            out = read(forward_completions(model, *chunk))  # (n, t, 2): log π and entropy of each token
+            out = read(forward_completions(model, *chunk, layout=shape))  # (n, t, 2): log π and entropy of each token
         scored.append(torch.nn.functional.pad(out, (0, 0, 0, num_tokens - kept)))  # (n, T, 2)
     unsort = order.argsort()  # the rows back in the order they came in
     logp, entropy = (torch.cat(scored)[unsort] * completion_mask[..., None]).unbind(-1)  # (N, T) each
@@ -2106,38 +2109,84 @@ def micro_batches(batch: dict, size: int, tokens: int = 0):
     length together, so that a micro-batch's forward pass computes little padding (trim_padding),
     and a group's rows together, so that its prompt runs once (forward_completions). Yields (rows,
     micro): rows (m,) are the micro-batch's indices in `batch`, where what it computes goes back
-    (`recorded[rows] = …`: input order again)."""
+    (`recorded[rows] = …`: input order again); micro["layout"] is its Layout, read on the host with
+    every other micro-batch's before the first, so that nothing in the loop over them waits for the GPU."""
     in_sequence = batch["completion_mask"]  # (n, T) the model's tokens, and the tools' answers it attends to
     if batch.get("tool_mask") is not None:
         in_sequence = in_sequence + batch["tool_mask"]
     order = length_order(batch["prompt_ids"], batch["prompt_mask"], in_sequence)  # (n,)
-    for rows in chunks_of(order, batch["prompt_mask"], in_sequence, size, tokens):
-        yield rows, {k: v[rows] if v is not None else None for k, v in batch.items()}
+    for rows, layout in chunks_of(order, batch["prompt_ids"], batch["prompt_mask"], in_sequence, size, tokens):
+        yield rows, {k: v[rows] if v is not None else None for k, v in batch.items()} | {"layout": layout}
 
 
-def chunks_of(order, prompt_mask, completion_mask, rows: int, tokens: int = 0) -> list[torch.Tensor]:
-    """The row indices of `order` in consecutive chunks: `rows` at a time; with rows 0, by `tokens`:
-    as many as keep rows × (their longest prompt + longest completion, the columns trim_padding
-    keeps) within it, one at least, so that a chunk of short rows holds more rows than a chunk of
-    long ones and every chunk about the same work and memory; with neither, 4 rows (train() sets
-    one of them before step 1: size_micro_batches). By tokens: one host sync, for the lengths.
-    Under torchrun the budget buys rows, as many as the longest row of any rank allows: FSDP pairs
-    each forward pass of a rank with one of every other, so all make the same passes."""
-    if rows or not tokens:
-        return list(order.split(rows or 4))
+@dataclass(frozen=True)
+class Layout:
+    """Saves the host syncs of a chunk's forward pass: what it needs to know on the host, read for
+    all the chunks of a batch at once (chunks_of), before the first runs. A sync stops the host until
+    the GPU has caught up; in every micro-batch it would leave the GPU idle while the host launched
+    the next one, where without it the host launches micro-batch k+1 while the GPU runs k's backward.
+    prompt, completion: the columns trim_padding keeps; prompts: how many runs of consecutive rows
+    share a prompt (forward_completions' prompt pass has a row for each); shortest: the fewest
+    tokens a row's prompt has."""
+
+    prompt: int
+    completion: int
+    prompts: int
+    shortest: int
+
+
+def chunks_of(order, prompt_ids, prompt_mask, completion_mask, rows: int, tokens: int = 0) -> list[tuple]:
+    """The row indices of `order` in consecutive chunks, each with its Layout: `rows` at a time; with
+    rows 0, by `tokens`: as many as keep rows × (their longest prompt + longest completion, the columns
+    trim_padding keeps) within it, one at least, so that a chunk of short rows holds more rows than a
+    chunk of long ones and every chunk about the same work and memory; with neither, 4 rows (train()
+    sets one of them before step 1: size_micro_batches). One host sync, for every chunk's lengths and
+    prompts. Under torchrun the budget buys rows, as many as the longest row of any rank allows:
+    FSDP pairs each forward pass of a rank with one of every other, so all make the same passes.
+    Returns [(rows (m,), Layout)]."""
     multiple = shape_multiple(order.device)
-    lengths = torch.stack([prompt_mask.sum(-1)[order], completion_mask.sum(-1)[order]]).clamp(min=1)  # (2, n)
-    widths = torch.tensor([[prompt_mask.shape[1]], [completion_mask.shape[1]]], device=order.device)  # P, T
-    kept = torch.minimum(-(-lengths // multiple) * multiple, widths).tolist()  # (2, n) as trim_padding keeps
-    if world_size() > 1:
-        return list(order.split(max(1, tokens // all_reduce(max(map(sum, zip(*kept))), "max"))))
-    chunks, start, prompt, completion = [], 0, 0, 0
-    for i, (row_prompt, row_completion) in enumerate(zip(*kept)):
-        prompt, completion = max(prompt, row_prompt), max(completion, row_completion)
-        if i > start and (i + 1 - start) * (prompt + completion) > tokens:  # row i starts the next chunk
-            chunks.append(order[start:i])
-            start, prompt, completion = i, row_prompt, row_completion
-    return chunks + [order[start:]]
+    starts = new_prompts(prompt_ids[order], prompt_mask[order])  # (n,) where a run of one prompt starts
+    facts = torch.stack([prompt_mask.sum(-1)[order], completion_mask.sum(-1)[order], starts.long()]).tolist()
+    prompt_lengths, completion_lengths, new = facts  # (n,) each, in order: the one host sync
+    widths = (prompt_mask.shape[1], completion_mask.shape[1])  # P, T
+    kept = [  # (n,) the (prompt, completion) columns trim_padding keeps of each row alone
+        tuple(min(-(-max(length, 1) // multiple) * multiple, width) for length, width in zip(lengths, widths))
+        for lengths in zip(prompt_lengths, completion_lengths)
+    ]
+    if rows or not tokens:
+        size = rows or 4
+    elif world_size() > 1:
+        size = max(1, tokens // all_reduce(max(map(sum, kept)), "max"))
+    if rows or not tokens or world_size() > 1:
+        spans = [(start, min(start + size, len(kept))) for start in range(0, len(kept), size)]
+    else:
+        spans, start, prompt, completion = [], 0, 0, 0
+        for i, (row_prompt, row_completion) in enumerate(kept):
+            prompt, completion = max(prompt, row_prompt), max(completion, row_completion)
+            if i > start and (i + 1 - start) * (prompt + completion) > tokens:  # row i starts the next chunk
+                spans.append((start, i))
+                start, prompt, completion = i, row_prompt, row_completion
+        spans.append((start, len(kept)))
+    return [
+        (
+            order[start:end],
+            Layout(
+                prompt=max(p for p, _ in kept[start:end]),
+                completion=max(t for _, t in kept[start:end]),
+                prompts=1 + sum(new[start + 1 : end]),  # a chunk's first row starts a run
+                shortest=min(prompt_lengths[start:end]),
+            ),
+        )
+        for start, end in spans
+    ]
+
+
+def new_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+    """Where a run of rows sharing a prompt starts: row i's prompt (its ids and padding) differs from
+    row i-1's, row 0 always. (n, P), (n, P) -> (n,) bool, on the device, no host sync."""
+    starts = torch.ones(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device)
+    starts[1:] = ((prompt_ids[1:] != prompt_ids[:-1]) | (prompt_mask[1:] != prompt_mask[:-1])).any(-1)
+    return starts
 
 
 def length_order(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
@@ -2155,19 +2204,16 @@ def length_order(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion
     return order[longest[order].argsort(descending=True, stable=True)]  # the groups by their longest
 
 
-def trim_padding(prompt_ids, prompt_mask, completion_ids, completion_mask):
+def trim_padding(prompt_ids, prompt_mask, completion_ids, completion_mask, layout: Layout):
     """Saves the compute of columns that are padding in every row of a chunk: the prompt columns
     before its longest prompt (left padding) and the completion columns after its longest
-    completion (right padding). Exact: a column no row attends to changes no other position, and
-    positions count real tokens only. On CUDA each part keeps a multiple of shape_multiple columns
-    (or all it has), so that chunks of similar length have one shape and the attention kernels'
-    plans and the allocator's blocks are reused, not made anew for every chunk; one host sync.
-    (n, P), (n, P), (n, T), (n, T) -> the same, (n, p) and (n, t)."""
-    longest = torch.stack([prompt_mask.sum(-1).max(), completion_mask.sum(-1).max()]).clamp(min=1).tolist()
-    multiple = shape_multiple(prompt_ids.device)
-    widths = (prompt_mask.shape[1], completion_mask.shape[1])  # P, T
-    kept_prompt, kept = (min(-(-length // multiple) * multiple, width) for length, width in zip(longest, widths))
-    first = widths[0] - kept_prompt  # the first prompt column kept
+    completion (right padding), as many as the chunk's Layout keeps (chunks_of: on CUDA a multiple
+    of shape_multiple columns, or all there are, so that chunks of similar length have one shape and
+    the attention kernels' plans and the allocator's blocks are reused, not made anew for every
+    chunk). Exact: a column no row attends to changes no other position, and positions count real
+    tokens only. (n, P), (n, P), (n, T), (n, T) -> the same, (n, p) and (n, t)."""
+    first = prompt_ids.shape[1] - layout.prompt  # the first prompt column kept
+    kept = layout.completion
     return prompt_ids[:, first:], prompt_mask[:, first:], completion_ids[:, :kept], completion_mask[:, :kept]
 
 
@@ -2178,31 +2224,52 @@ def shape_multiple(device: torch.device) -> int:
     return 64 if device.type == "cuda" else 1
 
 
+def aligned_prompts(device: torch.device) -> bool:
+    """Whether forward_completions runs its prompt pass with each prompt's tokens first and its
+    padding after (no mask; a model whose every layer attends to all earlier tokens): on CUDA, where
+    transformers' check of a mask's padding is a host sync; elsewhere the pass stays as it was, and
+    so do its numbers (the sums of attention run over other tiles: equal up to float reassociation)."""
+    return device.type == "cuda"
+
+
 def forward_completions(
-    model, prompt_ids, prompt_mask, completion_ids, completion_mask, output: str = "logits", share: bool = True
-):
+    model, prompt_ids, prompt_mask, completion_ids, completion_mask, output: str = "logits", share: bool = True,
+    layout: Layout | None = None,
+):  # fmt: skip
     """The model's `output` (its logits, or a backbone's last_hidden_state) at the t positions that
     predict the completion tokens, position p-1+j predicting token j: (n, p), (n, p), (n, t),
     (n, t) -> (n, t, ·), the numbers of one forward pass over prompt + completion.
 
-    Saves forwarding a prompt once per completion: rows that share a prompt (a group) run it once,
-    as one row, with the cache on, all but its last token; their completions then attend to its
-    keys and values, which an index copies to their rows, each row's pass starting at the prompt's
-    last token (whose output predicts completion token 0), so that backward sums the G
-    completions' gradients into the one prompt pass (P + G·T token positions instead of G·(P + T)).
-    Exact up to float reassociation: the same keys, values and positions, and transformers builds
-    every mask from the 2D one, sliding windows included. One pass over prompt + completion where
-    no two rows share a prompt (G = 1), where a prompt is one token, where transformers would drop
-    the cache (gradient checkpointing in train mode), and with share=False (the computation before;
-    tests and bench.py compare with it)."""
+    Saves forwarding a prompt once per completion: rows that share a prompt (a run of them: a
+    group) run it once, as one row, with the cache on, all but its last token; their completions
+    then attend to its keys and values, which an index copies to their rows, each row's pass
+    starting at the prompt's last token (whose output predicts completion token 0), so that
+    backward sums the G completions' gradients into the one prompt pass (P + G·T token positions
+    instead of G·(P + T)). Exact up to float reassociation: the same keys, values and positions,
+    and transformers builds every mask from the 2D one, sliding windows included. One pass over
+    prompt + completion where no two rows share a prompt (G = 1), where a prompt is one token, where
+    transformers would drop the cache (gradient checkpointing in train mode), and with share=False
+    (the computation before; tests and bench.py compare with it).
+
+    layout: the chunk's Layout (chunks_of), read on the host with the other chunks'; without it the
+    two numbers sharing needs (how many prompts, the shortest) are read here, one host sync. Where
+    aligned_prompts and every layer attends to all earlier tokens, the prompt pass takes each prompt
+    with its tokens first and its padding after, so that it needs no mask (causal attention never
+    looks right) and transformers reads none (its check of a mask's padding is a host sync); the
+    completions' mask then hides those padding columns, and the prompt's last token, which comes again
+    as their pass's first. A sliding window counts columns, so there the prompt stays as it is."""
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (n, p+t)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same positions as in generate
     num_prompt, kept = prompt_ids.shape[1], completion_ids.shape[1]  # p, t
     keep = {"logits_to_keep": kept} if output == "logits" else {}  # only what predicts a completion token
-    distinct, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_inverse=True)
-    distinct_mask = distinct[:, num_prompt:]  # (b, p) b distinct prompts
+    starts = new_prompts(prompt_ids, prompt_mask)  # (n,) where a run of rows sharing a prompt starts
+    lengths = prompt_mask.sum(-1)  # (n,) tokens in each row's prompt
+    if layout:
+        prompts, shortest = layout.prompts, layout.shortest
+    else:
+        prompts, shortest = torch.stack([starts.sum(), lengths.min()]).tolist()
     checkpointed = model.training and any(getattr(layer, "gradient_checkpointing", False) for layer in model.modules())
-    if not share or len(distinct) == len(prompt_ids) or distinct_mask.sum(-1).min() < 2 or checkpointed:
+    if not share or prompts == len(prompt_ids) or shortest < 2 or checkpointed:
         out = model(
             input_ids=torch.cat([prompt_ids, completion_ids], dim=1)[:, :-1],  # the last token predicts nothing
             attention_mask=attention_mask[:, :-1],
@@ -2211,19 +2278,35 @@ def forward_completions(
             **keep,
         )
         return out[output][:, -kept:]  # (n, t, ·)
+    run = starts.cumsum(0) - 1  # (n,) each row's prompt: the run it is in
+    first = torch.zeros(prompts, dtype=torch.long, device=run.device)  # (b,) each prompt's first row
+    first = first.scatter_reduce(0, run, torch.arange(len(run), device=run.device), "amin", include_self=False)
+    distinct, distinct_mask = prompt_ids[first], prompt_mask[first]  # (b, p) the b distinct prompts, a row each
+    columns = torch.arange(num_prompt, device=run.device)  # (p,)
+    completion_pass_mask = attention_mask[:, :-1]  # (n, p-1+t): the prompt as the prompt pass laid it out
+    prompt_pass = {  # each distinct prompt but its last token, once: its keys and values
+        "input_ids": distinct[:, :-1],
+        "attention_mask": distinct_mask[:, :-1],
+        "position_ids": (distinct_mask[:, :-1].cumsum(-1) - 1).clamp(min=0),
+    }
+    if aligned_prompts(prompt_ids.device) and all(window is None for window in attention_windows(model).values()):
+        shift = (columns + (num_prompt - distinct_mask.sum(-1))[:, None]).clamp(max=num_prompt - 1)  # (b, p)
+        prompt_pass = {  # the tokens first (columns past them repeat the last: never attended to)
+            "input_ids": distinct.gather(1, shift)[:, :-1],
+            "attention_mask": None,
+            "position_ids": columns[None, :-1].expand(len(distinct), -1),
+        }
+        before_last = (columns[None, :-1] < lengths[:, None] - 1).to(attention_mask.dtype)  # (n, p-1)
+        completion_pass_mask = torch.cat([before_last, attention_mask[:, num_prompt - 1 : -1]], dim=1)
     cache_name = cache_argument(model)
-    prompt_out = model(  # each distinct prompt but its last token, once: its keys and values
-        input_ids=distinct[:, : num_prompt - 1],
-        attention_mask=distinct_mask[:, :-1],
-        position_ids=(distinct_mask[:, :-1].cumsum(-1) - 1).clamp(min=0),
-        use_cache=True,
-        **({"logits_to_keep": 1} if keep else {}),  # no logit is needed: the fewest the head computes
-    )
+    prompt_out = model(
+        **prompt_pass, use_cache=True, **({"logits_to_keep": 1} if keep else {})
+    )  # no logit is needed: the fewest the head computes
     cache = prompt_out[cache_name]
-    cache.batch_select_indices(inverse)  # each row gets its prompt's keys and values: (n, kv heads, p-1, d)
+    cache.batch_select_indices(run)  # each row gets its prompt's keys and values: (n, kv heads, p-1, d)
     out = model(  # the prompt's last token, then the completion but its last token
         input_ids=torch.cat([prompt_ids[:, -1:], completion_ids[:, :-1]], dim=1),
-        attention_mask=attention_mask[:, :-1],
+        attention_mask=completion_pass_mask,
         position_ids=position_ids[:, num_prompt - 1 : -1],
         use_cache=True,
         **{cache_name: cache},

@@ -51,10 +51,13 @@ acceptance as it was then ran out of time:
      with 4-row micro-batches ran out of 161 s in the update (recording 64 micro-batches costs
      more than the step), so the unprofiled steps come first. On the H100 (2026-11-26) stages 1-6
      took 374 s, and stage 7, every phase profiled, 90 s.
-  8. and 9., optional, on the time left: the grpo step of stage 4 again, with
+  8., 9. and 10., optional, on the time left: the grpo step of stage 4 again, with
      --gradient_checkpointing true (fewer, larger micro-batches: the H100's update paid ~0.3 s a
-     pass whatever its rows, docs/speed.md) and with --sdpa_backend efficient (the memory-efficient
-     attention first: 10-12% faster than cuDNN's in the decode's one-token call, on its own).
+     pass whatever its rows, docs/speed.md), with --sdpa_backend efficient (the memory-efficient
+     attention first: 10-12% faster than cuDNN's in the decode's one-token call, on its own), and
+     with --aligned_prompts off (the prompt pass left-padded with its mask, whose padding transformers
+     checks with a host sync in every micro-batch: what the sync-free loop buys). Stages 1-7 took
+     464 s of the 560 on the H100: run these three with `--stages 4,8,9,10` in a call of their own.
 The profiler's overhead on these steps has not been measured. A stage gets its own share and
 the time the stages before it left (never the share of a stage after it). The report (Markdown)
 gathers the versions, every command with its status and time, and the tables; every stage's
@@ -156,6 +159,7 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
             for name, flags in (
                 ("checkpointed", "--gradient_checkpointing true"),
                 ("efficient", "--sdpa_backend efficient"),
+                ("masked_prompts", "--aligned_prompts off"),
             )
         ],
     ]

@@ -177,7 +177,8 @@ def test_compared_replaces_a_choice_for_the_run_and_restores_it():
     # after; --sdpa_backend: that backend first inside, the others after it in PyTorch's own order
     # and still enabled (for the inputs it refuses), every backend in PyTorch's order again after
     # (math on the CPU gives the numbers the default does there), and a name that is none of them
-    # is refused; --head_chunk_mb: logprob_head's chunk in every script, MiB, inside the run only.
+    # is refused; --head_chunk_mb: logprob_head's chunk in every script, MiB, inside the run only;
+    # --aligned_prompts: on or off in every script inside the run, CUDA's choice after.
     from torch.nn.attention import SDPBackend
 
     import bench
@@ -189,8 +190,9 @@ def test_compared_replaces_a_choice_for_the_run_and_restores_it():
     mask = torch.zeros(1, 1, 3, 3)
     before = torch._C._get_sdp_priority_order()
     others = [int(b) for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION)]
-    with bench.compared(bench.Args(shape_multiple=8, sdpa_backend="math", head_chunk_mb=2048)):
+    with bench.compared(bench.Args(shape_multiple=8, sdpa_backend="math", head_chunk_mb=2048, aligned_prompts="on")):
         assert [s.shape_multiple(torch.device("cpu")) for s in (grpo, dapo, ppo)] == [8, 8, 8]
+        assert [s.aligned_prompts(torch.device("cpu")) for s in (grpo, dapo, ppo)] == [True] * 3
         assert [s.HEAD_CHUNK_BYTES for s in (grpo, dapo, ppo)] == [2**31] * 3
         inside = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
         backends = [
@@ -203,6 +205,12 @@ def test_compared_replaces_a_choice_for_the_run_and_restores_it():
     assert torch._C._get_sdp_priority_order() == before  # PyTorch's own order again after
     assert [s.shape_multiple(torch.device("cpu")) for s in (grpo, dapo, ppo)] == [1, 1, 1]
     assert [s.HEAD_CHUNK_BYTES for s in (grpo, dapo, ppo)] == [2**28] * 3
+    assert [s.aligned_prompts(torch.device(d)) for s in (grpo, ppo) for d in ("cpu", "cuda")] == [False, True] * 2
+    with bench.compared(bench.Args(aligned_prompts="off")):
+        assert not any(s.aligned_prompts(torch.device("cuda")) for s in (grpo, dapo, ppo))
+    with pytest.raises(SystemExit, match="on or off"):
+        with bench.compared(bench.Args(aligned_prompts="yes")):
+            pass
     assert torch.allclose(inside, torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask))
     with pytest.raises(SystemExit, match="--sdpa_backend fast: one of cudnn, efficient, flash, math"):
         with bench.compared(bench.Args(sdpa_backend="fast")):

@@ -89,6 +89,37 @@ def test_sampled_logprobs_equal_scoring_and_the_plain_forward(family, monkeypatc
     assert (sample_logp - plain).abs().max().item() <= TOLERANCE, name
 
 
+@pytest.mark.parametrize("script", [grpo, ppo], ids=["grpo", "ppo"])  # the log-probs, and PPO's critic too
+def test_aligned_prompt_passes_score_as_the_plain_forward(family, script, monkeypatch):
+    # forward_completions as on CUDA (aligned_prompts, shape_multiple 8): in a model whose every layer
+    # attends to all earlier tokens the prompt pass takes each prompt's tokens first, no mask; in one
+    # with a window (which counts columns) it stays as it is. Three prompts of 30, 12 and 21 tokens,
+    # two rows each, chunks of 4 rows (so one chunk holds two prompts of unequal length): the
+    # log-probs equal the plain forward pass's, and the prompt pass is unmasked exactly where every
+    # layer is full attention.
+    name, model = family
+    monkeypatch.setattr(script, "aligned_prompts", lambda device: True)
+    monkeypatch.setattr(script, "shape_multiple", lambda device: 8)
+    prompt_ids, prompt_mask = (t.repeat_interleave(2, 0) for t in family_prompts())  # (6, 30)
+    generator = torch.Generator().manual_seed(1)
+    completion_ids = torch.randint(3, VOCAB, (6, 10), generator=generator)
+    completion_mask = (torch.arange(10)[None, :] < torch.tensor([10, 4, 7, 9, 2, 10])[:, None]).long()
+    script.plain_head(model)  # its one-token probe, unmasked, made once a model: before the count
+    unmasked = []
+    handle = model.register_forward_pre_hook(
+        lambda _, args, kwargs: unmasked.append(kwargs.get("attention_mask") is None), with_kwargs=True
+    )
+    with torch.no_grad():
+        scored, _ = script.sequence_logprobs(
+            model, prompt_ids, prompt_mask, completion_ids, completion_mask, 1.0, VOCAB, 4
+        )
+    handle.remove()
+    plain = plain_forward_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    assert (scored - plain).abs().max().item() <= TOLERANCE, name
+    full_attention = all(window is None for window in attention_windows(model).values())
+    assert any(unmasked) == full_attention, (name, unmasked)
+
+
 def test_tool_turns_keep_sampled_logprobs_equal_to_scoring(family):
     # Multi-turn rollouts (tests/test_tool_rollouts.py): each ended turn gets a scripted answer of
     # forced tokens; the sampler conditioned on them, so the scorer must attend to them, window

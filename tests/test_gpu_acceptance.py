@@ -13,7 +13,7 @@ from conftest import ROOT
 
 def test_acceptance_runner_smoke(tmp_path):
     report = tmp_path / "acceptance.md"
-    # Stages 1-7; 8 and 9 are stage 4's command with one flag more each (the test below), whose
+    # Stages 1-7; 8, 9 and 10 are stage 4's command with one flag more each (the test below), whose
     # runs on the CPU are bench's own tests: ~25 s of CI saved.
     command = [sys.executable, str(ROOT / "tests" / "gpu_acceptance.py"), "--output", str(report), "--smoke"]
     done = subprocess.run(
@@ -49,17 +49,19 @@ def test_acceptance_runner_smoke(tmp_path):
 
 
 def test_the_ab_stages_are_stage_4_with_one_flag_more(tmp_path):
-    # Stages 8 and 9, optional: the grpo step of stage 4 again, with gradient checkpointing, and
-    # with the memory-efficient attention first; each writes its own JSON.
+    # Stages 8, 9 and 10, optional: the grpo step of stage 4 again, with gradient checkpointing, with
+    # the memory-efficient attention first, and with the prompt pass as before (masked, a sync in
+    # every micro-batch); each writes its own JSON.
     import gpu_acceptance
 
     planned = gpu_acceptance.stages(False, tmp_path, tmp_path / "model")
-    assert len(planned) == 9 and all(stage.get("optional") for stage in planned[6:])
+    assert len(planned) == 10 and all(stage.get("optional") for stage in planned[6:])
     step = planned[3]["command"]
-    for stage, flags in zip(planned[7:], (["--gradient_checkpointing", "true"], ["--sdpa_backend", "efficient"])):
-        assert stage["command"] == step + flags and stage["json"] != planned[3]["json"]
+    flags = (["--gradient_checkpointing", "true"], ["--sdpa_backend", "efficient"], ["--aligned_prompts", "off"])
+    for stage, more in zip(planned[7:], flags, strict=True):
+        assert stage["command"] == step + more and stage["json"] != planned[3]["json"]
         assert stage["seconds"] == 0 and "A/B against stage 4" in stage["name"]
-    assert planned[7]["json"] != planned[8]["json"]
+    assert len({stage["json"] for stage in planned[7:]}) == 3
 
 
 def test_acceptance_runner_runs_the_stages_asked_for(tmp_path, monkeypatch, capsys):
@@ -86,11 +88,11 @@ def test_acceptance_runner_runs_the_stages_asked_for(tmp_path, monkeypatch, caps
     ]
     assert report.read_text().count("passed, ") == 2
     ran.clear()
-    for wrong in ("10", "2,x"):
+    for wrong in ("11", "2,x"):
         monkeypatch.setattr(sys, "argv", ["gpu_acceptance.py", "--output", str(report), "--smoke", "--stages", wrong])
         with pytest.raises(SystemExit) as refused:
             gpu_acceptance.main()
-        assert refused.value.code == 2 and "stages are numbered 1 to 9" in capsys.readouterr().err
+        assert refused.value.code == 2 and "stages are numbered 1 to 10" in capsys.readouterr().err
     assert ran == []  # before anything ran, the versions' probe included
 
 

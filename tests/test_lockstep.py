@@ -57,6 +57,9 @@ SHARED = [
     "loss_stats",
     "micro_batches",
     "chunks_of",
+    "Layout",
+    "new_prompts",
+    "aligned_prompts",
     "step_metrics",
     "evaluate_heldout",
     # truncated and masked importance sampling: the sampler-trainer gap is not the algorithm either

@@ -38,7 +38,11 @@ def test_trim_padding_keeps_the_columns_some_row_uses():
     prompt_mask = (prompt_ids != 0).long()
     completion_ids = torch.tensor([[1, 2, 0, 0, 0], [3, 0, 0, 0, 0]])  # right padded: lengths 2 and 1
     completion_mask = (completion_ids != 0).long()
-    ids, mask, completion, completion_kept = trim_padding(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    [(rows, layout)] = grpo.chunks_of(torch.arange(2), prompt_ids, prompt_mask, completion_mask, 2)
+    assert rows.tolist() == [0, 1] and layout == grpo.Layout(prompt=3, completion=2, prompts=2, shortest=2)
+    ids, mask, completion, completion_kept = trim_padding(
+        prompt_ids, prompt_mask, completion_ids, completion_mask, layout
+    )
     assert ids.tolist() == [[0, 7, 8], [5, 6, 7]] and mask.tolist() == [[0, 1, 1], [1, 1, 1]]
     assert completion.tolist() == [[1, 2], [3, 0]] and completion_kept.tolist() == [[1, 1], [1, 0]]
 
@@ -208,7 +212,10 @@ def test_trim_padding_rounds_up_to_the_shape_multiple(monkeypatch):
     completion_mask = (completion_ids != 0).long()
     for multiple, prompt_kept, completion_kept in ((1, 3, 2), (2, 4, 2), (4, 4, 4), (8, 4, 5)):
         monkeypatch.setattr(grpo, "shape_multiple", lambda device, m=multiple: m)
-        ids, mask, completion, kept_mask = trim_padding(prompt_ids, prompt_mask, completion_ids, completion_mask)
+        [(_, layout)] = grpo.chunks_of(torch.arange(2), prompt_ids, prompt_mask, completion_mask, 2)
+        ids, mask, completion, kept_mask = trim_padding(
+            prompt_ids, prompt_mask, completion_ids, completion_mask, layout
+        )
         assert ids.tolist() == [row[4 - prompt_kept :] for row in prompt_ids.tolist()]
         assert mask.tolist() == [row[4 - prompt_kept :] for row in prompt_mask.tolist()]
         assert completion.tolist() == [row[:completion_kept] for row in completion_ids.tolist()]
@@ -242,17 +249,21 @@ def test_rounded_chunks_give_the_same_log_probs_and_update(models, monkeypatch):
     assert_same_update(result, reference)
 
 
+@pytest.mark.parametrize("aligned", [False, True], ids=["cpu-prompt-pass", "aligned-prompt-pass"])
 @pytest.mark.parametrize("script", [grpo, dapo, ppo], ids=lambda s: s.__name__)
-def test_no_host_sync_per_micro_batch_but_the_prompts(models, script):
-    # A host sync stops the CPU until the GPU has caught up, so the GPU idles while the next
-    # kernels are launched. Counted from the profiler's events (bench.profiled), per micro-batch
-    # three remain: forward_completions' torch.unique (the distinct prompts size the prompt pass)
-    # and its check that every prompt has two tokens, and transformers' own check of the prompt
-    # pass's padding (masking_utils' _ignore_causal_mask_sdpa); trim_padding's one copy of two
-    # numbers is a .tolist(), which the profiler's count sees on CUDA only. 12 rows in
-    # micro-batches of 3 (4 of them) against 12 (1): 8 to 10 more, as transformers' torch.equal
-    # calls vary with the shapes; at most 4 a micro-batch is allowed. Before: a .item() for each
-    # statistic and the loss, trim_padding's two, length_order's unique, 10 or more.
+def test_no_host_sync_in_the_loop_over_micro_batches(models, script, aligned, monkeypatch):
+    # A host sync stops the CPU until the GPU has caught up, so the GPU idles while the host launches
+    # the next micro-batch, where without one the host launches it while the GPU runs the last one's
+    # backward. Counted from the profiler's events (bench.profiled): 12 rows in micro-batches of 3 (4
+    # of them) against 12 (1). What a micro-batch needs on the host (its columns, its prompts) is read
+    # for all of them before the first (chunks_of: one .tolist(), which the profiler's count sees on
+    # CUDA only). With the prompt pass aligned (aligned_prompts: on CUDA; here forced), the prompts'
+    # tokens first and no mask, transformers reads no padding either: not one sync more for the 3
+    # micro-batches more. As the prompt pass is on the CPU, transformers' check of its mask's padding
+    # (masking_utils' _ignore_causal_mask_sdpa: up to two reads) remains, at most 2 a micro-batch.
+    # Before issue 40: a .item() for each statistic and the loss, trim_padding's two, length_order's
+    # unique, 10 or more a micro-batch; then 4 (forward_completions' unique and its check of the
+    # shortest prompt, trim_padding's, transformers').
     from bench import profiled
 
     model, critic, tokenizer, batch = models
@@ -263,14 +274,19 @@ def test_no_host_sync_per_micro_batch_but_the_prompts(models, script):
         batch = {k: v for k, v in batch.items() if k != "ref_logp"} | {"advantages": batch["advantages"][:, None]}
     else:
         batch.pop("positive")
+    monkeypatch.setattr(script, "aligned_prompts", lambda device: aligned)
+    copies, tolist = [], torch.Tensor.tolist  # .tolist(), a copy to the host the profiler does not see
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda tensor: copies.append(1) or tolist(tensor))
     syncs = {}
     for micro_batch_size in (12, 3):
         args = script.Args(micro_batch_size=micro_batch_size, max_new_tokens=12, beta=0.04)
         backward = functools.partial(script.policy_backward, model, batch, args, len(tokenizer))
+        copies.clear()
         _, measured = profiled(backward, torch.device("cpu"))
         model.zero_grad(set_to_none=True)
-        syncs[micro_batch_size] = measured["host syncs"]
-    assert syncs[3] - syncs[12] <= 4 * (4 - 1), syncs
+        syncs[micro_batch_size] = measured["host syncs"], len(copies)
+    assert syncs[3][0] - syncs[12][0] <= (0 if aligned else 2 * (4 - 1)), syncs
+    assert syncs[3][1] == syncs[12][1], syncs  # the one .tolist() of chunks_of, whatever the micro-batches
 
 
 def test_chunks_of_by_rows_and_by_tokens():
@@ -280,19 +296,32 @@ def test_chunks_of_by_rows_and_by_tokens():
     # 2 × 7 = 14: in; rows 3-5 cost 3 × (3 + 3) = 18 > 14, rows 3-4 2 × (3 + 3) = 12, then row 5:
     # 3 × 6 = 18 > 14, alone. By rows: 4 at a time; neither set: 4 rows.
     prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 1, 1], [0, 0, 1], [1, 1, 1], [0, 0, 1]])
+    prompt_ids = prompt_mask * torch.tensor([[7], [9], [8], [5], [9], [6]])  # rows 1 and 4: one prompt
     lengths = torch.tensor([5, 4, 3, 3, 1, 1])
     completion_mask = (torch.arange(5)[None, :] < lengths[:, None]).long()
     order = torch.arange(6)
-    chunks = grpo.chunks_of(order, prompt_mask, completion_mask, rows=0, tokens=14)
-    assert [chunk.tolist() for chunk in chunks] == [[0], [1, 2], [3, 4], [5]]
-    assert [c.tolist() for c in grpo.chunks_of(order, prompt_mask, completion_mask, 4)] == [[0, 1, 2, 3], [4, 5]]
-    assert [c.tolist() for c in grpo.chunks_of(order, prompt_mask, completion_mask, 0, 0)] == [[0, 1, 2, 3], [4, 5]]
+
+    def rows_of(*chunking, order=order):
+        return [rows.tolist() for rows, _ in grpo.chunks_of(order, prompt_ids, prompt_mask, completion_mask, *chunking)]
+
+    assert rows_of(0, 14) == [[0], [1, 2], [3, 4], [5]]
+    assert rows_of(4) == [[0, 1, 2, 3], [4, 5]] and rows_of(0, 0) == [[0, 1, 2, 3], [4, 5]]
     # A budget smaller than one row still takes that row. The rows in the order given, here 5 to 0:
     # 5-4 cost 2 × (3 + 1) = 8, with 3 3 × (3 + 3) = 18 > 14; 3-2 2 × (2 + 3) = 10, with 1
     # 3 × (3 + 4) = 21; 1 then 0 2 × (3 + 5) = 16 > 14: [5, 4], [3, 2], [1], [0].
-    assert [c.tolist() for c in grpo.chunks_of(order, prompt_mask, completion_mask, 0, 1)] == [[i] for i in range(6)]
-    backwards = grpo.chunks_of(order.flip(0), prompt_mask, completion_mask, 0, 14)
-    assert [chunk.tolist() for chunk in backwards] == [[5, 4], [3, 2], [1], [0]]
+    assert rows_of(0, 1) == [[i] for i in range(6)]
+    assert rows_of(0, 14, order=order.flip(0)) == [[5, 4], [3, 2], [1], [0]]
+    # Each chunk's Layout, by hand from the lengths above: its longest prompt and completion, the runs
+    # of rows sharing a prompt (rows 1 and 4 share one, when they come one after the other), the
+    # shortest prompt.
+    layouts = [layout for _, layout in grpo.chunks_of(order, prompt_ids, prompt_mask, completion_mask, 0, 14)]
+    assert [(x.prompt, x.completion, x.prompts, x.shortest) for x in layouts] == [
+        (2, 5, 1, 2), (3, 4, 2, 2), (3, 3, 2, 1), (1, 1, 1, 1)
+    ]  # fmt: skip
+    [(_, shared)] = grpo.chunks_of(torch.tensor([1, 4]), prompt_ids, prompt_mask, completion_mask, 2)
+    assert shared == grpo.Layout(prompt=3, completion=4, prompts=1, shortest=3)
+    [(_, apart)] = grpo.chunks_of(torch.tensor([1, 0, 4]), prompt_ids, prompt_mask, completion_mask, 3)
+    assert apart.prompts == 3  # rows 1 and 4 share a prompt, but not a run: two passes of it
 
 
 def test_micro_batches_by_tokens_give_todays_update(models):
@@ -305,7 +334,7 @@ def test_micro_batches_by_tokens_give_todays_update(models):
     sequences = [batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
     tokens = 800
     order = length_order(*sequences[:2], sequences[3])
-    chunks = grpo.chunks_of(order, sequences[1], sequences[3], 0, tokens)
+    chunks = [rows for rows, _ in grpo.chunks_of(order, *sequences[:2], sequences[3], 0, tokens)]
     cost = lambda rows: len(rows) * (sequences[1][rows].sum(-1).max() + sequences[3][rows].sum(-1).max())  # noqa: E731
     assert len({len(chunk) for chunk in chunks}) > 1  # more rows to a chunk where they are short
     for chunk, after in zip(chunks, chunks[1:]):  # each within the budget, and full: the next row would not fit

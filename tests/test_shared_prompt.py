@@ -50,6 +50,19 @@ def tiny():
     return model, critic, len(tokenizer), batch
 
 
+@pytest.fixture(params=[False, True], ids=["prompt-pass-as-is", "aligned-prompt-pass"])
+def aligned(request, monkeypatch):
+    """Both prompt passes of forward_completions: as it is on the CPU, and as on CUDA (aligned_prompts,
+    forced here): each prompt's tokens first and its padding after, no mask, in models whose every
+    layer attends to all earlier tokens; with chunks' columns rounded up to a multiple of 8 (CUDA's
+    shape_multiple is 64), so that every prompt pass of a group of 252-token prompts has padding."""
+    for script in (grpo, dapo, ppo):
+        monkeypatch.setattr(script, "aligned_prompts", lambda device, on=request.param: on)
+        if request.param:
+            monkeypatch.setattr(script, "shape_multiple", lambda device: 8)
+    return request.param
+
+
 def unshared(script, monkeypatch):
     """Within it, `script` runs the computation before: one pass over prompt + completion a row."""
     monkeypatch.setattr(script, "forward_completions", functools.partial(script.forward_completions, share=False))
@@ -60,19 +73,21 @@ def passes(module):
     one-token pass that looks at the model's head once (plain_head) is made first, uncounted."""
     for script in (grpo, dapo, ppo):
         script.plain_head(module)
-    seen = {"passes": 0, "positions": 0}
+    seen = {"passes": 0, "positions": 0, "unmasked": 0}
 
     def count(_, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         seen["passes"] += 1
         seen["positions"] += ids.numel()
+        seen["unmasked"] += kwargs.get("attention_mask") is None
 
     return seen, module.register_forward_pre_hook(count, with_kwargs=True)
 
 
-def test_log_probs_equal_and_each_prompt_runs_once(tiny, monkeypatch):
+def test_log_probs_equal_and_each_prompt_runs_once(tiny, aligned, monkeypatch):
     # 12 rows, 3 prompts: chunks of 4 rows are one group each, so 3 prompt passes of 1 row and 3
-    # completion passes of 4; before, 3 passes of 4 rows over prompt + completion.
+    # completion passes of 4; before, 3 passes of 4 rows over prompt + completion. Aligned, the
+    # prompt passes run without a mask (the tiny model attends to every earlier token).
     model, _, vocab_size, batch = tiny
     sequences = [batch[k] for k in SEQUENCES]
     seen, handle = passes(model)
@@ -87,6 +102,7 @@ def test_log_probs_equal_and_each_prompt_runs_once(tiny, monkeypatch):
     assert (shared - before).abs().max() <= 8 * FP32_EPS * before.abs().max()  # measured 4.8e-7 at 6.4: 1 ulp
     assert (entropy - entropy_before).abs().max() <= 8 * FP32_EPS * entropy_before.abs().max()
     assert (seen["passes"], seen_before["passes"]) == (6, 3)
+    assert (seen["unmasked"], seen_before["unmasked"]) == (3 if aligned else 0, 0)
     assert seen["positions"] < 0.75 * seen_before["positions"]  # P + G·t instead of G·(P + t) for each group
 
 
@@ -103,7 +119,7 @@ GRPO_CASES = [
 
 @pytest.mark.parametrize("settings", GRPO_CASES, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
 @pytest.mark.parametrize("micro_batch_size", [4, 5])  # whole groups; and groups split across micro-batches
-def test_every_grpo_loss_has_the_gradient_of_before(tiny, settings, micro_batch_size, monkeypatch):
+def test_every_grpo_loss_has_the_gradient_of_before(tiny, settings, micro_batch_size, aligned, monkeypatch):
     model, _, vocab_size, batch = tiny
     args = grpo.Args(micro_batch_size=micro_batch_size, max_new_tokens=12, **{"beta": 0.04} | settings)
     batch = {k: v for k, v in batch.items() if k in (*SEQUENCES, "sample_logp", "old_logp", "ref_logp", "advantages")}
@@ -115,7 +131,7 @@ def test_every_grpo_loss_has_the_gradient_of_before(tiny, settings, micro_batch_
 
 
 @pytest.mark.parametrize("overlong_filter", [False, True])
-def test_the_dapo_loss_has_the_gradient_of_before(tiny, overlong_filter, monkeypatch):
+def test_the_dapo_loss_has_the_gradient_of_before(tiny, overlong_filter, aligned, monkeypatch):
     model, _, vocab_size, batch = tiny
     batch = {
         k: v
@@ -130,7 +146,7 @@ def test_the_dapo_loss_has_the_gradient_of_before(tiny, overlong_filter, monkeyp
     assert_same_update(shared, gradients_and_totals(dapo, model, batch, args, vocab_size))
 
 
-def test_ppo_actor_and_critic_have_the_gradients_of_before(tiny, monkeypatch):
+def test_ppo_actor_and_critic_have_the_gradients_of_before(tiny, aligned, monkeypatch):
     model, critic, vocab_size, batch = tiny
     batch = dict(batch, advantages=batch["advantages_ppo"])
     args = ppo.Args(micro_batch_size=4, max_new_tokens=12, entropy_coef=0.01, pos_lm_coef=0.1)
@@ -177,7 +193,7 @@ def test_gradient_checkpointing_runs_one_pass_and_the_gradient_of_before(tiny, m
     assert_same_update(checkpointed, gradients_and_totals(grpo, model, batch, args, vocab_size))
 
 
-def test_lora_has_the_gradient_of_before(tiny, monkeypatch):
+def test_lora_has_the_gradient_of_before(tiny, aligned, monkeypatch):
     _, _, vocab_size, batch = tiny
     torch.manual_seed(1)
     policy, _, _ = load_policy(grpo.Args(model="tiny", lora_rank=4), torch.device("cpu"), torch.float32)
@@ -192,9 +208,10 @@ def test_lora_has_the_gradient_of_before(tiny, monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["gemma3", "mistral", "gpt-oss", "qwen3-moe"])
-def test_sliding_windows_reach_back_into_the_prompt_exactly(family, monkeypatch):
+def test_sliding_windows_reach_back_into_the_prompt_exactly(family, aligned, monkeypatch):
     # Windows of 8 under prompts of 12-30 tokens and completions of 10: a completion token's window
-    # covers the end of the prompt, now in the cache; log-probs and the gradient as before.
+    # covers the end of the prompt, now in the cache; log-probs and the gradient as before. A window
+    # counts columns: aligned or not, these models keep the prompt pass as it is, with its mask.
     model = family_model(family).train()
     prompt_ids, prompt_mask = (t.repeat_interleave(3, 0) for t in family_prompts())  # 3 prompts × 3
     generator = torch.Generator().manual_seed(0)
