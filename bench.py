@@ -150,6 +150,7 @@ class Args:
     race_rows: int = arg(
         0, "rows over which sample's tokens are compared with torch.multinomial's (near-ties); 0 = skip"
     )
+    host_layers: int = arg(0, "the host's cost of an update pass through this many 96-wide layers (ops, ms); 0 = skip")
     head_logit_std: float = arg(4.0, "--head_rows: the logits' spread the head is scaled to (a trained model's)")
     profile: str = arg("", "decode, grpo, dapo or ppo (comma-separated): each phase under torch.profiler; '' = none")
     profile_phases: str = arg(
@@ -925,6 +926,76 @@ def bench_training(args, directory: str, device, rows: list, save=lambda: None) 
     return rows
 
 
+def bench_host_pass(layers: int, device, amp, repeats: int) -> list[dict]:
+    """The host's share of one update pass (sequence_logprobs' forward and backward, as a micro-batch
+    runs it): a Qwen2 model of `layers` layers with the 1.5B shape's 12 query and 2 KV heads, 96 wide,
+    a 1,024-id head, so that its arithmetic is next to nothing and its time is the host's (Python,
+    dispatch, autograd; on a GPU the launches too). 7 rows of one 8-token prompt, completions of 40;
+    the prompt shared (forward_completions: two model calls) and not (share=False, one). Aten ops a
+    layer (counted below autograd, each the difference of `layers` layers and one; views apart) and
+    ms a pass, the median of `repeats`."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    class Counted(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = self.views = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            self.views += func.is_view
+            return func(*args, **(kwargs or {}))
+
+    if layers < 2:
+        raise SystemExit(f"--host_layers {layers}: at least 2 (a layer's ops are the difference from one layer)")
+
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 1024, (1, 8), generator=generator).expand(7, -1).to(device)
+    completion = torch.randint(3, 1024, (7, 40), generator=generator).to(device)
+    sequences = prompt, torch.ones_like(prompt), completion, torch.ones_like(completion)
+    shape = dict(hidden_size=96, intermediate_size=256, num_attention_heads=12, num_key_value_heads=2, vocab_size=1024)
+    models = {n: Qwen2ForCausalLM(Qwen2Config(**shape, num_hidden_layers=n)).to(device).train() for n in (1, layers)}
+
+    def one_pass(model):
+        with amp():
+            logp, _ = grpo.sequence_logprobs(model, *sequences, 1.0, 1024, 7)
+        logp.sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    rows, forward = [], grpo.forward_completions
+    for share in (True, False):
+        grpo.forward_completions = functools.partial(forward, share=share)
+        try:
+            counts = {}
+            for n, model in models.items():
+                one_pass(model)  # set-up outside the count
+                with Counted() as counted:
+                    one_pass(model)
+                counts[n] = counted
+            seconds = []
+            for _ in range(repeats):
+                synchronize(device)
+                start = time.perf_counter()
+                one_pass(models[layers])
+                synchronize(device)
+                seconds.append(time.perf_counter() - start)
+        finally:
+            grpo.forward_completions = forward
+        ops, views = ((getattr(counts[layers], k) - getattr(counts[1], k)) / (layers - 1) for k in ("ops", "views"))
+        rows.append(
+            {
+                "prompt": "shared" if share else "a row each",
+                "layers": layers,
+                "aten ops a layer": ops,
+                "of them views": views,
+                "aten ops outside the layers": counts[1].ops - ops,
+                "ms a pass": 1e3 * statistics.median(seconds),
+            }
+        )
+    return rows
+
+
 def markdown(rows: list[dict]) -> str:
     if not rows:
         return ""
@@ -1558,6 +1629,10 @@ def measure(args: Args) -> dict:
         report["attention"] = bench_attention(*shape, args.max_new_tokens, device, amp, compute_dtype or weight_dtype)
         save()
         print(f"\n### attention\n\n{markdown(report['attention'])}")
+    if args.host_layers:  # no weights worth the name: the host's cost of a pass is its ops
+        report["host_pass"] = bench_host_pass(args.host_layers, device, amp, args.repeats)
+        save()
+        print(f"\n### host pass\n\n{markdown(report['host_pass'])}")
     if args.profile:
         return bench_profile(args, device, weight_dtype, compute_dtype, amp, report, save)
     sections = ("generation", "decode_bytes", "steps_4_and_6", "logprob_memory", "logprob_gap", "head_precision")

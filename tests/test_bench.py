@@ -326,3 +326,20 @@ def test_training_steps_alone_load_no_model_and_report_each_phase(tmp_path, monk
     assert row["time/* summed"] == pytest.approx(
         sum(v for k, v in row.items() if k.startswith("time/") and k != "time/* summed")
     )
+
+
+def test_host_pass_counts_the_ops_a_layer_adds():
+    # --host_layers: one update pass through 3 narrow layers and through 1, ops counted below
+    # autograd. A layer's ops are the difference over the 2 layers more; the shared prompt runs every
+    # layer twice (the prompt pass, then the completions' pass), so more than twice the ops of one
+    # pass a row (the cache's concatenation and copies besides); the rest of the pass (embedding, head,
+    # log-probs) is outside the layers and the same in both.
+    import bench
+
+    shared, unshared = bench.bench_host_pass(3, torch.device("cpu"), contextlib.nullcontext, repeats=1)
+    assert (shared["prompt"], unshared["prompt"]) == ("shared", "a row each")
+    assert unshared["aten ops a layer"] > 50 and unshared["aten ops a layer"] == int(unshared["aten ops a layer"])
+    assert shared["aten ops a layer"] > 2 * unshared["aten ops a layer"]
+    assert 0 < shared["of them views"] < shared["aten ops a layer"] and shared["ms a pass"] > 0
+    with pytest.raises(SystemExit, match="at least 2"):
+        bench.bench_host_pass(1, torch.device("cpu"), contextlib.nullcontext, repeats=1)
