@@ -471,7 +471,7 @@ def bench_steps_4_and_6(args, model, tokenizer, vocab_size, device, amp) -> list
             grpo.forward_completions = functools.partial(saved[2], share=False)
         if name == "padded":  # length_order and trim_padding as no-ops: every chunk padded to the rollout's longest
             grpo.length_order = lambda prompt_ids, *masks: torch.arange(len(prompt_ids), device=device)
-            grpo.trim_padding = lambda *tensors: tensors
+            grpo.trim_padding = lambda *tensors_and_layout: tensors_and_layout[:4]
         try:
             yield
         finally:

@@ -2153,11 +2153,10 @@ def chunks_of(order, prompt_ids, prompt_mask, completion_mask, rows: int, tokens
         tuple(min(-(-max(length, 1) // multiple) * multiple, width) for length, width in zip(lengths, widths))
         for lengths in zip(prompt_lengths, completion_lengths)
     ]
-    if rows or not tokens:
-        size = rows or 4
-    elif world_size() > 1:
+    size = rows or (0 if tokens else 4)  # rows a chunk; 0: by tokens
+    if not size and world_size() > 1:
         size = max(1, tokens // all_reduce(max(map(sum, kept)), "max"))
-    if rows or not tokens or world_size() > 1:
+    if size:
         spans = [(start, min(start + size, len(kept))) for start in range(0, len(kept), size)]
     else:
         spans, start, prompt, completion = [], 0, 0, 0
@@ -2247,9 +2246,9 @@ def forward_completions(
     backward sums the G completions' gradients into the one prompt pass (P + G·T token positions
     instead of G·(P + T)). Exact up to float reassociation: the same keys, values and positions,
     and transformers builds every mask from the 2D one, sliding windows included. One pass over
-    prompt + completion where no two rows share a prompt (G = 1), where a prompt is one token, where
-    transformers would drop the cache (gradient checkpointing in train mode), and with share=False
-    (the computation before; tests and bench.py compare with it).
+    prompt + completion where no two consecutive rows share a prompt (G = 1), where a prompt is one
+    token, where transformers would drop the cache (gradient checkpointing in train mode), and with
+    share=False (the computation before; tests and bench.py compare with it).
 
     layout: the chunk's Layout (chunks_of), read on the host with the other chunks'; without it the
     two numbers sharing needs (how many prompts, the shortest) are read here, one host sync. Where

@@ -277,16 +277,21 @@ def test_no_host_sync_in_the_loop_over_micro_batches(models, script, aligned, mo
     monkeypatch.setattr(script, "aligned_prompts", lambda device: aligned)
     copies, tolist = [], torch.Tensor.tolist  # .tolist(), a copy to the host the profiler does not see
     monkeypatch.setattr(torch.Tensor, "tolist", lambda tensor: copies.append(1) or tolist(tensor))
-    syncs = {}
-    for micro_batch_size in (12, 3):
-        args = script.Args(micro_batch_size=micro_batch_size, max_new_tokens=12, beta=0.04)
-        backward = functools.partial(script.policy_backward, model, batch, args, len(tokenizer))
-        copies.clear()
-        _, measured = profiled(backward, torch.device("cpu"))
-        model.zero_grad(set_to_none=True)
-        syncs[micro_batch_size] = measured["host syncs"], len(copies)
-    assert syncs[3][0] - syncs[12][0] <= (0 if aligned else 2 * (4 - 1)), syncs
-    assert syncs[3][1] == syncs[12][1], syncs  # the one .tolist() of chunks_of, whatever the micro-batches
+    updates = {"policy": lambda args: script.policy_backward(model, batch, args, len(tokenizer))}
+    if script is ppo:  # and the critic's update, in the same micro-batches
+        critic_batch = batch | {k: models[3][k] for k in ("old_values", "returns")}
+        updates["critic"] = lambda args: ppo.critic_backward(critic, critic_batch, args)
+    for name, update in updates.items():
+        syncs = {}
+        for micro_batch_size in (12, 3):
+            args = script.Args(micro_batch_size=micro_batch_size, max_new_tokens=12, beta=0.04)
+            copies.clear()
+            _, measured = profiled(functools.partial(update, args), torch.device("cpu"))
+            model.zero_grad(set_to_none=True)
+            critic.zero_grad(set_to_none=True)
+            syncs[micro_batch_size] = measured["host syncs"], len(copies)
+        assert syncs[3][0] - syncs[12][0] <= (0 if aligned else 2 * (4 - 1)), (name, syncs)
+        assert syncs[3][1] == syncs[12][1], (name, syncs)  # chunks_of's one .tolist(), whatever the micro-batches
 
 
 def test_chunks_of_by_rows_and_by_tokens():
