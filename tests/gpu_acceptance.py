@@ -58,6 +58,10 @@ acceptance as it was then ran out of time:
      with --aligned_prompts off (the prompt pass left-padded with its mask, whose padding transformers
      checks with a host sync in every micro-batch: what the sync-free loop buys). Stages 1-7 took
      464 s of the 560 on the H100: run these three with `--stages 4,8,9,10` in a call of their own.
+  11. optional: bench.py's steps 4 + 6 (scoring and update) of 64 rows in 7-row micro-batches,
+     the preflight's at this shape, each prompt forwarded once per group (two model calls a pass,
+     more than twice the host's ops a layer: bench.py --host_layers) against once per row (one
+     call, 16-19% more token positions): whether sharing pays on a GPU whose passes wait on the host.
 The profiler's overhead on these steps has not been measured. A stage gets its own share and
 the time the stages before it left (never the share of a stage after it). The report (Markdown)
 gathers the versions, every command with its status and time, and the tables; every stage's
@@ -91,6 +95,7 @@ SECTIONS = (
     "profile_top",
     "profile_kinds",
     "training_step",
+    "steps_4_and_6",
 )
 
 
@@ -162,6 +167,17 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
                 ("masked_prompts", "--aligned_prompts off"),
             )
         ],
+        dict(
+            name=f"steps 4 + 6 of grpo.py, {sizes['profile_batch']} groups of {sizes['group']}, each prompt once per "
+            "group (shared) against once per row (optional: on the time left)",
+            seconds=0,
+            optional=True,
+            json=directory / "steps_4_and_6.json",
+            command=[*bench, *model, "--step_rows", str(int(sizes["profile_batch"]) * int(sizes["group"]))]
+            + ["--group_size", sizes["group"], "--max_new_tokens", sizes["decode_tokens"], "--micro_batch_size", "7"]
+            + ["--logprob_chunk_size", "64", "--batch_sizes", "", "--train_steps", "", "--logprob_rows", "0"]
+            + ["--repeats", "1"],
+        ),
     ]
 
 

@@ -55,13 +55,16 @@ def test_the_ab_stages_are_stage_4_with_one_flag_more(tmp_path):
     import gpu_acceptance
 
     planned = gpu_acceptance.stages(False, tmp_path, tmp_path / "model")
-    assert len(planned) == 10 and all(stage.get("optional") for stage in planned[6:])
+    assert len(planned) == 11 and all(stage.get("optional") for stage in planned[6:])
     step = planned[3]["command"]
     flags = (["--gradient_checkpointing", "true"], ["--sdpa_backend", "efficient"], ["--aligned_prompts", "off"])
-    for stage, more in zip(planned[7:], flags, strict=True):
+    for stage, more in zip(planned[7:10], flags, strict=True):
         assert stage["command"] == step + more and stage["json"] != planned[3]["json"]
         assert stage["seconds"] == 0 and "A/B against stage 4" in stage["name"]
-    assert len({stage["json"] for stage in planned[7:]}) == 3
+    assert len({stage["json"] for stage in planned[7:10]}) == 3
+    # Stage 11: steps 4 + 6 alone, shared against unshared, at stage 4's lengths and group size.
+    shares = planned[10]["command"]
+    assert shares[shares.index("--step_rows") + 1] == "64" and shares[shares.index("--group_size") + 1] == "8"
 
 
 def test_acceptance_runner_runs_the_stages_asked_for(tmp_path, monkeypatch, capsys):
@@ -88,11 +91,11 @@ def test_acceptance_runner_runs_the_stages_asked_for(tmp_path, monkeypatch, caps
     ]
     assert report.read_text().count("passed, ") == 2
     ran.clear()
-    for wrong in ("11", "2,x"):
+    for wrong in ("12", "2,x"):
         monkeypatch.setattr(sys, "argv", ["gpu_acceptance.py", "--output", str(report), "--smoke", "--stages", wrong])
         with pytest.raises(SystemExit) as refused:
             gpu_acceptance.main()
-        assert refused.value.code == 2 and "stages are numbered 1 to 10" in capsys.readouterr().err
+        assert refused.value.code == 2 and "stages are numbered 1 to 11" in capsys.readouterr().err
     assert ran == []  # before anything ran, the versions' probe included
 
 
