@@ -636,12 +636,17 @@ def size_micro_batches(args, task, tokenizer, trained: list, update, score) -> N
 
 
 def pass_speeds(timings: dict, length: int) -> str:
-    """The preflight's passes as tokens per second by rows (timings: kind -> rows -> seconds, as they
-    ran; the first pass of a kind carries the set-up of its kernels): whether a larger micro-batch
-    buys speed or only fills memory."""
+    """The preflight's passes as tokens per second by rows (timings: kind -> rows -> (seconds, host
+    seconds), as they ran; the first pass of a kind carries the set-up of its kernels): whether a
+    larger micro-batch buys speed or only fills memory; and when the host had launched all of the
+    pass: near its seconds, the GPU was waiting for the host (Python, launches), far below them,
+    the host for the GPU."""
     return "; ".join(
         f"{kind}: "
-        + ", ".join(f"{rows} row{'s' * (rows > 1)} {rows * length / s / 1e3:.1f}k tok/s" for rows, s in runs.items())
+        + ", ".join(
+            f"{rows} row{'s' * (rows > 1)} {rows * length / s / 1e3:.1f}k tok/s (host {host:.2f} of {s:.2f} s)"
+            for rows, (s, host) in runs.items()
+        )
         for kind, runs in timings.items()
     )
 
@@ -688,7 +693,8 @@ def preflight(run, most_rows: int, flags: str, budget: float, measure, what: str
 
 def cuda_peak(run, rows: int, sequences, device, seconds: dict | None = None) -> float:
     """The peak bytes allocated on `device` while run(sequences(rows)) runs; inf if it runs out of memory.
-    seconds: where the pass's time goes, by rows (from a synchronised start to a synchronise after it)."""
+    seconds: where the pass's time goes, by rows: (from a synchronised start to a synchronise after it,
+    to the host's return from the pass: its launches done, the GPU maybe still at work)."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     batch = sequences(rows)
@@ -696,6 +702,7 @@ def cuda_peak(run, rows: int, sequences, device, seconds: dict | None = None) ->
     start = time.perf_counter()
     try:
         run(batch)
+        launched = time.perf_counter() - start  # the host's part: its launches (and any sync in the pass)
         torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start  # the pass, not the release of its memory below
     except RuntimeError as error:  # torch.OutOfMemoryError, or cuBLAS's or cuDNN's failed allocation
@@ -705,7 +712,7 @@ def cuda_peak(run, rows: int, sequences, device, seconds: dict | None = None) ->
     finally:
         torch.cuda.empty_cache()
     if seconds is not None:
-        seconds[rows] = elapsed
+        seconds[rows] = elapsed, launched
     return torch.cuda.max_memory_allocated(device)
 
 

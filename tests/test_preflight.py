@@ -51,9 +51,14 @@ def test_preflight_keeps_what_fitted_when_the_line_overreaches():
 
 def test_the_preflight_says_what_each_size_of_pass_runs_at():
     # Its passes, timed as they ran, as tokens per second: 1 row of 1,000 tokens in 0.5 s is 2.0k
-    # tok/s, 4 rows in 0.8 s 5.0k; 256 rows of scoring in 3.2 s 80.0k.
-    timings = {"micro_batch": {1: 0.5, 4: 0.8}, "logprob_chunk": {256: 3.2}}
-    expected = "micro_batch: 1 row 2.0k tok/s, 4 rows 5.0k tok/s; logprob_chunk: 256 rows 80.0k tok/s"
+    # tok/s, 4 rows in 0.8 s 5.0k; 256 rows of scoring in 3.2 s 80.0k; each with the second at which
+    # the host had launched all of it (0.45 of 0.5: the GPU waited on the host; 0.1 of 3.2: the host
+    # on the GPU).
+    timings = {"micro_batch": {1: (0.5, 0.45), 4: (0.8, 0.5)}, "logprob_chunk": {256: (3.2, 0.1)}}
+    expected = (
+        "micro_batch: 1 row 2.0k tok/s (host 0.45 of 0.50 s), 4 rows 5.0k tok/s (host 0.50 of 0.80 s); "
+        "logprob_chunk: 256 rows 80.0k tok/s (host 0.10 of 3.20 s)"
+    )
     assert pass_speeds(timings, 1000) == expected
 
 
