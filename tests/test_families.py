@@ -89,7 +89,7 @@ def test_sampled_logprobs_equal_scoring_and_the_plain_forward(family, monkeypatc
     assert (sample_logp - plain).abs().max().item() <= TOLERANCE, name
 
 
-@pytest.mark.parametrize("script", [grpo, ppo], ids=["grpo", "ppo"])  # the log-probs, and PPO's critic too
+@pytest.mark.parametrize("script", [grpo, ppo], ids=["grpo", "ppo"])  # two copies: ppo's also runs its critic
 def test_aligned_prompt_passes_score_as_the_plain_forward(family, script, monkeypatch):
     # forward_completions as on CUDA (aligned_prompts, shape_multiple 8): in a model whose every layer
     # attends to all earlier tokens the prompt pass takes each prompt's tokens first, no mask; in one
