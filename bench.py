@@ -1521,9 +1521,10 @@ def compared(args: Args):
     --head_chunk_mb: the positions logprob_head turns into log-probs at a time, in the scoring and
     training passes (the preflight, in the same run, sizes the passes with it): fewer, larger
     chunks make fewer (V, d) weight gradients to sum, and larger fp32 logits.
-    --aligned_prompts off: forward_completions' prompt pass as on the CPU, left-padded with its mask,
-    whose padding transformers checks with a host sync in every micro-batch (the code before; on:
-    each prompt's tokens first, no mask, the CUDA default)."""
+    --aligned_prompts off: forward_completions' prompt pass (and its one pass, under gradient
+    checkpointing or G = 1) as on the CPU, left-padded with its mask, whose padding transformers
+    checks with a host sync in every micro-batch (the code before; on: each row's tokens first, no
+    mask, the CUDA default)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}

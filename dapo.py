@@ -1833,18 +1833,23 @@ def grouped_decode_attention(module, query, key, value, attention_mask, scaling=
     return out.reshape(num_rows, 1, heads, head_dim), None
 
 
-@contextlib.contextmanager
 def grouped_attention(model):
-    """Within it the model's attention layers run grouped_decode_attention (registered with
-    transformers' AttentionInterface): generate's one-token step, whose query is one token. It
-    stands in for sdpa only, the function it computes: a model that runs another attention (eager
-    for gpt-oss's attention sinks and Gemma 2's soft-capped scores) keeps its own."""
-    AttentionInterface.register("nanopo_grouped_decode", grouped_decode_attention)
+    """Within it the model's attention layers run grouped_decode_attention: generate's one-token
+    step, whose query is one token (sdpa_replaced)."""
+    return sdpa_replaced(model, "nanopo_grouped_decode", grouped_decode_attention)
+
+
+@contextlib.contextmanager
+def sdpa_replaced(model, name: str, function):
+    """Within it the model's attention layers run `function`, registered with transformers'
+    AttentionInterface as `name`, where they ran sdpa, the function it computes: a model that runs
+    another attention (eager for gpt-oss's attention sinks and Gemma 2's soft-capped scores) keeps its own."""
+    AttentionInterface.register(name, function)
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) != "sdpa":  # not sdpa, or not a transformers model
         yield
         return
-    attention, config._attn_implementation = config._attn_implementation, "nanopo_grouped_decode"
+    attention, config._attn_implementation = config._attn_implementation, name
     try:
         yield
     finally:
@@ -2333,10 +2338,11 @@ def shape_multiple(device: torch.device) -> int:
 
 
 def aligned_prompts(device: torch.device) -> bool:
-    """Whether forward_completions runs its prompt pass with each prompt's tokens first and its
-    padding after (no mask; a model whose every layer attends to all earlier tokens): on CUDA, where
-    transformers' check of a mask's padding is a host sync; elsewhere the pass stays as it was, and
-    so do its numbers (the sums of attention run over other tiles: equal up to float reassociation)."""
+    """Whether forward_completions runs its prompt pass (and its one pass over prompt + completion)
+    with each row's tokens first and its padding after (no mask; a model whose every layer attends to
+    all earlier tokens): on CUDA, where transformers' check of a mask's padding is a host sync;
+    elsewhere the passes stay as they were, and so do their numbers (the sums of attention run over
+    other tiles: equal up to float reassociation)."""
     return device.type == "cuda"
 
 
@@ -2365,7 +2371,9 @@ def forward_completions(
     with its tokens first and its padding after, so that it needs no mask (causal attention never
     looks right) and transformers reads none (its check of a mask's padding is a host sync); the
     completions' mask then hides those padding columns, and the prompt's last token, which comes again
-    as their pass's first. A sliding window counts columns, so there the prompt stays as it is."""
+    as their pass's first. The one pass does the same with each row, prompt and completion (a
+    completion's padding is all after its tokens), and takes each row's t outputs from where its
+    prompt ends. A sliding window counts columns, so there the rows stay as they are."""
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (n, p+t)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same positions as in generate
     num_prompt, kept = prompt_ids.shape[1], completion_ids.shape[1]  # p, t
@@ -2377,15 +2385,32 @@ def forward_completions(
     else:
         prompts, shortest = torch.stack([starts.sum(), lengths.min()]).tolist()
     checkpointed = model.training and any(getattr(layer, "gradient_checkpointing", False) for layer in model.modules())
+    aligned = aligned_prompts(prompt_ids.device) and all(window is None for window in attention_windows(model).values())
     if not share or prompts == len(prompt_ids) or shortest < 2 or checkpointed:
-        out = model(
-            input_ids=torch.cat([prompt_ids, completion_ids], dim=1)[:, :-1],  # the last token predicts nothing
-            attention_mask=attention_mask[:, :-1],
-            position_ids=position_ids[:, :-1],
-            use_cache=False,
-            **keep,
-        )
-        return out[output][:, -kept:]  # (n, t, ·)
+        ids = torch.cat([prompt_ids, completion_ids], dim=1)[:, :-1]  # (n, p-1+t) the last token predicts nothing
+        if not aligned:
+            mask, positions = attention_mask[:, :-1], position_ids[:, :-1]
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, **keep)
+            return out[output][:, -kept:]  # (n, t, ·)
+        columns = torch.arange(ids.shape[1], device=ids.device)  # (p-1+t,)
+        shift = (columns + (num_prompt - lengths)[:, None]).clamp(max=len(columns) - 1)  # (n, p-1+t)
+        last = torch.minimum(lengths + completion_mask.sum(-1), lengths + kept - 1) - 1  # (n,) last token's position
+        at = (lengths[:, None] - 1 + columns[:kept])[..., None]  # (n, t, 1) where row i predicts its token j
+        picked = lambda hidden: hidden.gather(1, at.expand(-1, -1, hidden.shape[-1]))  # noqa: E731  (n, ·, ·) -> (n, t, ·)
+        head = model.get_output_embeddings() if keep else None  # given the t positions alone (logprob_head chunks them)
+        hook = head.register_forward_pre_hook(lambda _, args: (picked(args[0]), *args[1:])) if head else None
+        try:  # each row's tokens first; the columns past them repeat its last token and position: never attended to
+            with causal_attention(model):
+                out = model(
+                    input_ids=ids.gather(1, shift),
+                    attention_mask=None,
+                    position_ids=torch.minimum(columns, last[:, None]),  # (n, p-1+t) as in the masked pass
+                    use_cache=False,
+                )[output]  # (n, t, ·) through the head, else (n, p-1+t, ·)
+        finally:
+            if hook:
+                hook.remove()
+        return out if out.shape[1] == kept else picked(out)  # (n, t, ·): a backbone's hidden states picked here
     run = starts.cumsum(0) - 1  # (n,) each row's prompt: the run it is in
     first = torch.zeros(prompts, dtype=torch.long, device=run.device)  # (b,) each prompt's first row
     first = first.scatter_reduce(0, run, torch.arange(len(run), device=run.device), "amin", include_self=False)
@@ -2397,12 +2422,12 @@ def forward_completions(
         "attention_mask": distinct_mask[:, :-1],
         "position_ids": (distinct_mask[:, :-1].cumsum(-1) - 1).clamp(min=0),
     }
-    if aligned_prompts(prompt_ids.device) and all(window is None for window in attention_windows(model).values()):
+    if aligned:
         shift = (columns + (num_prompt - distinct_mask.sum(-1))[:, None]).clamp(max=num_prompt - 1)  # (b, p)
-        prompt_pass = {  # the tokens first (columns past them repeat the last: never attended to)
+        prompt_pass = {  # the tokens first (columns past them repeat the last and its position: never attended to)
             "input_ids": distinct.gather(1, shift)[:, :-1],
             "attention_mask": None,
-            "position_ids": columns[None, :-1].expand(len(distinct), -1),
+            "position_ids": torch.minimum(columns[:-1], distinct_mask.sum(-1, keepdim=True) - 2),  # (b, p-1)
         }
         before_last = (columns[None, :-1] < lengths[:, None] - 1).to(attention_mask.dtype)  # (n, p-1)
         completion_pass_mask = torch.cat([before_last, attention_mask[:, num_prompt - 1 : -1]], dim=1)
@@ -2423,6 +2448,14 @@ def forward_completions(
     if torch.is_grad_enabled():  # FSDP2 gathers a layer again for backward only if its forward's output is in
         out[:, :1] += 0 * prompt_out[output].sum()  # the loss: the prompt pass's joins, at weight 0, in place
     return out
+
+
+def causal_attention(model):
+    """Saves transformers' host sync in a pass given neither mask nor cache (forward_completions'
+    aligned one pass): it reads the position ids to find sequences packed into one row, unless the
+    model's attention is one it builds no mask for. Within it the layers run sdpa itself under such a
+    name (sdpa_replaced): with no mask, causal attention, as before, and nothing read."""
+    return sdpa_replaced(model, "nanopo_causal", AttentionInterface()["sdpa"])
 
 
 # ----------------------------------------------------------------------------------------

@@ -52,16 +52,19 @@ acceptance as it was then ran out of time:
      more than the step), so the unprofiled steps come first. On the H100 (2026-11-26) stages 1-6
      took 374 s, and stage 7, every phase profiled, 90 s.
   8., 9. and 10., optional, on the time left: the grpo step of stage 4 again, with
-     --gradient_checkpointing true (fewer, larger micro-batches: the H100's update paid ~0.3 s a
-     pass whatever its rows, docs/speed.md), with --sdpa_backend efficient (the memory-efficient
-     attention first: 10-12% faster than cuDNN's in the decode's one-token call, on its own), and
-     with --aligned_prompts off (the prompt pass left-padded with its mask, whose padding transformers
-     checks with a host sync in every micro-batch: what the sync-free loop buys). Stages 1-7 took
-     464 s of the 560 on the H100: run these three with `--stages 4,8,9,10` in a call of their own.
+     --aligned_prompts off (the passes left-padded with their mask, whose padding transformers
+     checks with a host sync in every micro-batch: what the sync-free loop buys; first, so that a
+     whole run's time left, ~95 s on the H100, goes to it), with --gradient_checkpointing true
+     (fewer, larger micro-batches: the H100's update paid ~0.3 s a pass whatever its rows,
+     docs/speed.md; each one pass over prompt + completion a row, aligned and unmasked, with no
+     sync), and with --sdpa_backend efficient (the memory-efficient attention first: 10-12% faster
+     than cuDNN's in the decode's one-token call, on its own). Stages 1-7 took 464 s of the 560 on
+     the H100: run all three with `--stages 4,8,9,10` in a call of their own.
   11. optional: bench.py's steps 4 + 6 (scoring and update) of 64 rows in 7-row micro-batches,
      the preflight's at this shape, each prompt forwarded once per group (two model calls a pass,
      more than twice the host's ops a layer: bench.py --host_layers) against once per row (one
-     call, 16-19% more token positions): whether sharing pays on a GPU whose passes wait on the host.
+     call, aligned and unmasked as well, 16-19% more token positions): whether sharing pays on a GPU
+     whose passes wait on the host.
 The profiler's overhead on these steps has not been measured. A stage gets its own share and
 the time the stages before it left (never the share of a stage after it). The report (Markdown)
 gathers the versions, every command with its status and time, and the tables; every stage's
@@ -161,10 +164,10 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
                 command=[*bench, *model, "--train_steps", "grpo", *step, "--batch_sizes", "", "--logprob_rows", "0"]
                 + flags.split(),
             )
-            for name, flags in (
+            for name, flags in (  # the first gets what stages 1-7 leave of a whole run (~95 s on the H100)
+                ("masked_prompts", "--aligned_prompts off"),
                 ("checkpointed", "--gradient_checkpointing true"),
                 ("efficient", "--sdpa_backend efficient"),
-                ("masked_prompts", "--aligned_prompts off"),
             )
         ],
         dict(

@@ -249,16 +249,19 @@ def test_the_objectives_train_under_bf16(script, objective, tmp_path):
     assert all(row["policy/sample_logp_diff"] > 0 for row in rows)  # bf16: the two passes' kernels differ
 
 
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["", "gradient-checkpointing"])
 @pytest.mark.parametrize("script", [grpo, dapo, ppo], ids=["grpo", "dapo", "ppo"])
-def test_the_update_loop_waits_for_the_gpu_nowhere(script):
+def test_the_update_loop_waits_for_the_gpu_nowhere(script, checkpointed):
     # Issue 40, item 3: no host sync inside the loop over micro-batches, on the GPU, where syncs cost.
     # The update of 12 rows under bf16 autocast in micro-batches of 3 (4 of them) against 12 (1),
     # counted by the profiler (bench.profiled): the CUDA runtime's synchronising calls (a .tolist() or
     # .item() is a cudaMemcpy and a cudaStreamSynchronize) and the ops that read a value; the micro-
     # batches' shapes are read once (chunks_of), their prompt pass is aligned (no mask, aligned_prompts),
     # so 3 micro-batches more add none. The tiny model's every layer attends to all earlier tokens.
+    # Checkpointed (ppo.py's flags for one GPU), each micro-batch is one pass over prompt + completion,
+    # its rows aligned too, and transformers runs it under an attention it builds no mask for.
     from bench import profiled
-    from common import autocast
+    from common import autocast, enable_activation_checkpointing
     from conftest import sample_batch
 
     device = torch.device("cuda", 0)
@@ -269,6 +272,8 @@ def test_the_update_loop_waits_for_the_gpu_nowhere(script):
     batch = {k: batch[k].to(device) for k in keys}
     batch |= {"advantages": batch["advantages"][:, None]} if script is ppo else {"ref_logp": None}
     model = model.to(device).train()
+    if checkpointed:
+        enable_activation_checkpointing(model)
     amp = functools.partial(autocast, device, torch.bfloat16, "tf32")
     counts = {}
     for micro_batch_size in (12, 3, 12, 3):  # each size's first pass sets up its shapes: the second counts

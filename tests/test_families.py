@@ -7,6 +7,7 @@ rows leaving the batch as they end (compaction). Each of the three scripts train
 and its checkpoint reloads; LoRA finds its layers; a model the scripts cannot serve stops first."""
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -89,17 +90,21 @@ def test_sampled_logprobs_equal_scoring_and_the_plain_forward(family, monkeypatc
     assert (sample_logp - plain).abs().max().item() <= TOLERANCE, name
 
 
+@pytest.mark.parametrize("one_pass", [False, True], ids=["shared-prompt", "one-pass"])
 @pytest.mark.parametrize("script", [grpo, ppo], ids=["grpo", "ppo"])  # two copies: ppo's also runs its critic
-def test_aligned_prompt_passes_score_as_the_plain_forward(family, script, monkeypatch):
+def test_aligned_prompt_passes_score_as_the_plain_forward(family, script, one_pass, monkeypatch):
     # forward_completions as on CUDA (aligned_prompts, shape_multiple 8): in a model whose every layer
     # attends to all earlier tokens the prompt pass takes each prompt's tokens first, no mask; in one
     # with a window (which counts columns) it stays as it is. Three prompts of 30, 12 and 21 tokens,
     # two rows each, chunks of 4 rows (so one chunk holds two prompts of unequal length): the
     # log-probs equal the plain forward pass's, and the prompt pass is unmasked exactly where every
-    # layer is full attention.
+    # layer is full attention. one_pass: the pass over prompt + completion a row (G = 1, gradient
+    # checkpointing), each row's tokens first, its t outputs taken from where its prompt ends.
     name, model = family
     monkeypatch.setattr(script, "aligned_prompts", lambda device: True)
     monkeypatch.setattr(script, "shape_multiple", lambda device: 8)
+    if one_pass:
+        monkeypatch.setattr(script, "forward_completions", functools.partial(script.forward_completions, share=False))
     prompt_ids, prompt_mask = (t.repeat_interleave(2, 0) for t in family_prompts())  # (6, 30)
     generator = torch.Generator().manual_seed(1)
     completion_ids = torch.randint(3, VOCAB, (6, 10), generator=generator)

@@ -49,15 +49,15 @@ def test_acceptance_runner_smoke(tmp_path):
 
 
 def test_the_ab_stages_are_stage_4_with_one_flag_more(tmp_path):
-    # Stages 8, 9 and 10, optional: the grpo step of stage 4 again, with gradient checkpointing, with
-    # the memory-efficient attention first, and with the prompt pass as before (masked, a sync in
-    # every micro-batch); each writes its own JSON.
+    # Stages 8, 9 and 10, optional: the grpo step of stage 4 again, with the passes as before (masked,
+    # a sync in every micro-batch: first, on what stages 1-7 leave of a whole run), with gradient
+    # checkpointing, and with the memory-efficient attention first; each writes its own JSON.
     import gpu_acceptance
 
     planned = gpu_acceptance.stages(False, tmp_path, tmp_path / "model")
     assert len(planned) == 11 and all(stage.get("optional") for stage in planned[6:])
     step = planned[3]["command"]
-    flags = (["--gradient_checkpointing", "true"], ["--sdpa_backend", "efficient"], ["--aligned_prompts", "off"])
+    flags = (["--aligned_prompts", "off"], ["--gradient_checkpointing", "true"], ["--sdpa_backend", "efficient"])
     for stage, more in zip(planned[7:10], flags, strict=True):
         assert stage["command"] == step + more and stage["json"] != planned[3]["json"]
         assert stage["seconds"] == 0 and "A/B against stage 4" in stage["name"]

@@ -33,6 +33,7 @@ SHARED = [
     "decode_widths",
     "grouped_decode_attention",
     "grouped_attention",
+    "sdpa_replaced",
     "routing_free_experts",
     "captured_experts",
     "fp32_lm_head",
@@ -60,6 +61,7 @@ SHARED = [
     "Layout",
     "new_prompts",
     "aligned_prompts",
+    "causal_attention",
     "step_metrics",
     "evaluate_heldout",
     # truncated and masked importance sampling: the sampler-trainer gap is not the algorithm either

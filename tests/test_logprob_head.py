@@ -3,6 +3,8 @@ straight from the hidden states, HEAD_CHUNK_BYTES of logits at a time, checkpoin
 (n, t, V) tensor is kept for backward. token_logprobs by hand; the chunked head against the whole
 logits (values and gradients); what autograd keeps; plain_head's probe."""
 
+import functools
+
 import pytest
 import torch
 
@@ -55,12 +57,24 @@ def scored_with_gradient(script, model, batch, vocab_size, chunked: bool, monkey
     return logp.detach(), entropy.detach(), gradient
 
 
+def one_pass_aligned(script, monkeypatch, on: bool):
+    """With on, forward_completions' one pass over prompt + completion a row (G = 1, gradient
+    checkpointing) as on CUDA: each row's tokens first, no mask, columns rounded up to 8, so that
+    rows start their completions at different columns and the head must be given their t alone."""
+    if on:
+        monkeypatch.setattr(script, "aligned_prompts", lambda device: True)
+        monkeypatch.setattr(script, "shape_multiple", lambda device: 8)
+        monkeypatch.setattr(script, "forward_completions", functools.partial(script.forward_completions, share=False))
+
+
+@pytest.mark.parametrize("aligned", [False, True], ids=["", "aligned-one-pass"])
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.__name__)
-def test_the_chunked_head_equals_the_whole_logits(tiny, script, monkeypatch):
+def test_the_chunked_head_equals_the_whole_logits(tiny, script, aligned, monkeypatch):
     # The same products and formula chunk by chunk: log π and H to fp32 rounding (values of a few
     # nats, eps 1.2e-7: 1e-6), and the gradient to 1e-5 of its largest entry (the head's weight
     # gradient sums its chunks in another order: ~50 terms of eps each).
     model, vocab_size, batch = tiny
+    one_pass_aligned(script, monkeypatch, aligned)
     model.train()
     chunked = scored_with_gradient(script, model, batch, vocab_size, True, monkeypatch)
     whole = scored_with_gradient(script, model, batch, vocab_size, False, monkeypatch)
@@ -92,12 +106,15 @@ def vocabulary_wide_saved(script, model, batch, vocab_size, chunked: bool, monke
     return sum(sizes)
 
 
+@pytest.mark.parametrize("aligned", [False, True], ids=["", "aligned-one-pass"])
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.__name__)
-def test_no_logits_are_kept_for_backward(tiny, script, monkeypatch):
+def test_no_logits_are_kept_for_backward(tiny, script, aligned, monkeypatch):
     # Whole: the logits of every chunk of rows are kept, at least 12 rows × 12 positions × 384 ids
     # (and their log-softmax's). Chunked: none (each chunk of positions is checkpointed: its
-    # hidden states and tokens are kept, and backward recomputes its logits).
+    # hidden states and tokens are kept, and backward recomputes its logits). Aligned, the one pass
+    # hands the head each row's t positions alone (the p - 1 + t, planted: its whole logits kept).
     model, vocab_size, batch = tiny
+    one_pass_aligned(script, monkeypatch, aligned)
     whole = vocabulary_wide_saved(script, model, batch, vocab_size, False, monkeypatch)
     assert whole >= batch["completion_ids"].numel() * vocab_size
     assert vocabulary_wide_saved(script, model, batch, vocab_size, True, monkeypatch) == 0

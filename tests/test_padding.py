@@ -4,6 +4,7 @@ cut to its own longest prompt and completion (trim_padding). The normalisers are
 mini-batch's, so the gradient is the one of today's computation, where every micro-batch was
 padded to the rollout's longest; the rows come back in the order they came in."""
 
+import copy
 import functools
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 import dapo
 import grpo
 import ppo
-from common import load_model
+from common import enable_activation_checkpointing, load_model
 from conftest import assert_same_update, gradients_and_totals, sample_batch
 from grpo import length_order, sequence_logprobs, trim_padding
 
@@ -249,9 +250,9 @@ def test_rounded_chunks_give_the_same_log_probs_and_update(models, monkeypatch):
     assert_same_update(result, reference)
 
 
-@pytest.mark.parametrize("aligned", [False, True], ids=["cpu-prompt-pass", "aligned-prompt-pass"])
+@pytest.mark.parametrize("passes", ["cpu-prompt-pass", "aligned-prompt-pass", "aligned-one-pass", "checkpointed"])
 @pytest.mark.parametrize("script", [grpo, dapo, ppo], ids=lambda s: s.__name__)
-def test_no_host_sync_in_the_loop_over_micro_batches(models, script, aligned, monkeypatch):
+def test_no_host_sync_in_the_loop_over_micro_batches(models, script, passes, monkeypatch):
     # A host sync stops the CPU until the GPU has caught up, so the GPU idles while the host launches
     # the next micro-batch, where without one the host launches it while the GPU runs the last one's
     # backward. Counted from the profiler's events (bench.profiled): 12 rows in micro-batches of 3 (4
@@ -259,8 +260,11 @@ def test_no_host_sync_in_the_loop_over_micro_batches(models, script, aligned, mo
     # for all of them before the first (chunks_of: one .tolist(), which the profiler's count sees on
     # CUDA only). With the prompt pass aligned (aligned_prompts: on CUDA; here forced), the prompts'
     # tokens first and no mask, transformers reads no padding either: not one sync more for the 3
-    # micro-batches more. As the prompt pass is on the CPU, transformers' check of its mask's padding
-    # (masking_utils' _ignore_causal_mask_sdpa: up to two reads) remains, at most 2 a micro-batch.
+    # micro-batches more; nor with the one pass over prompt + completion a row (G = 1, gradient
+    # checkpointing: share=False, and checkpointed), its rows aligned too, under an attention name
+    # transformers builds no mask for (causal_attention: else it reads the position ids, one sync a
+    # micro-batch). Left as on the CPU, transformers' check of a mask's padding (masking_utils'
+    # _ignore_causal_mask_sdpa: up to two reads) remains, at most 2 a micro-batch.
     # Before issue 40: a .item() for each statistic and the loss, trim_padding's two, length_order's
     # unique, 10 or more a micro-batch; then 4 (forward_completions' unique and its check of the
     # shortest prompt, trim_padding's, transformers').
@@ -274,7 +278,13 @@ def test_no_host_sync_in_the_loop_over_micro_batches(models, script, aligned, mo
         batch = {k: v for k, v in batch.items() if k != "ref_logp"} | {"advantages": batch["advantages"][:, None]}
     else:
         batch.pop("positive")
+    aligned = passes != "cpu-prompt-pass"
+    if passes == "checkpointed":  # a copy: the fixture's model stays as it is
+        model = copy.deepcopy(model).train()
+        enable_activation_checkpointing(model)
     monkeypatch.setattr(script, "aligned_prompts", lambda device: aligned)
+    if passes == "aligned-one-pass":
+        monkeypatch.setattr(script, "forward_completions", functools.partial(script.forward_completions, share=False))
     copies, tolist = [], torch.Tensor.tolist  # .tolist(), a copy to the host the profiler does not see
     monkeypatch.setattr(torch.Tensor, "tolist", lambda tensor: copies.append(1) or tolist(tensor))
     updates = {"policy": lambda args: script.policy_backward(model, batch, args, len(tokenizer))}

@@ -64,8 +64,10 @@ def aligned(request, monkeypatch):
 
 
 def unshared(script, monkeypatch):
-    """Within it, `script` runs the computation before: one pass over prompt + completion a row."""
+    """Within it, `script` runs the computation before: one pass over prompt + completion a row, each
+    row as it is, left padding and mask (aligned or not, the fixture's setting is undone)."""
     monkeypatch.setattr(script, "forward_completions", functools.partial(script.forward_completions, share=False))
+    monkeypatch.setattr(script, "aligned_prompts", lambda device: False)
 
 
 def passes(module):
@@ -73,13 +75,14 @@ def passes(module):
     one-token pass that looks at the model's head once (plain_head) is made first, uncounted."""
     for script in (grpo, dapo, ppo):
         script.plain_head(module)
-    seen = {"passes": 0, "positions": 0, "unmasked": 0}
+    seen = {"passes": 0, "positions": 0, "unmasked": 0, "largest position": 0}
 
     def count(_, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         seen["passes"] += 1
         seen["positions"] += ids.numel()
         seen["unmasked"] += kwargs.get("attention_mask") is None
+        seen["largest position"] = max(seen["largest position"], kwargs["position_ids"].max().item())
 
     return seen, module.register_forward_pre_hook(count, with_kwargs=True)
 
@@ -164,21 +167,60 @@ def test_ppo_actor_and_critic_have_the_gradients_of_before(tiny, aligned, monkey
     assert_same_update(value, gradients_and_totals(ppo, critic, batch, args, 0, "critic_backward"))
 
 
-def test_one_completion_per_prompt_runs_one_pass_as_before(tiny):
+def test_one_completion_per_prompt_runs_one_pass_as_before(tiny, aligned, monkeypatch):
     # G = 1 (PPO's default is 8, but a user may sample one): no row shares a prompt, nothing to save.
+    # Aligned, the one pass takes each row's prompt and completion first, its padding after, no mask.
     model, _, vocab_size, batch = tiny
     rows = torch.arange(0, 12, 4)  # one row of each prompt
     sequences = [batch[k][rows] for k in SEQUENCES]
     seen, handle = passes(model)
     with torch.no_grad():
-        grpo.sequence_logprobs(model, *sequences, 1.0, vocab_size, 3)
+        one_pass, entropy = grpo.sequence_logprobs(model, *sequences, 1.0, vocab_size, 3, with_entropy=True)
     handle.remove()
-    assert seen["passes"] == 1
+    assert (seen["passes"], seen["unmasked"]) == (1, 1 if aligned else 0)
+    unshared(grpo, monkeypatch)
+    seen_before, handle = passes(model)
+    with torch.no_grad():
+        before, entropy_before = grpo.sequence_logprobs(model, *sequences, 1.0, vocab_size, 3, with_entropy=True)
+    handle.remove()
+    # The padding columns repeat their row's last position: RoPE scaled by the longest position
+    # (dynamic, longrope) sees the masked pass's.
+    assert seen["largest position"] == seen_before["largest position"]
+    assert (one_pass - before).abs().max() <= 8 * FP32_EPS * before.abs().max()
+    assert (entropy - entropy_before).abs().max() <= 8 * FP32_EPS * entropy_before.abs().max()
 
 
-def test_gradient_checkpointing_runs_one_pass_and_the_gradient_of_before(tiny, monkeypatch):
+def test_the_aligned_one_pass_keeps_the_positions_of_the_masked_pass(tiny, monkeypatch):
+    # Rows of (prompt, completion) lengths (5, 2) and (3, 6) in 5 + 6 columns. The masked pass's
+    # positions run to 5 + 2 - 1 = 6 in the first row (its padding repeats it) and to 3 + 6 - 2 = 7
+    # in the second (its last token predicts nothing). Aligned, each row's tokens first, the columns
+    # past them repeat their row's last position: the same, where 0, 1, … would reach 5 - 1 + 6 - 1
+    # = 9 (RoPE scaled by the longest position, dynamic or longrope, would see another sequence).
+    model = tiny[0]
+    ids = torch.arange(3, 3 + 22).reshape(2, 11)
+    prompt_mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    completion_mask = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]])
+    sequences = ids[:, :5] * prompt_mask, prompt_mask, ids[:, 5:] * completion_mask, completion_mask
+    largest = {}
+    for aligned in (False, True):
+        monkeypatch.setattr(grpo, "aligned_prompts", lambda device, on=aligned: on)
+        seen = []
+        handle = model.register_forward_pre_hook(
+            lambda _, args, kwargs, seen=seen: seen.append(kwargs["position_ids"].amax(-1).tolist()), with_kwargs=True
+        )
+        with torch.no_grad():
+            out = grpo.forward_completions(model, *sequences, share=False)  # (2, 6, V)
+        handle.remove()
+        largest[aligned] = seen, out
+    assert largest[False][0] == largest[True][0] == [[6, 7]]
+    kept = completion_mask.bool()
+    assert (largest[True][1] - largest[False][1])[kept].abs().max() <= 8 * FP32_EPS * largest[False][1].abs().max()
+
+
+def test_gradient_checkpointing_runs_one_pass_and_the_gradient_of_before(tiny, aligned, monkeypatch):
     # transformers drops the cache of a checkpointed layer in a backward pass: the shared pass would
-    # lose the prompt, so forward_completions runs one pass over prompt + completion, as before.
+    # lose the prompt, so forward_completions runs one pass over prompt + completion, as before
+    # (aligned: each row's tokens first, no mask; the gradient still the masked pass's).
     _, _, vocab_size, batch = tiny
     model, _, _ = load_model("tiny", torch.device("cpu"))
     enable_activation_checkpointing(model)
@@ -188,7 +230,7 @@ def test_gradient_checkpointing_runs_one_pass_and_the_gradient_of_before(tiny, m
     seen, handle = passes(model)
     checkpointed = gradients_and_totals(grpo, model, batch, args, vocab_size)
     handle.remove()
-    assert seen["passes"] == 3  # 12 rows in micro-batches of 4, one pass each
+    assert (seen["passes"], seen["unmasked"]) == (3, 3 if aligned else 0)  # 12 rows in micro-batches of 4
     unshared(grpo, monkeypatch)
     assert_same_update(checkpointed, gradients_and_totals(grpo, model, batch, args, vocab_size))
 
