@@ -288,3 +288,31 @@ def test_whole_groups_is_a_uniform_shuffle_of_groups_from_the_same_random_number
         key = tuple((order[::2] // 2).tolist())
         counts[key] = counts.get(key, 0) + 1
     assert len(counts) == 6 and all(abs(count - 1000) < 150 for count in counts.values()), counts
+
+
+@pytest.mark.parametrize("script", [grpo, dapo, ppo], ids=["grpo", "dapo", "ppo-checkpointed"])
+def test_a_run_with_the_cuda_passes_trains_as_the_cpu_run(script, tmp_path, monkeypatch):
+    # The passes CUDA runs (aligned_prompts: the prompt pass, and the one pass of gradient
+    # checkpointing, each row's tokens first and no mask; columns rounded to 64, shape_multiple),
+    # forced here on the CPU through two whole steps of each script (rollout, scoring, the update,
+    # DAPO's rounds, PPO's critic, held-out evaluation): every metric of both steps as the CPU's
+    # passes give it, to float reassociation, the tokens sampled the same. lr 1e-30, a step below
+    # every weight's rounding: the tiny model's first rewards are all 0, so its update is AdamW's
+    # step on rounding noise (a gradient of ~1e-7 divided by its own root mean square), which the
+    # two passes' noise would send in two directions.
+    from common import read_jsonl
+
+    more = {"overlong_buffer": 4} if script is dapo else {"gradient_checkpointing": True} if script is ppo else {}
+    settings = dict(model="tiny", task="digit", lr=1e-30, max_new_tokens=8, batch_size=4, group_size=4, max_steps=2)
+    settings |= dict(save_every=0, eval_every=2, eval_problems=8, **more)
+    runs = {}
+    for aligned in (False, True):
+        monkeypatch.setattr(script, "aligned_prompts", lambda device, on=aligned: on)
+        monkeypatch.setattr(script, "shape_multiple", lambda device, on=aligned: 64 if on else 1)
+        run_dir = script.train(script.Args(output_dir=str(tmp_path / str(aligned)), **settings))
+        runs[aligned] = read_jsonl(run_dir / "metrics.jsonl")
+    assert [row["step"] for row in runs[True]] == [row["step"] for row in runs[False]] == [1, 2]
+    for before, after in zip(runs[False], runs[True], strict=True):
+        for key, value in before.items():
+            if isinstance(value, float) and not key.startswith(("seconds/", "throughput/", "time", "eval/seconds")):
+                assert after[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
