@@ -681,11 +681,41 @@ def matmul_decode_attention(module, query, key, value, attention_mask, scaling=N
     return torch.matmul(weights, value).reshape(num_rows, 1, heads, head_dim), None
 
 
+def varlen_decode_attention(query, keys, values, used, scaling):
+    """A candidate for generate's one-token attention with the cache laid out otherwise (bench_attention
+    times it; generate does not run it): each row's keys and values from column 0, as if each row
+    wrote at its own length, and flash attention's variable-length entry told how many each row has
+    filled (seqused_k, a tensor: a CUDA graph holds it), so that it takes no mask and reads no column
+    past them, where generate's masked call reads the whole width. Flash attention pairs query head
+    h with KV head h // group, as the fold does. CUDA and bf16 only (elsewhere PyTorch refuses it).
+    query (n, heads, 1, d), keys and values (n, W, kv heads, d), used (n,) int32 -> (n, 1, heads, d)."""
+    num_rows, heads, _, head_dim = query.shape
+    width, kv_heads = keys.shape[1], keys.shape[2]
+    starts = torch.arange(num_rows + 1, dtype=torch.int32, device=query.device)  # row i: query i, keys from i·W
+    out = torch.ops.aten._flash_attention_forward(
+        query.reshape(num_rows, heads, head_dim),
+        keys.reshape(num_rows * width, kv_heads, head_dim),
+        values.reshape(num_rows * width, kv_heads, head_dim),
+        starts,
+        starts * width,
+        1,
+        width,
+        0.0,
+        False,
+        False,
+        scale=scaling,
+        seqused_k=used,
+    )[0]  # (n, heads, d)
+    return out.reshape(num_rows, 1, heads, head_dim), None
+
+
 def bench_attention(config, num_rows: int, prompt_length: int, max_new_tokens: int, device, amp, dtype, calls=20):
     """The attention of generate's one-token step, one layer's call at a time, at each width it
     attends over (decode_widths: prompt_length + 64, + 128, … + max_new_tokens): PyTorch's SDPA as
     grouped_decode_attention calls it (the backend PyTorch picks, then each backend alone), the
-    candidate matmul_decode_attention, and SDPA with no mask (what the kernel costs when it has
+    candidate matmul_decode_attention, the candidate varlen_decode_attention (the cache left-aligned,
+    flash attention told each row's filled keys: its GB/s counts the width, as the others', though it
+    reads the filled columns alone), and SDPA with no mask (what the kernel costs when it has
     neither padding nor unfilled columns to hide). Inputs as generate's step has them: the query
     and the cache in `dtype`, the compute dtype (bf16 under autocast on a GPU), the additive mask in
     fp32, each row's first columns masked as left padding and the columns past the filled ones
@@ -717,6 +747,7 @@ def bench_attention(config, num_rows: int, prompt_length: int, max_new_tokens: i
             )
         },  # fmt: skip
         "matmul (candidate)": (matmul_decode_attention, None, True),
+        "flash varlen (candidate)": (varlen_decode_attention, None, True),
         "sdpa, no mask": (grpo.grouped_decode_attention, None, False),
     }
     rows, widths = [], grpo.decode_widths(prompt_length, max_new_tokens)
@@ -729,15 +760,19 @@ def bench_attention(config, num_rows: int, prompt_length: int, max_new_tokens: i
         scores = scores * head_dim**-0.5 + mask.double()
         expected = torch.einsum("nkgs,nksd->nkgd", scores.softmax(-1), v.double()).reshape(num_rows, 1, heads, head_dim)
         read = num_rows * kv_heads * width * head_dim * 2 * key.element_size()
+        shift = (columns[:width] + padding).clamp(max=width - 1)[:, None, :, None]  # (n, 1, W, 1) left-aligned
+        left = [c.gather(2, shift.expand_as(c)).transpose(1, 2).contiguous() for c in (k, v)]  # (n, W, kv, d)
         for name, (attention, backend, masked) in variants.items():
             call = functools.partial(attention, None, query, k, v, mask if masked else None, head_dim**-0.5)
+            if attention is varlen_decode_attention:  # each row's filled keys from column 0, and how many
+                call = functools.partial(attention, query, *left, visible.sum(-1, dtype=torch.int32), head_dim**-0.5)
             row = {"variant": name, "N": num_rows, "width": width}
             with amp(), sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
                 try:
                     with warnings.catch_warnings(record=True) as warned:  # why a backend is not used
                         warnings.simplefilter("always")
                         output = call()[0]  # warm-up
-                except RuntimeError as error:  # a backend that does not take these inputs
+                except (RuntimeError, NotImplementedError) as error:  # a backend that does not take these inputs
                     rows.append(row | {"refused": refusal([str(w.message) for w in warned], error)})
                     continue
                 run, row["timed"] = call, "eager"

@@ -279,6 +279,46 @@ def test_the_decode_attention_variants_compute_generate_attention():
     assert refusal([], RuntimeError("No viable backend was found. This is likely …")) == "No viable backend was found"
 
 
+def flash_varlen_by_the_book(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, dropout_p, is_causal, debug, **options
+):
+    """flash attention's variable-length entry as its contract reads, for the CPU, where PyTorch has
+    no kernel for it: sequence i's queries query[cu_seq_q[i]:cu_seq_q[i+1]] attend to the first
+    seqused_k[i] keys from cu_seq_k[i] (all up to cu_seq_k[i+1] without it), query head h to KV
+    head h // (heads / kv heads), scores times `scale`, no mask. -> (output, and four unused)."""
+    assert dropout_p == 0 and not is_causal and not debug and max_q == 1
+    used, out = options.get("seqused_k"), []
+    for i in range(len(cu_seq_q) - 1):
+        end = cu_seq_k[i] + used[i] if used is not None else cu_seq_k[i + 1]
+        q, k, v = query[cu_seq_q[i] : cu_seq_q[i + 1]], key[cu_seq_k[i] : end], value[cu_seq_k[i] : end]
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # (s, heads, d)
+        weights = (torch.einsum("qhd,shd->hqs", q, k) * options["scale"]).softmax(-1)
+        out.append(torch.einsum("hqs,shd->qhd", weights, v))
+    return torch.cat(out), None, None, None, None
+
+
+def test_the_varlen_candidate_attends_as_generate(monkeypatch):
+    # bench.py's candidate varlen_decode_attention: the cache left-aligned, each row's filled keys
+    # counted (seqused_k), flash attention's variable-length entry with no mask. On a GPU it is timed
+    # beside the others (--attention_rows); here, with that entry written out by its contract
+    # (PyTorch has no CPU kernel for it), its packing of rows, heads and lengths must give generate's
+    # attention at every width (1e-5 in fp32), and without the emulation the CPU refuses it, said so.
+    from transformers import Qwen2Config
+
+    from bench import bench_attention
+
+    config = Qwen2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
+    rows = bench_attention(config, 3, 5, 130, torch.device("cpu"), contextlib.nullcontext, torch.float32, calls=2)
+    refused = [row for row in rows if row["variant"] == "flash varlen (candidate)"]
+    assert len(refused) == 3 and all("_flash_attention_forward" in row["refused"] for row in refused)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", flash_varlen_by_the_book)
+    rows = bench_attention(config, 3, 5, 130, torch.device("cpu"), contextlib.nullcontext, torch.float32, calls=2)
+    ran = [row for row in rows if row["variant"] == "flash varlen (candidate)"]
+    assert [row["width"] for row in ran] == [69, 133, 135]
+    assert all(row["max |Δ| vs fp64"] < 1e-5 for row in ran), ran
+
+
 def test_the_decode_candidates_generate_what_generate_does():
     # bench.py's contenders `matmul` and `widths` are generate with one function replaced: the
     # one-token attention by matmul_decode_attention, decode_widths by finer_widths. Each computes
