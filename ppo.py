@@ -2201,29 +2201,11 @@ def forward_completions(
     aligned = aligned_prompts(prompt_ids.device) and all(window is None for window in attention_windows(model).values())
     if not share or prompts == len(prompt_ids) or shortest < 2 or checkpointed:
         ids = torch.cat([prompt_ids, completion_ids], dim=1)[:, :-1]  # (n, p-1+t) the last token predicts nothing
-        if not aligned:
-            mask, positions = attention_mask[:, :-1], position_ids[:, :-1]
-            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, **keep)
-            return out[output][:, -kept:]  # (n, t, ·)
-        columns = torch.arange(ids.shape[1], device=ids.device)  # (p-1+t,)
-        shift = (columns + (num_prompt - lengths)[:, None]).clamp(max=len(columns) - 1)  # (n, p-1+t)
-        last = torch.minimum(lengths + completion_mask.sum(-1), lengths + kept - 1) - 1  # (n,) last token's position
-        at = (lengths[:, None] - 1 + columns[:kept])[..., None]  # (n, t, 1) where row i predicts its token j
-        picked = lambda hidden: hidden.gather(1, at.expand(-1, -1, hidden.shape[-1]))  # noqa: E731  (n, ·, ·) -> (n, t, ·)
-        head = model.get_output_embeddings() if keep else None  # given the t positions alone (logprob_head chunks them)
-        hook = head.register_forward_pre_hook(lambda _, args: (picked(args[0]), *args[1:])) if head else None
-        try:  # each row's tokens first; the columns past them repeat its last token and position: never attended to
-            with causal_attention(model):
-                out = model(
-                    input_ids=ids.gather(1, shift),
-                    attention_mask=None,
-                    position_ids=torch.minimum(columns, last[:, None]),  # (n, p-1+t) as in the masked pass
-                    use_cache=False,
-                )[output]  # (n, t, ·) through the head, else (n, p-1+t, ·)
-        finally:
-            if hook:
-                hook.remove()
-        return out if out.shape[1] == kept else picked(out)  # (n, t, ·): a backbone's hidden states picked here
+        if aligned:
+            return aligned_pass(model, ids, lengths, completion_mask, output)
+        mask, positions = attention_mask[:, :-1], position_ids[:, :-1]
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, **keep)
+        return out[output][:, -kept:]  # (n, t, ·)
     run = starts.cumsum(0) - 1  # (n,) each row's prompt: the run it is in
     first = torch.zeros(prompts, dtype=torch.long, device=run.device)  # (b,) each prompt's first row
     first = first.scatter_reduce(0, run, torch.arange(len(run), device=run.device), "amin", include_self=False)
@@ -2261,6 +2243,38 @@ def forward_completions(
     if torch.is_grad_enabled():  # FSDP2 gathers a layer again for backward only if its forward's output is in
         out[:, :1] += 0 * prompt_out[output].sum()  # the loss: the prompt pass's joins, at weight 0, in place
     return out
+
+
+def aligned_pass(model, ids, lengths, completion_mask, output: str):
+    """forward_completions' one pass over prompt + completion with each row's tokens first and its
+    padding after, no mask (aligned_prompts): ids (n, p-1+t), the left-padded prompts, of `lengths`
+    tokens, then the completions (their padding after their tokens) but the last column ->
+    the model's `output` at the t positions that predict each row's completion, (n, t, ·). A row's
+    completion starts where its own prompt ends, at another column in each row: the LM head is
+    handed those t positions alone (logprob_head chunks them; no (n, p-1+t, V) logits), a
+    backbone's hidden states are picked after. The columns past a row's tokens repeat its last
+    token and position, as the masked pass's padding does, so that the longest position, which
+    some RoPE scalings read, is the same."""
+    kept = completion_mask.shape[1]  # t
+    columns = torch.arange(ids.shape[1], device=ids.device)  # (p-1+t,)
+    shift = (columns + (ids.shape[1] + 1 - kept - lengths)[:, None]).clamp(max=len(columns) - 1)  # left by its padding
+    last = torch.minimum(lengths + completion_mask.sum(-1), lengths + kept - 1) - 1  # (n,) last token's position
+    at = (lengths[:, None] - 1 + columns[:kept])[..., None]  # (n, t, 1) where row i predicts its token j
+    picked = lambda hidden: hidden.gather(1, at.expand(-1, -1, hidden.shape[-1]))  # noqa: E731  (n, ·, ·) -> (n, t, ·)
+    head = model.get_output_embeddings() if output == "logits" else None
+    hook = head.register_forward_pre_hook(lambda _, args: (picked(args[0]), *args[1:])) if head else None
+    try:
+        with causal_attention(model):
+            out = model(
+                input_ids=ids.gather(1, shift),
+                attention_mask=None,
+                position_ids=torch.minimum(columns, last[:, None]),  # (n, p-1+t)
+                use_cache=False,
+            )[output]  # (n, t, ·) through the head, else (n, p-1+t, ·)
+    finally:
+        if hook:
+            hook.remove()
+    return out if out.shape[1] == kept else picked(out)  # (n, t, ·)
 
 
 def causal_attention(model):

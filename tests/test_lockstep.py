@@ -61,6 +61,7 @@ SHARED = [
     "Layout",
     "new_prompts",
     "aligned_prompts",
+    "aligned_pass",
     "causal_attention",
     "step_metrics",
     "evaluate_heldout",
