@@ -126,7 +126,8 @@ class Args:
         "nanopo,hf,loop",
         "nanopo (generate), hf (model.generate), loop, static (older generates), tools (generate with tool turns on, "
         "no call made: their cost when unused), matmul and widths (generate with a decode candidate: "
-        "matmul_decode_attention, finer_widths)",
+        "matmul_decode_attention, finer_widths), masked (generate's masked one-token step where it would "
+        "run varlen_decode_attention: a GPU, bf16)",
     )
     step_rows: int = arg(0, "N of the steps 4 + 6 comparison (--lengths decides the lengths); 0 = skip it")
     shots: int = arg(0, "worked examples in each Countdown prompt of the steps 4 + 6 comparison (longer prompts)")
@@ -360,6 +361,8 @@ def bench_generation(args, model, tokenizer, vocab_size, device, amp, compute_dt
                 # issue 40's decode candidates, each generate with one function of it replaced for the call
                 "matmul": functools.partial(replaced, "grouped_decode_attention", matmul_decode_attention, *inputs),
                 "widths": functools.partial(replaced, "decode_widths", finer_widths, *inputs),
+                # the masked one-token step where generate would run varlen_decode_attention (a GPU, bf16)
+                "masked": functools.partial(replaced, "varlen_decode", lambda model, cache: False, *inputs),
             }
             chosen = args.contenders.split(",")
             seconds = {name: [] for name in chosen}
@@ -681,47 +684,20 @@ def matmul_decode_attention(module, query, key, value, attention_mask, scaling=N
     return torch.matmul(weights, value).reshape(num_rows, 1, heads, head_dim), None
 
 
-def varlen_decode_attention(query, keys, values, used, scaling):
-    """A candidate for generate's one-token attention with the cache laid out otherwise (bench_attention
-    times it; generate does not run it): each row's keys and values from column 0, as if each row
-    wrote at its own length, and flash attention's variable-length entry told how many each row has
-    filled (seqused_k, a tensor: a CUDA graph holds it), so that it takes no mask and reads no column
-    past them, where generate's masked call reads the whole width. Flash attention pairs query head
-    h with KV head h // group, as the fold does. CUDA and bf16 only (elsewhere PyTorch refuses it).
-    query (n, heads, 1, d), keys and values (n, W, kv heads, d), used (n,) int32 -> (n, 1, heads, d)."""
-    num_rows, heads, _, head_dim = query.shape
-    width, kv_heads = keys.shape[1], keys.shape[2]
-    starts = torch.arange(num_rows + 1, dtype=torch.int32, device=query.device)  # row i: query i, keys from i·W
-    out = torch.ops.aten._flash_attention_forward(
-        query.reshape(num_rows, heads, head_dim),
-        keys.reshape(num_rows * width, kv_heads, head_dim),
-        values.reshape(num_rows * width, kv_heads, head_dim),
-        starts,
-        starts * width,
-        1,
-        width,
-        0.0,
-        False,
-        False,
-        scale=scaling,
-        seqused_k=used,
-    )[0]  # (n, heads, d)
-    return out.reshape(num_rows, 1, heads, head_dim), None
-
-
 def bench_attention(config, num_rows: int, prompt_length: int, max_new_tokens: int, device, amp, dtype, calls=20):
     """The attention of generate's one-token step, one layer's call at a time, at each width it
     attends over (decode_widths: prompt_length + 64, + 128, … + max_new_tokens): PyTorch's SDPA as
     grouped_decode_attention calls it (the backend PyTorch picks, then each backend alone), the
-    candidate matmul_decode_attention, the candidate varlen_decode_attention (the cache left-aligned,
-    flash attention told each row's filled keys: its GB/s counts the width, as the others', though it
-    reads the filled columns alone), and SDPA with no mask (what the kernel costs when it has
-    neither padding nor unfilled columns to hide). Inputs as generate's step has them: the query
-    and the cache in `dtype`, the compute dtype (bf16 under autocast on a GPU), the additive mask in
-    fp32, each row's first columns masked as left padding and the columns past the filled ones
-    masked. ms a call is the mean of `calls` calls between two synchronisations, on CUDA replays of
-    the call captured as a CUDA graph, as generate's step runs (eager if the capture fails: `timed`
-    says which), so that a variant of more kernels pays no launches the decode does not; GB/s counts
+    candidate matmul_decode_attention, varlen_decode_attention as generate calls it on a GPU in bf16
+    (the whole cache left-aligned, flash attention told each row's filled columns: its GB/s counts
+    the width, as the others', though it reads the filled columns alone), and SDPA with no mask
+    (what the kernel costs when it has neither padding nor unfilled columns to hide). Inputs as
+    generate's step has them: the query and the cache in `dtype`, the compute dtype (bf16 under
+    autocast on a GPU), the additive mask in fp32, each row's first columns masked as left padding
+    and the columns past the filled ones masked. ms a call is the mean of `calls` calls between two
+    synchronisations, on CUDA replays of the call captured as a CUDA graph, as generate's step runs
+    (eager if the capture fails: `timed` says which), so that a variant of more kernels pays no
+    launches the decode does not; GB/s counts
     the keys and values read (N · kv heads · width · head dim · 2 · bytes); ms a step is a call
     times the layers. max |Δ| is the output's largest difference from the same attention in float64."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -736,7 +712,7 @@ def bench_attention(config, num_rows: int, prompt_length: int, max_new_tokens: i
     padding = torch.arange(num_rows, device=device)[:, None] % 8  # (n, 1) left padding of 0-7 columns
     columns = torch.arange(length, device=device)  # (S,)
     variants = {
-        "sdpa (generate's)": (grpo.grouped_decode_attention, None, True),
+        "sdpa, masked (generate's in fp32)": (grpo.grouped_decode_attention, None, True),
         **{
             f"sdpa, {name} only": (grpo.grouped_decode_attention, backend, True)
             for name, backend in (
@@ -747,7 +723,7 @@ def bench_attention(config, num_rows: int, prompt_length: int, max_new_tokens: i
             )
         },  # fmt: skip
         "matmul (candidate)": (matmul_decode_attention, None, True),
-        "flash varlen (candidate)": (varlen_decode_attention, None, True),
+        "flash varlen (generate's in bf16)": (grpo.varlen_decode_attention, None, True),
         "sdpa, no mask": (grpo.grouped_decode_attention, None, False),
     }
     rows, widths = [], grpo.decode_widths(prompt_length, max_new_tokens)
@@ -760,12 +736,13 @@ def bench_attention(config, num_rows: int, prompt_length: int, max_new_tokens: i
         scores = scores * head_dim**-0.5 + mask.double()
         expected = torch.einsum("nkgs,nksd->nkgd", scores.softmax(-1), v.double()).reshape(num_rows, 1, heads, head_dim)
         read = num_rows * kv_heads * width * head_dim * 2 * key.element_size()
-        shift = (columns[:width] + padding).clamp(max=width - 1)[:, None, :, None]  # (n, 1, W, 1) left-aligned
-        left = [c.gather(2, shift.expand_as(c)).transpose(1, 2).contiguous() for c in (k, v)]  # (n, W, kv, d)
+        shift = (columns + padding).clamp(max=length - 1)[:, None, :, None]  # (n, 1, S, 1) left-aligned
+        left = [c.gather(2, shift.expand_as(c)).transpose(1, 2).contiguous().transpose(1, 2) for c in (key, value)]
         for name, (attention, backend, masked) in variants.items():
             call = functools.partial(attention, None, query, k, v, mask if masked else None, head_dim**-0.5)
-            if attention is varlen_decode_attention:  # each row's filled keys from column 0, and how many
-                call = functools.partial(attention, query, *left, visible.sum(-1, dtype=torch.int32), head_dim**-0.5)
+            if attention is grpo.varlen_decode_attention:  # all S columns, each row's filled ones from 0
+                used = visible.sum(-1, dtype=torch.int32)
+                call = functools.partial(attention, None, query, *left, None, head_dim**-0.5, used=used)
             row = {"variant": name, "N": num_rows, "width": width}
             with amp(), sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
                 try:

@@ -214,3 +214,44 @@ def assert_same_update(first, second):
             # terms of one sign (KL, counts, weights, NLL) and at most N·eps absolute for the loss, whose
             # terms (Â·r, β·KL, a token's share of its normaliser) are O(1) and partly cancel.
             assert totals[key] == pytest.approx(value, rel=tokens * eps, abs=tokens * eps), key
+
+
+def flash_varlen_by_the_book(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, dropout_p, is_causal, debug, **options
+):
+    """flash attention's variable-length entry as its contract reads, for the CPU, where PyTorch has
+    no kernel for it: sequence i's queries query[cu_seq_q[i]:cu_seq_q[i+1]] attend to the first
+    seqused_k[i] keys from cu_seq_k[i] (all up to cu_seq_k[i+1] without it), query head h to KV
+    head h // (heads / kv heads), scores times `scale`, no mask. -> (output, and four unused)."""
+    assert dropout_p == 0 and not is_causal and not debug and max_q == 1
+    used, out = options.get("seqused_k"), []
+    for i in range(len(cu_seq_q) - 1):
+        end = cu_seq_k[i] + used[i] if used is not None else cu_seq_k[i + 1]
+        q, k, v = query[cu_seq_q[i] : cu_seq_q[i + 1]], key[cu_seq_k[i] : end], value[cu_seq_k[i] : end]
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # (s, heads, d)
+        scale = options.get("scale") or q.shape[-1] ** -0.5  # None: flash attention's default
+        weights = (torch.einsum("qhd,shd->hqs", q, k) * scale).softmax(-1)
+        out.append(torch.einsum("hqs,shd->qhd", weights, v))
+    return torch.cat(out), None, None, None, None
+
+
+@pytest.fixture
+def varlen(monkeypatch):
+    """generate's one-token step as on a GPU in bf16, on the CPU: varlen_decode_attention over a
+    left-aligned cache wherever the model allows it (flash_varlen_serves answers yes in each script),
+    flash attention's variable-length entry computed by its contract. -> the list of its calls."""
+    import dapo
+    import grpo
+    import ppo
+
+    calls = []
+
+    def counted(*args, **options):
+        calls.append(args[0].shape[0])  # the rows of the call
+        return flash_varlen_by_the_book(*args, **options)
+
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", counted)
+    for script in (grpo, dapo, ppo):
+        monkeypatch.setattr(script, "flash_varlen_serves", lambda values: True)
+    return calls

@@ -28,12 +28,14 @@ acceptance as it was then ran out of time:
      the random 1.5B model built on the CPU in each stage, nothing printed within 110 s).
      model.generate ran 457 tok/s at N = 64 × 128 (140 ms a step): 64 steps take ~9 s.
   3. the decode, N = 256 × 1024 new tokens, sampled, no profiler: generate (its share of the
-     bandwidth bound, issue 40's target) against its two candidates (bench.py's contenders matmul
-     and widths: matmul_decode_attention, finer_widths), each once after a warm-up; before it the
-     sampler's ops outside the captured step timed one by one (--sampler_rows) and the step's
-     attention alone, per variant and width (--attention_rows): 80 s. Measured: that decode 12.2 s
-     on the H200 under the profiler (14-16 s on the H100), whose kernels are in docs/speed.md
-     (bench.py --profile decode runs it again).
+     bandwidth bound, issue 40's target; in bf16 on a GPU its one-token step runs flash attention's
+     variable-length entry over a left-aligned cache) against itself with the masked step (bench.py's
+     contender masked), each once after a warm-up; before it the sampler's ops outside the captured
+     step timed one by one (--sampler_rows) and the step's attention alone, per variant and width
+     (--attention_rows): 80 s. Measured: that decode 12.2 s on the H200 under the profiler (14-16 s
+     on the H100), whose kernels are in docs/speed.md (bench.py --profile decode runs it again); on
+     the fourth GPU run the stage took 77 s with three contenders, two of them (matmul, widths) since
+     rejected.
   4. the seed-study step of grpo.py (B = 32, G = 8, 1024 new tokens), no profiler: the issue's
      targets are this step's own time, peak memory and MFU. The preflight sizes its micro-batches
      and scoring chunks first; bench reports the preflight's seconds and sizes, each phase's
@@ -131,11 +133,11 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
         ),
         dict(
             name=f"decode, N = {sizes['decode_rows']} × {sizes['decode_tokens']} new tokens, sampled, against "
-            "its candidates; the sampler and the attention part by part",
+            "the masked step; the sampler and the attention part by part",
             seconds=80,
             json=directory / "decode.json",
             command=[*bench, *model, "--batch_sizes", sizes["decode_rows"], "--max_new_tokens", sizes["decode_tokens"]]
-            + ["--modes", "sampled", "--contenders", "nanopo,matmul,widths", "--repeats", "1", "--train_steps", ""]
+            + ["--modes", "sampled", "--contenders", "nanopo,masked", "--repeats", "1", "--train_steps", ""]
             + ["--logprob_rows", "0", "--sampler_rows", sizes["decode_rows"], "--attention_rows", sizes["decode_rows"]],
         ),
         *[

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, flash_varlen_by_the_book
 
 
 def test_bench_smoke(tmp_path):
@@ -253,7 +253,8 @@ def test_the_decode_attention_variants_compute_generate_attention():
     assert sorted({row["width"] for row in rows}) == grpo.decode_widths(5, 130) == [69, 133, 135]
     for width in (69, 133, 135):
         ran = {row["variant"]: row for row in rows if row["width"] == width and "refused" not in row}
-        assert {"sdpa (generate's)", "sdpa, math only", "matmul (candidate)", "sdpa, no mask"} <= set(ran)
+        named = {"sdpa, masked (generate's in fp32)", "sdpa, math only", "matmul (candidate)", "sdpa, no mask"}
+        assert named <= set(ran)
         for name, row in ran.items():
             assert row["ms a call"] > 0 and row["ms a step"] == pytest.approx(3 * row["ms a call"])
             assert name == "sdpa, no mask" or row["max |Δ| vs fp64"] < 1e-5
@@ -279,42 +280,24 @@ def test_the_decode_attention_variants_compute_generate_attention():
     assert refusal([], RuntimeError("No viable backend was found. This is likely …")) == "No viable backend was found"
 
 
-def flash_varlen_by_the_book(
-    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, dropout_p, is_causal, debug, **options
-):
-    """flash attention's variable-length entry as its contract reads, for the CPU, where PyTorch has
-    no kernel for it: sequence i's queries query[cu_seq_q[i]:cu_seq_q[i+1]] attend to the first
-    seqused_k[i] keys from cu_seq_k[i] (all up to cu_seq_k[i+1] without it), query head h to KV
-    head h // (heads / kv heads), scores times `scale`, no mask. -> (output, and four unused)."""
-    assert dropout_p == 0 and not is_causal and not debug and max_q == 1
-    used, out = options.get("seqused_k"), []
-    for i in range(len(cu_seq_q) - 1):
-        end = cu_seq_k[i] + used[i] if used is not None else cu_seq_k[i + 1]
-        q, k, v = query[cu_seq_q[i] : cu_seq_q[i + 1]], key[cu_seq_k[i] : end], value[cu_seq_k[i] : end]
-        group = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # (s, heads, d)
-        weights = (torch.einsum("qhd,shd->hqs", q, k) * options["scale"]).softmax(-1)
-        out.append(torch.einsum("hqs,shd->qhd", weights, v))
-    return torch.cat(out), None, None, None, None
-
-
-def test_the_varlen_candidate_attends_as_generate(monkeypatch):
-    # bench.py's candidate varlen_decode_attention: the cache left-aligned, each row's filled keys
-    # counted (seqused_k), flash attention's variable-length entry with no mask. On a GPU it is timed
-    # beside the others (--attention_rows); here, with that entry written out by its contract
-    # (PyTorch has no CPU kernel for it), its packing of rows, heads and lengths must give generate's
-    # attention at every width (1e-5 in fp32), and without the emulation the CPU refuses it, said so.
+def test_the_varlen_row_attends_as_the_masked_call(monkeypatch):
+    # --attention_rows times varlen_decode_attention (generate's one-token attention on a GPU in
+    # bf16) as generate calls it: the whole cache left-aligned, each row's filled columns counted
+    # (seqused_k), flash attention's variable-length entry with no mask. Here, with that entry written
+    # out by its contract (PyTorch has no CPU kernel for it), its packing of rows, heads and lengths
+    # must give the masked call's attention at every width (1e-5 in fp32), and without the emulation
+    # the CPU refuses it, said so.
     from transformers import Qwen2Config
 
     from bench import bench_attention
 
     config = Qwen2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
     rows = bench_attention(config, 3, 5, 130, torch.device("cpu"), contextlib.nullcontext, torch.float32, calls=2)
-    refused = [row for row in rows if row["variant"] == "flash varlen (candidate)"]
+    refused = [row for row in rows if row["variant"] == "flash varlen (generate's in bf16)"]
     assert len(refused) == 3 and all("_flash_attention_forward" in row["refused"] for row in refused)
     monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", flash_varlen_by_the_book)
     rows = bench_attention(config, 3, 5, 130, torch.device("cpu"), contextlib.nullcontext, torch.float32, calls=2)
-    ran = [row for row in rows if row["variant"] == "flash varlen (candidate)"]
+    ran = [row for row in rows if row["variant"] == "flash varlen (generate's in bf16)"]
     assert [row["width"] for row in ran] == [69, 133, 135]
     assert all(row["max |Δ| vs fp64"] < 1e-5 for row in ran), ran
 

@@ -188,6 +188,36 @@ def test_sampler_and_trainer_log_probs_under_bf16(qwen_shape, monkeypatch):
     assert gaps[True][0] < 0.05 and gaps[True][1] < 1.0
 
 
+def test_the_bf16_decode_attends_by_flash_varlen(qwen_shape, monkeypatch):
+    # On a GPU in bf16 the one-token step runs varlen_decode_attention over the left-aligned cache
+    # (in fp32 the masked SDPA: flash attention takes bf16 and fp16 only), so the graph-against-eager
+    # test above runs it. Its sampled log-probs keep to the scorer's within the bounds of the test
+    # above, as the masked decode's do; both gaps are printed.
+    model, tokenizer, vocab_size = qwen_shape
+    prompt_ids, prompt_mask = countdown_prompts(tokenizer, group_size=4)
+    flash, calls = torch.ops.aten._flash_attention_forward, []
+
+    def counted(*args, **options):
+        calls.append(1)
+        return flash(*args, **options)
+
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", counted)
+    gaps = {}
+    for varlen in (True, False):
+        with monkeypatch.context() as patch:
+            if not varlen:
+                patch.setattr(grpo, "varlen_decode", lambda model, cache: False)
+            ids, mask, _, sample_logp, _ = decode(model, prompt_ids, prompt_mask, vocab_size, 1.0, True, monkeypatch)
+        with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
+            logp, _ = grpo.sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, 1.0, vocab_size, 8)
+        gap = (logp - sample_logp).abs()[mask.bool()]
+        gaps[varlen] = gap.mean().item(), gap.max().item()
+        assert bool(calls) == varlen
+        calls.clear()
+    print(f"|Δ log π| sampler vs trainer, bf16: varlen decode {gaps[True]}, masked decode {gaps[False]}")
+    assert gaps[True][0] < 0.05 and gaps[True][1] < 1.0
+
+
 def test_the_tf32_head_keeps_sampler_and_trainer_together(qwen_shape):
     # --lm_head_precision tf32 (the default): the sampler and the scorer compute the head alike on
     # TF32 tensor cores (HeadProduct), so their gap stays within the bounds of bf16's backbone (the

@@ -56,12 +56,28 @@ def test_the_matrix_has_windows_shorter_than_its_prompts():
     assert mixed == {"qwen2-window", "gemma2", "gemma3", "gpt-oss", "cohere2"} & set(BUILDABLE)
 
 
-def test_greedy_tokens_are_the_plain_forward_argmax(family):
+def varlen_serves(model) -> bool:
+    """The families whose one-token step runs varlen_decode_attention on a GPU in bf16: every layer
+    full attention, computed by sdpa."""
+    return attention_windows(model) == {"full_attention": None} and model.config._attn_implementation == "sdpa"
+
+
+def decode_as(cuda: bool, request) -> list:
+    """cuda: the one-token step as on a GPU in bf16 (conftest's varlen: its calls), else as on the CPU."""
+    return request.getfixturevalue("varlen") if cuda else []
+
+
+@pytest.mark.parametrize("cuda_decode", [False, True], ids=["masked", "varlen"])
+def test_greedy_tokens_are_the_plain_forward_argmax(family, cuda_decode, request):
+    # varlen: each row's cache from column 0, attention over its filled columns by flash attention's
+    # variable-length entry (its contract on the CPU), where the family allows it; the mask elsewhere.
     name, model = family
+    calls = decode_as(cuda_decode, request)
     prompt_ids, prompt_mask = family_prompts()
     ids, mask, truncated, sample_logp, _ = generate(
         model, prompt_ids, prompt_mask, NEW_TOKENS, [VOCAB + 1], 0, VOCAB, 0.0
     )
+    assert bool(calls) == (cuda_decode and varlen_serves(model)), name
     assert truncated.all() and mask.all()  # the EOS id is never drawn: every row runs NEW_TOKENS
     reference = greedy_by_recomputation(model, prompt_ids, prompt_mask, NEW_TOKENS, VOCAB)
     assert torch.equal(ids, reference), name
@@ -69,11 +85,14 @@ def test_greedy_tokens_are_the_plain_forward_argmax(family):
     assert (sample_logp - plain).abs().max().item() <= TOLERANCE, name
 
 
-def test_sampled_logprobs_equal_scoring_and_the_plain_forward(family, monkeypatch):
+@pytest.mark.parametrize("cuda_decode", [False, True], ids=["masked", "varlen"])
+def test_sampled_logprobs_equal_scoring_and_the_plain_forward(family, cuda_decode, monkeypatch, request):
     # Two completions per prompt (one prefill per prompt, copied), and a broad set of stop ids so
     # that rows end at different steps and leave the batch (compact_below 0.5, checked every token
-    # on the CPU): each layer's mask must follow its rows, window included.
+    # on the CPU): each layer's mask must follow its rows, window included; varlen: each row's
+    # own columns too.
     name, model = family
+    calls = decode_as(cuda_decode, request)
     prompt_ids, prompt_mask = family_prompts()
     prompt_ids, prompt_mask = prompt_ids.repeat_interleave(2, 0), prompt_mask.repeat_interleave(2, 0)  # (6, P)
     stop = list(range(3, 60))  # ~13% of the vocabulary: a row ends after ~8 tokens on average
@@ -83,6 +102,7 @@ def test_sampled_logprobs_equal_scoring_and_the_plain_forward(family, monkeypatc
     torch.manual_seed(3)
     ids, mask, truncated, sample_logp, _ = generate(model, prompt_ids, prompt_mask, NEW_TOKENS, stop, 0, VOCAB, 1.0)
     assert kept and mask.sum(-1).max() > WINDOW, f"{name}: rows must leave the batch, and one outlive the window"
+    assert bool(calls) == (cuda_decode and varlen_serves(model)), name
     with torch.no_grad():
         scored, _ = sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, 1.0, VOCAB, chunk_size=4)
     plain = plain_forward_logprobs(model, prompt_ids, prompt_mask, ids, mask)
@@ -125,11 +145,13 @@ def test_aligned_prompt_passes_score_as_the_plain_forward(family, script, one_pa
     assert any(unmasked) == full_attention, (name, unmasked)
 
 
-def test_tool_turns_keep_sampled_logprobs_equal_to_scoring(family):
+@pytest.mark.parametrize("cuda_decode", [False, True], ids=["masked", "varlen"])
+def test_tool_turns_keep_sampled_logprobs_equal_to_scoring(family, cuda_decode, request):
     # Multi-turn rollouts (tests/test_tool_rollouts.py): each ended turn gets a scripted answer of
     # forced tokens; the sampler conditioned on them, so the scorer must attend to them, window
     # included, and score the model's tokens alone.
     name, model = family
+    decode_as(cuda_decode, request)
     prompt_ids, prompt_mask, (ids, mask, _, sample_logp, tool_mask), _ = sample_with_tools(model)
     assert tool_mask.any(), name
     with torch.no_grad():

@@ -24,8 +24,8 @@ def test_acceptance_runner_smoke(tmp_path):
     assert text.count("\n## ") == 7 and text.count("passed, ") == 7  # seven stages, each passed
     assert "pytest: " in text and "skipped" in text  # the CUDA tier: skipped on the CPU, and said so
     assert "| N | P | mode | lengths | nanopo tok/s | hf tok/s |" in text  # generation against model.generate
-    # Stage 3: the decode against its candidates, the sampler and the attention part by part.
-    assert "| 4 | " in text and "| sampled | fixed |" in text and "| nanopo/matmul | nanopo/widths |" in text
+    # Stage 3: the decode against the masked step, the sampler and the attention part by part.
+    assert "| 4 | " in text and "| sampled | fixed |" in text and "| nanopo/masked |" in text
     assert "| part | N | V | ms a call |" in text and "| argmax | 4 | 151665 |" in text  # the sampler's ops
     assert "| variant | N | width | timed | ms a call |" in text and "| matmul (candidate) | 4 |" in text  # attention
     # Stages 4-6, each script's step unprofiled: its time/* metrics, the preflight's time and sizes
@@ -87,7 +87,7 @@ def test_acceptance_runner_runs_the_stages_asked_for(tmp_path, monkeypatch, caps
     headings = [line for line in report.read_text().splitlines() if line.startswith("## ")]
     assert headings == [
         "## CUDA tier",
-        "## decode, N = 4 × 8 new tokens, sampled, against its candidates; the sampler and the attention part by part",
+        "## decode, N = 4 × 8 new tokens, sampled, against the masked step; the sampler and the attention part by part",
     ]
     assert report.read_text().count("passed, ") == 2
     ran.clear()
