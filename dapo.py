@@ -2105,9 +2105,12 @@ def token_logprobs(logits, tokens, scale: float, vocab_size: int, with_entropy: 
     H = logsumexp − Σ_v π_v · logit_v/τ (0 without with_entropy; differentiable only with
     entropy_grad, so that no softmax is kept for a backward pass that does not need it).
     logits (…, V'), tokens (…) -> (…, 2): log π and H, fp32."""
-    # fp32 from the head (a no-op .float()), divided in place: no second fp32 copy of the logits,
-    # and no backward needs the undivided one
-    logits = logits[..., :vocab_size].float().div_(scale)  # (…, V)
+    logits = logits[..., :vocab_size].float()  # (…, V) a view, fp32 from the head (a no-op .float())
+    if scale != 1.0:  # τ = 1 divides by nothing (x / 1 is x, bit for bit)
+        # in place where no backward runs through it (no second fp32 copy of the logits); where one
+        # does, a new tensor: in place on a view of the head's output, backward would copy the
+        # whole logits several times over (autograd's CopySlices) instead of dividing once
+        logits = logits / scale if logits.requires_grad else logits.div_(scale)
     log_normaliser = torch.logsumexp(logits, dim=-1)  # (…)
     logp = logits.gather(-1, tokens[..., None]).squeeze(-1) - log_normaliser  # (…)
     entropy = torch.zeros_like(logp)

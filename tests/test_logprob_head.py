@@ -32,6 +32,33 @@ def test_token_logprobs_by_hand():
     assert grpo.token_logprobs(logits.clone(), torch.tensor([2, 0]), 1.0, 3, False, False)[:, 1].tolist() == [0, 0]
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.7])
+def test_backward_makes_no_copies_of_the_logits(scale):
+    # Backward through token_logprobs makes, of the logits' size ((…, V) or (…, V')), only what
+    # its formula needs: the gather's and logsumexp's gradients (zeros, scatter_add, sub, exp, mul,
+    # add), the division's where τ ≠ 1, and the slice's back to V' columns: 7 tensors at τ = 1,
+    # 8 at τ = 0.7. Dividing in place on the slice (planted: the code before this test) makes
+    # autograd copy the whole logits several times over (CopySlices), at τ = 1 too.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LogitSized(TorchDispatchMode):  # the backward's results as large as the logits
+        def __init__(self):
+            super().__init__()
+            self.made = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and tuple(out.shape) in ((8, 30), (8, 40)):  # (…, V), (…, V')
+                self.made.append(str(func))
+            return out
+
+    hidden, weight = torch.randn(8, 16, requires_grad=True), torch.randn(40, 16, requires_grad=True)
+    out = grpo.token_logprobs(hidden @ weight.T, torch.randint(0, 30, (8,)), scale, 30, False, False)
+    with LogitSized() as made:
+        out[:, 0].sum().backward()
+    assert len(made.made) <= (7 if scale == 1.0 else 8), made.made
+
+
 @pytest.fixture(scope="module")
 def tiny():
     torch.manual_seed(0)
