@@ -125,9 +125,9 @@ class Args:
     contenders: str = arg(
         "nanopo,hf,loop",
         "nanopo (generate), hf (model.generate), loop, static (older generates), tools (generate with tool turns on, "
-        "no call made: their cost when unused), matmul and widths (generate with a decode candidate: "
-        "matmul_decode_attention, finer_widths), masked (generate's masked one-token step where it would "
-        "run varlen_decode_attention: a GPU, bf16)",
+        "no call made: their cost when unused), masked (generate's masked one-token step where it would run "
+        "varlen_decode_attention: a GPU, bf16), matmul and widths (the masked step with a candidate: "
+        "matmul_decode_attention, finer_widths)",
     )
     step_rows: int = arg(0, "N of the steps 4 + 6 comparison (--lengths decides the lengths); 0 = skip it")
     shots: int = arg(0, "worked examples in each Countdown prompt of the steps 4 + 6 comparison (longer prompts)")
@@ -633,13 +633,17 @@ def race_agreement(num_rows: int, ids: int = 8, chunk: int = 500_000) -> list[di
 
 def replaced(name: str, candidate, *inputs, **settings):
     """grpo.generate(*inputs, **settings) with grpo's function `name` replaced by `candidate` for the
-    call (generate looks both candidates' names up as it runs: the captured graphs hold the candidate)."""
-    original = getattr(grpo, name)
+    call (generate looks both candidates' names up as it runs: the captured graphs hold the candidate),
+    and the masked one-token step (varlen_decode answering no): each candidate changes that step,
+    which generate would not run on a GPU in bf16."""
+    originals = {"varlen_decode": grpo.varlen_decode, name: getattr(grpo, name)}
+    grpo.varlen_decode = lambda model, cache: False
     setattr(grpo, name, candidate)
     try:
         return grpo.generate(*inputs, **settings)
     finally:
-        setattr(grpo, name, original)
+        for function, original in originals.items():
+            setattr(grpo, function, original)
 
 
 def finer_widths(prompt_length: int, max_new_tokens: int, smallest: int = 64) -> list[int]:
@@ -712,7 +716,7 @@ def bench_attention(config, num_rows: int, prompt_length: int, max_new_tokens: i
     padding = torch.arange(num_rows, device=device)[:, None] % 8  # (n, 1) left padding of 0-7 columns
     columns = torch.arange(length, device=device)  # (S,)
     variants = {
-        "sdpa, masked (generate's in fp32)": (grpo.grouped_decode_attention, None, True),
+        "sdpa, masked (generate's masked step)": (grpo.grouped_decode_attention, None, True),
         **{
             f"sdpa, {name} only": (grpo.grouped_decode_attention, backend, True)
             for name, backend in (
@@ -741,8 +745,9 @@ def bench_attention(config, num_rows: int, prompt_length: int, max_new_tokens: i
         for name, (attention, backend, masked) in variants.items():
             call = functools.partial(attention, None, query, k, v, mask if masked else None, head_dim**-0.5)
             if attention is grpo.varlen_decode_attention:  # all S columns, each row's filled ones from 0
-                used = visible.sum(-1, dtype=torch.int32)
-                call = functools.partial(attention, None, query, *left, None, head_dim**-0.5, used=used)
+                used, starts = visible.sum(-1, dtype=torch.int32), torch.arange(num_rows + 1, dtype=torch.int32)
+                settings = dict(used=used, starts=starts.to(device))
+                call = functools.partial(attention, None, query, *left, None, head_dim**-0.5, **settings)
             row = {"variant": name, "N": num_rows, "width": width}
             with amp(), sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
                 try:

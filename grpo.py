@@ -1447,10 +1447,10 @@ def generate(
     cache.slots = torch.tensor([prompt_length], device=device)  # (1,) the column its key and value go to
     varlen = varlen_decode(model, cache)  # on a GPU: each row's columns from 0, attention over the filled ones
     if varlen:
-        cache.align_left(prompt_mask.sum(-1), prompt_length)  # slots (N,): each row's own next column
+        cache.align_left(prompt_mask)  # slots (N,): each row's own next column
     bias = torch.full((num_rows, 1, 1, length), masked, device=device)  # (n, 1, 1, S)
-    visible = prompt_mask.flip(-1) if varlen else prompt_mask  # the prompt, not its padding
-    bias[:, 0, 0, :prompt_length].masked_fill_(visible.bool(), 0.0)
+    visible = columns < cache.slots[:, None] if varlen else prompt_mask.bool()  # (N, P) the prompt, not its padding
+    bias[:, 0, 0, :prompt_length].masked_fill_(visible, 0.0)
     biases = {kind: bias.clone() for kind in windows}  # (n, 1, 1, S) each: the one-token step's masks
     for kind, window in windows.items():  # the first query, column P, sees columns P-window+1 … P
         if window:
@@ -1678,17 +1678,18 @@ class KVCache:
         self.values[layer][:rows].index_copy_(2, self.slots, values)
         return self.keys[layer][:rows, :, : self.width], self.values[layer][:rows, :, : self.width]
 
-    def align_left(self, lengths: torch.Tensor, prompt_length: int) -> None:
-        """After the prefill of prompts left-padded to prompt_length, of these lengths (N,): each
-        row's keys and values move to columns 0 … len-1, in (N, S, kv heads, head dim) buffers (one
-        layer's copy at a time), and row i writes its next token at column len_i."""
-        padding = (prompt_length - lengths)[:, None]  # (N, 1)
-        source = (torch.arange(self.length, device=lengths.device) + padding).clamp(max=self.length - 1)  # (N, S)
+    def align_left(self, prompt_mask: torch.Tensor) -> None:
+        """After the prefill of these prompts (N, P) (1 at a prompt's tokens, 0 at its padding):
+        each row's keys and values move to columns 0 … len-1, in their order, into (N, S, kv heads,
+        head dim) buffers (one layer's copy at a time), and row i writes its next token at column len_i."""
+        order = prompt_mask.argsort(dim=-1, descending=True, stable=True)  # (N, P) the prompt's columns first
+        after = torch.arange(prompt_mask.shape[1], self.length, device=order.device).expand(len(order), -1)
+        source = torch.cat([order, after], dim=-1)[:, :, None, None]  # (N, S, 1, 1) the column each comes from
         for buffers in (self.keys, self.values):
-            for layer, buffer in enumerate(buffers):  # (N, kv heads, S, head dim)
-                moved = buffer.gather(2, source[:, None, :, None].expand_as(buffer))
-                buffers[layer] = moved.transpose(1, 2).contiguous()
-        self.slots, self.aligned = lengths.clone(), True
+            for layer, buffer in enumerate(buffers):  # (N, kv heads, S, head dim) -> (N, S, kv heads, head dim)
+                moved = buffer.transpose(1, 2)
+                buffers[layer] = moved.gather(1, source.expand(-1, -1, *moved.shape[2:]))
+        self.slots, self.aligned = prompt_mask.sum(-1), True
 
     def repeat_rows(self, counts: torch.Tensor) -> None:
         """After the prefill: the first len(counts) rows, row i repeated counts[i] times, fill all N."""
@@ -1763,23 +1764,25 @@ def grouped_attention(model):
     return sdpa_replaced(model, "nanopo_grouped_decode", grouped_decode_attention)
 
 
-def varlen_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, used, **unused):
+def varlen_decode_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, used, starts, **unused
+):
     """Saves what the masked call reads past each row's filled columns, and its mask: generate's
     one-token attention over a left-aligned cache (KVCache.align_left) by flash attention's
     variable-length entry, told each row's filled columns (used (n,) int32, a tensor: a CUDA graph
     holds it). One layer's call, 256 rows on an H200, took 0.096 ms where the masked SDPA took 0.145
     at a width of 797 columns, about two thirds of it at every width (docs/speed.md). Query head h
     attends with KV head h // group, as in grouped_decode_attention. query (n, heads, 1, d); key and
-    value (n, kv heads, S, d), views of (n, S, kv heads, d) buffers -> (n, 1, heads, d)."""
+    value (n, kv heads, S, d), views of (n, S, kv heads, d) buffers; starts (n + 1,) int32, 0 … n
+    -> (n, 1, heads, d)."""
     num_rows, heads, _, head_dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
-    starts = torch.arange(num_rows + 1, dtype=torch.int32, device=query.device)  # row i: query i, keys from i·S
     out = torch.ops.aten._flash_attention_forward(
         query.to(value.dtype).reshape(num_rows, heads, head_dim),  # autocast's fp32 rotary makes it fp32
         key.transpose(1, 2).reshape(num_rows * length, kv_heads, head_dim),  # views of the buffers: no copy
         value.transpose(1, 2).reshape(num_rows * length, kv_heads, head_dim),
-        starts,
-        starts * length,
+        starts,  # row i: query i, …
+        starts * length,  # … its keys from column 0 of its own S
         1,
         length,
         0.0,
@@ -1794,7 +1797,9 @@ def varlen_decode_attention(module, query, key, value, attention_mask, scaling=N
 def varlen_attention(model, used: torch.Tensor):
     """Within it the model's attention layers run varlen_decode_attention, row i over its first
     used[i] columns (sdpa_replaced)."""
-    return sdpa_replaced(model, "nanopo_varlen_decode", functools.partial(varlen_decode_attention, used=used))
+    starts = torch.arange(len(used) + 1, dtype=torch.int32, device=used.device)  # once a step, not a layer
+    attention = functools.partial(varlen_decode_attention, used=used, starts=starts)
+    return sdpa_replaced(model, "nanopo_varlen_decode", attention)
 
 
 def varlen_decode(model, cache: KVCache) -> bool:
@@ -1810,11 +1815,13 @@ def varlen_decode(model, cache: KVCache) -> bool:
 
 
 def flash_varlen_serves(values: torch.Tensor) -> bool:
-    """Whether flash attention's variable-length entry takes a cache like `values`: on a CUDA GPU of
-    compute capability 8 or more, in a PyTorch built with it and flash SDPA not turned off, in bf16
-    or fp16, with a head size a multiple of 8 up to 256."""
+    """Whether flash attention's variable-length entry takes a cache like `values`: on an NVIDIA GPU
+    of compute capability 8 or more (ROCm's entry is not known to honour seqused_k), in a PyTorch
+    built with it and flash SDPA not turned off, in bf16 or fp16, with a head size a multiple of 8
+    up to 256."""
     return (
         values.is_cuda
+        and torch.version.hip is None
         and values.dtype in (torch.bfloat16, torch.float16)
         and values.shape[-1] % 8 == 0
         and values.shape[-1] <= 256
@@ -1949,6 +1956,66 @@ class HeadProduct(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None
 
 
+class HeadLogprobs(torch.autograd.Function):
+    """Saves what autograd's backward through the head's chunks moves: log π of `tokens` and the
+    entropy (token_logprobs) from the hidden states through a plain Linear head, `rows` positions
+    at a time, with a backward written out. Backward recomputes each chunk's logits z (one GEMM),
+    turns them in place into dL/dz = g·(onehot − p) − g_H·p·(log p + H) with p = exp(z − logsumexp),
+    and adds each chunk's weight gradient into one buffer (addmm_). Autograd's backward through a
+    checkpointed chunk reran the whole forward, entropy included, wrote the gradient through ~14
+    tensors of the logits' size and summed a (V', d) weight gradient per chunk (~2.8 GB moved at
+    Qwen's vocabulary, each of ~56 chunks of a 19-row micro-batch). The forward computes what the
+    head and token_logprobs compute, op for op, in the same precision (fp32, or TF32's GEMMs
+    as HeadProduct under --lm_head_precision tf32 on a GPU): the same values; the gradients agree to
+    float rounding. hidden (M, d) fp32, weight (V', d) fp32, bias (V',) or None, tokens (M,) ->
+    (M, 2): log π and H."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, tokens, scale, vocab_size, with_entropy, entropy_grad, precision, rows):
+        out = []
+        for start in range(0, len(hidden), rows):
+            with torch.autocast(hidden.device.type, enabled=False), matmul_precision(precision):
+                logits = torch.nn.functional.linear(hidden[start : start + rows], weight, bias)  # (c, V')
+            out.append(token_logprobs(logits, tokens[start : start + rows], scale, vocab_size, with_entropy, False))
+        out = torch.cat(out)  # (M, 2)
+        ctx.save_for_backward(hidden, weight, bias, tokens, out)  # out: its own, whatever is done to the copy
+        ctx.settings = scale, vocab_size, entropy_grad, precision, rows
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # (M, 2): d loss / d log π, d loss / d H
+        hidden, weight, bias, tokens, out = ctx.saved_tensors
+        scale, vocab_size, entropy_grad, precision, rows = ctx.settings
+        grad_hidden = torch.empty_like(hidden)  # (M, d)
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None  # (V', d); None: frozen (LoRA)
+        grad_bias = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
+        kept_weight = weight[:vocab_size]  # (V, d): ids past the tokenizer get no gradient
+        for start in range(0, len(hidden), rows):
+            part = slice(start, start + rows)
+            g, logp, entropy = grad[part, :1], out[part, :1], out[part, 1:]  # (c, 1) each
+            with matmul_precision(precision):
+                z = torch.nn.functional.linear(hidden[part], weight, bias)[:, :vocab_size]  # (c, V)
+            if scale != 1.0:
+                z = z / scale
+            # log p = z − logsumexp = z − (z_token − log π_token), in place
+            log_p = z.sub_(z.gather(-1, tokens[part, None]) - logp)  # (c, V)
+            if entropy_grad:  # − p·(g + g_H·(log p + H))
+                p = log_p.exp()
+                dz = log_p.add_(entropy).mul_(grad[part, 1:]).add_(g).mul_(p).neg_()
+            else:  # − g·p
+                dz = log_p.exp_().mul_(-g)
+            dz.scatter_add_(-1, tokens[part, None], g)  # + g at the token
+            if scale != 1.0:
+                dz.div_(scale)
+            with matmul_precision(precision):
+                grad_hidden[part] = dz @ kept_weight  # (c, d)
+                if grad_weight is not None:
+                    grad_weight[:vocab_size].addmm_(dz.T, hidden[part])  # (V, d), summed in place
+            if grad_bias is not None:
+                grad_bias[:vocab_size] += dz.sum(0)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+
+
 @contextlib.contextmanager
 def matmul_precision(precision: str):
     """cuBLAS's precision for fp32 matmuls ("ieee": fp32; "tf32") within it only. torch's newer
@@ -2017,7 +2084,8 @@ def logprob_head(model, tokens, scale: float, vocab_size: int, with_entropy: boo
     = 5 GB in fp32, and as much again for their gradient and softmax): within it the model's LM
     head returns, for the positions that predict `tokens` (n, t), their log-probs and entropies
     (n, t, 2) (token_logprobs), computed HEAD_CHUNK_BYTES of logits at a time; with grad enabled
-    each chunk is checkpointed, so that backward recomputes its logits instead of keeping them.
+    backward recomputes each chunk's logits instead of keeping them: through a plain fp32 Linear
+    head by HeadLogprobs, its backward written out, else each chunk checkpointed.
     The same head product (fp32_lm_head's, inside it) and the same formula as the whole logits
     would go through, chunk by chunk: exact up to the order in which the weight's gradient sums
     its chunks. A model whose logits are not its head's output as is (plain_head) keeps its
@@ -2038,6 +2106,13 @@ def logprob_head(model, tokens, scale: float, vocab_size: int, with_entropy: boo
         chunked.append(True)
         rows = max(1, HEAD_CHUNK_BYTES // (4 * vocab_size))  # positions a chunk
         flat, targets = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)  # (n·t, d), (n·t,)
+        fp32 = head.weight.dtype == torch.float32 and (head.bias is None or head.bias.dtype == torch.float32)
+        if torch.is_grad_enabled() and type(head) is torch.nn.Linear and fp32:  # its backward written out
+            tf32 = flat.is_cuda and torch.is_autocast_enabled("cuda") and LM_HEAD_PRECISION.get() == "tf32"
+            precision = "tf32" if tf32 else torch.backends.cuda.matmul.fp32_precision  # fp32_lm_head's
+            settings = (scale, vocab_size, with_entropy, entropy_grad, precision, rows)
+            out = HeadLogprobs.apply(flat.float(), head.weight, head.bias, targets, *settings)  # (n·t, 2)
+            return out.reshape(*tokens.shape, 2)
         chunks = []
         for start in range(0, len(flat), rows):
             piece = lambda h, o: score(product(h), o)  # noqa: E731  (c, d), (c,) -> (c, 2)

@@ -253,7 +253,7 @@ def test_the_decode_attention_variants_compute_generate_attention():
     assert sorted({row["width"] for row in rows}) == grpo.decode_widths(5, 130) == [69, 133, 135]
     for width in (69, 133, 135):
         ran = {row["variant"]: row for row in rows if row["width"] == width and "refused" not in row}
-        named = {"sdpa, masked (generate's in fp32)", "sdpa, math only", "matmul (candidate)", "sdpa, no mask"}
+        named = {"sdpa, masked (generate's masked step)", "sdpa, math only", "matmul (candidate)", "sdpa, no mask"}
         assert named <= set(ran)
         for name, row in ran.items():
             assert row["ms a call"] > 0 and row["ms a step"] == pytest.approx(3 * row["ms a call"])

@@ -150,6 +150,46 @@ def test_tool_turns_through_the_graph_equal_the_eager_step(temperature, monkeypa
     assert (sample_logp - scored).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("tools", [False, True], ids=["compaction", "tool-turns"])
+def test_the_bf16_varlen_decode_compacts_and_takes_tool_turns(tools, monkeypatch):
+    # The varlen step (bf16 on the GPU) with rows leaving the batch, checked every token (keep_rows
+    # keeps each row's column; the graphs are captured anew), or with tool answers forced in:
+    # graph replays equal eager steps bit for bit, flash attention's varlen entry ran, and the
+    # sampler's log-probs keep to the scorer's within the bf16 bounds of the test below.
+    from families import NEW_TOKENS, STOP, VOCAB, family_model, family_prompts, sample_with_tools
+
+    model = family_model("qwen2").cuda()
+    flash, calls = torch.ops.aten._flash_attention_forward, []
+
+    def counted(*args, **options):
+        calls.append(args[0].shape[0])  # the rows of the call
+        return flash(*args, **options)
+
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", counted)
+    outputs = {}
+    for graph in (True, False):
+        with monkeypatch.context() as patch, torch.autocast("cuda", torch.bfloat16):
+            if not graph:
+                patch.setattr(grpo, "cuda_graph", lambda step, pool=None: step)
+            if tools:
+                outputs[graph] = sample_with_tools(model, 1.0, device="cuda")
+            else:
+                prompt_ids, prompt_mask = (t.repeat_interleave(2, 0).cuda() for t in family_prompts())  # (6, P)
+                torch.manual_seed(3)
+                out = grpo.generate(model, prompt_ids, prompt_mask, NEW_TOKENS, STOP, 0, VOCAB, 1.0, check_every=1)
+                outputs[graph] = prompt_ids, prompt_mask, out, None
+    prompt_ids, prompt_mask, (ids, mask, _, sample_logp, tool_mask), _ = outputs[True]
+    assert calls and (tool_mask.any() if tools else len(set(calls)) > 1), calls  # compaction: fewer rows later
+    for graphed, eager in zip(outputs[True][2], outputs[False][2]):
+        assert torch.equal(graphed, eager)
+    with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
+        scored, _ = grpo.sequence_logprobs(
+            model, prompt_ids, prompt_mask, ids, mask, 1.0, VOCAB, 4, tool_mask=tool_mask
+        )
+    gap = (sample_logp - scored).abs()[mask.bool()]
+    assert gap.mean() < 0.05 and gap.max() < 1.0, (gap.mean(), gap.max())
+
+
 def test_no_id_at_or_beyond_the_tokenizer_is_sampled(tiny_cuda, monkeypatch):
     # The tiny embedding has 448 rows for 384 ids. Rows 384-447 scaled by 50 give those ids the
     # largest logits by far: without the cut at vocab_size they would be sampled almost always.

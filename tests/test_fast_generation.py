@@ -228,3 +228,29 @@ def test_never_an_id_beyond_the_vocabulary(tiny):
         torch.manual_seed(8)
         ids, mask, _, _, _ = generate(model, prompt_ids, prompt_mask, 30, [], 0, vocab, temperature)
         assert ids.shape == (6, 30) and (ids < vocab).all()
+
+
+def test_the_left_aligned_cache_keeps_prompts_with_gaps(tiny, varlen):
+    # generate's one-token step as on a GPU in bf16 (conftest's varlen: KVCache.align_left, each row
+    # writing at its own column, flash attention's varlen entry by its contract) samples what the
+    # masked step samples: greedy tokens equal, log-probs to 1e-5, with prompts whose mask has a gap
+    # as well as left padding (align_left keeps a prompt's tokens in order, the gap left out, as the
+    # masked step's positions and mask do; taking each row's last len columns, planted, fails).
+    model, tokenizer = tiny
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, PROMPTS, 2, torch.device("cpu"))
+    prompt_mask[:2, -4] = 0  # the first prompt's rows: one token left out, inside the prompt
+    settings = (prompt_ids, prompt_mask, 12, [], tokenizer.pad_token_id, len(tokenizer), 0.0)
+    aligned = generate(model, *settings)
+    assert varlen, "the varlen step must have run"
+    varlen.clear()
+    import grpo
+
+    original = grpo.varlen_decode
+    grpo.varlen_decode = lambda model, cache: False
+    try:
+        masked = generate(model, *settings)
+    finally:
+        grpo.varlen_decode = original
+    assert not varlen
+    assert torch.equal(aligned[0], masked[0]) and torch.equal(aligned[1], masked[1])
+    assert (aligned[3] - masked[3]).abs().max().item() <= 1e-5

@@ -44,6 +44,7 @@ SHARED = [
     "plain_head",
     "token_logprobs",
     "logprob_head",
+    "HeadLogprobs",
     "cuda_graph",
     "captured_or_none",
     "generate",

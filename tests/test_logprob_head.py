@@ -66,16 +66,17 @@ def tiny():
     return model, len(tokenizer), sample_batch(model, tokenizer, eos_ids)
 
 
-def scored_with_gradient(script, model, batch, vocab_size, chunked: bool, monkeypatch):
-    """log π and H of the batch, and the gradient of Σ w·log π + Σ u·H (fixed random w, u) with
-    entropy_grad, with the head chunked (chunks of 5 positions: many per row) or whole."""
+def scored_with_gradient(script, model, batch, vocab_size, chunked: bool, monkeypatch, scale=0.7, entropy_grad=True):
+    """log π and H of the batch, and the gradient of Σ w·log π + Σ u·H (fixed random w, u; H's part
+    only with entropy_grad) at temperature `scale`, with the head chunked (chunks of 5 positions:
+    many per row; HeadLogprobs' backward) or whole (autograd's through the whole logits)."""
     with monkeypatch.context() as patch:
         patch.setattr(script, "HEAD_CHUNK_BYTES", 4 * vocab_size * 5)
         if not chunked:
             patch.setattr(script, "plain_head", lambda model: False)
         model.zero_grad(set_to_none=True)
         sequences = [batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
-        logp, entropy = script.sequence_logprobs(model, *sequences, 0.7, vocab_size, 4, True, True)
+        logp, entropy = script.sequence_logprobs(model, *sequences, scale, vocab_size, 4, True, entropy_grad)
         weights = torch.Generator().manual_seed(1)
         w, u = torch.randn(logp.shape, generator=weights), torch.randn(logp.shape, generator=weights)
         ((w * logp).sum() + (u * entropy).sum()).backward()
@@ -94,21 +95,59 @@ def one_pass_aligned(script, monkeypatch, on: bool):
         monkeypatch.setattr(script, "forward_completions", functools.partial(script.forward_completions, share=False))
 
 
+@pytest.mark.parametrize("settings", [(0.7, True), (1.0, False)], ids=["tau-0.7-entropy-grad", "tau-1"])
 @pytest.mark.parametrize("aligned", [False, True], ids=["", "aligned-one-pass"])
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.__name__)
-def test_the_chunked_head_equals_the_whole_logits(tiny, script, aligned, monkeypatch):
+def test_the_chunked_head_equals_the_whole_logits(tiny, script, aligned, settings, monkeypatch):
     # The same products and formula chunk by chunk: log π and H to fp32 rounding (values of a few
-    # nats, eps 1.2e-7: 1e-6), and the gradient to 1e-5 of its largest entry (the head's weight
-    # gradient sums its chunks in another order: ~50 terms of eps each).
+    # nats, eps 1.2e-7: 1e-6), and the gradient to 1e-5 of its largest entry (HeadLogprobs' backward
+    # is the formula dL/dz = g·(onehot − p) − g_H·p·(log p + H), and the head's weight gradient
+    # sums its chunks in another order: ~50 terms of eps each). A sign or a 1/τ dropped from that
+    # backward (planted) fails it; so does the entropy's term without H.
     model, vocab_size, batch = tiny
     one_pass_aligned(script, monkeypatch, aligned)
     model.train()
-    chunked = scored_with_gradient(script, model, batch, vocab_size, True, monkeypatch)
-    whole = scored_with_gradient(script, model, batch, vocab_size, False, monkeypatch)
+    chunked = scored_with_gradient(script, model, batch, vocab_size, True, monkeypatch, *settings)
+    whole = scored_with_gradient(script, model, batch, vocab_size, False, monkeypatch, *settings)
     assert (chunked[0] - whole[0]).abs().max() <= 1e-6
     assert (chunked[1] - whole[1]).abs().max() <= 1e-6
     assert whole[2].abs().max() > 0
     assert (chunked[2] - whole[2]).abs().max() <= 1e-5 * whole[2].abs().max()
+
+
+def test_the_head_weight_gradient_is_summed_in_place(tiny, monkeypatch):
+    # HeadLogprobs adds each chunk's weight gradient into one (V', d) buffer (addmm_), so backward
+    # makes as many tensors of the weight's size (that buffer, the tied embedding's gradients, the
+    # prompt pass's head, their sums) with 5 positions a chunk (~30 chunks) as with one chunk.
+    # Autograd's backward through checkpointed chunks (planted: the path before HeadLogprobs) made
+    # two more a chunk, a product and a sum (144 against 30).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model, vocab_size, batch = tiny
+    weight = model.get_output_embeddings().weight
+
+    class WeightSized(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.made = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.made += isinstance(out, torch.Tensor) and out.shape == weight.shape and not func._schema.is_mutable
+            return out
+
+    model.train()
+    made = {}
+    for positions in (5, 10**6):
+        with monkeypatch.context() as patch:
+            patch.setattr(grpo, "HEAD_CHUNK_BYTES", 4 * vocab_size * positions)
+            sequences = [batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
+            logp, _ = grpo.sequence_logprobs(model, *sequences, 1.0, vocab_size, 4)
+            with WeightSized() as counted:
+                logp.sum().backward()
+        model.zero_grad(set_to_none=True)
+        made[positions] = counted.made
+    assert batch["completion_mask"].sum() > 20 * 5 and made[5] == made[10**6], made
 
 
 def vocabulary_wide_saved(script, model, batch, vocab_size, chunked: bool, monkeypatch) -> int:
