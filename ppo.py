@@ -1894,6 +1894,7 @@ class HeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, tokens, scale, vocab_size, with_entropy, entropy_grad, precision, rows):
+        entropy_grad = with_entropy and entropy_grad  # without the entropy its column is a constant 0
         out = []
         for start in range(0, len(hidden), rows):
             with torch.autocast(hidden.device.type, enabled=False), matmul_precision(precision):
@@ -1905,10 +1906,16 @@ class HeadLogprobs(torch.autograd.Function):
         return out.clone()
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # its in-place backward builds no graph
     def backward(ctx, grad):  # (M, 2): d loss / d log π, d loss / d H
+        with torch.autocast(grad.device.type, enabled=False):  # the forward's fp32 products, wherever called
+            return HeadLogprobs.gradients(ctx, grad)
+
+    @staticmethod
+    def gradients(ctx, grad):
         hidden, weight, bias, tokens, out = ctx.saved_tensors
         scale, vocab_size, entropy_grad, precision, rows = ctx.settings
-        grad_hidden = torch.empty_like(hidden)  # (M, d)
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None  # (M, d)
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None  # (V', d); None: frozen (LoRA)
         grad_bias = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
         kept_weight = weight[:vocab_size]  # (V, d): ids past the tokenizer get no gradient
@@ -1918,7 +1925,7 @@ class HeadLogprobs(torch.autograd.Function):
             with matmul_precision(precision):
                 z = torch.nn.functional.linear(hidden[part], weight, bias)[:, :vocab_size]  # (c, V)
             if scale != 1.0:
-                z = z / scale
+                z.div_(scale)
             # log p = z − logsumexp = z − (z_token − log π_token), in place
             log_p = z.sub_(z.gather(-1, tokens[part, None]) - logp)  # (c, V)
             if entropy_grad:  # − p·(g + g_H·(log p + H))
@@ -1930,7 +1937,8 @@ class HeadLogprobs(torch.autograd.Function):
             if scale != 1.0:
                 dz.div_(scale)
             with matmul_precision(precision):
-                grad_hidden[part] = dz @ kept_weight  # (c, d)
+                if grad_hidden is not None:
+                    grad_hidden[part] = dz @ kept_weight  # (c, d)
                 if grad_weight is not None:
                     grad_weight[:vocab_size].addmm_(dz.T, hidden[part])  # (V, d), summed in place
             if grad_bias is not None:

@@ -258,6 +258,41 @@ def test_the_bf16_decode_attends_by_flash_varlen(qwen_shape, monkeypatch):
     assert gaps[True][0] < 0.05 and gaps[True][1] < 1.0
 
 
+@pytest.mark.parametrize("precision", ["tf32", "ieee"])
+def test_the_head_backward_written_out_on_cuda(precision):
+    # HeadLogprobs as the update calls it on a GPU (under bf16 autocast, its products in the LM
+    # head's precision: TF32, or fp32 "ieee") against autograd through HeadProduct and
+    # token_logprobs over the same chunks, outside autocast: the same log π and H bit for bit, and
+    # the gradients of the hidden states and the weight to 1e-3 of their largest in TF32 (the same
+    # rounded products, summed in another order), 1e-5 in fp32; backward called inside autocast too.
+    torch.manual_seed(0)
+    hidden = torch.randn(300, 64, device="cuda", requires_grad=True)
+    weight = (0.3 * torch.randn(448, 64, device="cuda")).requires_grad_()
+    tokens, weights = torch.randint(0, 384, (300,), device="cuda"), torch.randn(300, 2, device="cuda")
+    with torch.autocast("cuda", torch.bfloat16):
+        out = grpo.HeadLogprobs.apply(hidden, weight, None, tokens, 0.7, 384, True, True, precision, 64)
+        (out * weights).sum().backward()
+    got = out.detach(), hidden.grad, weight.grad
+    hidden.grad = weight.grad = None
+    chunks = [
+        grpo.token_logprobs(
+            grpo.HeadProduct.apply(hidden[i : i + 64], weight, None, precision),
+            tokens[i : i + 64],
+            0.7,
+            384,
+            True,
+            True,
+        )
+        for i in range(0, 300, 64)
+    ]
+    expected = torch.cat(chunks)
+    (expected * weights).sum().backward()
+    assert torch.equal(got[0], expected.detach())
+    tolerance = 1e-3 if precision == "tf32" else 1e-5
+    for mine, theirs in zip(got[1:], (hidden.grad, weight.grad)):
+        assert (mine - theirs).abs().max() <= tolerance * theirs.abs().max()
+
+
 def test_the_tf32_head_keeps_sampler_and_trainer_together(qwen_shape):
     # --lm_head_precision tf32 (the default): the sampler and the scorer compute the head alike on
     # TF32 tensor cores (HeadProduct), so their gap stays within the bounds of bf16's backbone (the
