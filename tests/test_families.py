@@ -92,6 +92,8 @@ def test_sampled_logprobs_equal_scoring_and_the_plain_forward(family, cuda_decod
     # on the CPU): each layer's mask must follow its rows, window included; varlen: each row's
     # own columns too.
     name, model = family
+    if cuda_decode and not varlen_serves(model):  # the masked step: the masked case ran it (CI's minutes)
+        pytest.skip(f"{name} keeps the masked step")
     calls = decode_as(cuda_decode, request)
     prompt_ids, prompt_mask = family_prompts()
     prompt_ids, prompt_mask = prompt_ids.repeat_interleave(2, 0), prompt_mask.repeat_interleave(2, 0)  # (6, P)
@@ -151,6 +153,8 @@ def test_tool_turns_keep_sampled_logprobs_equal_to_scoring(family, cuda_decode, 
     # forced tokens; the sampler conditioned on them, so the scorer must attend to them, window
     # included, and score the model's tokens alone.
     name, model = family
+    if cuda_decode and not varlen_serves(model):  # the masked step: the masked case ran it (CI's minutes)
+        pytest.skip(f"{name} keeps the masked step")
     decode_as(cuda_decode, request)
     prompt_ids, prompt_mask, (ids, mask, _, sample_logp, tool_mask), _ = sample_with_tools(model)
     assert tool_mask.any(), name
