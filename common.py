@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import numpy as np
+import safetensors.torch
 import torch
 import torch.distributed as dist
 from jinja2 import TemplateError
@@ -1463,10 +1464,16 @@ def build_tiny_model(cache_dir: str | None = None, name: str = "tiny") -> Path:
     )
 
     # Write into a temporary directory and rename it into place, so that a crash or a second
-    # process never leaves a half-written model behind.
+    # process never leaves a half-written model behind. Not by model.save_pretrained: under
+    # torchrun transformers writes the weights and config on rank 0 alone, and another rank's
+    # copy, renamed into place first, would hold neither.
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}-"))
-    model.save_pretrained(staging)
+    model.config.architectures, model.config.dtype = [type(model).__name__], torch.float32  # as save_pretrained records
+    model.config.save_pretrained(staging)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()  # the embedding's, as transformers saves it
+    weights = {key: value for key, value in model.state_dict().items() if key not in tied}
+    safetensors.torch.save_file(weights, staging / "model.safetensors", metadata={"format": "pt"})
     tokenizer.save_pretrained(staging)
     generation.save_pretrained(staging)
     try:

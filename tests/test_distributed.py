@@ -79,19 +79,31 @@ def test_one_update_on_two_processes_equals_one(updates, case):
 SMOKE = ["--model", "tiny", "--task", "digit", "--batch_size", "4", "--group_size", "2", "--max_new_tokens", "6"]
 SMOKE += ["--save_every", "1", "--sample_every", "1", "--output_dir", "out"]
 EXTRA = {"grpo": ["--ref_ema_decay", "0.9"], "dapo": ["--overlong_buffer", "2", "--overlong_filter"], "ppo": []}
+# grpo and ppo run the GPU recipe, forced on the CPU by tests/precision_run.py: fp32 masters, bf16
+# autocast, FSDP2 gathering bf16 and reducing fp32; a step that moves the weights (a reward signal
+# in 16 prompts of 8 at lr 3e-3), so that a bf16 checkpoint without its masters would show
+RECIPE = {"grpo": ["--batch_size", "16", "--group_size", "8", "--max_new_tokens", "2", "--lr", "3e-3"], "dapo": []}
+RECIPE["ppo"] = [*RECIPE["grpo"], "--critic_lr", "3e-3"]
+RUN = {"grpo": [ROOT / "tests" / "precision_run.py", "grpo"], "dapo": [ROOT / "dapo.py"]}
+RUN["ppo"] = [ROOT / "tests" / "precision_run.py", "ppo"]
 
 
 @pytest.mark.parametrize("script", ["grpo", "dapo", "ppo"])
 def test_two_processes_train_save_and_resume(tmp_path, script):
-    # 2 steps on 2 ranks (GRPO with its sharded reference moving, T1's EMA): one metrics row a step (rank 0 writes, the others don't), a final
-    # checkpoint that plain transformers loads with a trainer state for each rank, then a resume
-    # from it on 2 ranks runs the third step.
-    result = launch([ROOT / f"{script}.py", *SMOKE, *EXTRA[script], "--max_steps", "2"], cwd=tmp_path)
+    # 2 steps on 2 ranks (GRPO with its sharded reference moving, T1's EMA): one metrics row a step
+    # (rank 0 writes, the others don't), a final checkpoint that plain transformers loads with a
+    # trainer state for each rank, then a resume from it on 2 ranks runs the third step. grpo and
+    # ppo under the GPU recipe (RECIPE): the checkpoint is bf16, each rank's trainer state holds its
+    # shard of the fp32 masters, and after the resumed step they equal a straight 3-step run's, bit
+    # for bit, on every rank (ppo's through its critic's values too, saved and resumed beside it).
+    flags = [*SMOKE, *EXTRA[script], *RECIPE[script]]
+    result = launch([*RUN[script], *flags, "--max_steps", "2"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = (tmp_path / "out").iterdir()
     assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2]
-    samples = [s["step"] for s in read_jsonl(run_dir / "samples.jsonl")]  # rank 0's: 2 prompts a step
-    assert samples == [1, 1, 2, 2] if script != "dapo" else set(samples) <= {1, 2} and len(samples) <= 4  # kept groups
+    samples = [s["step"] for s in read_jsonl(run_dir / "samples.jsonl")]  # rank 0's prompts, num_samples = 4 at most
+    shown = 4 if RECIPE[script] else 2  # of its 8 (RECIPE's 16 prompts) or 2 (SMOKE's 4)
+    assert samples == [1] * shown + [2] * shown if script != "dapo" else set(samples) <= {1, 2} and len(samples) <= 4
     final = run_dir / "final"
     assert (final / TRAINER_STATE).exists() and (final / "trainer_state-rank1.pt").exists()
     assert not list((run_dir / "step-000001").glob("trainer_state*"))  # only the newest keeps it
@@ -99,12 +111,56 @@ def test_two_processes_train_save_and_resume(tmp_path, script):
     assert model.config.architectures == ["Qwen2ForCausalLM"]
     if script == "ppo":
         assert (final / "critic" / "value_head.safetensors").exists()
-    resumed = launch(
-        [ROOT / f"{script}.py", *SMOKE, *EXTRA[script], "--max_steps", "3", "--resume_from", final], cwd=tmp_path
-    )
+    resumed = launch([*RUN[script], *flags, "--max_steps", "3", "--resume_from", final], cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]
     assert (run_dir / "final" / "trainer_state-rank1.pt").exists()
+    if script == "dapo":
+        return
+    assert json.loads((final / "config.json").read_text())["dtype"] == "bfloat16"
+    straight = launch(
+        [*RUN[script], *flags, "--max_steps", "3", "--save_every", "0", "--output_dir", "a"], cwd=tmp_path
+    )
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    (run_a,) = (tmp_path / "a").iterdir()
+    for state_file in (TRAINER_STATE, "trainer_state-rank1.pt"):
+        a, b = (
+            torch.load(run / "final" / state_file, weights_only=False)["master_weights"] for run in (run_a, run_dir)
+        )
+        assert a.keys() == b.keys() and {v.dtype for v in a.values()} == {torch.float32}
+        assert all(torch.equal(a[k], b[k]) for k in a), state_file
+    rewards = [row["reward/mean"] for row in read_jsonl(run_a / "metrics.jsonl")]
+    assert sum(rewards[:2]) > 0, rewards  # steps 1-2 had a signal: the masters moved
+
+
+BUILD_BOTH = """
+import sys
+import torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from common import build_tiny_model
+dist.init_process_group("gloo")
+if dist.get_rank() == 0:
+    dist.barrier()  # rank 1 builds first
+build_tiny_model(sys.argv[2])
+if dist.get_rank() == 1:
+    dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_the_tiny_model_built_under_torchrun_is_whole(tmp_path):
+    # `torchrun … --model tiny` on a machine that has not built it: every rank builds it into the
+    # cache, and the first to finish renames its copy into place. transformers (5.x) writes a
+    # model's weights and config on rank 0 alone once torch.distributed is initialised, so rank
+    # 1's copy, built first here, held neither, and every later run stopped at "a directory
+    # without config.json". Each rank's copy is whole, whichever lands.
+    (tmp_path / "build.py").write_text(BUILD_BOTH)
+    done = launch([tmp_path / "build.py", ROOT, tmp_path / "cache"], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (built,) = (tmp_path / "cache").iterdir()
+    model = AutoModelForCausalLM.from_pretrained(built)
+    assert model.config.architectures == ["Qwen2ForCausalLM"] and model.config.tie_word_embeddings
+    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
 
 
 def test_a_batch_that_does_not_split_stops_every_rank_with_one_message(tmp_path):
@@ -131,27 +187,3 @@ def test_dapo_keeps_as_many_groups_on_every_rank():
     batch.truncated = torch.zeros(4, dtype=torch.bool)
     counts = sampling_metrics([batch], groups_kept=1, group_size=2, ranks=2)
     assert counts["sampling/groups_generated"] == 4 and counts["sampling/groups_kept"] == 2
-
-
-@pytest.mark.parametrize("script", ["grpo", "ppo"])
-def test_the_gpu_recipe_on_two_processes_resumes_exactly(tmp_path, script):
-    # The GPU recipe (fp32 masters, bf16 autocast; FSDP2 gathering bf16 and reducing fp32) on 2
-    # gloo processes, forced on the CPU by tests/precision_run.py. Run A: 3 steps straight. Run B:
-    # 2 steps, a bf16 checkpoint whose trainer states hold each rank's shard of the fp32 masters,
-    # then a resume for step 3. B's masters end equal to A's, bit for bit, on every rank.
-    helper = ROOT / "tests" / "precision_run.py"
-    straight = launch([helper, script, tmp_path / "a", 3, 0], cwd=tmp_path)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    first = launch([helper, script, tmp_path / "b", 2, 1], cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
-    ((run_a,), (run_b,)) = (list((tmp_path / "a").iterdir()), list((tmp_path / "b").iterdir()))
-    assert json.loads((run_b / "final" / "config.json").read_text())["dtype"] == "bfloat16"
-    resumed = launch([helper, script, tmp_path / "b", 3, 1, run_b / "final"], cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert not list((run_b / "step-000001").glob("trainer_state*"))
-    for state_file in (TRAINER_STATE, "trainer_state-rank1.pt"):
-        a, b = (torch.load(run / "final" / state_file, weights_only=False)["master_weights"] for run in (run_a, run_b))
-        assert a.keys() == b.keys() and {v.dtype for v in a.values()} == {torch.float32}
-        assert all(torch.equal(a[k], b[k]) for k in a), state_file
-    rewards = [row["reward/mean"] for row in read_jsonl(run_a / "metrics.jsonl")]
-    assert sum(rewards[:2]) > 0, rewards  # steps 1-2 had a signal: the masters moved
