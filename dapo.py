@@ -2076,16 +2076,19 @@ class HeadLogprobs(torch.autograd.Function):
     Qwen's vocabulary, each of ~56 chunks of a 19-row micro-batch). The forward computes what the
     head and token_logprobs compute, op for op, in the same precision (fp32, or TF32's GEMMs
     as HeadProduct under --lm_head_precision tf32 on a GPU): the same values; the gradients agree to
-    float rounding. hidden (M, d) fp32, weight (V', d) fp32, bias (V',) or None, tokens (M,) ->
-    (M, 2): log π and H."""
+    float rounding. A bf16 weight (FSDP2's gathered head, LoRA's frozen one on a GPU) is upcast once
+    a pass, as fp32_lm_head's product reads it, where that product made an fp32 copy a chunk, and its
+    gradient is summed in fp32 and rounded to bf16 once, where autograd summed the chunks' in bf16.
+    hidden (M, d) fp32, weight (V', d), bias (V',) or None, tokens (M,) -> (M, 2): log π and H."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, tokens, scale, vocab_size, with_entropy, entropy_grad, precision, rows):
         entropy_grad = with_entropy and entropy_grad  # without the entropy its column is a constant 0
+        upcast = weight.float(), None if bias is None else bias.float()  # fp32: themselves; bf16: one copy
         out = []
         for start in range(0, len(hidden), rows):
             with torch.autocast(hidden.device.type, enabled=False), matmul_precision(precision):
-                logits = torch.nn.functional.linear(hidden[start : start + rows], weight, bias)  # (c, V')
+                logits = torch.nn.functional.linear(hidden[start : start + rows], *upcast)  # (c, V')
             out.append(token_logprobs(logits, tokens[start : start + rows], scale, vocab_size, with_entropy, False))
         out = torch.cat(out)  # (M, 2)
         ctx.save_for_backward(hidden, weight, bias, tokens, out)  # out: its own, whatever is done to the copy
@@ -2100,8 +2103,9 @@ class HeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def gradients(ctx, grad):
-        hidden, weight, bias, tokens, out = ctx.saved_tensors
+        hidden, stored, stored_bias, tokens, out = ctx.saved_tensors
         scale, vocab_size, entropy_grad, precision, rows = ctx.settings
+        weight, bias = stored.float(), None if stored_bias is None else stored_bias.float()  # as forward read them
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None  # (M, d)
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None  # (V', d); None: frozen (LoRA)
         grad_bias = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
@@ -2130,6 +2134,8 @@ class HeadLogprobs(torch.autograd.Function):
                     grad_weight[:vocab_size].addmm_(dz.T, hidden[part])  # (V, d), summed in place
             if grad_bias is not None:
                 grad_bias[:vocab_size] += dz.sum(0)
+        grad_weight = None if grad_weight is None else grad_weight.to(stored.dtype)  # summed in fp32, rounded once
+        grad_bias = None if grad_bias is None else grad_bias.to(stored_bias.dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
@@ -2201,8 +2207,10 @@ def logprob_head(model, tokens, scale: float, vocab_size: int, with_entropy: boo
     = 5 GB in fp32, and as much again for their gradient and softmax): within it the model's LM
     head returns, for the positions that predict `tokens` (n, t), their log-probs and entropies
     (n, t, 2) (token_logprobs), computed HEAD_CHUNK_BYTES of logits at a time; with grad enabled
-    backward recomputes each chunk's logits instead of keeping them: through a plain fp32 Linear
-    head by HeadLogprobs, its backward written out, else each chunk checkpointed.
+    backward recomputes each chunk's logits instead of keeping them: by HeadLogprobs, its backward
+    written out, where the head is a plain Linear whose product is fp32 (fp32 weights, or any
+    under autocast: fp32_lm_head's), else (a LoRA-adapted head; bf16 without autocast) each chunk
+    checkpointed.
     The same head product (fp32_lm_head's, inside it) and the same formula as the whole logits
     would go through, chunk by chunk: exact up to the order in which the weight's gradient sums
     its chunks. A model whose logits are not its head's output as is (plain_head) keeps its
@@ -2223,9 +2231,10 @@ def logprob_head(model, tokens, scale: float, vocab_size: int, with_entropy: boo
         chunked.append(True)
         rows = max(1, HEAD_CHUNK_BYTES // (4 * vocab_size))  # positions a chunk
         flat, targets = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)  # (n·t, d), (n·t,)
+        upcast = torch.is_autocast_enabled(flat.device.type)  # fp32_lm_head's product: fp32 whatever the weight's
         fp32 = head.weight.dtype == torch.float32 and (head.bias is None or head.bias.dtype == torch.float32)
-        if torch.is_grad_enabled() and type(head) is torch.nn.Linear and fp32:  # its backward written out
-            tf32 = flat.is_cuda and torch.is_autocast_enabled("cuda") and LM_HEAD_PRECISION.get() == "tf32"
+        if type(head) is torch.nn.Linear and (fp32 or upcast):  # an fp32 product: its backward written out
+            tf32 = flat.is_cuda and upcast and LM_HEAD_PRECISION.get() == "tf32"
             precision = "tf32" if tf32 else torch.backends.cuda.matmul.fp32_precision  # fp32_lm_head's
             settings = (scale, vocab_size, with_entropy, entropy_grad, precision, rows)
             out = HeadLogprobs.apply(flat.float(), head.weight, head.bias, targets, *settings)  # (n·t, 2)

@@ -258,16 +258,19 @@ def test_the_bf16_decode_attends_by_flash_varlen(qwen_shape, monkeypatch):
     assert gaps[True][0] < 0.05 and gaps[True][1] < 1.0
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=["fp32-weight", "bf16-weight"])
 @pytest.mark.parametrize("precision", ["tf32", "ieee"])
-def test_the_head_backward_written_out_on_cuda(precision):
+def test_the_head_backward_written_out_on_cuda(precision, weight_dtype):
     # HeadLogprobs as the update calls it on a GPU (under bf16 autocast, its products in the LM
     # head's precision: TF32, or fp32 "ieee") against autograd through HeadProduct and
     # token_logprobs over the same chunks, outside autocast: the same log π and H bit for bit, and
     # the gradients of the hidden states and the weight to 1e-3 of their largest in TF32 (the same
     # rounded products, summed in another order), 1e-5 in fp32; backward called inside autocast too.
+    # A bf16 weight (FSDP2's gathered head), upcast as fp32_lm_head reads it: its gradient, rounded
+    # to bf16 once either way, within one bf16 step (2⁻⁷) of the largest.
     torch.manual_seed(0)
     hidden = torch.randn(300, 64, device="cuda", requires_grad=True)
-    weight = (0.3 * torch.randn(448, 64, device="cuda")).requires_grad_()
+    weight = (0.3 * torch.randn(448, 64, device="cuda")).to(weight_dtype).requires_grad_()
     tokens, weights = torch.randint(0, 384, (300,), device="cuda"), torch.randn(300, 2, device="cuda")
     with torch.autocast("cuda", torch.bfloat16):
         out = grpo.HeadLogprobs.apply(hidden, weight, None, tokens, 0.7, 384, True, True, precision, 64)
@@ -276,7 +279,7 @@ def test_the_head_backward_written_out_on_cuda(precision):
     hidden.grad = weight.grad = None
     chunks = [
         grpo.token_logprobs(
-            grpo.HeadProduct.apply(hidden[i : i + 64], weight, None, precision),
+            grpo.HeadProduct.apply(hidden[i : i + 64], weight.float(), None, precision),
             tokens[i : i + 64],
             0.7,
             384,
@@ -287,10 +290,11 @@ def test_the_head_backward_written_out_on_cuda(precision):
     ]
     expected = torch.cat(chunks)
     (expected * weights).sum().backward()
-    assert torch.equal(got[0], expected.detach())
+    assert torch.equal(got[0], expected.detach()) and got[2].dtype == weight_dtype
     tolerance = 1e-3 if precision == "tf32" else 1e-5
     for mine, theirs in zip(got[1:], (hidden.grad, weight.grad)):
-        assert (mine - theirs).abs().max() <= tolerance * theirs.abs().max()
+        bound = tolerance if theirs.dtype == torch.float32 else 2**-7
+        assert (mine.float() - theirs.float()).abs().max() <= bound * theirs.float().abs().max()
 
 
 def test_the_tf32_head_keeps_sampler_and_trainer_together(qwen_shape):

@@ -3,6 +3,7 @@ straight from the hidden states, HEAD_CHUNK_BYTES of logits at a time, checkpoin
 (n, t, V) tensor is kept for backward. token_logprobs by hand; the chunked head against the whole
 logits (values and gradients); what autograd keeps; plain_head's probe."""
 
+import copy
 import functools
 
 import pytest
@@ -150,6 +151,60 @@ def test_the_head_weight_gradient_is_summed_in_place(tiny, monkeypatch):
         model.zero_grad(set_to_none=True)
         made[positions] = counted.made
     assert batch["completion_mask"].sum() > 20 * 5 and made[5] == made[10**6], made
+
+
+def test_a_bf16_head_is_upcast_once_and_its_gradient_summed_in_fp32():
+    # FSDP2 gathers the head in bf16, and LoRA keeps a frozen one in bf16, on a GPU; under autocast
+    # fp32_lm_head's product reads it upcast to fp32, and HeadLogprobs reads it so, once a pass.
+    # Against autograd through that product over the whole logits: log π and H to fp32 rounding
+    # (1e-6 of each),
+    # the hidden states' gradient to 1e-5 of its largest, and the weight's, summed over the 32
+    # chunks in fp32 and rounded to bf16 once, equal to autograd's one rounding but where the two
+    # fp32 sums straddle a bf16 step: one step, 2⁻⁷ of the entry at most. Summed chunk by chunk in bf16
+    # (planted: autograd's accumulation through the checkpointed chunks before), it is not.
+    torch.manual_seed(0)
+    hidden = torch.randn(64, 16, requires_grad=True)  # (M, d)
+    weight = (0.5 * torch.randn(40, 16)).bfloat16().requires_grad_()  # (V', d), V = 30 of them tokens
+    tokens, weights = torch.randint(0, 30, (64,)), torch.randn(64, 2)
+    precision = torch.backends.cuda.matmul.fp32_precision
+    with torch.autocast("cpu", torch.bfloat16):
+        out = grpo.HeadLogprobs.apply(hidden, weight, None, tokens, 0.7, 30, True, True, precision, 2)
+    (out * weights).sum().backward()
+    got = out.detach(), hidden.grad, weight.grad
+    hidden.grad = weight.grad = None
+    expected = grpo.token_logprobs(hidden @ weight.float().T, tokens, 0.7, 30, True, True)  # (M, 2)
+    (expected * weights).sum().backward()
+    assert got[2].dtype == torch.bfloat16 and weight.grad.dtype == torch.bfloat16
+    assert torch.allclose(got[0], expected.detach(), rtol=1e-6, atol=1e-6)  # log π down to −11: a few ulps
+    assert (got[1] - hidden.grad).abs().max() <= 1e-5 * hidden.grad.abs().max()
+    assert ((got[2].float() - weight.grad.float()).abs() <= 2**-7 * weight.grad.float().abs()).all()  # one step
+    assert weight.grad.abs().max() > 0
+
+
+def test_a_bf16_head_under_autocast_goes_through_head_logprobs(tiny, monkeypatch):
+    # The tiny model in bf16 under CPU autocast, as FSDP2's bf16 gather computes on a GPU: scoring
+    # and the update take HeadLogprobs (not a checkpoint a chunk), and log π equals the whole
+    # logits' (the same bf16 layers, the same fp32 head product) to 1e-5.
+    from common import autocast
+
+    model, vocab_size, batch = tiny
+    bf16 = copy.deepcopy(model).to(torch.bfloat16).train()
+    calls = []
+    apply = grpo.HeadLogprobs.apply
+    monkeypatch.setattr(grpo.HeadLogprobs, "apply", lambda *a: calls.append(1) or apply(*a))
+    sequences = [batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
+    scored = []
+    for chunked in (True, False):
+        with monkeypatch.context() as patch, autocast(torch.device("cpu"), torch.bfloat16, "fp32"):
+            patch.setattr(grpo, "HEAD_CHUNK_BYTES", 4 * vocab_size * 5)
+            if not chunked:
+                patch.setattr(grpo, "plain_head", lambda model: False)
+            logp, _ = grpo.sequence_logprobs(bf16, *sequences, 0.7, vocab_size, 4)
+        logp.sum().backward()
+        scored.append(logp.detach())
+    assert len(calls) == 3  # the three chunks of 4 rows, each its own pass
+    assert bf16.get_output_embeddings().weight.grad.dtype == torch.bfloat16
+    assert (scored[0] - scored[1]).abs().max() <= 1e-5
 
 
 def vocabulary_wide_saved(script, model, batch, vocab_size, chunked: bool, monkeypatch) -> int:
