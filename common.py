@@ -1198,6 +1198,32 @@ def enable_activation_checkpointing(model) -> None:
     enable({"use_reentrant": False})  # first parameter under both names
 
 
+COMPILED_BLOCKS = ("MLP", "RMSNorm")  # the ends of the class names compile_blocks compiles
+COMPILE_BACKEND = "inductor"  # tests: "aot_eager" (traced and differentiated, no kernels generated: seconds on a CPU)
+
+
+def compile_blocks(model, on: bool = True):
+    """--compile: each feed-forward block and RMSNorm of `model` through torch.compile, where the
+    update spends most of its elementwise traffic (a trace of its ops at the 1.5B shape put RMSNorm
+    in fp32 at ~24% of it, SwiGLU at ~14%, autocast's casts at ~8%: docs/speed.md): TorchInductor
+    fuses each block's elementwise ops into a few kernels, forward and backward, where eager runs
+    one kernel an op. Blocks only, not whole decoder layers: a layer's attention reads its own KV
+    cache, which torch.compile would specialise layer by layer (28 compilations where one will do,
+    and past its recompilation limit eager again); a block holds nothing of its own, so every layer
+    shares one compilation (and one each for no grad, a batch of one, one token). dynamic: every
+    micro-batch's length and the decode's rows in one. The first step compiles (a minute or more);
+    the numbers change by float rounding (fused ops, bf16 rounded in other places). A mixture of
+    experts' block (its routing picks rows by value: gpt-oss's GptOssMLP) and a block whose class
+    is named otherwise stay eager. Returns the model, whose weights and state dict are unchanged."""
+    if not on:
+        return model
+    for module in model.modules():
+        dense = not any("expert" in name for name, _ in module.named_modules())
+        if type(module).__name__.endswith(COMPILED_BLOCKS) and dense and "forward" not in module.__dict__:
+            module.forward = torch.compile(module.forward, dynamic=True, backend=COMPILE_BACKEND)
+    return model
+
+
 def load_policy(args, device: torch.device, dtype: torch.dtype, compute_dtype: torch.dtype | None = None):
     """The policy to train and its tokenizer: returns (policy, tokenizer, eos_ids).
     Full fine-tuning (--lora_rank 0): --model's weights, or --resume_from's, all trainable.
@@ -1205,15 +1231,17 @@ def load_policy(args, device: torch.device, dtype: torch.dtype, compute_dtype: t
     frozen, under low-rank adapters W + (α/r)·B·A on the --lora_targets layers; B starts at 0,
     so the policy starts as --model exactly. On resume the adapters come from the checkpoint's
     adapter/ folder and the frozen weights again from --model. The frozen weights are kept in
-    compute_dtype (bf16 on a GPU, frozen_dtype): peft keeps the adapters in fp32."""
+    compute_dtype (bf16 on a GPU, frozen_dtype): peft keeps the adapters in fp32. --compile:
+    its blocks compiled (compile_blocks)."""
     if not args.lora_rank:
-        return load_model(
+        policy, tokenizer, eos_ids = load_model(
             args.resume_from or args.model, device, dtype, args.gradient_checkpointing, args.prompt_format
         )
+        return compile_blocks(policy, args.compile), tokenizer, eos_ids
     frozen = frozen_dtype(dtype, compute_dtype)
     model, tokenizer, eos_ids = load_model(args.model, device, frozen, args.gradient_checkpointing, args.prompt_format)
     saved = Path(args.resume_from) / ADAPTER_DIR if args.resume_from else None
-    return with_adapters(model, args, saved), tokenizer, eos_ids
+    return compile_blocks(with_adapters(model, args, saved), args.compile), tokenizer, eos_ids
 
 
 def frozen_dtype(dtype: torch.dtype, compute_dtype: torch.dtype | None) -> torch.dtype:
@@ -1245,8 +1273,7 @@ def load_reference(args, policy, device: torch.device, dtype: torch.dtype):
     if args.lora_rank:
         return AdaptersOff(policy)
     reference, _, _ = load_model(args.model, device, dtype)
-    reference.eval().requires_grad_(False)
-    return reference
+    return compile_blocks(reference.eval().requires_grad_(False), args.compile)  # --compile: as the policy's
 
 
 class AdaptersOff:

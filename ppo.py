@@ -80,6 +80,7 @@ from common import (
     check_distributed,
     check_run_args,
     check_tool_turns,
+    compile_blocks,
     dequantised,
     enable_activation_checkpointing,
     frozen_dtype,
@@ -159,6 +160,7 @@ class Args:
     logprob_chunk_size: int = arg(0, "rows per no-grad scoring pass; 0 = by tokens")
     logprob_chunk_tokens: int = arg(0, "tokens per no-grad scoring pass; 0 = the GPU preflight's (CPU: 8 rows)")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, ~30% slower")
+    compile: bool = arg(False, "torch.compile the MLP and RMSNorm blocks: fused kernels; the first step compiles")
     lm_head_precision: str = arg(LM_HEAD_PRECISIONS[0], "LM head's GEMMs on a GPU: tf32 (tensor cores) or fp32 (exact)")
     # LoRA (peft): train low-rank adapters on the frozen model instead of every weight
     lora_rank: int = arg(0, "r, rank of the LoRA adapters (Hu et al. 2021); 0 = train every weight")
@@ -1054,7 +1056,7 @@ def load_critic(args, device: torch.device, dtype: torch.dtype, compute_dtype: t
     backbone.to(device=device, dtype=dtype)
     if args.lora_rank:  # after the cast: peft keeps the adapters of a bf16 backbone in fp32
         backbone = with_adapters(backbone, args, saved / ADAPTER_DIR if saved else None)
-    critic = Critic(backbone)
+    critic = Critic(compile_blocks(backbone, args.compile))  # --compile: as the policy's
     critic.value_head.to(device=device, dtype=torch.float32)  # fp32 always (see Critic.forward)
     if saved:
         critic.value_head.load_state_dict(load_file(saved / VALUE_HEAD_FILE, device=str(device)))

@@ -70,6 +70,10 @@ acceptance as it was then ran out of time:
      more than twice the host's ops a layer: bench.py --host_layers) against once per row (one
      call, aligned and unmasked as well, 16-19% more token positions): whether sharing pays on a GPU
      whose passes wait on the host.
+  12. optional: the grpo step of stage 4 with --compile true (the MLP and RMSNorm blocks through
+     TorchInductor: the update's elementwise traffic fused), measured after an unmeasured step that
+     compiles them (bench.py --compile): two steps and the compilation, not yet timed on a GPU; run
+     it with stage 4 in a call of its own, `--stages 4,12`.
 The profiler's overhead on these steps has not been measured. A stage gets its own share and
 the time the stages before it left (never the share of a stage after it). The report (Markdown)
 gathers the versions, every command with its status and time, and the tables; every stage's
@@ -185,6 +189,15 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
             + ["--group_size", sizes["group"], "--max_new_tokens", sizes["decode_tokens"], "--micro_batch_size", "7"]
             + ["--logprob_chunk_size", "64", "--batch_sizes", "", "--train_steps", "", "--logprob_rows", "0"]
             + ["--repeats", "1"],
+        ),
+        dict(
+            name="A/B against stage 4: one grpo.py step with --compile true, after one that compiles (optional: on "
+            "the time left)",
+            seconds=0,
+            optional=True,
+            json=directory / "step_grpo_compiled.json",
+            command=[*bench, *model, "--train_steps", "grpo", *step, "--batch_sizes", "", "--logprob_rows", "0"]
+            + ["--compile", "true"],
         ),
     ]
 

@@ -180,6 +180,7 @@ def test_the_scripts_share_their_imports_from_common():
     ppo_only |= {"full_state_dict"}  # under torchrun the critic's weights are gathered to rank 0
     ppo_only |= {"model_source", "dequantised"}  # the critic's backbone from a GGUF file
     ppo_only |= {"frozen_dtype"}  # a LoRA critic's frozen backbone in the compute dtype, as the policy's
+    ppo_only |= {"compile_blocks"}  # --compile: the critic's backbone, as the policy's (load_policy)
     assert imported["grpo.py"] == imported["dapo.py"] == imported["ppo.py"] - ppo_only
 
 
