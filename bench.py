@@ -68,6 +68,7 @@ Prints Markdown tables and writes them to --output (JSON).
 
 import contextlib
 import functools
+import gc
 import inspect
 import json
 import os
@@ -926,6 +927,9 @@ def bench_training(args, directory: str, device, rows: list, save=lambda: None) 
 
         if args.compile:  # dynamo's cache outlives the model: the measured step below runs what this one compiled
             one_step(args, name, directory)
+            gc.collect()  # its models (a compiled block refers to itself) freed before the preflight measures
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         with phases_wrapped(SCRIPTS[name], measured):
             metrics = one_step(args, name, directory)
         row = {"script": name, **{k: v for k, v in metrics.items() if k.startswith("time/")}}

@@ -1200,6 +1200,7 @@ def enable_activation_checkpointing(model) -> None:
 
 COMPILED_BLOCKS = ("MLP", "RMSNorm")  # the ends of the class names compile_blocks compiles
 COMPILE_BACKEND = "inductor"  # tests: "aot_eager" (traced and differentiated, no kernels generated: seconds on a CPU)
+COMPILED = {}  # (block class, backend) -> its forward through torch.compile, shared by every block of the class
 
 
 def compile_blocks(model, on: bool = True):
@@ -1217,10 +1218,16 @@ def compile_blocks(model, on: bool = True):
     is named otherwise stay eager. Returns the model, whose weights and state dict are unchanged."""
     if not on:
         return model
+    # A block kind's compiled code holds one entry a variant: trained or frozen weights (policy,
+    # reference), grad or none, checkpointing's inputs, a size of 1 (the preflight's one row, the
+    # head probe's one token, the decode). Past dynamo's limit (8) a variant would run eager.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for module in model.modules():
-        dense = not any("expert" in name for name, _ in module.named_modules())
-        if type(module).__name__.endswith(COMPILED_BLOCKS) and dense and "forward" not in module.__dict__:
-            module.forward = torch.compile(module.forward, dynamic=True, backend=COMPILE_BACKEND)
+        kind, dense = type(module), not any("expert" in name for name, _ in module.named_modules())
+        if kind.__name__.endswith(COMPILED_BLOCKS) and dense and "forward" not in module.__dict__:
+            if (kind, COMPILE_BACKEND) not in COMPILED:
+                COMPILED[kind, COMPILE_BACKEND] = torch.compile(kind.forward, dynamic=True, backend=COMPILE_BACKEND)
+            module.forward = functools.partial(COMPILED[kind, COMPILE_BACKEND], module)  # a copy rebinds it to itself
     return model
 
 

@@ -182,9 +182,10 @@ def test_a_bf16_head_is_upcast_once_and_its_gradient_summed_in_fp32():
 
 
 def test_a_bf16_head_under_autocast_goes_through_head_logprobs(tiny, monkeypatch):
-    # The tiny model in bf16 under CPU autocast, as FSDP2's bf16 gather computes on a GPU: scoring
-    # and the update take HeadLogprobs (not a checkpoint a chunk), and log π equals the whole
-    # logits' (the same bf16 layers, the same fp32 head product) to 1e-5.
+    # The tiny model in bf16 under CPU autocast, as FSDP2's bf16 gather computes on a GPU: the
+    # update and scoring (no grad) take HeadLogprobs (not a checkpoint, nor an fp32 copy of the
+    # weight, a chunk), and log π equals the whole logits' (the same bf16 layers, the same fp32
+    # head product) to 1e-5, scoring's the update's bit for bit.
     from common import autocast
 
     model, vocab_size, batch = tiny
@@ -203,6 +204,9 @@ def test_a_bf16_head_under_autocast_goes_through_head_logprobs(tiny, monkeypatch
         logp.sum().backward()
         scored.append(logp.detach())
     assert len(calls) == 3  # the three chunks of 4 rows, each its own pass
+    with torch.no_grad(), autocast(torch.device("cpu"), torch.bfloat16, "fp32"):  # scoring: the same function
+        assert torch.equal(grpo.sequence_logprobs(bf16, *sequences, 0.7, vocab_size, 4)[0], scored[0])
+    assert len(calls) == 6
     assert bf16.get_output_embeddings().weight.grad.dtype == torch.bfloat16
     assert (scored[0] - scored[1]).abs().max() <= 1e-5
 
