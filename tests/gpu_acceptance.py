@@ -19,7 +19,7 @@ acceptance as it was then ran out of time:
      third GPU run (50caaf9) the rest took under 60 s, two of them failing at an import. Since then
      the tier has grown: those two now train, the sync count runs six ways, the SDPA probe starts
      a process of its own: 100 s; the fourth GPU run (H200) measured 64 s for its 47 tests, the
-     SDPA probe's 14.9 s the slowest. --durations prints the slowest. The two run on their own (130 s):
+     SDPA probe's 14.9 s the slowest; the fifth (H200) 67 s for 54. --durations prints the slowest. The two run on their own (130 s):
      python -m pytest -m cuda tests/test_cuda.py -k "torchrun_one_process or bench_smoke_on_cuda"
   2. generation, N = 16 × 64 new tokens, greedy: nanopo against model.generate, and nanopo with
      tool turns on and none called (bench.py's `tools`: the cost of their per-token check): 55 s. The first
