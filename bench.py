@@ -898,6 +898,18 @@ def one_step(args, name: str, directory: str) -> dict:
     return metrics | {"sized": {name: getattr(run_args, name) for name in sizes}, "preflight s": sum(seconds)}
 
 
+def compiled_first(args, name: str, directory: str, device) -> None:
+    """--compile: one unmeasured step first, which compiles the blocks; dynamo's cache outlives its
+    models, so the measured step runs what it compiled. Its models are freed before the measured
+    step's preflight measures memory (a compiled block refers to itself: the cyclic collector's)."""
+    if not args.compile:
+        return
+    one_step(args, name, directory)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def bench_training(args, directory: str, device, rows: list, save=lambda: None) -> list[dict]:
     """One step of each script with the bench model; its time/* metrics and, per phase, peak memory
     and the work done per second: each phase call timed from a synchronised start to a synchronise
@@ -925,11 +937,7 @@ def bench_training(args, directory: str, device, rows: list, save=lambda: None) 
             total[1] += call_work(phase, function, a, k, result, element_bytes)[0]
             return result
 
-        if args.compile:  # dynamo's cache outlives the model: the measured step below runs what this one compiled
-            one_step(args, name, directory)
-            gc.collect()  # its models (a compiled block refers to itself) freed before the preflight measures
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        compiled_first(args, name, directory, device)
         with phases_wrapped(SCRIPTS[name], measured):
             metrics = one_step(args, name, directory)
         row = {"script": name, **{k: v for k, v in metrics.items() if k.startswith("time/")}}
@@ -1482,6 +1490,7 @@ def profile_script(args, name: str, directory: str, device, element_bytes: int, 
         profiles.add(name, phase, measured, flops, nbytes, tokens)
         return result
 
+    compiled_first(args, name, directory, device)
     with phases_wrapped(SCRIPTS[name], around):
         metrics = one_step(args, name, directory)
     spent = sum(t["profiler s"] for (run, _), t in profiles.phases.items() if run == name)
