@@ -1210,10 +1210,11 @@ def compile_blocks(model, on: bool = True):
     fuses each block's elementwise ops into a few kernels, forward and backward, where eager runs
     one kernel an op. Blocks only, not whole decoder layers: a layer's attention reads its own KV
     cache, which torch.compile would specialise layer by layer (28 compilations where one will do,
-    and past its recompilation limit eager again); a block holds nothing of its own, so every layer
-    shares one compilation (and one each for no grad, a batch of one, one token). dynamic: every
-    micro-batch's length and the decode's rows in one. The first step compiles (a minute or more);
-    the numbers change by float rounding (fused ops, bf16 rounded in other places). A mixture of
+    and past its recompilation limit eager again); a block reads nothing but its weights and input,
+    so every layer shares one compilation (and one each for no grad, a batch of one, one token).
+    dynamic: every micro-batch's length and the decode's rows in one. The first step compiles (on an
+    H200 a step that compiled and one more took 127 s together, docs/speed.md); the numbers change
+    by float rounding (fused ops, bf16 rounded in other places). A mixture of
     experts' block (its routing picks rows by value: gpt-oss's GptOssMLP) and a block whose class
     is named otherwise stay eager. Returns the model, whose weights and state dict are unchanged."""
     if not on:
