@@ -1755,6 +1755,9 @@ class Run:
                 self.progress.close()
             print(out_of_memory_message(error, self.newest_checkpoint, f"{self.algo}.py"), file=sys.stderr)
             raise SystemExit(1) from None
+        if kind is None and dist.is_initialized():  # a finished run under torchrun leaves in order: a rank
+            barrier()  # exiting with gloo's threads still running was seen to abort after its last step
+            dist.destroy_process_group()  # ("terminate called without an active exception"), failing the launch
 
 
 # ----------------------------------------------------------------------------------------

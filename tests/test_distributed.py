@@ -187,3 +187,23 @@ def test_dapo_keeps_as_many_groups_on_every_rank():
     batch.truncated = torch.zeros(4, dtype=torch.bool)
     counts = sampling_metrics([batch], groups_kept=1, group_size=2, ranks=2)
     assert counts["sampling/groups_generated"] == 4 and counts["sampling/groups_kept"] == 2
+
+
+def test_a_finished_run_leaves_the_process_group_in_order(monkeypatch):
+    # Under torchrun a finished run waits for every rank, then destroys the process group: a rank that
+    # exited with gloo's threads running aborted once after its last step ("terminate called without
+    # an active exception"), and torchrun failed the launch. A run that failed leaves it to torchrun (a
+    # barrier would wait for ranks that may never come).
+    import common
+
+    calls = []
+    monkeypatch.setattr(common.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(common.dist, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(common.dist, "destroy_process_group", lambda: calls.append("destroy"))
+    run = common.Run.__new__(common.Run)  # the harness's exit alone: no run directory, no model
+    run.trackers, run.progress = [], None
+    run.__exit__(None, None, None)
+    assert calls == ["barrier", "destroy"]
+    calls.clear()
+    run.__exit__(RuntimeError, RuntimeError("a step failed"), None)
+    assert calls == []
