@@ -90,12 +90,14 @@ import grpo
 import ppo
 from common import (
     CHATML_TEMPLATE,
+    DECODE_BACKBONES,
     IN_PREFLIGHT,
     LM_HEAD_PRECISIONS,
     Run,
     arg,
     autocast,
     build_tiny_model,
+    compile_blocks,
     load_model,
     markdown_table,
     parse_args,
@@ -128,7 +130,8 @@ class Args:
         "nanopo (generate), hf (model.generate), loop, static (older generates), tools (generate with tool turns on, "
         "no call made: their cost when unused), masked (generate's masked one-token step where it would run "
         "varlen_decode_attention: a GPU, bf16), matmul and widths (the masked step with a candidate: "
-        "matmul_decode_attention, finer_widths)",
+        "matmul_decode_attention, finer_widths), compiled (generate with --compile's model: its blocks and its "
+        "one-token step compiled; warmed up, so its compilation is not timed)",
     )
     step_rows: int = arg(0, "N of the steps 4 + 6 comparison (--lengths decides the lengths); 0 = skip it")
     shots: int = arg(0, "worked examples in each Countdown prompt of the steps 4 + 6 comparison (longer prompts)")
@@ -365,11 +368,13 @@ def bench_generation(args, model, tokenizer, vocab_size, device, amp, compute_dt
                 "widths": functools.partial(replaced, "decode_widths", finer_widths, *inputs),
                 # the masked one-token step where generate would run varlen_decode_attention (a GPU, bf16)
                 "masked": functools.partial(replaced, "varlen_decode", lambda model, cache: False, *inputs),
+                "compiled": functools.partial(compiled_generate, *inputs),
             }
             chosen = args.contenders.split(",")
             seconds = {name: [] for name in chosen}
             with amp():
-                contenders[chosen[0]]()  # warm-up: first-call allocations, kernels picked
+                for name in dict.fromkeys([chosen[0], *(["compiled"] if "compiled" in chosen else [])]):
+                    contenders[name]()  # warm-up: first-call allocations, kernels picked, the compilation
                 for _ in range(args.repeats):
                     for name in chosen:  # interleaved, so a slow spell of a shared machine hits all alike
                         seconds[name].append(timed(contenders[name], device))
@@ -646,6 +651,20 @@ def replaced(name: str, candidate, *inputs, **settings):
     finally:
         for function, original in originals.items():
             setattr(grpo, function, original)
+
+
+def compiled_generate(model, *inputs, **settings):
+    """grpo.generate(model, *inputs, **settings) with the model as --compile makes it, for the call
+    alone: its MLP and RMSNorm blocks compiled and its one-token step compiled whole (compile_blocks,
+    compiled_decode); then as it was. dynamo keeps what it compiled: a later call compiles nothing."""
+    plain = [module for module in model.modules() if "forward" not in module.__dict__]
+    compile_blocks(model)
+    try:
+        return grpo.generate(model, *inputs, **settings)
+    finally:
+        for module in plain:
+            module.__dict__.pop("forward", None)
+        DECODE_BACKBONES.pop(model, None)
 
 
 def finer_widths(prompt_length: int, max_new_tokens: int, smallest: int = 64) -> list[int]:

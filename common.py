@@ -24,6 +24,7 @@ import threading
 import time
 import typing
 import warnings
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 from jinja2 import TemplateError
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, HfArgumentParser
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, HfArgumentParser, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 hf_logging.disable_progress_bar()  # per-shard load/save bars would drown the training bar
@@ -1201,6 +1202,7 @@ def enable_activation_checkpointing(model) -> None:
 COMPILED_BLOCKS = ("MLP", "RMSNorm")  # the ends of the class names compile_blocks compiles
 COMPILE_BACKEND = "inductor"  # tests: "aot_eager" (traced and differentiated, no kernels generated: seconds on a CPU)
 COMPILED = {}  # (block class, backend) -> its forward through torch.compile, shared by every block of the class
+DECODE_BACKBONES = weakref.WeakKeyDictionary()  # a model compile_blocks compiled -> what compiled_decode compiles
 
 
 def compile_blocks(model, on: bool = True):
@@ -1229,7 +1231,45 @@ def compile_blocks(model, on: bool = True):
             if (kind, COMPILE_BACKEND) not in COMPILED:
                 COMPILED[kind, COMPILE_BACKEND] = torch.compile(kind.forward, dynamic=True, backend=COMPILE_BACKEND)
             module.forward = functools.partial(COMPILED[kind, COMPILE_BACKEND], module)  # a copy rebinds it to itself
+    inner = next((module for module in model.modules() if isinstance(module, PreTrainedModel)), None)
+    if inner is not None and not any("expert" in name for name, _ in model.named_modules()):
+        DECODE_BACKBONES[model] = inner.base_model  # the layers without the LM head: Qwen2ForCausalLM's Qwen2Model
     return model
+
+
+@contextlib.contextmanager
+def compiled_decode(model):
+    """Saves most of the kernels of generate's one-token step under --compile: within it the model's
+    backbone, every layer, runs as one compiled graph, where eager runs some 30 small kernels a layer
+    (RMSNorm, autocast's casts, RoPE, the KV cache's write, the residual adds, SwiGLU) and a CUDA
+    graph replays them one by one: at 256 rows each moves a few hundred KB and costs its launch
+    latency, not its bytes. Whole, not layer by layer: within the one graph each layer's index into
+    the cache is a constant (compile_blocks). Shapes are dynamic (the rows left after compaction,
+    the width attended over): a new one reuses the compilation, and so does another model of the
+    class (bench.py's measured step after the one that compiled): the blocks' own compiled forwards
+    are set aside within it, the one graph fusing them with the rest, for the graph would check each
+    of them by identity. The prefill, the head (fp32_lm_head) and the sampler stay eager. A model
+    compile_blocks did not compile, or with mixture-of-experts layers (routing picks rows by value),
+    or under torchrun (FSDP2's hooks on every layer) runs its step as it is."""
+    backbone = DECODE_BACKBONES.get(model)
+    if backbone is None or dist.is_initialized():
+        yield
+        return
+    if (type(backbone), COMPILE_BACKEND) not in COMPILED:
+        compiled = torch.compile(type(backbone).forward, dynamic=True, backend=COMPILE_BACKEND)
+        COMPILED[type(backbone), COMPILE_BACKEND] = compiled
+    blocks = {}  # block -> its compiled forward (compile_blocks'), set aside
+    for module in backbone.modules():
+        forward = module.__dict__.get("forward")
+        if forward is not None and getattr(forward, "func", None) is COMPILED.get((type(module), COMPILE_BACKEND)):
+            blocks[module] = module.__dict__.pop("forward")
+    backbone.forward = functools.partial(COMPILED[type(backbone), COMPILE_BACKEND], backbone)
+    try:
+        yield
+    finally:
+        del backbone.forward
+        for module, forward in blocks.items():
+            module.forward = forward
 
 
 def load_policy(args, device: torch.device, dtype: torch.dtype, compute_dtype: torch.dtype | None = None):

@@ -81,6 +81,7 @@ from common import (
     check_run_args,
     check_tool_turns,
     compile_blocks,
+    compiled_decode,
     dequantised,
     enable_activation_checkpointing,
     frozen_dtype,
@@ -1314,7 +1315,8 @@ def generate(
     3. decode: sample, record, check for the end every check_every tokens (compacting finished
     rows away once at most compact_below of them are live), step (a CUDA graph per width on
     CUDA, mixture-of-experts layers routing-free in it: captured_experts; on a GPU in bf16, each
-    row's cache from column 0 and attention over its filled columns alone, varlen_decode, one width);
+    row's cache from column 0 and attention over its filled columns alone, varlen_decode, one width;
+    with --compile, the layers as one compiled graph: compiled_decode);
     4. cut to the longest completion and rewind the random generator past it. None of the speed features changes the
     distribution sampled from; docs/speed.md explains each.
     """
@@ -1385,7 +1387,7 @@ def generate(
         cache.width = width
         experts = captured_experts(model) if captured else contextlib.nullcontext()
         attention = varlen_attention(model, (cache.slots + 1).int()) if varlen else grouped_attention(model)
-        with attention, fp32_lm_head(model), experts:
+        with attention, fp32_lm_head(model), experts, compiled_decode(model):
             out = model(
                 input_ids=token_in,
                 attention_mask=by_type({kind: bias[..., :width] for kind, bias in biases.items()}),
@@ -1584,22 +1586,27 @@ class KVCache:
         self.slots = None  # (q,) the columns the next forward pass writes: 0 … P-1, then one per token
         self.width = length  # the columns attention reads: 0 … width-1
         self.aligned = False  # align_left: each row from column 0, slots one a row
+        self.row_index = None  # align_left: (n,) 0 … n-1, the rows slots index
 
     # Whatever else a release passes (5.24: kwargs=...; before: cache_kwargs) is not needed here:
     # the columns come from slots, the positions from the model's own position_ids.
     def update(self, keys, values, layer: int, *unused, **unused_named):  # keys, values (n, kv heads, q, head dim)
+        # Written by indexing (index_put_) into the whole buffer, not into a slice of it: compiled
+        # (compiled_decode), TorchInductor then writes the new columns in place, where index_copy_,
+        # scatter_ or a slice of the rows made it copy the layer's whole cache every step.
         if self.aligned:  # one token a row, row i's to its own column slots[i]; attention reads all S
-            index = self.slots[:, None, None, None].expand(-1, 1, keys.shape[1], keys.shape[3])  # (n, 1, kv heads, d)
-            self.keys[layer].scatter_(1, index, keys.transpose(1, 2).to(values.dtype))
-            self.values[layer].scatter_(1, index, values.transpose(1, 2))
+            at = (self.row_index, self.slots)  # (n,), (n,): buffer[i, slots[i]] is (kv heads, d)
+            self.keys[layer].index_put_(at, keys[:, :, 0].to(values.dtype))
+            self.values[layer].index_put_(at, values[:, :, 0])
             return self.keys[layer].transpose(1, 2), self.values[layer].transpose(1, 2)  # (n, kv heads, S, d)
         if layer == len(self.keys):  # the first pass allocates, from the shapes and dtype it brings
             shape = (self.rows, keys.shape[1], self.length, keys.shape[3])
             self.keys.append(values.new_zeros(shape))
             self.values.append(values.new_zeros(shape))
         rows = keys.shape[0]  # the prefill runs on the distinct prompts only: the first rows
-        self.keys[layer][:rows].index_copy_(2, self.slots, keys.to(values.dtype))
-        self.values[layer][:rows].index_copy_(2, self.slots, values)
+        at = (slice(None) if rows == self.rows else slice(rows), slice(None), self.slots)  # (rows, kv heads, q)
+        self.keys[layer][at] = keys.to(values.dtype)
+        self.values[layer][at] = values
         return self.keys[layer][:rows, :, : self.width], self.values[layer][:rows, :, : self.width]
 
     def align_left(self, prompt_mask: torch.Tensor) -> None:
@@ -1614,6 +1621,7 @@ class KVCache:
                 moved = buffer.transpose(1, 2)
                 buffers[layer] = moved.gather(1, source.expand(-1, -1, *moved.shape[2:]))
         self.slots, self.aligned = prompt_mask.sum(-1), True
+        self.row_index = torch.arange(len(order), device=order.device)  # (N,)
 
     def repeat_rows(self, counts: torch.Tensor) -> None:
         """After the prefill: the first len(counts) rows, row i repeated counts[i] times, fill all N."""
@@ -1626,7 +1634,7 @@ class KVCache:
         self.values = [buffer[rows] for buffer in self.values]
         self.rows = len(rows)
         if self.aligned:
-            self.slots = self.slots[rows]
+            self.slots, self.row_index = self.slots[rows], self.row_index[: len(rows)]
 
 
 def cache_argument(model) -> str:

@@ -19,7 +19,8 @@ acceptance as it was then ran out of time:
      third GPU run (50caaf9) the rest took under 60 s, two of them failing at an import. Since then
      the tier has grown: those two now train, the sync count runs six ways, the SDPA probe starts
      a process of its own: 100 s; the fourth GPU run (H200) measured 64 s for its 47 tests, the
-     SDPA probe's 14.9 s the slowest; the fifth (H200) 67 s for 54. --durations prints the slowest. The two run on their own (130 s):
+     SDPA probe's 14.9 s the slowest; the fifth (H200) 67 s for 54. --durations prints the slowest. The two run on their own (130 s),
+     and the compiled decode's test in stage 13:
      python -m pytest -m cuda tests/test_cuda.py -k "torchrun_one_process or bench_smoke_on_cuda"
   2. generation, N = 16 × 64 new tokens, greedy: nanopo against model.generate, and nanopo with
      tool turns on and none called (bench.py's `tools`: the cost of their per-token check): 55 s. The first
@@ -74,6 +75,11 @@ acceptance as it was then ran out of time:
      TorchInductor: the update's elementwise traffic fused), measured after an unmeasured step that
      compiles them (bench.py --compile): two steps and the compilation, not yet timed on a GPU; run
      it with stage 4 in a call of its own, `--stages 4,12`.
+  13. and 14., optional: the compiled decode (--compile: the one-token step's backbone one
+     TorchInductor graph, compiled_decode), first its CUDA test (captured, no graph break, the
+     sampler's log-probs against the scorer's; left out of stage 1's tier for its compilations),
+     then stage 3's decode with --compile's model against without (bench.py's contender compiled,
+     timed after a call that compiles it). Neither has run on a GPU yet: `--stages 13,14`.
 The profiler's overhead on these steps has not been measured. A stage gets its own share and
 the time the stages before it left (never the share of a stage after it). The report (Markdown)
 gathers the versions, every command with its status and time, and the tables; every stage's
@@ -97,7 +103,7 @@ sys.path.insert(0, str(ROOT))
 from bench import default_model_dir, markdown  # noqa: E402  (after the path: bench.py lives in the root)
 
 SHAPE = "qwen2.5-1.5b-shape"
-SLOW_CUDA_TESTS = "not torchrun_one_process_with_nccl and not bench_smoke_on_cuda"
+SLOW_CUDA_TESTS = "not torchrun_one_process_with_nccl and not bench_smoke_on_cuda and not compiled_decode"
 SECTIONS = (
     "generation",
     "decode_bytes",
@@ -199,6 +205,24 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
             command=[*bench, *model, "--train_steps", "grpo", *step, "--batch_sizes", "", "--logprob_rows", "0"]
             + ["--compile", "true"],
         ),
+        dict(
+            name="the compiled decode step, captured, against the scorer (optional: on the time left)",
+            seconds=0,
+            optional=True,
+            command=[sys.executable, "-m", "pytest", "-m", "cuda", str(ROOT / "tests" / "test_cuda.py"), "-s"]
+            + ["-k", "compiled_decode"],
+        ),
+        dict(
+            name=f"decode, N = {sizes['decode_rows']} × {sizes['decode_tokens']} new tokens, sampled, with --compile's "
+            "model (its one-token step one compiled graph) against without, after a call that compiles (optional: "
+            "on the time left)",
+            seconds=0,
+            optional=True,
+            json=directory / "decode_compiled.json",
+            command=[*bench, *model, "--batch_sizes", sizes["decode_rows"], "--max_new_tokens", sizes["decode_tokens"]]
+            + ["--modes", "sampled", "--contenders", "nanopo,compiled", "--repeats", "1", "--train_steps", ""]
+            + ["--logprob_rows", "0"],
+        ),
     ]
 
 
@@ -243,7 +267,8 @@ def report_stage(stage: dict, result: dict) -> str:
         gap = [line for line in result["output"].splitlines() if "sampler vs trainer" in line]
         lines += [f"pytest: {summary[-1].strip('= ') if summary else 'no summary line'}", *gap, ""]
         lines += [
-            f'Not run here (-k): the torchrun NCCL test and the bench smoke on CUDA (`-k "{SLOW_CUDA_TESTS}"`).',
+            "Not run here (-k): the torchrun NCCL test and the bench smoke on CUDA; the compiled decode's test is"
+            f' stage 13 (`-k "{SLOW_CUDA_TESTS}"`).',
             "",
         ]
     if "json" in stage and stage["json"].exists():

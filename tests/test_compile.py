@@ -16,7 +16,7 @@ import grpo
 import ppo
 from common import compile_blocks, load_model, read_jsonl
 from conftest import sample_batch
-from families import family_model, unbuildable
+from families import VOCAB, family_model, family_prompts, unbuildable
 
 
 @pytest.fixture
@@ -83,6 +83,94 @@ def test_a_mixture_of_experts_block_stays_eager(traced):
             assert blocks[moe] is False
         else:
             assert blocks["LlamaMLP"] is True
+        assert (model in common.DECODE_BACKBONES) is (moe is None)  # nor does its decode compile whole
+
+
+def test_the_decode_step_runs_compiled_whole_and_draws_the_same_tokens(traced):
+    # --compile: generate's one-token step runs the backbone, every layer, as one compiled graph
+    # (compiled_decode). Sampled (τ = 1, one seed) over two widths (P + 64, then P + 70) and with
+    # compaction (rows leave once half of them have ended), it draws eager's tokens with eager's
+    # log-probs; its shapes dynamic, a few compilations serve every step (dynamo specialises a batch
+    # of one row, and a mask that is its whole buffer, the last width, as contiguous: at most 4; a
+    # static one, planted, took one a width and row count: 5), and nothing breaks the graph. Without
+    # compile_blocks, nothing of the decode compiles.
+    model, tokenizer, _ = load_model("tiny", torch.device("cpu"))
+    batch = sample_batch(model, tokenizer, [0])
+    eos_ids = list(range(0, len(tokenizer), 40))  # ~1 id in 40 ends a row: most end within 70 tokens
+
+    def decoded():
+        torch.manual_seed(1)
+        with torch.no_grad():
+            return grpo.generate(model, batch["prompt_ids"], batch["prompt_mask"], 70, eos_ids, 0, len(tokenizer))
+
+    eager = decoded()
+    entries = lambda: torch._dynamo.eval_frame._debug_get_cache_entry_list(type(model.model).forward.__code__)  # noqa: E731
+    assert traced["stats"]["unique_graphs"] == 0 and not entries()
+    mine = decoded() if compile_blocks(model) is model else None
+    assert eager[0].shape[1] > 64 and eager[1][:, -1].sum() < len(eager[1]) / 2  # both widths; rows ended
+    for ours, theirs in zip(mine, eager):
+        assert torch.equal(ours, theirs) if ours.dtype != torch.float32 else (ours - theirs).abs().max() <= 1e-6
+    assert 1 <= len(entries()) <= 4, len(entries())
+    assert not traced["graph_break"], dict(traced["graph_break"])
+
+
+def test_the_compiled_decode_of_mixed_layer_types_draws_the_same_tokens(traced):
+    # Gemma 3 mixes sliding and full layers: generate hands the step a mask per layer type (a dict),
+    # which the one compiled graph takes as it is. The same tokens and log-probs as eager, no graph
+    # break. (By hand with the aot_eager backend, every family of tests/families.py decodes the same
+    # tokens compiled, with no graph break; mixture-of-experts ones stay eager: docs/speed.md.)
+    if unbuildable("gemma3") is not None:
+        pytest.skip(unbuildable("gemma3"))
+    model = family_model("gemma3").eval()
+    prompt_ids, prompt_mask = (t.repeat_interleave(2, 0) for t in family_prompts())
+
+    def decoded():
+        torch.manual_seed(3)
+        with torch.no_grad():
+            return grpo.generate(model, prompt_ids, prompt_mask, 20, [], 0, VOCAB, 1.0)
+
+    eager = decoded()
+    mine = decoded() if compile_blocks(model) is model else None
+    assert torch.equal(mine[0], eager[0]) and (mine[3] - eager[3]).abs().max() <= 1e-6
+    assert model in common.DECODE_BACKBONES and not traced["graph_break"], dict(traced["graph_break"])
+
+
+@pytest.mark.parametrize("aligned", [False, True], ids=["masked", "varlen"])
+def test_the_compiled_decode_writes_the_kv_cache_in_place(aligned, monkeypatch):
+    # TorchInductor makes a write into a graph's input (a layer's cache) a new tensor and a copy
+    # back, unless its reinplacing pass can write in place: it can for index_put_ into the whole
+    # buffer, not for index_copy_, scatter_ (the varlen path's before) or a write into a slice of
+    # its rows (each planted, an out-of-place write and a copy_ of the whole cache remain: at the
+    # 1.5B shape ~200 MB a layer and token). What remains after that pass, the step's rows and the
+    # cache's as distinct sizes (dynamo may see them so), is checked.
+    from torch._inductor import config
+    from torch._inductor.fx_passes import post_grad
+    from torch.fx.experimental import _config as shapes
+
+    torch._dynamo.reset()
+    after, reinplace = [], post_grad.reinplace_inplaceable_ops
+
+    def spy(updater, graph):
+        reinplace(updater, graph)
+        after.extend(str(node.target) for node in graph.nodes if node.op == "call_function")
+
+    monkeypatch.setattr(post_grad, "reinplace_inplaceable_ops", spy)
+    rows, heads, length, dim = 8, 2, 64, 16
+    cache = grpo.KVCache(rows, length)
+    cache.slots = torch.arange(4)  # a prefill of 4 tokens allocates the buffers
+    cache.update(torch.randn(rows, heads, 4, dim), torch.randn(rows, heads, 4, dim), 0)
+    if aligned:
+        cache.align_left(torch.ones(rows, 4, dtype=torch.long))
+    else:
+        cache.slots = torch.tensor([4])
+    step = torch.compile(lambda k, v: cache.update(k, v, 0)[0].sum(), backend="inductor", dynamic=True)
+    keys, values = torch.randn(rows, heads, 1, dim), torch.randn(rows, heads, 1, dim)
+    with config.patch(fx_graph_cache=False), shapes.patch(use_duck_shape=False):  # compiled here, not read
+        step(keys, values)
+    written = [op for op in after if op.startswith(("aten.index", "aten.scatter", "aten.copy"))]
+    assert written == ["aten.index_put_.default"] * 2, after
+    at = (slice(None), 4) if aligned else (slice(None), slice(None), 4)
+    assert torch.equal(cache.keys[0][at], keys[:, :, 0]) and torch.equal(cache.values[0][at], values[:, :, 0])
 
 
 def test_a_copy_of_a_compiled_model_computes_with_its_own_weights(traced):

@@ -258,6 +258,38 @@ def test_the_bf16_decode_attends_by_flash_varlen(qwen_shape, monkeypatch):
     assert gaps[True][0] < 0.05 and gaps[True][1] < 1.0
 
 
+def test_the_compiled_decode_is_captured_and_keeps_to_the_scorer(qwen_shape, monkeypatch):
+    # --compile on a GPU: the one-token step runs the backbone as one TorchInductor graph
+    # (compiled_decode), the varlen attention inside it in bf16, captured as a CUDA graph (no
+    # capture failed), with no graph break; its sampled log-probs keep to the scorer's (compiled
+    # blocks, as a --compile run scores) within the bounds of the eager decode's tests above.
+    import copy
+
+    import torch._dynamo
+
+    import common
+
+    model, tokenizer, vocab_size = qwen_shape
+    model = common.compile_blocks(copy.deepcopy(model))  # the fixture's model stays eager
+    prompt_ids, prompt_mask = countdown_prompts(tokenizer, group_size=4)
+    torch._dynamo.utils.counters.clear()
+    varlen, served = [], grpo.varlen_decode
+    monkeypatch.setattr(grpo, "varlen_decode", lambda *a: varlen.append(served(*a)) or varlen[-1])
+    gaps = {}
+    for amp in (False, True):
+        ids, mask, _, sample_logp, _ = decode(model, prompt_ids, prompt_mask, vocab_size, 1.0, True, monkeypatch, amp)
+        with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=amp):
+            logp, _ = grpo.sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, 1.0, vocab_size, 8)
+        gap = (logp - sample_logp).abs()[mask.bool()]
+        gaps[amp] = gap.mean().item(), gap.max().item()
+    print(f"|Δ log π| sampler vs trainer, compiled decode: fp32 {gaps[False]}, bf16 {gaps[True]}")
+    assert not grpo.CAPTURE_FAILED and varlen == [False, True]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    assert gaps[False][1] < 1e-4
+    assert gaps[True][0] < 0.05 and gaps[True][1] < 1.0
+
+
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=["fp32-weight", "bf16-weight"])
 @pytest.mark.parametrize("precision", ["tf32", "ieee"])
 def test_the_head_backward_written_out_on_cuda(precision, weight_dtype):

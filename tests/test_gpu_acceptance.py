@@ -55,7 +55,7 @@ def test_the_ab_stages_are_stage_4_with_one_flag_more(tmp_path):
     import gpu_acceptance
 
     planned = gpu_acceptance.stages(False, tmp_path, tmp_path / "model")
-    assert len(planned) == 12 and all(stage.get("optional") for stage in planned[6:])
+    assert len(planned) == 14 and all(stage.get("optional") for stage in planned[6:])
     step = planned[3]["command"]
     flags = (["--aligned_prompts", "off"], ["--gradient_checkpointing", "true"], ["--sdpa_backend", "efficient"])
     for stage, more in zip(planned[7:10], flags, strict=True):
@@ -67,6 +67,11 @@ def test_the_ab_stages_are_stage_4_with_one_flag_more(tmp_path):
     assert shares[shares.index("--step_rows") + 1] == "64" and shares[shares.index("--group_size") + 1] == "8"
     # Stage 12: stage 4's step with --compile true (bench runs a step that compiles first).
     assert planned[11]["command"] == step + ["--compile", "true"] and "A/B against stage 4" in planned[11]["name"]
+    # Stages 13 and 14: the compiled decode's CUDA test (not in stage 1's tier), then stage 3's decode
+    # with --compile's model against without.
+    assert planned[12]["command"][-2:] == ["-k", "compiled_decode"] and "compiled_decode" in planned[0]["command"][-3]
+    decode = planned[13]["command"]
+    assert decode[decode.index("--contenders") + 1] == "nanopo,compiled" and "--sampler_rows" not in decode
 
 
 def test_acceptance_runner_runs_the_stages_asked_for(tmp_path, monkeypatch, capsys):
@@ -93,11 +98,11 @@ def test_acceptance_runner_runs_the_stages_asked_for(tmp_path, monkeypatch, caps
     ]
     assert report.read_text().count("passed, ") == 2
     ran.clear()
-    for wrong in ("13", "2,x"):
+    for wrong in ("15", "2,x"):
         monkeypatch.setattr(sys, "argv", ["gpu_acceptance.py", "--output", str(report), "--smoke", "--stages", wrong])
         with pytest.raises(SystemExit) as refused:
             gpu_acceptance.main()
-        assert refused.value.code == 2 and "stages are numbered 1 to 12" in capsys.readouterr().err
+        assert refused.value.code == 2 and "stages are numbered 1 to 14" in capsys.readouterr().err
     assert ran == []  # before anything ran, the versions' probe included
 
 
