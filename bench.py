@@ -83,6 +83,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
 import dapo
@@ -156,6 +157,7 @@ class Args:
         0, "rows over which sample's tokens are compared with torch.multinomial's (near-ties); 0 = skip"
     )
     host_layers: int = arg(0, "the host's cost of an update pass through this many 96-wide layers (ops, ms); 0 = skip")
+    decode_layers: int = arg(0, "the one-token step's kernels a layer, eager against --compile's (this many layers)")
     head_logit_std: float = arg(4.0, "--head_rows: the logits' spread the head is scaled to (a trained model's)")
     profile: str = arg("", "decode, grpo, dapo or ppo (comma-separated): each phase under torch.profiler; '' = none")
     profile_phases: str = arg(
@@ -986,19 +988,6 @@ def bench_host_pass(layers: int, device, amp, repeats: int) -> list[dict]:
     the prompt shared (forward_completions: two model calls) and not (share=False, one). Aten ops a
     layer (counted below autograd, each the difference of `layers` layers and one; views apart) and
     ms a pass, the median of `repeats`."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    class Counted(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = self.views = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops += 1
-            self.views += func.is_view
-            return func(*args, **(kwargs or {}))
-
     if layers < 2:
         raise SystemExit(f"--host_layers {layers}: at least 2 (a layer's ops are the difference from one layer)")
 
@@ -1046,6 +1035,58 @@ def bench_host_pass(layers: int, device, amp, repeats: int) -> list[dict]:
             }
         )
     return rows
+
+
+class Counted(TorchDispatchMode):
+    """Counts the aten ops run within it (below autograd), and how many of them are views."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = self.views = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        self.views += func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def bench_decode_kernels(layers: int, device, amp) -> list[dict]:
+    """What generate's one-token step runs a layer, eager against --compile's (compiled_decode): eager,
+    the aten ops it dispatches, views apart (each a kernel); compiled, the calls in the code
+    TorchInductor wrote for the step (its fused kernels, and the library's matrix products and
+    attention). A Qwen2 of the 1.5B shape's layer (1,536 wide, 12 query and 2 KV heads, 8,960 in
+    the MLP), `layers` deep and one deep, a 1,024-id head; 8 rows of a 64-token prompt, under `amp`.
+    Eager: the ops of 2 new tokens less those of 1 (one step, no prefill), a layer the difference
+    of the two depths over layers − 1; compiled, the same difference of the step's code. On the CPU
+    TorchInductor writes C++ where on a GPU it writes Triton: its fusion is decided alike, so the
+    counts say what fusing removes, not what a GPU's step costs."""
+    from torch._inductor.utils import run_and_get_code
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if layers < 2:
+        raise SystemExit(f"--decode_layers {layers}: at least 2 (a layer's count is the difference from one layer)")
+    shape = dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2)
+    prompt = torch.randint(3, 1024, (8, 64), generator=torch.Generator().manual_seed(0)).to(device)
+    calls = re.compile(r"^\s+(?:\w+\.run\(|cpp_fused_\w+\(|extern_kernels\.|buf\w+ = torch\.ops\.)", re.M)  # one a line
+    counts, graph = {}, grpo.cuda_graph
+    grpo.cuda_graph = lambda step, pool=None: step  # on a GPU too, each step runs (and is counted) once
+    try:
+        for depth in (1, layers):
+            model = Qwen2ForCausalLM(Qwen2Config(**shape, vocab_size=1024, num_hidden_layers=depth)).to(device)
+            inputs = (model, prompt, torch.ones_like(prompt))
+            with torch.no_grad(), amp():
+                grpo.generate(*inputs, 2, [], 0, 1024, 1.0)  # set-up outside the count
+                eager = {}
+                for tokens in (1, 2):
+                    with Counted() as counted:
+                        grpo.generate(*inputs, tokens, [], 0, 1024, 1.0)
+                    eager[tokens] = counted.ops - counted.views
+                _, code = run_and_get_code(compiled_generate, *inputs, 2, [], 0, 1024, 1.0)
+            counts[depth] = eager[2] - eager[1], len(calls.findall(code[-1][code[-1].index("def call(") :]))
+    finally:
+        grpo.cuda_graph = graph
+    step = lambda i: (counts[layers][i] - counts[1][i]) / (layers - 1)  # noqa: E731
+    return [{"layers": layers, "eager kernels a layer": step(0), "compiled kernels a layer": step(1)}]
 
 
 def markdown(rows: list[dict]) -> str:
@@ -1687,6 +1728,10 @@ def measure(args: Args) -> dict:
         report["host_pass"] = bench_host_pass(args.host_layers, device, amp, args.repeats)
         save()
         print(f"\n### host pass\n\n{markdown(report['host_pass'])}")
+    if args.decode_layers:  # the 1.5B shape's layers, a small head: the kernels a layer, counted
+        report["decode_kernels"] = bench_decode_kernels(args.decode_layers, device, amp)
+        save()
+        print(f"\n### decode kernels\n\n{markdown(report['decode_kernels'])}")
     if args.profile:
         return bench_profile(args, device, weight_dtype, compute_dtype, amp, report, save)
     sections = ("generation", "decode_bytes", "steps_4_and_6", "logprob_memory", "logprob_gap", "head_precision")

@@ -79,7 +79,8 @@ acceptance as it was then ran out of time:
      TorchInductor graph, compiled_decode), first its CUDA test (captured, no graph break, the
      sampler's log-probs against the scorer's; left out of stage 1's tier for its compilations),
      then stage 3's decode with --compile's model against without (bench.py's contender compiled,
-     timed after a call that compiles it). Neither has run on a GPU yet: `--stages 13,14`.
+     timed after a call that compiles it), and the step's kernels a layer, eager against compiled
+     (--decode_layers 4). Neither has run on a GPU yet: `--stages 13,14`.
 The profiler's overhead on these steps has not been measured. A stage gets its own share and
 the time the stages before it left (never the share of a stage after it). The report (Markdown)
 gathers the versions, every command with its status and time, and the tables; every stage's
@@ -107,6 +108,7 @@ SLOW_CUDA_TESTS = "not torchrun_one_process_with_nccl and not bench_smoke_on_cud
 SECTIONS = (
     "generation",
     "decode_bytes",
+    "decode_kernels",
     "sampler",
     "attention",
     "profile",
@@ -221,7 +223,7 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
             json=directory / "decode_compiled.json",
             command=[*bench, *model, "--batch_sizes", sizes["decode_rows"], "--max_new_tokens", sizes["decode_tokens"]]
             + ["--modes", "sampled", "--contenders", "nanopo,compiled", "--repeats", "1", "--train_steps", ""]
-            + ["--logprob_rows", "0"],
+            + ["--logprob_rows", "0", "--decode_layers", "4"],
         ),
     ]
 

@@ -4,6 +4,7 @@ aten ops run eagerly (no kernels generated: seconds, not the minute TorchInducto
 is tested is what nanoPO decides: which blocks, one compilation for all layers, the same numbers,
 the scripts' models all compiled; TorchInductor's kernels are torch's (the CUDA tier runs them)."""
 
+import contextlib
 import copy
 
 import pytest
@@ -235,3 +236,21 @@ def test_bench_times_the_step_after_one_that_compiles(traced, tmp_path, monkeypa
     (row,) = bench.main(bench.Args(**settings))["training_step"]
     assert len(steps) == 2 and graphs[0] >= 2 and graphs[1] == graphs[0], graphs
     assert row["script"] == "grpo" and row["TFLOP/s update"] > 0
+
+
+def test_bench_counts_the_decode_kernels_a_layer():
+    # bench.py --decode_layers: the one-token step's kernels a layer, eager (aten ops, views apart) and
+    # compiled (the calls of TorchInductor's code for the step), each the difference of 2 layers and
+    # 1. Eager runs some 40 a layer (on the CPU in fp32: no autocast casts); the compiled step fuses
+    # them into a third or fewer, the matrix products and attention still the library's (at least 8).
+    import bench
+
+    torch._dynamo.reset()
+    try:
+        (row,) = bench.bench_decode_kernels(2, torch.device("cpu"), contextlib.nullcontext)
+    finally:
+        torch._dynamo.reset()
+    assert row["eager kernels a layer"] >= 30 and row["eager kernels a layer"] == int(row["eager kernels a layer"])
+    assert 8 <= row["compiled kernels a layer"] <= row["eager kernels a layer"] / 2, row
+    with pytest.raises(SystemExit, match="at least 2"):
+        bench.bench_decode_kernels(1, torch.device("cpu"), contextlib.nullcontext)
