@@ -115,6 +115,38 @@ def test_the_decode_step_runs_compiled_whole_and_draws_the_same_tokens(traced):
     assert not traced["graph_break"], dict(traced["graph_break"])
 
 
+def test_the_compiled_varlen_decode_draws_the_same_tokens(traced, monkeypatch):
+    # On a GPU in bf16 the step runs varlen_decode_attention over the left-aligned cache, its
+    # arguments (each row's filled columns) a new partial every step. Here flash attention's entry,
+    # which the CPU lacks, is replaced by SDPA told the same columns by a mask: compiled, that path
+    # draws eager's tokens with eager's log-probs, writing the aligned cache; the new partial each
+    # step compiles nothing anew (2 entries: a batch of one row apart), no graph break.
+    def masked_varlen(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, used, starts, **_):
+        num_rows, heads, _, head_dim = query.shape
+        columns = torch.arange(key.shape[2])
+        mask = torch.where(columns < used[:, None], 0.0, float("-inf"))[:, None, None, :]  # (n, 1, 1, S)
+        folded = query.reshape(num_rows, key.shape[1], heads // key.shape[1], head_dim)
+        out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
+        return out.reshape(num_rows, 1, heads, head_dim), None
+
+    monkeypatch.setattr(grpo, "varlen_decode", lambda model, cache: True)
+    monkeypatch.setattr(grpo, "varlen_decode_attention", masked_varlen)
+    model, tokenizer, _ = load_model("tiny", torch.device("cpu"))
+    batch = sample_batch(model, tokenizer, [0])
+    eos_ids = list(range(0, len(tokenizer), 40))
+
+    def decoded():
+        torch.manual_seed(1)
+        with torch.no_grad():
+            return grpo.generate(model, batch["prompt_ids"], batch["prompt_mask"], 30, eos_ids, 0, len(tokenizer))
+
+    eager = decoded()
+    mine = decoded() if compile_blocks(model) is model else None
+    assert torch.equal(mine[0], eager[0]) and (mine[3] - eager[3]).abs().max() <= 1e-6
+    entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(type(model.model).forward.__code__)
+    assert 1 <= len(entries) <= 2 and not traced["graph_break"], (len(entries), dict(traced["graph_break"]))
+
+
 def test_the_compiled_decode_of_mixed_layer_types_draws_the_same_tokens(traced):
     # Gemma 3 mixes sliding and full layers: generate hands the step a mask per layer type (a dict),
     # which the one compiled graph takes as it is. The same tokens and log-probs as eager, no graph
