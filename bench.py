@@ -919,16 +919,20 @@ def one_step(args, name: str, directory: str) -> dict:
     return metrics | {"sized": {name: getattr(run_args, name) for name in sizes}, "preflight s": sum(seconds)}
 
 
-def compiled_first(args, name: str, directory: str, device) -> None:
-    """--compile: one unmeasured step first, which compiles the blocks; dynamo's cache outlives its
-    models, so the measured step runs what it compiled. Its models are freed before the measured
-    step's preflight measures memory (a compiled block refers to itself: the cyclic collector's)."""
+def compiled_first(args, name: str, directory: str, device) -> dict:
+    """--compile: one step first, which compiles the blocks and the decode step; dynamo's cache
+    outlives its models, so the measured step runs what it compiled. Its models are freed before the
+    measured step's preflight measures memory (a compiled block refers to itself: the cyclic
+    collector's). Returns its phases' time/* metrics, each named `compiling …` (what compiling cost
+    each phase, less the measured step's own), and its preflight and phases summed, `compiling step s`."""
     if not args.compile:
-        return
-    one_step(args, name, directory)
+        return {}
+    metrics = one_step(args, name, directory)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    phases = {f"compiling {k}": v for k, v in metrics.items() if k.startswith("time/")}
+    return phases | {"compiling step s": sum(phases.values()) + metrics["preflight s"]}
 
 
 def bench_training(args, directory: str, device, rows: list, save=lambda: None) -> list[dict]:
@@ -958,11 +962,12 @@ def bench_training(args, directory: str, device, rows: list, save=lambda: None) 
             total[1] += call_work(phase, function, a, k, result, element_bytes)[0]
             return result
 
-        compiled_first(args, name, directory, device)
+        compiling = compiled_first(args, name, directory, device)
         with phases_wrapped(SCRIPTS[name], measured):
             metrics = one_step(args, name, directory)
         row = {"script": name, **{k: v for k, v in metrics.items() if k.startswith("time/")}}
         row["time/* summed"] = sum(v for k, v in row.items() if k.startswith("time/"))
+        row |= compiling
         row["preflight s"] = metrics["preflight s"]
         row |= {k: v for k, v in metrics.items() if k.startswith("policy/sample_logp_diff")}  # sampler vs trainer
         row |= {name: size for name, size in metrics["sized"].items() if size}

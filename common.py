@@ -1232,8 +1232,9 @@ def compile_blocks(model, on: bool = True):
                 COMPILED[kind, COMPILE_BACKEND] = torch.compile(kind.forward, dynamic=True, backend=COMPILE_BACKEND)
             module.forward = functools.partial(COMPILED[kind, COMPILE_BACKEND], module)  # a copy rebinds it to itself
     inner = next((module for module in model.modules() if isinstance(module, PreTrainedModel)), None)
-    if inner is not None and not any("expert" in name for name, _ in model.named_modules()):
-        DECODE_BACKBONES[model] = inner.base_model  # the layers without the LM head: Qwen2ForCausalLM's Qwen2Model
+    backbone = getattr(inner, "base_model", inner)  # the layers without the LM head: Qwen2ForCausalLM's Qwen2Model
+    if backbone is not inner and not any("expert" in name for name, _ in model.named_modules()):
+        DECODE_BACKBONES[model] = backbone  # not a backbone itself (ppo's critic): it never decodes
     return model
 
 
@@ -1250,9 +1251,10 @@ def compiled_decode(model):
     are set aside within it, the one graph fusing them with the rest, for the graph would check each
     of them by identity. The prefill, the head (fp32_lm_head) and the sampler stay eager. A model
     compile_blocks did not compile, or with mixture-of-experts layers (routing picks rows by value),
-    or under torchrun (FSDP2's hooks on every layer) runs its step as it is."""
+    or under torchrun (FSDP2's hooks on every layer), or whose backbone's forward a library replaced
+    (accelerate's device_map hooks) runs its step as it is."""
     backbone = DECODE_BACKBONES.get(model)
-    if backbone is None or dist.is_initialized():
+    if backbone is None or dist.is_initialized() or "forward" in backbone.__dict__:  # or a hook library's own
         yield
         return
     if (type(backbone), COMPILE_BACKEND) not in COMPILED:

@@ -6,6 +6,7 @@ the scripts' models all compiled; TorchInductor's kernels are torch's (the CUDA 
 
 import contextlib
 import copy
+import functools
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import common
 import grpo
 import ppo
 from common import compile_blocks, load_model, read_jsonl
-from conftest import sample_batch
+from conftest import flash_varlen_by_the_book, sample_batch
 from families import VOCAB, family_model, family_prompts, unbuildable
 
 
@@ -115,36 +116,54 @@ def test_the_decode_step_runs_compiled_whole_and_draws_the_same_tokens(traced):
     assert not traced["graph_break"], dict(traced["graph_break"])
 
 
-def test_the_compiled_varlen_decode_draws_the_same_tokens(traced, monkeypatch):
+@pytest.fixture
+def flash_on_cpu(monkeypatch):
+    """flash attention's variable-length entry with a CPU kernel of its own (flash_varlen_by_the_book),
+    registered as the op's, so that dynamo takes the op as it is (its meta function), as on a GPU,
+    where the conftest fixture's Python replacement would be traced through; generate's one-token
+    step then runs varlen_decode_attention over the left-aligned cache, as on a GPU in bf16.
+    -> the list of the kernel's calls (their rows)."""
+    library, calls = torch.library.Library("aten", "IMPL"), []
+
+    def kernel(query, key, value, *args, **options):  # the op's five outputs; generate reads the first
+        calls.append(query.shape[0])
+        out = flash_varlen_by_the_book(query, key, value, *args, **options)[0]  # (n, heads, d)
+        unused = torch.zeros(2, dtype=torch.uint64), torch.zeros((), dtype=torch.uint64), query.new_zeros(0)
+        return out, query.new_zeros(query.shape[1], query.shape[0]), *unused
+
+    library.impl("_flash_attention_forward", kernel, "CPU")
+    monkeypatch.setattr(grpo, "flash_varlen_serves", lambda values: True)
+    yield calls
+    library._destroy()
+
+
+def test_the_compiled_varlen_decode_draws_the_same_tokens(traced, flash_on_cpu):
     # On a GPU in bf16 the step runs varlen_decode_attention over the left-aligned cache, its
-    # arguments (each row's filled columns) a new partial every step. Here flash attention's entry,
-    # which the CPU lacks, is replaced by SDPA told the same columns by a mask: compiled, that path
-    # draws eager's tokens with eager's log-probs, writing the aligned cache; the new partial each
-    # step compiles nothing anew (2 entries: a batch of one row apart), no graph break.
-    def masked_varlen(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, used, starts, **_):
-        num_rows, heads, _, head_dim = query.shape
-        columns = torch.arange(key.shape[2])
-        mask = torch.where(columns < used[:, None], 0.0, float("-inf"))[:, None, None, :]  # (n, 1, 1, S)
-        folded = query.reshape(num_rows, key.shape[1], heads // key.shape[1], head_dim)
-        out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
-        return out.reshape(num_rows, 1, heads, head_dim), None
-
-    monkeypatch.setattr(grpo, "varlen_decode", lambda model, cache: True)
-    monkeypatch.setattr(grpo, "varlen_decode_attention", masked_varlen)
+    # arguments (each row's filled columns) a new partial every step. Compiled, on the CPU with
+    # flash's entry given a kernel: eager's tokens with eager's log-probs, the aligned cache written
+    # in the graph; over prompts of other lengths and row counts, the new partial each step
+    # compiles nothing anew (2 entries: a batch of one row apart), no graph break.
     model, tokenizer, _ = load_model("tiny", torch.device("cpu"))
-    batch = sample_batch(model, tokenizer, [0])
-    eos_ids = list(range(0, len(tokenizer), 40))
+    eos_ids = list(range(0, len(tokenizer), 25))
 
-    def decoded():
-        torch.manual_seed(1)
+    def decoded(rows: int, length: int, seed: int):
+        generator = torch.Generator().manual_seed(seed)
+        prompt_ids = torch.randint(3, len(tokenizer), (rows, length), generator=generator)
+        prompt_mask = torch.ones_like(prompt_ids)
+        prompt_mask[::2, : length // 3] = 0  # every other row left-padded
+        torch.manual_seed(seed)
         with torch.no_grad():
-            return grpo.generate(model, batch["prompt_ids"], batch["prompt_mask"], 30, eos_ids, 0, len(tokenizer))
+            return grpo.generate(model, prompt_ids, prompt_mask, 30, eos_ids, 0, len(tokenizer), check_every=1)
 
-    eager = decoded()
-    mine = decoded() if compile_blocks(model) is model else None
-    assert torch.equal(mine[0], eager[0]) and (mine[3] - eager[3]).abs().max() <= 1e-6
+    shapes = [(8, 10), (12, 13), (6, 17)]
+    eager = [decoded(*shape, seed) for seed, shape in enumerate(shapes)]
+    assert compile_blocks(model) is model
+    for seed, shape in enumerate(shapes):
+        mine = decoded(*shape, seed)
+        assert torch.equal(mine[0], eager[seed][0]) and (mine[3] - eager[seed][3]).abs().max() <= 1e-6
     entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(type(model.model).forward.__code__)
     assert 1 <= len(entries) <= 2 and not traced["graph_break"], (len(entries), dict(traced["graph_break"]))
+    assert len(set(flash_on_cpu)) > 3  # the op ran, at the row counts compaction left
 
 
 def test_the_compiled_decode_of_mixed_layer_types_draws_the_same_tokens(traced):
@@ -206,6 +225,21 @@ def test_the_compiled_decode_writes_the_kv_cache_in_place(aligned, monkeypatch):
     assert torch.equal(cache.keys[0][at], keys[:, :, 0]) and torch.equal(cache.values[0][at], values[:, :, 0])
 
 
+def test_the_compiled_decode_takes_a_causal_lm_and_leaves_a_replaced_forward_alone(traced):
+    # compiled_decode compiles the backbone of a model with an LM head; a backbone on its own (ppo's
+    # critic, which never decodes) is not registered (it was, as its own value: never freed). A
+    # backbone whose forward a library replaced (accelerate's device_map hooks) keeps it: the step
+    # runs it as it is, and it is there after (it was deleted).
+    model = compile_blocks(family_model("qwen2"))
+    backbone = compile_blocks(family_model("qwen2").model)
+    assert common.DECODE_BACKBONES.get(model) is model.model and backbone not in common.DECODE_BACKBONES
+    hooked = functools.partial(type(model.model).forward, model.model)
+    model.model.forward = hooked
+    with common.compiled_decode(model):
+        assert model.model.forward is hooked
+    assert model.model.__dict__["forward"] is hooked
+
+
 def test_a_copy_of_a_compiled_model_computes_with_its_own_weights(traced):
     # Each block's forward is its class's compiled forward bound to the block by a partial, which
     # deepcopy binds to the copy (a compiled bound method, copied by reference, ran the original's
@@ -248,9 +282,10 @@ def test_two_steps_with_compile_equal_two_without(traced, script, tmp_path, monk
 
 
 def test_bench_times_the_step_after_one_that_compiles(traced, tmp_path, monkeypatch):
-    # bench.py --compile true: an unmeasured step first (it compiles; dynamo keeps what it compiled
-    # past that step's model), then the measured one, whose phases all ran compiled blocks: the
-    # measured step compiles nothing new, and its row is the second step's, not the sum of both.
+    # bench.py --compile true: a step first (it compiles; dynamo keeps what it compiled past that
+    # step's model), then the measured one, whose phases all ran compiled blocks: the measured step
+    # compiles nothing new, and its row is the second step's, not the sum of both; the first step's
+    # times come beside it, named `compiling …` (what compiling cost).
     import bench
 
     steps, graphs = [], []
@@ -268,6 +303,8 @@ def test_bench_times_the_step_after_one_that_compiles(traced, tmp_path, monkeypa
     (row,) = bench.main(bench.Args(**settings))["training_step"]
     assert len(steps) == 2 and graphs[0] >= 2 and graphs[1] == graphs[0], graphs
     assert row["script"] == "grpo" and row["TFLOP/s update"] > 0
+    compiling = {k: v for k, v in row.items() if k.startswith("compiling ")}  # the first step's own time
+    assert compiling["compiling step s"] >= compiling["compiling time/generate"] > 0, compiling
 
 
 def test_bench_counts_the_decode_kernels_a_layer():

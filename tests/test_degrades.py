@@ -51,6 +51,22 @@ def test_a_capture_that_works_is_used_and_out_of_memory_is_not_a_capture_failure
     assert grpo.CAPTURE_FAILED == []
 
 
+def test_a_compilation_that_fails_is_not_a_capture_failure(monkeypatch):
+    # --compile: the step compiles in cuda_graph's warm-up. A compilation's failure stops with
+    # torch.compile's message; taken for the capture's, it turned the graphs off for the run, and the
+    # eager step then failed to compile again.
+    import torch._dynamo
+
+    def fails_to_compile(step, pool):
+        raise torch._dynamo.exc.Unsupported("a graph break torch.compile cannot take (simulated)")
+
+    monkeypatch.setattr(grpo, "CAPTURE_FAILED", [])
+    monkeypatch.setattr(grpo, "cuda_graph", fails_to_compile)
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        grpo.captured_or_none(lambda: None, pool=None)
+    assert grpo.CAPTURE_FAILED == []
+
+
 # ----------------------------------------------------------------------------------------
 # Out of memory: one message
 
