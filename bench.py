@@ -559,8 +559,9 @@ def bench_sampler(num_rows: int, vocab_size: int, device, calls: int = 20) -> li
     op on (N, V) fp32 logits: ms a call, the mean of `calls` calls between two synchronisations (each
     op's inputs made beforehand, so each time is its own). Then the whole sampler as generate runs it
     (grpo.sample: the exponential race, argmax of the log-probs minus the log of Exp(1) noise),
-    and the sampler before it, log-probs, exp and torch.multinomial, which draws the same tokens
-    (tests/test_generation.py): one call of each in turn, `calls` times, the median of each's."""
+    the sampler before it, log-probs, exp and torch.multinomial, which draws the same tokens
+    (tests/test_generation.py), and --compile's (common.compiled_sampler): one call of each in turn,
+    `calls` times, the median of each's."""
     cuda = device.type == "cuda"
     temperature = 0.7
     logits = torch.randn(num_rows, vocab_size, device=device) * 4  # (N, V)
@@ -605,9 +606,12 @@ def bench_sampler(num_rows: int, vocab_size: int, device, calls: int = 20) -> li
         rows.append({"part": name, "N": num_rows, "V": vocab_size, "ms a call": 1000 * seconds / calls})
     # The two whole samplers one call each in turn, the median of each's calls: a slow spell of a
     # shared machine hits both alike.
+    compiled = torch.compile(grpo.sample, dynamic=True, options={"fallback_random": True})  # compiled_sampler's
+    compiled(logits / temperature, 1.0)  # it compiles
     whole = {
         "the whole sampler, as generate (sample)": sampler,
         "before: log-probs, exp, multinomial": multinomial_sampler,
+        "--compile's (compiled_sampler: sample through TorchInductor)": lambda: compiled(logits / temperature, 1.0),
     }
     seconds = {name: [] for name in whole}
     for _ in range(calls):

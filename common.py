@@ -1201,7 +1201,7 @@ def enable_activation_checkpointing(model) -> None:
 
 COMPILED_BLOCKS = ("MLP", "RMSNorm")  # the ends of the class names compile_blocks compiles
 COMPILE_BACKEND = "inductor"  # tests: "aot_eager" (traced and differentiated, no kernels generated: seconds on a CPU)
-COMPILED = {}  # (block class, backend) -> its forward through torch.compile, shared by every block of the class
+COMPILED = {}  # (block class or function, backend) -> it through torch.compile, shared by every block of the class
 DECODE_BACKBONES = weakref.WeakKeyDictionary()  # a model compile_blocks compiled -> what compiled_decode compiles
 
 
@@ -1249,10 +1249,10 @@ def compiled_decode(model):
     the width attended over): a new one reuses the compilation, and so does another model of the
     class (bench.py's measured step after the one that compiled): the blocks' own compiled forwards
     are set aside within it, the one graph fusing them with the rest, for the graph would check each
-    of them by identity. The prefill, the head (fp32_lm_head) and the sampler stay eager. A model
-    compile_blocks did not compile, or with mixture-of-experts layers (routing picks rows by value),
-    or under torchrun (FSDP2's hooks on every layer), or whose backbone's forward a library replaced
-    (accelerate's device_map hooks) runs its step as it is."""
+    of them by identity. The prefill and the head (fp32_lm_head) stay eager; the sampler compiles on
+    its own (compiled_sampler). A model compile_blocks did not compile, or with mixture-of-experts
+    layers (routing picks rows by value), or under torchrun (FSDP2's hooks on every layer), or whose
+    backbone's forward a library replaced (accelerate's device_map hooks) runs its step as it is."""
     backbone = DECODE_BACKBONES.get(model)
     if backbone is None or dist.is_initialized() or "forward" in backbone.__dict__:  # or a hook library's own
         yield
@@ -1272,6 +1272,25 @@ def compiled_decode(model):
         del backbone.forward
         for module, forward in blocks.items():
             module.forward = forward
+
+
+def compiled_sampler(model, sample):
+    """Saves most of the sampler's passes over the (n, V) logits under --compile: for a model whose
+    decode step compiled_decode compiles, `sample` (generate's, called every token outside the
+    captured step) through torch.compile, else `sample` itself. Eager, each op is a pass over the
+    logits (155 MB at 256 rows of Qwen's vocabulary): logsumexp, the log-probs, the noise, its log,
+    the race's keys, their argmax (~1 ms a step on the H100 of the third GPU run); TorchInductor
+    fuses all but the logsumexp and the noise's draw into one pass. The random numbers are torch's
+    own (fallback_random: its exponential_, not TorchInductor's generator), so the tokens for a seed
+    are eager's, bar a near-tie that float rounding breaks the other way."""
+    if model not in DECODE_BACKBONES:
+        return sample
+    if (sample, COMPILE_BACKEND) not in COMPILED:
+        options = {"fallback_random": True} if COMPILE_BACKEND == "inductor" else None
+        COMPILED[sample, COMPILE_BACKEND] = torch.compile(
+            sample, dynamic=True, backend=COMPILE_BACKEND, options=options
+        )
+    return COMPILED[sample, COMPILE_BACKEND]
 
 
 def load_policy(args, device: torch.device, dtype: torch.dtype, compute_dtype: torch.dtype | None = None):

@@ -97,6 +97,7 @@ from common import (
     check_run_args,
     check_tool_turns,
     compiled_decode,
+    compiled_sampler,
     host_numbers,
     init_distributed,
     load_policy,
@@ -1502,7 +1503,7 @@ def generate(
     rows away once at most compact_below of them are live), step (a CUDA graph per width on
     CUDA, mixture-of-experts layers routing-free in it: captured_experts; on a GPU in bf16, each
     row's cache from column 0 and attention over its filled columns alone, varlen_decode, one width;
-    with --compile, the layers as one compiled graph: compiled_decode);
+    with --compile, the layers as one compiled graph, compiled_decode, and the sampler, compiled_sampler);
     4. cut to the longest completion and rewind the random generator past it. None of the speed features changes the
     distribution sampled from; docs/speed.md explains each.
     """
@@ -1595,12 +1596,13 @@ def generate(
     env = ToolQueue.empty(num_rows, max_tool_tokens, pad_id, device) if tool_turn else None  # forced tokens
     rows = torch.arange(num_rows, device=device)  # (n,) the row of the output each decoded row is
     rng_states = []  # rng_states[t]: the state of the random generator before token t was drawn
+    draw = compiled_sampler(model, sample)  # --compile: through torch.compile
     # 3. Decode, one token a step for every unfinished row.
     for t in range(steps):
         # logit − logsumexp, as sequence_logprobs scores, not F.log_softmax (biased on the CPU: docs/metrics.md)
         if temperature > 0:
             rng_states.append(torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state())
-            token, token_logp = sample(logits / temperature, top_p)  # (n,), (n,)
+            token, token_logp = draw(logits if temperature == 1.0 else logits / temperature, top_p)  # (n,), (n,)
         else:  # greedy: the log-probability of the chosen token only, no (n, V) log-softmax
             token = logits.argmax(dim=-1)  # (n,)
             token_logp = logits.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # (n,)

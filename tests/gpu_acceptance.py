@@ -32,7 +32,7 @@ acceptance as it was then ran out of time:
      bandwidth bound, issue 40's target; in bf16 on a GPU its one-token step runs flash attention's
      variable-length entry over a left-aligned cache) against itself with the masked step (bench.py's
      contender masked), each once after a warm-up; before it the sampler's ops outside the captured
-     step timed one by one (--sampler_rows) and the step's attention alone, per variant and width
+     step timed one by one, and whole, eager and as --compile compiles it (--sampler_rows), and the step's attention alone, per variant and width
      (--attention_rows): 80 s. Measured: that decode 12.2 s on the H200 under the profiler (14-16 s
      on the H100), whose kernels are in docs/speed.md (bench.py --profile decode runs it again); on
      the fourth GPU run the stage took 77 s with three contenders, two of them (matmul, widths) since

@@ -219,13 +219,14 @@ def test_compared_replaces_a_choice_for_the_run_and_restores_it():
 
 def test_the_sampler_parts():
     # bench.py --sampler_rows times each op of generate's sampler alone, then the whole sampler
-    # (grpo.sample, the exponential race) and the one before it (exp and multinomial).
+    # (grpo.sample, the exponential race), the one before it (exp and multinomial) and --compile's.
     from bench import bench_sampler
 
     rows = bench_sampler(2, 50, torch.device("cpu"), calls=2)
-    assert [row["part"] for row in rows][-2:] == [
+    assert [row["part"] for row in rows][-3:] == [
         "the whole sampler, as generate (sample)",
         "before: log-probs, exp, multinomial",
+        "--compile's (compiled_sampler: sample through TorchInductor)",
     ]
     assert all(row["ms a call"] > 0 and (row["N"], row["V"]) == (2, 50) for row in rows)
     # --race_rows: tokens of the race against multinomial's from the same state, chunk by chunk

@@ -225,6 +225,25 @@ def test_the_compiled_decode_writes_the_kv_cache_in_place(aligned, monkeypatch):
     assert torch.equal(cache.keys[0][at], keys[:, :, 0]) and torch.equal(cache.values[0][at], values[:, :, 0])
 
 
+def test_the_compiled_sampler_draws_torch_s_own_random_numbers():
+    # --compile: generate's sampler through TorchInductor (compiled_sampler) draws eager's tokens for a
+    # seed, with eager's log-probs to fp32 rounding, and leaves the random generator where eager
+    # leaves it: its noise is torch's exponential_ (fallback_random); TorchInductor's own generator
+    # (planted) draws other tokens. A model that compile_blocks did not compile samples eagerly.
+    torch._dynamo.reset()
+    draw = common.compiled_sampler(compile_blocks(family_model("qwen2")), grpo.sample)
+    assert draw is not grpo.sample and common.compiled_sampler(family_model("qwen2"), grpo.sample) is grpo.sample
+    logits = 4 * torch.randn(16, VOCAB, generator=torch.Generator().manual_seed(0))  # (n, V)
+    for top_p in (1.0, 0.9):
+        torch.manual_seed(0)
+        (eager, eager_logp), after = grpo.sample(logits, top_p), torch.rand(3)
+        torch.manual_seed(0)
+        (mine, logp), mine_after = draw(logits, top_p), torch.rand(3)
+        assert torch.equal(mine, eager) and torch.equal(mine_after, after), top_p
+        assert (logp - eager_logp).abs().max() <= 1e-5
+    torch._dynamo.reset()
+
+
 def test_the_compiled_decode_takes_a_causal_lm_and_leaves_a_replaced_forward_alone(traced):
     # compiled_decode compiles the backbone of a model with an LM head; a backbone on its own (ppo's
     # critic, which never decodes) is not registered (it was, as its own value: never freed). A
