@@ -170,7 +170,9 @@ class Args:
     gradient_checkpointing: bool = arg(
         False, "the training steps with gradient checkpointing (ppo.py on one 80 GB GPU)"
     )
-    compile: bool = arg(False, "the training steps with --compile; an unmeasured step first compiles the blocks")
+    compile: bool = arg(
+        False, "--compile's model in the training steps (after an unmeasured step that compiles) and --profile decode"
+    )
     model_dir: str = arg(
         "", "the shapes' random model, written once and loaded after; '' = $NANOPO_CACHE/bench-<shape>"
     )
@@ -1569,14 +1571,18 @@ def profile_script(args, name: str, directory: str, device, element_bytes: int, 
 
 def profile_decode(args, device, weight_dtype, amp, element_bytes: int, profiles: Profiles) -> None:
     """grpo.generate at N = the largest of --batch_sizes, --max_new_tokens sampled (τ = 1), every
-    completion at its cap (no EOS), after a warm-up call of 16 tokens: one call profiled."""
+    completion at its cap (no EOS), after a warm-up call of 16 tokens: one call profiled. --compile:
+    the model as the scripts compile it (compile_blocks: its blocks, its decode step, its sampler),
+    after a warm-up call of as many tokens as the profiled one, which compiles every variant it runs."""
     model, tokenizer, vocab_size, _ = load_bench_model(args, device, weight_dtype)
+    compile_blocks(model, args.compile)
     num_rows = max(int(n) for n in args.batch_sizes.split(",") if n)
     ids, mask = prompts(tokenizer, num_rows, args.group_size, device)
     inputs = (model, ids, mask)
     settings = dict(eos_ids=[], pad_id=tokenizer.pad_token_id, vocab_size=vocab_size, temperature=1.0)
     with amp():
-        grpo.generate(*inputs, min(16, args.max_new_tokens), **settings)  # lazy set-up, kernels picked
+        warm_up = args.max_new_tokens if args.compile else min(16, args.max_new_tokens)
+        grpo.generate(*inputs, warm_up, **settings)  # lazy set-up, kernels picked, what --compile compiles
         result, measured = profiled(lambda: grpo.generate(*inputs, args.max_new_tokens, **settings), device)
     batch = ids, mask, result[1]
     flops, nbytes = phase_work("decode", model_shape(model), batch, element_bytes)

@@ -342,3 +342,23 @@ def test_bench_counts_the_decode_kernels_a_layer():
     assert 8 <= row["compiled kernels a layer"] <= row["eager kernels a layer"] / 2, row
     with pytest.raises(SystemExit, match="at least 2"):
         bench.bench_decode_kernels(1, torch.device("cpu"), contextlib.nullcontext)
+
+
+def test_bench_profiles_the_compiled_decode_after_a_call_that_compiles(traced, tmp_path, monkeypatch):
+    # bench.py --profile decode --compile true: the model compiled as the scripts compile it, and a
+    # warm-up call of the profiled call's length first, so that the profiled call compiles nothing.
+    import bench
+
+    graphs, profiled = [], bench.profiled
+
+    def counted(function, device):
+        graphs.append(traced["stats"]["unique_graphs"])
+        result = profiled(function, device)
+        graphs.append(traced["stats"]["unique_graphs"])
+        return result
+
+    monkeypatch.setattr(bench, "profiled", counted)
+    settings = dict(model="tiny", profile="decode", batch_sizes="4", max_new_tokens=70, compile=True)
+    report = bench.main(bench.Args(**settings, output=str(tmp_path / "bench.json")))
+    assert graphs[0] >= 2 and graphs[1] == graphs[0], graphs  # the blocks' and the step's, then none
+    assert [(row["run"], row["phase"]) for row in report["profile"]] == [("decode", "generate N=4")]
