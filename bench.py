@@ -18,7 +18,8 @@ so that the LM head, the sampler and the log-softmax run at the real vocabulary'
    0.3·max_new_tokens, 10% reach max_new_tokens); tok/s counts the expected tokens then. Contender
    `static` is generate as it was before issue 19 (tests/static_generate.py); `tools` is generate
    with tool turns on and none called (a tool_turn that answers None): what enabling them costs,
-   one host sync a token (tool_turns_due) and the answers' columns in the KV cache.
+   one host sync a token (tool_turns_due) and the answers' columns in the KV cache; `compiled` is
+   generate with --compile's model (its blocks, its one-token step and its sampler compiled).
    The contenders take turns within each repetition; the table gives the median of --repeats.
    On CUDA also the fraction of the memory-bandwidth bound of a decode step (bytes of weights
    and KV cache read per step ÷ measured copy bandwidth), with its arithmetic.
@@ -37,7 +38,8 @@ so that the LM head, the sampler and the log-softmax run at the real vocabulary'
 4. One training step of grpo.py, dapo.py and ppo.py, per phase (the time/* metrics the scripts
    log), with peak memory: per phase on CUDA; on the CPU the process's peak RSS after the step;
    the preflight's seconds and the sizes it set, and each phase's TFLOP/s and MFU (its FLOPs
-   computed as --profile computes them, over its synchronised time; no profiler).
+   computed as --profile computes them, over its synchronised time; no profiler). With --compile,
+   after a step that compiles, whose times come beside it (`compiling …`).
 5. With --gap_rows N: the gap between the log-probs generate samples with and those
    sequence_logprobs scores for the same tokens, under bf16 autocast (on the CPU too), with the
    LM head in bf16 (fp32_lm_head switched off: the code before it), in fp32 (fp32_lm_head) and
@@ -56,13 +58,16 @@ so that the LM head, the sampler and the log-softmax run at the real vocabulary'
    (Profiles, phase_work, count_host_syncs; docs/speed.md).
 7. With --sampler_rows N, first (before --profile too): each op generate's sampler runs a token
    outside the captured step, on (N, 151,665) fp32 logits, timed alone, then the whole sampler (the
-   exponential race) and the sampler before it (exp and multinomial) (bench_sampler).
+   exponential race), the sampler before it (exp and multinomial) and --compile's (bench_sampler).
    With --race_rows N: how often the race and multinomial draw different tokens from the same
    random state, over N rows of 8 ids on the CPU (near-ties the two roundings break apart).
 8. With --attention_rows N, next (before --profile too): the one-token step's attention, one
    layer's call at the model's shape, at each width generate attends over: SDPA as generate calls
    it, each SDPA backend alone, the candidate matmul_decode_attention, SDPA with no mask; ms a
    call, GB/s of keys and values read, and the error against float64 (bench_attention).
+9. With --host_layers N: the host's ops a layer of an update pass (bench_host_pass); with
+   --decode_layers N: the one-token step's kernels a layer, eager against --compile's
+   (bench_decode_kernels).
 Prints Markdown tables and writes them to --output (JSON).
 """
 
@@ -131,8 +136,8 @@ class Args:
         "nanopo (generate), hf (model.generate), loop, static (older generates), tools (generate with tool turns on, "
         "no call made: their cost when unused), masked (generate's masked one-token step where it would run "
         "varlen_decode_attention: a GPU, bf16), matmul and widths (the masked step with a candidate: "
-        "matmul_decode_attention, finer_widths), compiled (generate with --compile's model: its blocks and its "
-        "one-token step compiled; warmed up, so its compilation is not timed)",
+        "matmul_decode_attention, finer_widths), compiled (generate with --compile's model: its blocks, its "
+        "one-token step and its sampler compiled; warmed up, so its compilation is not timed)",
     )
     step_rows: int = arg(0, "N of the steps 4 + 6 comparison (--lengths decides the lengths); 0 = skip it")
     shots: int = arg(0, "worked examples in each Countdown prompt of the steps 4 + 6 comparison (longer prompts)")
@@ -171,7 +176,7 @@ class Args:
         False, "the training steps with gradient checkpointing (ppo.py on one 80 GB GPU)"
     )
     compile: bool = arg(
-        False, "--compile's model in the training steps (after an unmeasured step that compiles) and --profile decode"
+        False, "--compile's model in the training steps (after a step that compiles: `compiling …`), --profile decode"
     )
     model_dir: str = arg(
         "", "the shapes' random model, written once and loaded after; '' = $NANOPO_CACHE/bench-<shape>"
@@ -663,8 +668,9 @@ def replaced(name: str, candidate, *inputs, **settings):
 
 def compiled_generate(model, *inputs, **settings):
     """grpo.generate(model, *inputs, **settings) with the model as --compile makes it, for the call
-    alone: its MLP and RMSNorm blocks compiled and its one-token step compiled whole (compile_blocks,
-    compiled_decode); then as it was. dynamo keeps what it compiled: a later call compiles nothing."""
+    alone: its MLP and RMSNorm blocks compiled, its one-token step compiled whole and its sampler
+    compiled (compile_blocks, compiled_decode, compiled_sampler); then as it was. dynamo keeps what it
+    compiled: a later call compiles nothing."""
     plain = [module for module in model.modules() if "forward" not in module.__dict__]
     compile_blocks(model)
     try:

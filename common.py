@@ -1218,7 +1218,8 @@ def compile_blocks(model, on: bool = True):
     H200 a step that compiled and one more took 127 s together, docs/speed.md); the numbers change
     by float rounding (fused ops, bf16 rounded in other places). A mixture of
     experts' block (its routing picks rows by value: gpt-oss's GptOssMLP) and a block whose class
-    is named otherwise stay eager. Returns the model, whose weights and state dict are unchanged."""
+    is named otherwise stay eager. A model with an LM head is registered (DECODE_BACKBONES) for
+    compiled_decode and compiled_sampler. Returns the model, whose weights and state dict are unchanged."""
     if not on:
         return model
     # A block kind's compiled code holds one entry a variant: trained or frozen weights (policy,
@@ -1243,7 +1244,7 @@ def compiled_decode(model):
     """Saves most of the kernels of generate's one-token step under --compile: within it the model's
     backbone, every layer, runs as one compiled graph, where eager runs some 30 small kernels a layer
     (RMSNorm, autocast's casts, RoPE, the KV cache's write, the residual adds, SwiGLU) and a CUDA
-    graph replays them one by one: at 256 rows each moves a few hundred KB and costs its launch
+    graph replays them one by one: at 256 rows each moves 0.1-5 MB and costs about its launch
     latency, not its bytes. Whole, not layer by layer: within the one graph each layer's index into
     the cache is a constant (compile_blocks). Shapes are dynamic (the rows left after compaction,
     the width attended over): a new one reuses the compilation, and so does another model of the
@@ -1275,14 +1276,16 @@ def compiled_decode(model):
 
 
 def compiled_sampler(model, sample):
-    """Saves most of the sampler's passes over the (n, V) logits under --compile: for a model whose
-    decode step compiled_decode compiles, `sample` (generate's, called every token outside the
-    captured step) through torch.compile, else `sample` itself. Eager, each op is a pass over the
+    """Saves most of the sampler's passes over the (n, V) logits under --compile: for a model that
+    compile_blocks registered, `sample` (generate's, called every token outside the captured step)
+    through torch.compile, else `sample` itself. Eager, each op is a pass over the
     logits (155 MB at 256 rows of Qwen's vocabulary): logsumexp, the log-probs, the noise, its log,
     the race's keys, their argmax (~1 ms a step on the H100 of the third GPU run); TorchInductor
     fuses all but the logsumexp and the noise's draw into one pass. The random numbers are torch's
     own (fallback_random: its exponential_, not TorchInductor's generator), so the tokens for a seed
-    are eager's, bar a near-tie that float rounding breaks the other way."""
+    are eager's, bar a near-tie that float rounding breaks the other way. It compiles a few variants
+    once each: the prefill's logits and the step's (a strided view: the head has more rows than the
+    tokenizer ids), one row, each top-p."""
     if model not in DECODE_BACKBONES:
         return sample
     if (sample, COMPILE_BACKEND) not in COMPILED:

@@ -170,7 +170,7 @@ class Args:
     logprob_chunk_size: int = arg(0, "rows per no-grad scoring pass; 0 = by tokens")
     logprob_chunk_tokens: int = arg(0, "tokens per no-grad scoring pass; 0 = the GPU preflight's (CPU: 8 rows)")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, ~30% slower")
-    compile: bool = arg(False, "torch.compile the MLP and RMSNorm blocks: fused kernels; the first step compiles")
+    compile: bool = arg(False, "torch.compile: MLP and RMSNorm blocks, the decode step, the sampler; step 1 compiles")
     lm_head_precision: str = arg(LM_HEAD_PRECISIONS[0], "LM head's GEMMs on a GPU: tf32 (tensor cores) or fp32 (exact)")
     # LoRA (peft): train low-rank adapters on the frozen model instead of every weight
     lora_rank: int = arg(0, "r, rank of the LoRA adapters (Hu et al. 2021); 0 = train every weight")

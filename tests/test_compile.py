@@ -114,6 +114,8 @@ def test_the_decode_step_runs_compiled_whole_and_draws_the_same_tokens(traced):
         assert torch.equal(ours, theirs) if ours.dtype != torch.float32 else (ours - theirs).abs().max() <= 1e-6
     assert 1 <= len(entries()) <= 4, len(entries())
     assert not traced["graph_break"], dict(traced["graph_break"])
+    sampler = torch._dynamo.eval_frame._debug_get_cache_entry_list(grpo.sample.__code__)  # compiled_sampler's
+    assert 1 <= len(sampler) <= 3, len(sampler)  # the prefill's logits, the step's (a strided view), one row
 
 
 @pytest.fixture
@@ -193,7 +195,7 @@ def test_the_compiled_decode_writes_the_kv_cache_in_place(aligned, monkeypatch):
     # back, unless its reinplacing pass can write in place: it can for index_put_ into the whole
     # buffer, not for index_copy_, scatter_ (the varlen path's before) or a write into a slice of
     # its rows (each planted, an out-of-place write and a copy_ of the whole cache remain: at the
-    # 1.5B shape ~200 MB a layer and token). What remains after that pass, the step's rows and the
+    # 1.5B shape ~340 MB a layer and token). What remains after that pass, the step's rows and the
     # cache's as distinct sizes (dynamo may see them so), is checked.
     from torch._inductor import config
     from torch._inductor.fx_passes import post_grad
