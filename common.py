@@ -1269,6 +1269,9 @@ def compiled_decode(model):
     backbone.forward = functools.partial(COMPILED[type(backbone), COMPILE_BACKEND], backbone)
     try:
         yield
+    except torch._dynamo.exc.TorchDynamoException as error:  # torch.compile's own message, and what to do
+        error.add_note("nanoPO: the decode step did not compile (--compile true); --compile false runs it eagerly.")
+        raise
     finally:
         del backbone.forward
         for module, forward in blocks.items():

@@ -261,6 +261,23 @@ def test_the_compiled_decode_takes_a_causal_lm_and_leaves_a_replaced_forward_alo
     assert model.model.__dict__["forward"] is hooked
 
 
+def test_a_decode_step_that_does_not_compile_says_which_flag_to_turn(monkeypatch):
+    # A compilation that fails (a backend refusing the graph, simulated) stops the decode with
+    # torch.compile's error and a note naming --compile false, the way out.
+    def refuses(graph, inputs):
+        raise RuntimeError("the backend refuses this graph (simulated)")
+
+    monkeypatch.setattr(common, "COMPILE_BACKEND", refuses)
+    torch._dynamo.reset()
+    model = compile_blocks(family_model("qwen2")).eval()
+    prompt_ids, prompt_mask = family_prompts()
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as failed, torch.no_grad():
+        with common.compiled_decode(model):
+            model(input_ids=prompt_ids, attention_mask=prompt_mask)
+    assert "--compile false" in "\n".join(failed.value.__notes__)
+    torch._dynamo.reset()
+
+
 def test_a_copy_of_a_compiled_model_computes_with_its_own_weights(traced):
     # Each block's forward is its class's compiled forward bound to the block by a partial, which
     # deepcopy binds to the copy (a compiled bound method, copied by reference, ran the original's
