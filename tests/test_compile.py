@@ -381,3 +381,23 @@ def test_bench_profiles_the_compiled_decode_after_a_call_that_compiles(traced, t
     report = bench.main(bench.Args(**settings, output=str(tmp_path / "bench.json")))
     assert graphs[0] >= 2 and graphs[1] == graphs[0], graphs  # the blocks' and the step's, then none
     assert [(row["run"], row["phase"]) for row in report["profile"]] == [("decode", "generate N=4")]
+
+
+def test_bench_s_compiled_contender_leaves_the_model_as_it_was(traced, tmp_path):
+    # bench.py --contenders nanopo,compiled: the compiled contender decodes with --compile's model for
+    # its calls alone (warmed up first, so its compilation is not timed); after it the model's blocks
+    # run their own forwards again and it is not registered for a compiled decode, so the other
+    # contenders time eager generate.
+    import bench
+
+    settings = dict(model="tiny", batch_sizes="4", max_new_tokens=8, modes="sampled", contenders="nanopo,compiled")
+    settings |= dict(repeats=1, train_steps="", logprob_rows=0, output=str(tmp_path / "bench.json"))
+    models = []
+    load = bench.load_bench_model
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bench, "load_bench_model", lambda *a: models.append(load(*a)) or models[-1])
+        (row,) = bench.main(bench.Args(**settings))["generation"]
+    assert row["compiled tok/s"] > 0 and row["nanopo tok/s"] > 0 and traced["stats"]["unique_graphs"] >= 2
+    model = models[0][0]
+    assert not [name for name, module in model.named_modules() if "forward" in module.__dict__]
+    assert model not in common.DECODE_BACKBONES
