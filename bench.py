@@ -935,8 +935,8 @@ def compiled_first(args, name: str, directory: str, device) -> dict:
     """--compile: one step first, which compiles the blocks and the decode step; dynamo's cache
     outlives its models, so the measured step runs what it compiled. Its models are freed before the
     measured step's preflight measures memory (a compiled block refers to itself: the cyclic
-    collector's). Returns its phases' time/* metrics, each named `compiling …` (what compiling cost
-    each phase, less the measured step's own), and its preflight and phases summed, `compiling step s`."""
+    collector's). Returns its phases' time/* metrics, each named `compiling …` (compilation and work;
+    less the measured step's, what compiling cost), and its preflight and phases summed, `compiling step s`."""
     if not args.compile:
         return {}
     metrics = one_step(args, name, directory)
@@ -1075,8 +1075,8 @@ def bench_decode_kernels(layers: int, device, amp) -> list[dict]:
     the MLP), `layers` deep and one deep, a 1,024-id head; 8 rows of a 64-token prompt, under `amp`.
     Eager: the ops of 2 new tokens less those of 1 (one step, no prefill), a layer the difference
     of the two depths over layers − 1; compiled, the same difference of the step's code. On the CPU
-    TorchInductor writes C++ where on a GPU it writes Triton: its fusion is decided alike, so the
-    counts say what fusing removes, not what a GPU's step costs."""
+    TorchInductor writes C++ where on a GPU it writes Triton, by the same fusion rules (not checked
+    here): the counts say what fusing removes, not what a GPU's step costs."""
     from torch._inductor.utils import run_and_get_code
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

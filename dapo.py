@@ -2302,8 +2302,8 @@ def captured_or_none(step, pool):
     if the capture raises (an operation a graph cannot hold, a driver or library that refuses it),
     after one warning naming the cause; generate then runs the step eagerly, as on the CPU, in this
     call and every later one. The same tokens either way, only slower. Out of memory is not a
-    capture failure: it goes on up to the run's message about memory, and neither is a compilation's
-    (--compile: compiled_decode) that failed: it stops with torch.compile's own message."""
+    capture failure: it goes on up to the run's message about memory. Nor is a failed compilation
+    (--compile: compiled_decode): it stops with torch.compile's own message."""
     if CAPTURE_FAILED:
         return None
     try:

@@ -187,6 +187,7 @@ def test_the_compiled_decode_of_mixed_layer_types_draws_the_same_tokens(traced):
     mine = decoded() if compile_blocks(model) is model else None
     assert torch.equal(mine[0], eager[0]) and (mine[3] - eager[3]).abs().max() <= 1e-6
     assert model in common.DECODE_BACKBONES and not traced["graph_break"], dict(traced["graph_break"])
+    assert torch._dynamo.eval_frame._debug_get_cache_entry_list(type(model.model).forward.__code__)  # it compiled
 
 
 @pytest.mark.parametrize("aligned", [False, True], ids=["masked", "varlen"])

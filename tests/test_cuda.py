@@ -207,13 +207,9 @@ def test_no_id_at_or_beyond_the_tokenizer_is_sampled(tiny_cuda, monkeypatch):
     assert ids[mask.bool()].max().item() < len(tokenizer)
 
 
-def test_sampler_and_trainer_log_probs_under_bf16(qwen_shape, monkeypatch):
-    # Under bf16 autocast the decode step (one token against the cache) and the scoring pass (the
-    # whole sequence at once) run different kernels over bf16 values, so their log-probs differ;
-    # TIS and GSPO read that gap. Measured on this shape and bounded: a mean |Δ log π| above 0.05
-    # nats, or any token off by more than 1 nat, means a dtype or position went wrong, not noise.
-    # In fp32 the two agree to 1e-4.
-    model, tokenizer, vocab_size = qwen_shape
+def sampler_gaps(model, tokenizer, vocab_size, monkeypatch) -> dict:
+    """The sampler's log-probs against the scorer's on 4 Countdown prompts × 4 graph-decoded
+    completions: {bf16 autocast: (mean, max) |Δ log π|}, in fp32 (False) and bf16 (True)."""
     prompt_ids, prompt_mask = countdown_prompts(tokenizer, group_size=4)
     gaps = {}
     for amp in (False, True):
@@ -221,7 +217,18 @@ def test_sampler_and_trainer_log_probs_under_bf16(qwen_shape, monkeypatch):
         with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=amp):
             logp, _ = grpo.sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, 1.0, vocab_size, 8)
         gap = (logp - sample_logp).abs()[mask.bool()]
-        gaps[amp] = (gap.mean().item(), gap.max().item())
+        gaps[amp] = gap.mean().item(), gap.max().item()
+    return gaps
+
+
+def test_sampler_and_trainer_log_probs_under_bf16(qwen_shape, monkeypatch):
+    # Under bf16 autocast the decode step (one token against the cache) and the scoring pass (the
+    # whole sequence at once) run different kernels over bf16 values, so their log-probs differ;
+    # TIS and GSPO read that gap. Measured on this shape and bounded: a mean |Δ log π| above 0.05
+    # nats, or any token off by more than 1 nat, means a dtype or position went wrong, not noise.
+    # In fp32 the two agree to 1e-4.
+    model, tokenizer, vocab_size = qwen_shape
+    gaps = sampler_gaps(model, tokenizer, vocab_size, monkeypatch)
     print(f"|Δ log π| sampler vs trainer: fp32 mean {gaps[False][0]:.2e} max {gaps[False][1]:.2e}; "
           f"bf16 mean {gaps[True][0]:.2e} max {gaps[True][1]:.2e}")  # fmt: skip
     assert gaps[False][1] < 1e-4
@@ -271,19 +278,12 @@ def test_the_compiled_decode_is_captured_and_keeps_to_the_scorer(qwen_shape, mon
 
     model, tokenizer, vocab_size = qwen_shape
     model = common.compile_blocks(copy.deepcopy(model))  # the fixture's model stays eager
-    prompt_ids, prompt_mask = countdown_prompts(tokenizer, group_size=4)
     torch._dynamo.utils.counters.clear()
     monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)  # not eager past it, silently
     monkeypatch.setattr(grpo, "CAPTURE_FAILED", [])
     varlen, served = [], grpo.varlen_decode
     monkeypatch.setattr(grpo, "varlen_decode", lambda *a: varlen.append(served(*a)) or varlen[-1])
-    gaps = {}
-    for amp in (False, True):
-        ids, mask, _, sample_logp, _ = decode(model, prompt_ids, prompt_mask, vocab_size, 1.0, True, monkeypatch, amp)
-        with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=amp):
-            logp, _ = grpo.sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, 1.0, vocab_size, 8)
-        gap = (logp - sample_logp).abs()[mask.bool()]
-        gaps[amp] = gap.mean().item(), gap.max().item()
+    gaps = sampler_gaps(model, tokenizer, vocab_size, monkeypatch)
     print(f"|Δ log π| sampler vs trainer, compiled decode: fp32 {gaps[False]}, bf16 {gaps[True]}")
     assert not grpo.CAPTURE_FAILED and varlen == [False, True]
     step = type(common.DECODE_BACKBONES[model]).forward.__code__  # the compiled step's entries: fp32, bf16
