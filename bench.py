@@ -19,7 +19,8 @@ so that the LM head, the sampler and the log-softmax run at the real vocabulary'
    `static` is generate as it was before issue 19 (tests/static_generate.py); `tools` is generate
    with tool turns on and none called (a tool_turn that answers None): what enabling them costs,
    one host sync a token (tool_turns_due) and the answers' columns in the KV cache; `compiled` is
-   generate with --compile's model (its blocks, its one-token step and its sampler compiled).
+   generate with --compile's model (its blocks, its one-token step and its sampler compiled), its
+   row also the seconds of its first call (`compiled first call s`: compiling and one call).
    The contenders take turns within each repetition; the table gives the median of --repeats.
    On CUDA also the fraction of the memory-bandwidth bound of a decode step (bytes of weights
    and KV cache read per step ÷ measured copy bandwidth), with its arithmetic.
@@ -137,7 +138,7 @@ class Args:
         "no call made: their cost when unused), masked (generate's masked one-token step where it would run "
         "varlen_decode_attention: a GPU, bf16), matmul and widths (the masked step with a candidate: "
         "matmul_decode_attention, finer_widths), compiled (generate with --compile's model: its blocks, its "
-        "one-token step and its sampler compiled; warmed up, so its compilation is not timed)",
+        "one-token step and its sampler compiled; warmed up, so its compilation is not timed: compiled first call s)",
     )
     step_rows: int = arg(0, "N of the steps 4 + 6 comparison (--lengths decides the lengths); 0 = skip it")
     shots: int = arg(0, "worked examples in each Countdown prompt of the steps 4 + 6 comparison (longer prompts)")
@@ -380,10 +381,10 @@ def bench_generation(args, model, tokenizer, vocab_size, device, amp, compute_dt
                 "compiled": functools.partial(compiled_generate, *inputs),
             }
             chosen = args.contenders.split(",")
-            seconds = {name: [] for name in chosen}
+            seconds, first = {name: [] for name in chosen}, {}
             with amp():
                 for name in dict.fromkeys([chosen[0], *(["compiled"] if "compiled" in chosen else [])]):
-                    contenders[name]()  # warm-up: first-call allocations, kernels picked, the compilation
+                    first[name] = timed(contenders[name], device)  # warm-up: allocations, kernels picked, compiling
                 for _ in range(args.repeats):
                     for name in chosen:  # interleaved, so a slow spell of a shared machine hits all alike
                         seconds[name].append(timed(contenders[name], device))
@@ -392,6 +393,8 @@ def bench_generation(args, model, tokenizer, vocab_size, device, amp, compute_dt
                 row[f"{name} tok/s"] = num_rows * tokens_per_row / statistics.median(seconds[name])
             for name in chosen[1:]:
                 row[f"{chosen[0]}/{name}"] = row[f"{chosen[0]} tok/s"] / row[f"{name} tok/s"]
+            if "compiled" in first:  # compiling (the blocks, the one-token step, the sampler) and one call
+                row["compiled first call s"] = first["compiled"]
             if device.type == "cuda" and "nanopo" in chosen:
                 context = prompt_ids.shape[1] + length // 2  # the mean over the decode steps
                 element = 2 if compute_dtype == torch.bfloat16 else next(model.parameters()).element_size()

@@ -388,7 +388,7 @@ def test_bench_s_compiled_contender_leaves_the_model_as_it_was(traced, tmp_path)
     # bench.py --contenders nanopo,compiled: the compiled contender decodes with --compile's model for
     # its calls alone (warmed up first, so its compilation is not timed); after it the model's blocks
     # run their own forwards again and it is not registered for a compiled decode, so the other
-    # contenders time eager generate.
+    # contenders time eager generate. Its row carries the warm-up's seconds, what compiling cost.
     import bench
 
     settings = dict(model="tiny", batch_sizes="4", max_new_tokens=8, modes="sampled", contenders="nanopo,compiled")
@@ -399,6 +399,7 @@ def test_bench_s_compiled_contender_leaves_the_model_as_it_was(traced, tmp_path)
         patch.setattr(bench, "load_bench_model", lambda *a: models.append(load(*a)) or models[-1])
         (row,) = bench.main(bench.Args(**settings))["generation"]
     assert row["compiled tok/s"] > 0 and row["nanopo tok/s"] > 0 and traced["stats"]["unique_graphs"] >= 2
+    assert row["compiled first call s"] > 10 * 8 * 4 / row["nanopo tok/s"]  # compiling: ten times an eager call
     model = models[0][0]
     assert not [name for name, module in model.named_modules() if "forward" in module.__dict__]
     assert model not in common.DECODE_BACKBONES
