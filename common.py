@@ -234,9 +234,10 @@ def _takes_value(token: str) -> bool:
     return token.startswith("--") and "=" not in token
 
 
-def check_run_args(args) -> list[str]:
+def check_run_args(args, algo: str) -> list[str]:
     """The checks every training script shares (its check_args adds its own): each value in
-    range, before anything is loaded, so a typo costs a second and not a model load.
+    range, before anything is loaded, so a typo costs a second and not a model load; algo: the
+    script's ("grpo", "dapo", "ppo"), which a checkpoint to resume must have been written by.
     Returns the problems found, one line each."""
     problems = []
     for field in dataclasses.fields(args):  # NaN passes every range check (each comparison is False):
@@ -266,8 +267,8 @@ def check_run_args(args) -> list[str]:
         problems.append(
             f"--lm_head_precision {args.lm_head_precision!r} is not one of: {', '.join(LM_HEAD_PRECISIONS)}."
         )
-    if args.resume_from and not Path(args.resume_from, TRAINER_STATE).exists():
-        problems.append(no_trainer_state(args.resume_from))
+    if args.resume_from:
+        problems += resume_problems(args, algo)
     try:  # the tracker libraries are looked for here (not imported): a missing one stops before a model loads
         for name in trackers_named(args.report_to):
             if importlib.util.find_spec(name) is None:
@@ -1795,7 +1796,7 @@ class Run:
         RNG states, the args; the fp32 master weights where the saved ones are bf16). The
         checkpoint before keeps its weights and loses its trainer state and resume_only files."""
         trainer_state = {"step": step, **self.state, **{k: v.state_dict() for k, v in self.resumable.items()}}
-        trainer_state |= {"rng": rng_states(), "args": vars(self.args), "world_size": world_size()}
+        trainer_state |= {"rng": rng_states(), "args": vars(self.args), "world_size": world_size(), "algo": self.algo}
         if self.keep_masters:
             trainer_state["master_weights"] = master_weights(self.policy)
         with interrupts_deferred():  # Ctrl-C names a checkpoint that is whole and holds the trainer state
@@ -2044,6 +2045,41 @@ def set_rng_states(states: dict) -> None:
     torch.set_rng_state(states["torch"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def resume_problems(args, algo: str) -> list[str]:
+    """What stops --resume_from, read before a model loads: no such directory, no trainer state in
+    it, a checkpoint of another script (resuming it would overwrite that run's arguments and
+    checkpoint, ppo.py's critic included), or one already at --max_steps (the run would train
+    nothing and write final/ with a step count its weights are not at). The state is memory-mapped:
+    its tensors are not read."""
+    checkpoint = Path(args.resume_from)
+    if not checkpoint.is_dir():
+        return [
+            f"--resume_from {checkpoint}: no such directory. Give a checkpoint: runs/<run>/final or runs/<run>/step-…"
+        ]
+    if not (checkpoint / TRAINER_STATE).exists():
+        return [no_trainer_state(checkpoint)]
+    state = torch.load(checkpoint / TRAINER_STATE, map_location="cpu", weights_only=False, mmap=True)
+    saved = state.get("args", {})
+    written_by = state.get("algo") or written_by_script(saved)
+    if written_by != algo:
+        return [
+            f"--resume_from {checkpoint} was written by {written_by}.py: resume it with {written_by}.py, or start a "
+            f"new {algo}.py run from its weights with --model {checkpoint}."
+        ]
+    if state["step"] >= args.max_steps:
+        return [
+            f"--resume_from {checkpoint} is at step {state['step']} (its run: --max_steps {saved.get('max_steps')}); "
+            f"--max_steps {args.max_steps} leaves nothing to train: give --max_steps above {state['step']}."
+        ]
+    return []
+
+
+def written_by_script(saved_args: dict) -> str:
+    """The script that wrote a trainer state saved before it recorded its own name: by the
+    arguments only that script has."""
+    return "ppo" if "critic_lr" in saved_args else "dapo" if "dynamic_sampling" in saved_args else "grpo"
 
 
 def no_trainer_state(checkpoint) -> str:

@@ -2679,7 +2679,7 @@ def causal_attention(model):
 
 def check_args(args: Args) -> None:
     """Stops with a message on settings that cannot work, before anything is loaded."""
-    problems = check_run_args(args)
+    problems = check_run_args(args, "dapo")
     if args.group_size < 2:
         problems.append("--group_size must be at least 2: a group of one has no relative advantage.")
     if not 0 <= args.eps_low < 1 or args.eps_high < 0:

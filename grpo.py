@@ -2570,7 +2570,7 @@ def causal_attention(model):
 
 def check_args(args: Args) -> None:
     """Stops with a message on settings that cannot work, before anything is loaded."""
-    problems = check_run_args(args)
+    problems = check_run_args(args, "grpo")
     if args.group_size < 2:
         problems.append("--group_size must be at least 2: a group of one has no relative advantage.")
     loss_types = ("grpo", "dr_grpo", "gspo", "gpg", "cispo", "sapo", "clip_cov", "kl_cov", "dppo")

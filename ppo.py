@@ -2493,7 +2493,7 @@ def causal_attention(model):
 
 def check_args(args: Args) -> None:
     """Stops with a message on settings that cannot work, before anything is loaded."""
-    problems = check_run_args(args)
+    problems = check_run_args(args, "ppo")
     if args.num_mini_batches < 1 or (args.batch_size * args.group_size) % args.num_mini_batches:
         problems.append("--num_mini_batches must be at least 1 and divide batch_size * group_size.")
     if args.temperature <= 0 or not 0 < args.top_p <= 1:

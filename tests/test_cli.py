@@ -64,7 +64,8 @@ def no_model_load(*args, **kwargs):
         (dict(dtype="fp16"), "--dtype 'fp16' is not one of"),
         (dict(lm_head_precision="bf16"), "--lm_head_precision 'bf16' is not one of: tf32, fp32"),
         (dict(beta=float("nan")), "--beta is NaN: give it a number"),
-        (dict(resume_from="nowhere"), "--resume_from nowhere: no trainer_state.pt there"),
+        (dict(resume_from="nowhere"), "--resume_from nowhere: no such directory"),
+        (dict(resume_from="."), "--resume_from .: no trainer_state.pt there"),
         (dict(task="chess"), "--task 'chess' is not one of: countdown, digit, secret, gsm8k"),
         (dict(task="gsm8k", data_dir="no/such/dir"), "gsm8k/train.jsonl is missing"),
         (dict(task="digit", data_dir="no/such/dir"), "--data_dir is for --task gsm8k"),
@@ -104,9 +105,32 @@ def test_a_model_directory_without_tokenizer_files_says_so(tmp_path):
     assert "save_pretrained(<this directory>)" in str(stop.value)
 
 
+def files_of(directory: Path) -> dict:
+    return {path: path.read_bytes() for path in sorted(directory.rglob("*")) if path.is_file()}
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
-def test_a_resumed_run_records_the_arguments_it_went_on_with(script, tmp_path):
+def test_a_resumed_run_records_the_arguments_it_went_on_with(script, tmp_path, monkeypatch):
     first = script.train(tiny_args(script, max_steps=2, sample_every=1, output_dir=str(tmp_path)))
+    # Resuming that checkpoint (step 2) with --max_steps 2 would train nothing and rewrite final/ and
+    # args.json; with another script, overwrite the run's files (ppo's critic/ dropped) or fail
+    # reading them. Each stops before a model loads, every file of the run as it was.
+    kept = files_of(first)
+    for other in SCRIPTS:
+        monkeypatch.setattr(other, "load_policy", no_model_load)
+        settings = dict(output_dir=str(tmp_path), resume_from=str(first / "final"))
+        if other is script:
+            with pytest.raises(
+                SystemExit, match="is at step 2 .*--max_steps 2 leaves nothing to train: give --max_steps above 2"
+            ):
+                other.train(tiny_args(other, max_steps=2, **settings))
+        else:
+            with pytest.raises(
+                SystemExit, match=f"was written by {script.__name__}.py: resume it with {script.__name__}.py"
+            ):
+                other.train(tiny_args(other, max_steps=3, **settings))
+    assert files_of(first) == kept
+    monkeypatch.undo()
     resumed = script.train(
         tiny_args(script, max_steps=3, sample_every=2, output_dir=str(tmp_path), resume_from=str(first / "final"))
     )
@@ -117,6 +141,24 @@ def test_a_resumed_run_records_the_arguments_it_went_on_with(script, tmp_path):
     assert (now["max_steps"], now["sample_every"], now["resume_from"]) == (3, 2, "")
     before = json.loads((first / "args.before-step-000002.json").read_text())
     assert (before["max_steps"], before["sample_every"], before["resume_from"]) == (2, 1, "")
+
+
+def test_a_checkpoint_saved_before_the_script_s_name_is_known_by_its_arguments(tmp_path, monkeypatch):
+    # Trainer states written before they named their script ("algo"): ppo.py's arguments alone hold
+    # --critic_lr, dapo.py's --dynamic_sampling.
+    (tmp_path / "critic").mkdir()
+    (tmp_path / "critic" / "value_head.safetensors").touch()  # what ppo.py's own check looks for
+    for name, saved in (("ppo", ppo.Args()), ("dapo", dapo.Args()), ("grpo", grpo.Args())):
+        torch.save({"step": 1, "args": vars(saved)}, tmp_path / "trainer_state.pt")
+        for script in SCRIPTS:
+            monkeypatch.setattr(script, "load_policy", no_model_load)
+            settings = tiny_args(script, max_steps=3, resume_from=str(tmp_path), output_dir=str(tmp_path / "runs"))
+            if script.__name__ == name:  # past the check: the model loads
+                with pytest.raises(AssertionError, match="a model was loaded"):
+                    script.train(settings)
+            else:
+                with pytest.raises(SystemExit, match=f"written by {name}.py"):
+                    script.train(settings)
 
 
 @pytest.mark.parametrize("script", ["grpo.py", "dapo.py", "ppo.py"])

@@ -244,7 +244,7 @@ def test_run_evaluates_logs_samples_and_saves_on_schedule(tiny, tmp_path):
     assert saved == ["final", "step-000002", "step-000004"]
     assert [(run.dir / name / "trainer_state.pt").exists() for name in saved] == [True, False, False]
     state = load_trainer_state(str(run.dir / "final"))
-    assert state["step"] == 5 and set(state) == {"step", "optimizer", "scheduler", "rng", "args", "world_size"}
+    assert state["step"] == 5 and set(state) == {"step", "optimizer", "scheduler", "rng", "args", "world_size", "algo"}
 
 
 def test_run_resumes_state_logs_and_args(tiny, tmp_path):
