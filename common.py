@@ -1046,7 +1046,8 @@ def render_chat(tokenizer, messages: list[dict], tools: list[Callable] | None = 
         raise SystemExit(
             f"The chat template of this model does not show the tools {[tool.__name__ for tool in tools]} in its "
             "prompts, so the model could not know it may call them. Use a model whose template takes `tools` "
-            "(Qwen2.5, Qwen3, Llama 3.1; tiny-tools among the tiny ones), or drop --tools/--tool."
+            "(Qwen2.5, Qwen3, Llama 3.1; tiny-tools among the tiny ones), or drop --tools/--tool (a task with tools "
+            "of its own, such as --task secret, needs such a model)."
         )
     return text
 
@@ -1107,6 +1108,28 @@ def check_tool_turns(tokenizer) -> None:
             "This model's chat template drops the tool's answer (a message of role 'tool'), so the model "
             "would never see it. Use a model whose template takes tool messages."
         )
+
+
+def check_task_tools(tokenizer, task, max_tool_tokens: int) -> None:
+    """Stops, before a run directory exists, where the model cannot take the task's tools (a task's
+    own, --tools'): its chat template does not show them (render_chat), drops their answers
+    (check_tool_turns), or writes more tokens around an answer than --max_tool_tokens. The first
+    rollout would stop there anyway, with a run started for nothing."""
+    if task is None or not task.tools:
+        return
+    render_chat(tokenizer, task.messages(task.problems[0]), tools=task.tools)
+    check_tool_turns(tokenizer)
+    around = len(tokenizer(tool_turn_text(tokenizer, [("", "")]), add_special_tokens=False)["input_ids"])
+    if around > max_tool_tokens:
+        raise SystemExit(too_few_tool_tokens(max_tool_tokens, around))
+
+
+def too_few_tool_tokens(max_tokens: int, around: int) -> str:
+    """The message for --max_tool_tokens below what the chat template writes around one empty answer."""
+    return (
+        f"--max_tool_tokens {max_tokens} is fewer than the {around} tokens the chat template puts around "
+        "a tool's answer: raise it (the answers' own tokens come on top)."
+    )
 
 
 def load_model(
@@ -1301,8 +1324,9 @@ def compiled_sampler(model, sample):
     return COMPILED[sample, COMPILE_BACKEND]
 
 
-def load_policy(args, device: torch.device, dtype: torch.dtype, compute_dtype: torch.dtype | None = None):
-    """The policy to train and its tokenizer: returns (policy, tokenizer, eos_ids).
+def load_policy(args, device: torch.device, dtype: torch.dtype, compute_dtype: torch.dtype | None = None, task=None):
+    """The policy to train and its tokenizer: returns (policy, tokenizer, eos_ids). With a task that
+    has tools, stops where the model cannot take them (check_task_tools), before a run starts.
     Full fine-tuning (--lora_rank 0): --model's weights, or --resume_from's, all trainable.
     LoRA (--lora_rank r > 0, Hu et al. 2021, through the peft library): --model's weights,
     frozen, under low-rank adapters W + (α/r)·B·A on the --lora_targets layers; B starts at 0,
@@ -1314,9 +1338,11 @@ def load_policy(args, device: torch.device, dtype: torch.dtype, compute_dtype: t
         policy, tokenizer, eos_ids = load_model(
             args.resume_from or args.model, device, dtype, args.gradient_checkpointing, args.prompt_format
         )
+        check_task_tools(tokenizer, task, args.max_tool_tokens)
         return compile_blocks(policy, args.compile), tokenizer, eos_ids
     frozen = frozen_dtype(dtype, compute_dtype)
     model, tokenizer, eos_ids = load_model(args.model, device, frozen, args.gradient_checkpointing, args.prompt_format)
+    check_task_tools(tokenizer, task, args.max_tool_tokens)
     saved = Path(args.resume_from) / ADAPTER_DIR if args.resume_from else None
     return compile_blocks(with_adapters(model, args, saved), args.compile), tokenizer, eos_ids
 

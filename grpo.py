@@ -95,6 +95,7 @@ from common import (
     seed_everything,
     shard_model,
     size_micro_batches,
+    too_few_tool_tokens,
     tool_turn_text,
     unsharded,
     world_size,
@@ -937,7 +938,7 @@ def train(args: Args) -> Path:
     # The task first: a wrong --task or --data_dir stops before any model loads.
     task = training_task(args)  # --task, its data and --reward_fn
     heldout = heldout_task(args) if args.eval_every else None
-    policy, tokenizer, eos_ids = load_policy(args, device, weight_dtype, compute_dtype)  # --lora_rank: LoRA adapters
+    policy, tokenizer, eos_ids = load_policy(args, device, weight_dtype, compute_dtype, task)  # --lora_rank: LoRA
     shard_model(policy, compute_dtype).train()  # FSDP2 under torchrun, one unit per decoder layer; else unchanged
     reference = (
         shard_model(load_reference(args, policy, device, weight_dtype), compute_dtype) if args.beta > 0 else None
@@ -1313,10 +1314,7 @@ def fitted_answer(tokenizer, answers: list[tuple[str, str]], max_tokens: int) ->
             return ids
         longest = max(range(len(texts)), key=lambda k: len(texts[k]))
         if not texts[longest]:
-            raise SystemExit(
-                f"--max_tool_tokens {max_tokens} is fewer than the {len(ids)} tokens the chat template puts around "
-                "a tool's answer: raise it (the answers' own tokens come on top)."
-            )
+            raise SystemExit(too_few_tool_tokens(max_tokens, len(ids)))
         keep = len(texts[longest]) * max_tokens // len(ids) - 2  # about the share that fits, less the "…"
         texts[longest] = texts[longest][:keep] + "…" if keep > 0 else ""
 

@@ -409,3 +409,24 @@ def test_evaluate_py_stops_on_tools_it_cannot_give_before_writing_anything(model
     with pytest.raises(SystemExit, match=re.escape(message)):
         evaluate.main(args)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("script", [grpo, dapo, ppo], ids=["grpo", "dapo", "ppo"])
+@pytest.mark.parametrize(
+    "model, limits, message",
+    [
+        ("tiny", {}, "does not show the tools ['secret_digit']"),  # the task's own tool; tiny's template shows none
+        ("tiny-tools", {"max_tool_tokens": 4}, "--max_tool_tokens 4 is fewer than the"),
+    ],
+)
+def test_a_training_script_stops_on_tools_it_cannot_give_before_a_run_starts(script, model, limits, message, tmp_path):
+    # The checks the first rollout would make (tool_turns), made where the tokenizer loads: no run
+    # directory is left holding an args.json of a run that never started.
+    extra = {"overlong_buffer": 2} if script is dapo else {}
+    args = script.Args(
+        model=model, task="secret", max_new_tokens=4, batch_size=2, group_size=2, output_dir=str(tmp_path / "runs"),
+        **extra, **limits,
+    )  # fmt: skip
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        script.train(args)
+    assert not (tmp_path / "runs").exists()
