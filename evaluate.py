@@ -92,7 +92,9 @@ PLOT_PANELS = (
 class Args:
     # what to evaluate
     model: str = arg("Qwen2.5-1.5B-Instruct", "local dir (e.g. runs/<run>/final), Hub id, short name or 'tiny'")
-    benchmarks: str = arg("gsm8k,math500,bbh,mmlu_pro,countdown", "comma-separated, any of these five")
+    benchmarks: str = arg(
+        "gsm8k,math500,bbh,mmlu_pro,countdown", "comma-separated: these five, file (--data_file) or digit (the toy)"
+    )
     data_dir: str = arg("", "offline: a directory laid out like tests/fixtures/data (gsm8k/test.jsonl, ...); '' = Hub")
     limit: int = arg(0, "problems per benchmark at most, spread over BBH tasks / MMLU-Pro categories; 0 = all")
     countdown_problems: int = arg(500, "size of the held-out Countdown set (and of the digit toy's prompts)")

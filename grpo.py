@@ -2583,7 +2583,11 @@ def check_args(args: Args) -> None:
     if args.loss_type == "gpg" and (args.num_iterations > 1 or args.num_mini_batches > 1):
         problems.append("--loss_type gpg is the on-policy gradient: use --num_iterations 1 --num_mini_batches 1.")
     if args.num_mini_batches < 1 or (args.batch_size * args.group_size) % args.num_mini_batches:
-        problems.append("--num_mini_batches must be at least 1 and divide batch_size * group_size.")
+        rows = args.batch_size * args.group_size
+        problems.append(
+            f"--num_mini_batches must be at least 1 and divide batch_size * group_size ({args.batch_size} × "
+            f"{args.group_size} = {rows} rows; got {args.num_mini_batches}): e.g. --num_mini_batches 1."
+        )
     if args.temperature <= 0 or not 0 < args.top_p <= 1:
         problems.append("Training needs --temperature > 0 and 0 < --top_p <= 1.")
     for name in ("eps", "gspo_eps_low", "gspo_eps_high", "cispo_eps_high"):

@@ -2493,7 +2493,11 @@ def check_args(args: Args) -> None:
     """Stops with a message on settings that cannot work, before anything is loaded."""
     problems = check_run_args(args, "ppo")
     if args.num_mini_batches < 1 or (args.batch_size * args.group_size) % args.num_mini_batches:
-        problems.append("--num_mini_batches must be at least 1 and divide batch_size * group_size.")
+        rows = args.batch_size * args.group_size
+        problems.append(
+            f"--num_mini_batches must be at least 1 and divide batch_size * group_size ({args.batch_size} × "
+            f"{args.group_size} = {rows} rows; got {args.num_mini_batches}): e.g. --num_mini_batches 1."
+        )
     if args.temperature <= 0 or not 0 < args.top_p <= 1:
         problems.append("Training needs --temperature > 0 and 0 < --top_p <= 1.")
     if args.critic_lr is not None and not args.critic_lr > 0:

@@ -64,6 +64,7 @@ def no_model_load(*args, **kwargs):
         (dict(dtype="fp16"), "--dtype 'fp16' is not one of"),
         (dict(lm_head_precision="bf16"), "--lm_head_precision 'bf16' is not one of: tf32, fp32"),
         (dict(beta=float("nan")), "--beta is NaN: give it a number"),
+        (dict(num_mini_batches=3), "divide batch_size * group_size (2 × 2 = 4 rows; got 3)"),
         (dict(resume_from="nowhere"), "--resume_from nowhere: no such directory"),
         (dict(resume_from="."), "--resume_from .: no trainer_state.pt there"),
         (dict(task="chess"), "--task 'chess' is not one of: countdown, digit, secret, gsm8k"),
