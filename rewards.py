@@ -45,6 +45,7 @@ import inspect
 import json
 import random
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
@@ -1158,8 +1159,19 @@ def import_function(path: str, flag: str) -> Callable:
 
 
 def import_reward_fn(path: str) -> Callable:
-    """The function --reward_fn names (import_function)."""
-    return import_function(path, "--reward_fn")
+    """The function --reward_fn names (import_function), checked to take (completion, problem,
+    truncated): a function that cannot would fail every call, and every reward would be 0."""
+    function = import_function(path, "--reward_fn")
+    try:
+        inspect.signature(function).bind("completion", {}, False)
+    except TypeError as error:
+        raise SystemExit(
+            f"--reward_fn {path!r}: {function.__name__}{inspect.signature(function)} cannot be called as "
+            f"{function.__name__}(completion, problem, truncated) ({error}): give it those three parameters."
+        ) from error
+    except ValueError:  # no signature to read (a builtin): the calls will tell
+        pass
+    return function
 
 
 class RewardTimeout(BaseException):
@@ -1194,6 +1206,7 @@ def with_reward_fn(task: Task, path: str, timeout_s: float) -> Task:
     raises, runs past timeout_s, or returns NaN or no number scores REWARD_NONE with failed=True
     (reward/fn_failed counts them); it never ends the run."""
     function = import_reward_fn(path)
+    warned = []  # the first failure is shown once (warnings would show each place once, whatever the error)
 
     def score(completion: str, problem: dict, truncated: bool = False) -> Score:
         try:
@@ -1202,7 +1215,15 @@ def with_reward_fn(task: Task, path: str, timeout_s: float) -> Task:
             reward = float(reward)
             if reward != reward or reward in (float("inf"), float("-inf")):
                 raise ValueError(f"returned {reward}")
-        except (Exception, RewardTimeout):  # the user's code: any failure is a completion's 0, counted, not the end
+        except (Exception, RewardTimeout) as error:  # the user's code: a failure is a completion's 0, not the end
+            if not warned:
+                warned.append(error)
+                print(
+                    f"--reward_fn {path}: a call failed ({type(error).__name__}: {error}); a failed call scores "
+                    f"{REWARD_NONE} and counts in reward/fn_failed (further failures are not shown).",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return Score(REWARD_NONE, correct=False, formatted=False, failed=True)
         formatted = bool(formatted) if formatted is not None else reward > REWARD_NONE
         return Score(reward, correct=reward >= REWARD_CORRECT, formatted=formatted)

@@ -234,6 +234,7 @@ def test_an_empty_file_and_a_data_file_without_task_file_stop(tmp_path):
         ("no_such_module_here:f", r"does not import: ModuleNotFoundError"),
         (f"{REWARDS}:no_such_function", r"has no function 'no_such_function'"),
         ("just_a_name", r"write module:function or path/to/file.py:function"),
+        (f"{REWARDS}:two_parameters", r"two_parameters\(completion, problem\) cannot be called as .*truncated"),
     ],
 )
 def test_a_reward_path_that_does_not_import_stops(path, message):
@@ -261,12 +262,17 @@ def test_a_reward_function_gets_the_completion_the_row_and_truncation():
 
 
 @pytest.mark.parametrize("name", ["raises", "not_a_number", "returns_text", "slow", "slow_and_catches_everything"])
-def test_a_failing_reward_scores_zero_and_is_counted(name):
+def test_a_failing_reward_scores_zero_and_is_counted(name, capsys):
+    # ... and the first failure is shown, once, with what went wrong: a run whose every reward is 0
+    # for a bug in the function must not pass in silence.
     task = with_reward_fn(load_file_task(SPEC, "train"), f"{REWARDS}:{name}", 0.2)
     start = time.perf_counter()
     score = task.score("64", task.problems[0], False)
     assert (score.reward, score.correct, score.failed) == (0.0, False, True)
     assert time.perf_counter() - start < 2  # the slow ones sleep 5 s: stopped at 0.2, even inside `except Exception`
+    task.score("64", task.problems[1], False)
+    shown = capsys.readouterr().err
+    assert shown.count(f"--reward_fn {REWARDS}:{name}: a call failed (") == 1, shown
 
 
 def test_a_failing_reward_never_ends_the_run_and_is_in_the_metrics(tmp_path):
