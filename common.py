@@ -147,15 +147,9 @@ def read_config(path: str, args_class) -> dict:
     file = Path(path)
     if not file.is_file():
         raise SystemExit(f"--config {path}: no such file.")
-    text = file.read_text()
-    if file.suffix in (".yaml", ".yml"):
-        import yaml  # PyYAML, which transformers itself requires
-
-        data = yaml.safe_load(text)
-    elif file.suffix == ".json":
-        data = json.loads(text)
-    else:
+    if file.suffix not in (".yaml", ".yml", ".json"):
         raise SystemExit(f"--config {path}: the file must end in .yaml, .yml or .json.")
+    data = parsed_file(file, "--config")
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -163,6 +157,21 @@ def read_config(path: str, args_class) -> dict:
             f"--config {path}: the file must hold a mapping of settings to values, not a {type(data).__name__}."
         )
     return checked_settings(data, args_class, f"--config {path}")
+
+
+def parsed_file(file: Path, flag: str):
+    """The YAML (.yaml, .yml; JSON is YAML too) or JSON (.json) in a file a flag names, or a SystemExit
+    that says where it is not: not UTF-8, or the parser's own message, with its line and column."""
+    import yaml  # PyYAML, which transformers itself requires
+
+    try:
+        text = file.read_text(encoding="utf-8-sig")  # -sig: a byte-order mark, as Windows editors write, is not text
+        return json.loads(text) if file.suffix == ".json" else yaml.safe_load(text)
+    except UnicodeDecodeError as error:
+        raise SystemExit(f"{flag} {file}: not UTF-8 text ({error}): save it as UTF-8.") from error
+    except (json.JSONDecodeError, yaml.YAMLError) as error:
+        kind = "JSON" if file.suffix == ".json" else "YAML"
+        raise SystemExit(f"{flag} {file}: not valid {kind}: {error}") from error
 
 
 def checked_settings(data: dict, args_class, where: str) -> dict:
@@ -244,6 +253,9 @@ def check_run_args(args, algo: str) -> list[str]:
         value = getattr(args, field.name)  # --beta nan would drop the KL term without a word
         if isinstance(value, float) and value != value:
             problems.append(f"--{field.name} is NaN: give it a number.")
+        infinite = isinstance(value, float) and value in (float("inf"), float("-inf"))
+        if infinite and (field.name in ("lr", "critic_lr", "beta", "weight_decay") or field.name.endswith("_coef")):
+            problems.append(f"--{field.name} is {value}: give it a finite number.")  # the first update: NaN weights
     if args.lr is not None and not args.lr > 0:
         problems.append(f"--lr must be > 0 (got {args.lr}); the seed study used 1e-6 to 3e-6.")
     if args.lora_rank < 0 or not args.lora_alpha > 0 or not args.lora_targets.strip(","):
@@ -269,6 +281,7 @@ def check_run_args(args, algo: str) -> list[str]:
         )
     if args.resume_from:
         problems += resume_problems(args, algo)
+    problems += output_dir_problems(args.output_dir)
     try:  # the tracker libraries are looked for here (not imported): a missing one stops before a model loads
         for name in trackers_named(args.report_to):
             if importlib.util.find_spec(name) is None:
@@ -2071,6 +2084,16 @@ def set_rng_states(states: dict) -> None:
     torch.set_rng_state(states["torch"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def output_dir_problems(output_dir: str) -> list[str]:
+    """What stops --output_dir, where runs (or evaluations) get a directory each: a file where it,
+    or a folder above it, would be (found before a model loads, not after)."""
+    path = Path(output_dir)
+    existing = next(p for p in (path, *path.parents) if p.exists())  # "." or "/" at the latest
+    if existing.is_dir():
+        return []
+    return [f"--output_dir {output_dir}: {existing} is a file, not a directory: give a directory, new or existing."]
 
 
 def resume_problems(args, algo: str) -> list[str]:

@@ -63,7 +63,9 @@ from common import (
     load_model,
     make_run_dir,
     markdown_table,
+    output_dir_problems,
     parse_args,
+    parsed_file,
     read_config,
     read_jsonl,
     render_chat,
@@ -146,6 +148,7 @@ def check_args(args: Args) -> list[str]:
     names = [name.strip() for name in args.benchmarks.split(",") if name.strip()]
     known = (*BENCHMARKS, "file", "digit")  # file: your own data (--data_file, --grader); digit: the toy
     problems = [f"--benchmarks: {name!r} is not one of {', '.join(known)}." for name in names if name not in known]
+    problems += output_dir_problems(args.output_dir)
     if "file" in names and not (args.data_file or args.eval_data_file):
         problems.append("--benchmarks file needs --eval_data_file (the problems) or --data_file (its held-out share).")
     if not names:
@@ -573,12 +576,10 @@ def load_study(path: str, model: str = "") -> dict:
     the study file. Every arm's settings are checked with its script's Args and check_args, the
     evaluation's with evaluate.py's, every finding against the arms it names: a mistake stops the
     study before anything trains. Returns the study with its arms as Arms."""
-    import yaml  # PyYAML, which transformers itself requires
-
     file = Path(path)
     if not file.is_file():
         raise SystemExit(f"--study {path}: no such file.")
-    study = yaml.safe_load(file.read_text()) or {}
+    study = parsed_file(file, "--study") or {}
     where = f"--study {path}"
     unknown = set(study) - {"name", "seeds", "set", "evaluate", "arms", "findings"}
     if unknown:

@@ -64,6 +64,8 @@ def no_model_load(*args, **kwargs):
         (dict(dtype="fp16"), "--dtype 'fp16' is not one of"),
         (dict(lm_head_precision="bf16"), "--lm_head_precision 'bf16' is not one of: tf32, fp32"),
         (dict(beta=float("nan")), "--beta is NaN: give it a number"),
+        (dict(lr=float("inf")), "--lr is inf: give it a finite number"),
+        (dict(beta=float("inf")), "--beta is inf: give it a finite number"),
         (dict(num_mini_batches=3), "divide batch_size * group_size (2 × 2 = 4 rows; got 3)"),
         (dict(resume_from="nowhere"), "--resume_from nowhere: no such directory"),
         (dict(resume_from="."), "--resume_from .: no trainer_state.pt there"),
@@ -86,6 +88,25 @@ def test_bad_values_stop_before_any_model_loads(script, bad, message, monkeypatc
         script.train(tiny_args(script, **bad, output_dir=str(tmp_path)))
     assert message in str(stop.value)
     assert not any(tmp_path.iterdir())  # no run directory either
+
+
+@pytest.mark.parametrize("script", [*SCRIPTS, "evaluate"], ids=lambda m: getattr(m, "__name__", m))
+def test_an_output_dir_where_a_file_is_stops_before_any_model_loads(script, monkeypatch, tmp_path):
+    (tmp_path / "a-file").write_text("kept")
+    for given in (tmp_path / "a-file", tmp_path / "a-file" / "runs"):
+        if script == "evaluate":
+            import evaluate
+
+            monkeypatch.setattr(evaluate, "load_model", no_model_load)
+            run = functools.partial(
+                evaluate.main, evaluate.Args(model="tiny", benchmarks="digit", output_dir=str(given))
+            )
+        else:
+            monkeypatch.setattr(script, "load_policy", no_model_load)
+            run = functools.partial(script.train, tiny_args(script, output_dir=str(given)))
+        with pytest.raises(SystemExit, match=f"{tmp_path / 'a-file'} is a file, not a directory"):
+            run()
+    assert (tmp_path / "a-file").read_text() == "kept"
 
 
 def test_ppo_checks_the_critic_learning_rate(monkeypatch, tmp_path):

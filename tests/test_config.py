@@ -167,3 +167,23 @@ def test_the_command_line_takes_a_config(tmp_path):
         "--config FILE"
         in subprocess.run([sys.executable, "grpo.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
     )
+
+
+def test_a_file_that_does_not_parse_says_where(tmp_path):
+    # The parser's message with its line, not its traceback; a byte-order mark (Windows editors)
+    # is read past; bytes that are not UTF-8 are named as such. The study file reads the same way.
+    cases = [
+        ("run.yaml", b"lr: 1e-6\nbeta: [0.1\n", "--config {}: not valid YAML: "),
+        ("run.json", b'{"lr": 1e-6,}', "--config {}: not valid JSON: Expecting property name"),
+        ("run.yaml", b"lr: \xff\n", "--config {}: not UTF-8 text"),
+    ]
+    for name, content, message in cases:
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(SystemExit) as stop:
+            parse_args(grpo.Args, ["--config", str(tmp_path / name)])
+        assert str(stop.value).startswith(message.format(tmp_path / name)), stop.value
+    (tmp_path / "bom.yaml").write_bytes("\ufefflr: 2.0e-6\n".encode())
+    assert parse_args(grpo.Args, ["--config", str(tmp_path / "bom.yaml")]).lr == 2e-6
+    (tmp_path / "study.yaml").write_bytes(b"name: x\narms: {a: [\n")
+    with pytest.raises(SystemExit, match=r"(?s)--study .*study.yaml: not valid YAML: .*line 3"):
+        evaluate.load_study(str(tmp_path / "study.yaml"))
