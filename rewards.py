@@ -958,17 +958,18 @@ def read_rows(source: str, split: str) -> list[dict]:
         if not path.is_file():
             raise SystemExit(f"--data_file {source}: no such file. Give a {'/'.join(FILE_FORMATS)} file or a Hub id.")
         if path.suffix == ".jsonl":
-            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            lines = enumerate(data_text(path).splitlines(), start=1)
+            rows = [json_value(line, f"{source}, line {number}") for number, line in lines if line.strip()]
         elif path.suffix == ".json":
-            content = json.loads(path.read_text())
+            content = json_value(data_text(path), source)
             rows = content.get(split) if isinstance(content, dict) else content
             if not isinstance(rows, list):
                 raise SystemExit(f"{source}: a JSON file holds a list of rows, or {{{split!r}: [rows]}}.")
         elif path.suffix == ".csv":
             import csv
+            import io
 
-            with path.open(newline="") as file:
-                rows = list(csv.DictReader(file))
+            rows = list(csv.DictReader(io.StringIO(data_text(path), newline="")))
         elif path.suffix == ".parquet":
             import pyarrow.parquet  # datasets' own dependency
 
@@ -984,6 +985,23 @@ def read_rows(source: str, split: str) -> list[dict]:
         return rows
     name, _, config = source.partition(":")
     return load_hub_rows(name, config or None, split, set(), hint="or give a local file (docs/tasks.md).")
+
+
+def data_text(path: Path) -> str:
+    """A data file's text: UTF-8, a byte-order mark (as Windows editors write) read past; else a
+    SystemExit naming the file and the byte."""
+    try:
+        return path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise SystemExit(f"{path}: not UTF-8 text ({error}): save it as UTF-8.") from error
+
+
+def json_value(text: str, where: str):
+    """json.loads(text), or a SystemExit naming where (a file, a line of it) and what is wrong."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise SystemExit(f"{where}: not valid JSON ({error}).") from error
 
 
 def file_problem(row: dict, spec: FileTaskSpec, where: str) -> dict:
@@ -1008,10 +1026,21 @@ def file_problems(spec: FileTaskSpec, source: str, split: str) -> list[dict]:
     """Every row of `source` as a problem; stops on a missing column or answers the grader cannot read."""
     rows = read_rows(source, split)
     needed = {"nums", "target"} if spec.grader == "countdown" else {spec.prompt_key, spec.answer_key}
-    missing = needed - set(rows[0])
-    if missing:
-        flags = "" if spec.grader == "countdown" else " (--prompt_key, --answer_key)"
-        raise SystemExit(f"{source}: no column {sorted(missing)}{flags}; its columns are {sorted(rows[0])}.")
+    for number, row in enumerate(rows, start=1):
+        missing = needed - set(row)
+        if missing:
+            flags = "" if spec.grader == "countdown" else " (--prompt_key, --answer_key)"
+            at = f", row {number}" if number > 1 else ""
+            raise SystemExit(f"{source}{at}: no column {sorted(missing)}{flags}; its columns are {sorted(row)}.")
+        if spec.prompt_key not in row:  # the countdown grader's rows may have none: Countdown's prompt then
+            continue
+        prompt = row[spec.prompt_key]
+        chat = isinstance(prompt, list) and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt)
+        if not (isinstance(prompt, str) and prompt.strip() or chat and prompt):
+            raise SystemExit(
+                f"{source}, row {number}: the prompt ({spec.prompt_key!r}) is {prompt!r}: give text, or a chat as a "
+                'list of {"role": ..., "content": ...} messages.'
+            )
     problems, unreadable = [], []
     for number, row in enumerate(rows, start=1):
         try:

@@ -220,6 +220,45 @@ def test_bad_input_stops_with_a_message(change, message):
         load_file_task(dataclasses.replace(SPEC, **change), "train")
 
 
+GOOD = '{"question": "What is 1 + 1?", "answer": "2"}'
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        (
+            "a.jsonl",
+            f"{GOOD}\n{{'question': 'x'}}\n".encode(),
+            r"a.jsonl, line 2: not valid JSON \(Expecting property name",
+        ),
+        ("a.json", f"[{GOOD},]".encode(), r"a.json: not valid JSON"),
+        ("a.jsonl", f"{GOOD}\n".encode() + b'{"question": "\xff", "answer": "2"}', r"a.jsonl: not UTF-8 text"),
+        ("a.csv", b"question,answer\n\xe9,2\n", r"a.csv: not UTF-8 text"),
+        ("a.jsonl", f'{GOOD}\n{{"answer": "3"}}\n'.encode(), r"a.jsonl, row 2: no column \['question'\]"),
+        (
+            "a.jsonl",
+            f'{GOOD}\n{{"question": null, "answer": "3"}}\n'.encode(),
+            r"row 2: the prompt \('question'\) is None",
+        ),
+        ("a.jsonl", f'{GOOD}\n{{"question": ["hi"], "answer": "3"}}\n'.encode(), r"row 2: the prompt .* is \['hi'\]"),
+    ],
+    ids=["bad json line", "bad json", "not utf-8", "csv not utf-8", "later row's column", "null prompt", "bad chat"],
+)
+def test_a_data_file_s_bad_row_is_named_by_its_line(tmp_path, name, content, message):
+    # Found while the task loads (before a model does), each named by its file and line or row.
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(SystemExit, match=message):
+        load_file_task(dataclasses.replace(SPEC, data_file=str(tmp_path / name)), "train")
+
+
+def test_a_byte_order_mark_is_read_past(tmp_path):
+    # Windows editors start UTF-8 files with one: the first column's name would hold it.
+    (tmp_path / "a.csv").write_bytes("\ufeffquestion,answer\nWhat is 1 + 1?,2\n".encode())
+    (tmp_path / "a.jsonl").write_bytes(f"\ufeff{GOOD}\n".encode())
+    for name in ("a.csv", "a.jsonl"):
+        assert read_rows(str(tmp_path / name), "train") == [{"question": "What is 1 + 1?", "answer": "2"}]
+
+
 def test_an_empty_file_and_a_data_file_without_task_file_stop(tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(SystemExit, match="holds no rows"):
