@@ -263,6 +263,15 @@ def check_run_args(args, algo: str) -> list[str]:
             f"LoRA needs --lora_rank >= 0 (0: off), --lora_alpha > 0 and --lora_targets 'all-linear' or layer "
             f"names such as q_proj,v_proj (got {args.lora_rank}, {args.lora_alpha}, {args.lora_targets!r})."
         )
+    defaults = {field.name: field.default for field in dataclasses.fields(args)}
+    if not args.lora_rank and (args.lora_alpha, args.lora_targets) != (
+        defaults["lora_alpha"],
+        defaults["lora_targets"],
+    ):
+        problems.append(
+            f"--lora_alpha {args.lora_alpha} / --lora_targets {args.lora_targets} shape LoRA adapters, and LoRA is off "
+            "(--lora_rank 0: every weight trains): add --lora_rank (e.g. 32), or drop them."
+        )
     if not 0 <= args.adam_beta2 < 1:
         problems.append(f"--adam_beta2 must be in [0, 1) (got {args.adam_beta2}).")
     if not args.max_grad_norm > 0:
@@ -1377,7 +1386,16 @@ def with_adapters(model, args, saved: Path | None = None):
     names = [name.strip() for name in args.lora_targets.split(",") if name.strip()]
     targets = "all-linear" if names == ["all-linear"] else names
     config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=targets, lora_dropout=0.0)
-    return get_peft_model(model, config)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as error:  # peft's: a name that matches no layer of this model
+        linear = sorted(
+            {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        )
+        raise SystemExit(
+            f"--lora_targets {args.lora_targets}: {error}. This model's linear layers are named {', '.join(linear)}; "
+            "give some of them, comma separated, or all-linear."
+        ) from error
 
 
 def load_reference(args, policy, device: torch.device, dtype: torch.dtype):

@@ -204,3 +204,10 @@ def test_grpo_with_lora_learns_the_digit_task(tmp_path):
     assert end > 0.6, (start, end)
     rewards = [row["reward/mean"] for row in read_jsonl(run_dir / "metrics.jsonl")]
     assert len(rewards) == 20 and sum(rewards[-5:]) / 5 > 0.6
+
+
+def test_a_target_the_model_does_not_have_names_the_ones_it_has():
+    # peft's own error (a ValueError) names the pattern; ours adds the model's linear layers to pick from.
+    args = grpo.Args(model="tiny", lora_rank=4, lora_targets="q_prj")
+    with pytest.raises(SystemExit, match=r"--lora_targets q_prj: .*linear layers are named .*q_proj.*or all-linear"):
+        load_policy(args, torch.device("cpu"), torch.float32)
