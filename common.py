@@ -1745,7 +1745,11 @@ class Run:
         self.steps_done = 0  # steps whose metrics row is written (a resume starts at its checkpoint's)
         if not args.resume_from:
             self.dir = broadcast(make_run_dir(args, algo) if rank() == 0 else None)
-            self.trackers = open_trackers(args, self.dir, algo) if rank() == 0 else []
+            try:
+                self.trackers = open_trackers(args, self.dir, algo) if rank() == 0 else []
+            except SystemExit:  # a tracker that does not start: the run never did, and its new directory goes
+                shutil.rmtree(self.dir, ignore_errors=True)
+                raise
             return
         saved = load_trainer_state(args.resume_from, vars(args), same_on_resume, trainer_state_file())
         if saved.get("world_size", 1) != world_size():  # each rank's AdamW shard fits that many ranks only
@@ -1985,9 +1989,16 @@ class WandbTracker:
         self.wandb = wandb
         name = run_dir.name if resumed_at is None else f"{run_dir.name}-from-step-{resumed_at}"
         config = {**dataclasses.asdict(args), "algo": algo, "resumed_at": resumed_at}
-        self.run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT", "nanoPO"), name=name, dir=str(run_dir), config=config
-        )
+        try:
+            self.run = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "nanoPO"), name=name, dir=str(run_dir), config=config
+            )
+        except Exception as error:  # no login, no network, a wrong entity: wandb's own words, and the ways out
+            raise SystemExit(
+                f"--report_to wandb: W&B did not start a run ({type(error).__name__}: {error}). Log in (`wandb "
+                "login`), or set WANDB_MODE=offline (written under the run directory; `wandb sync` uploads it "
+                "later), or drop wandb from --report_to."
+            ) from error
 
     def log(self, metrics: dict, step: int) -> None:
         self.run.log(numeric(metrics), step=step)

@@ -202,3 +202,18 @@ def test_none_opens_no_tracker_and_imports_nothing(tmp_path):
     for script in ("grpo.py", "dapo.py", "ppo.py", "common.py"):
         text = (ROOT / script).read_text()
         assert "\nimport wandb" not in text and "\nfrom torch.utils.tensorboard" not in text
+
+
+def test_a_wandb_that_does_not_start_stops_with_the_ways_out_and_leaves_no_run(tmp_path, monkeypatch):
+    # W&B without a login (online mode) raises its own UsageError from wandb.init, after the model
+    # loaded: the run stops with W&B's words and what to do, and its new directory is gone.
+    import wandb
+
+    def no_login(**settings):
+        raise wandb.errors.UsageError("api_key not configured (no-tty)")
+
+    monkeypatch.setattr(wandb, "init", no_login)
+    with pytest.raises(SystemExit) as stop:
+        grpo.train(grpo.Args(**SETTINGS, max_steps=1, report_to="wandb", output_dir=str(tmp_path)))
+    assert "W&B did not start a run (UsageError: api_key not configured" in str(stop.value)
+    assert "WANDB_MODE=offline" in str(stop.value) and not any(tmp_path.iterdir())
