@@ -189,6 +189,13 @@ def checked_settings(data: dict, args_class, where: str) -> dict:
             values[key] = as_field_type(value, types[key])
         except ValueError as error:
             problems.append(f"{key}: {error}")
+    if problems and "lr" in fields and {"model", "lr"} <= set(data):  # a training script's whole arguments
+        theirs, ours = written_by_script(data), written_by_script(dict.fromkeys(fields))
+        if theirs != ours:  # another script's args.json: one line for it, not one a setting
+            raise SystemExit(
+                f"{where}: these are {theirs}.py's arguments (a {theirs}.py run's args.json?): run {theirs}.py "
+                "with them."
+            )
     if problems:
         raise SystemExit(f"{where}:\n  " + "\n  ".join(problems) + "\nSee --help for every setting.")
     return values
@@ -2162,6 +2169,12 @@ def written_by_script(saved_args: dict) -> str:
 
 def no_trainer_state(checkpoint) -> str:
     """The message for a --resume_from directory without the trainer state."""
+    if Path(checkpoint).name == "final":  # the newest checkpoint, its trainer state deleted (--study_prune)
+        return (
+            f"--resume_from {checkpoint}: no {TRAINER_STATE} there, and a run's final/ is its newest checkpoint: "
+            "its trainer state was deleted (evaluate.py --study_prune does), so it cannot resume. Start a new run "
+            f"from its weights: --model {checkpoint}."
+        )
     return (
         f"--resume_from {checkpoint}: no {TRAINER_STATE} there. Only the newest checkpoint of a run "
         "keeps it: point --resume_from at that one (runs/<run>/final or the last step-…)."

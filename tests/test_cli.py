@@ -167,6 +167,15 @@ def test_a_resumed_run_records_the_arguments_it_went_on_with(script, tmp_path, m
     assert (before["max_steps"], before["sample_every"], before["resume_from"]) == (2, 1, "")
 
 
+def test_a_final_checkpoint_without_its_trainer_state_says_it_cannot_resume(tmp_path, monkeypatch):
+    # evaluate.py --study_prune deletes a finished run's resume state: "point it at the newest
+    # checkpoint" would send the user in a circle; final/ is that one.
+    (tmp_path / "final").mkdir()
+    monkeypatch.setattr(grpo, "load_policy", no_model_load)
+    with pytest.raises(SystemExit, match=r"so it cannot resume\. Start a new run from its weights: --model .*final"):
+        grpo.train(tiny_args(grpo, resume_from=str(tmp_path / "final"), output_dir=str(tmp_path)))
+
+
 def test_a_checkpoint_saved_before_the_script_s_name_is_known_by_its_arguments(tmp_path, monkeypatch):
     # Trainer states written before they named their script ("algo"): ppo.py's arguments alone hold
     # --critic_lr, dapo.py's --dynamic_sampling.

@@ -1,6 +1,7 @@
 """--config FILE: every Args field from a YAML or JSON file, flags on the command line over it, a
 run's own args.json rerunning the run, and a clear stop on a key or value that cannot work."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -187,3 +188,13 @@ def test_a_file_that_does_not_parse_says_where(tmp_path):
     (tmp_path / "study.yaml").write_bytes(b"name: x\narms: {a: [\n")
     with pytest.raises(SystemExit, match=r"(?s)--study .*study.yaml: not valid YAML: .*line 3"):
         evaluate.load_study(str(tmp_path / "study.yaml"))
+
+
+def test_another_script_s_arguments_are_named_as_such(tmp_path):
+    # A run's args.json is a --config for its own script; given to another, one line says whose it
+    # is, where a line a setting the other lacks would follow.
+    for theirs, ours in ((ppo, grpo), (dapo, ppo), (grpo, dapo)):
+        config = tmp_path / f"{theirs.__name__}.json"
+        config.write_text(json.dumps(dataclasses.asdict(theirs.Args())))
+        with pytest.raises(SystemExit, match=rf"these are {theirs.__name__}.py's arguments .*run {theirs.__name__}.py"):
+            parse_args(ours.Args, ["--config", str(config)])
