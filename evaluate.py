@@ -745,6 +745,11 @@ def run_study(args: Args) -> Path:
     settings as one file (config.json beside it), which records exactly what ran."""
     study = load_study(args.study, args.study_model)
     study_dir = Path(args.output_dir) / f"study-{study['name']}"
+    local = args.study_model.startswith(("/", "./", "../", "~")) or args.study_model.endswith(".gguf")
+    if local and not Path(args.study_model).expanduser().exists():  # a path, not a Hub id: found now, not in run 1
+        raise SystemExit(f"--study_model {args.study_model}: no such file or directory.")
+    if args.study_into:  # where the report goes, checked before anything trains
+        into_markers(Path(args.study_into), study["name"])
     study["command"] = shlex.join(["python", "evaluate.py", "--study", args.study, "--output_dir", args.output_dir])
     study["command"] += f" --study_model {shlex.quote(args.study_model)}" if args.study_model else ""
     arms = study["arms"].values()
@@ -1124,15 +1129,27 @@ def study_report(study: dict, study_dir: Path) -> str:
     return "\n".join(lines)
 
 
-def write_into(document: Path, study: dict, study_dir: Path, report: str) -> None:
-    """Replaces the section of document between <!-- study:NAME --> and <!-- /study:NAME --> by the
-    report, its pictures copied beside the document (study-NAME-finding-k.png)."""
-    begin, end = f"<!-- study:{study['name']} -->", f"<!-- /study:{study['name']} -->"
+def into_markers(document: Path, name: str) -> tuple[str, str]:
+    """The lines between which --study_into's report goes, <!-- study:NAME --> and <!-- /study:NAME -->,
+    or a SystemExit: no such file, or the lines are not in it, in this order."""
+    begin, end = f"<!-- study:{name} -->", f"<!-- /study:{name} -->"
+    if not document.is_file():
+        raise SystemExit(
+            f"--study_into {document}: no such file. Give a markdown file with the lines {begin} and {end}."
+        )
     text = document.read_text()
     if begin not in text or end not in text.split(begin, 1)[1]:
         raise SystemExit(
             f"--study_into {document}: add the lines {begin} and {end}, in this order, where the report goes."
         )
+    return begin, end
+
+
+def write_into(document: Path, study: dict, study_dir: Path, report: str) -> None:
+    """Replaces the section of document between <!-- study:NAME --> and <!-- /study:NAME --> by the
+    report, its pictures copied beside the document (study-NAME-finding-k.png)."""
+    begin, end = into_markers(document, study["name"])
+    text = document.read_text()
     for picture in study_dir.glob("finding-*.png"):
         shutil.copyfile(picture, document.parent / f"study-{study['name']}-{picture.name}")
         report = report.replace(f"({picture.name})", f"(study-{study['name']}-{picture.name})")

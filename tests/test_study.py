@@ -350,3 +350,24 @@ def test_stability_verdicts_by_hand():
     assert verdict.startswith("does not hold: a steadier step to step")
     _, verdict = judge(finding, {"a": [outcome("a", 45, rows=steady)], "b": [outcome("b", 40, rows=jumpy)]})
     assert verdict.startswith("not shown: a steadier") and verdict.endswith("the intervals overlap")
+
+
+def test_where_the_report_goes_and_a_local_model_are_checked_before_anything_trains(tmp_path, monkeypatch):
+    # --study_into's file and its lines, and a --study_model that is a path: a mistake in either
+    # stops the study at its start, not after every arm has trained.
+    commands = recorded_commands(monkeypatch)
+    document = tmp_path / "learning.md"
+    for settings, message in [
+        (dict(study_into=str(document)), r"--study_into .*learning.md: no such file"),
+        (
+            dict(study_model=str(tmp_path / "no-such-model")),
+            r"--study_model .*no-such-model: no such file or directory",
+        ),
+        (dict(study_model="weights.gguf"), r"--study_model weights.gguf: no such file"),
+    ]:
+        with pytest.raises(SystemExit, match=message):
+            run_study(Args(study=TINY, output_dir=str(tmp_path), **settings))
+    document.write_text("no markers\n")
+    with pytest.raises(SystemExit, match="add the lines <!-- study:tiny --> and <!-- /study:tiny -->"):
+        run_study(Args(study=TINY, output_dir=str(tmp_path), study_into=str(document)))
+    assert commands == []
