@@ -151,6 +151,10 @@ def check_args(args: Args) -> list[str]:
     problems += output_dir_problems(args.output_dir)
     if "file" in names and not (args.data_file or args.eval_data_file):
         problems.append("--benchmarks file needs --eval_data_file (the problems) or --data_file (its held-out share).")
+    if "file" not in names and (args.data_file or args.eval_data_file):
+        problems.append("--data_file and --eval_data_file are for --benchmarks file: add it, or drop them.")
+    if "file" in names and args.shots and not args.data_file:  # the examples are --data_file's training rows
+        problems.append("--shots with --benchmarks file takes its examples from --data_file's rows: add --data_file.")
     if not names:
         problems.append("--benchmarks names no benchmark.")
     if len(set(names)) != len(names):

@@ -86,6 +86,11 @@ def test_bad_arguments_stop_with_a_message():
     message = str(error.value)
     assert "'mmlu' is not one of" in message and "names a benchmark twice" in message
     assert "--num_samples > 1 needs --temperature > 0" in message and "--batch_size must be at least 1" in message
+    # Settings a benchmark list would leave unused: said, not recorded in args.json as if they ran.
+    with pytest.raises(SystemExit, match="--data_file and --eval_data_file are for --benchmarks file"):
+        check_args(Args(benchmarks="countdown", data_file="rows.jsonl"))
+    with pytest.raises(SystemExit, match="takes its examples from --data_file's rows"):
+        check_args(Args(benchmarks="file", eval_data_file="rows.jsonl", shots=1))
 
 
 def test_grader_kills_a_hung_grading_and_keeps_going():
