@@ -513,9 +513,10 @@ def read_data_file(data_dir: str, relative: str, columns: set[str]) -> list[dict
     if not path.is_file():
         raise SystemExit(f"--data_dir {data_dir}: {relative} is missing ({path}). {DATA_DIR_HINT}")
     if path.suffix == ".jsonl":
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        lines = enumerate(data_text(path).splitlines(), start=1)
+        rows = [json_value(line, f"{path}, line {number}") for number, line in lines if line.strip()]
     else:
-        content = json.loads(path.read_text())
+        content = json_value(data_text(path), str(path))
         if not isinstance(content, dict) or "examples" not in content:
             raise SystemExit(f"{path}: expected a JSON object with an 'examples' list (the BIG-Bench-Hard layout).")
         rows = content["examples"]

@@ -566,6 +566,10 @@ def test_empty_data_files_stop_with_the_file_name(tmp_path):
     (tmp_path / "bbh" / "boolean_expressions.json").write_text('{"examples": []}')
     with pytest.raises(SystemExit, match=r"bbh/boolean_expressions.json holds no rows"):
         load_benchmark("bbh", str(tmp_path))
+    # A line that is not JSON: named by its file and line, not json's traceback.
+    (tmp_path / "gsm8k" / "test.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n{"question": \n')
+    with pytest.raises(SystemExit, match=r"gsm8k/test.jsonl, line 2: not valid JSON"):
+        load_benchmark("gsm8k", str(tmp_path))
 
 
 def test_empty_hub_split_stops_with_the_dataset_name(monkeypatch):
