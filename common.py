@@ -271,13 +271,15 @@ def check_run_args(args, algo: str) -> list[str]:
             f"names such as q_proj,v_proj (got {args.lora_rank}, {args.lora_alpha}, {args.lora_targets!r})."
         )
     defaults = {field.name: field.default for field in dataclasses.fields(args)}
-    if not args.lora_rank and (args.lora_alpha, args.lora_targets) != (
-        defaults["lora_alpha"],
-        defaults["lora_targets"],
-    ):
+    shaping = [
+        f"--{name} {getattr(args, name)}"
+        for name in ("lora_alpha", "lora_targets")
+        if getattr(args, name) != defaults[name]
+    ]
+    if not args.lora_rank and shaping:  # given, and ignored: the run would train every weight
         problems.append(
-            f"--lora_alpha {args.lora_alpha} / --lora_targets {args.lora_targets} shape LoRA adapters, and LoRA is off "
-            "(--lora_rank 0: every weight trains): add --lora_rank (e.g. 32), or drop them."
+            f"{', '.join(shaping)}: these shape LoRA adapters, and LoRA is off (--lora_rank 0: every weight "
+            "trains): add --lora_rank (e.g. 32), or drop them."
         )
     if not 0 <= args.adam_beta2 < 1:
         problems.append(f"--adam_beta2 must be in [0, 1) (got {args.adam_beta2}).")

@@ -68,7 +68,7 @@ def no_model_load(*args, **kwargs):
         (dict(beta=float("inf")), "--beta is inf: give it a finite number"),
         (dict(num_mini_batches=3), "divide batch_size * group_size (2 × 2 = 4 rows; got 3)"),
         (dict(resume_from="nowhere"), "--resume_from nowhere: no such directory"),
-        (dict(lora_targets="q_proj"), "--lora_targets q_proj shape LoRA adapters, and LoRA is off"),
+        (dict(lora_targets="q_proj"), "--lora_targets q_proj: these shape LoRA adapters, and LoRA is off"),
         (dict(lora_alpha=16.0), "add --lora_rank (e.g. 32), or drop them"),
         (dict(resume_from="."), "--resume_from .: no trainer_state.pt there"),
         (dict(task="chess"), "--task 'chess' is not one of: countdown, digit, secret, gsm8k"),

@@ -405,7 +405,8 @@ def test_resume_after_a_crash_continues_exactly(tmp_path, monkeypatch):
     assert all(torch.equal(a[k], b[k]) for k in a)
     # A different round size would map the saved position onto other prompts: refused.
     with pytest.raises(SystemExit, match="started with --gen_batch_size 0"):
-        train(Args(output_dir=str(tmp_path / "b"), resume_from=str(resumed / "final"), gen_batch_size=8, **RESUME))
+        settings = {**RESUME, "max_steps": 5}  # past the checkpoint's step 4: else that stops it first
+        train(Args(output_dir=str(tmp_path / "b"), resume_from=str(resumed / "final"), gen_batch_size=8, **settings))
 
 
 def test_a_step_without_informative_groups_skips_the_update(tmp_path):
