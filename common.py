@@ -2164,8 +2164,8 @@ def resume_problems(args, algo: str) -> list[str]:
 
 
 def written_by_script(saved_args: dict) -> str:
-    """The script that wrote a trainer state saved before it recorded its own name: by the
-    arguments only that script has."""
+    """The script whose arguments these are (an args.json, or a trainer state saved before it
+    named its script), by the arguments only that script has."""
     return "ppo" if "critic_lr" in saved_args else "dapo" if "dynamic_sampling" in saved_args else "grpo"
 
 
