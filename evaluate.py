@@ -134,7 +134,7 @@ class Args:
     # other modes
     compare: list[str] = arg([], "eval run dirs (or results.json files) to join into one table")
     plot: list[str] = arg([], "training run dirs whose metrics.jsonl to plot")
-    plot_file: str = arg("", "PNG written by --plot; '' = <output_dir>/curves-<time>.png")
+    plot_file: str = arg("", "picture --plot writes, by suffix (.png, .svg, .pdf); '' = <output_dir>/curves-<time>.png")
     study: str = arg("", "a study file (recipes/study-*.yaml): train its arms, evaluate each, report every finding")
     study_model: str = arg("", "--study: the model of every arm, in place of the study file's (e.g. a local path)")
     study_dry_run: bool = arg(False, "--study: print the plan (and a GPU-time estimate) and stop")
@@ -483,6 +483,13 @@ def plot_curves(run_dirs: list[str], out_file: Path, labels: list[str] | None = 
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
+    kinds = plt.figure().canvas.get_supported_filetypes()  # png, pdf, svg, …: savefig picks by the suffix
+    plt.close("all")
+    if out_file.suffix.lstrip(".").lower() not in kinds:
+        raise SystemExit(
+            f"--plot_file {out_file}: matplotlib cannot write a {out_file.suffix or 'suffix-less'} file. "
+            f"End the name with one of: {', '.join('.' + kind for kind in sorted(kinds))}."
+        )
     runs = []
     for run_dir in run_dirs:
         metrics = Path(run_dir) / "metrics.jsonl"

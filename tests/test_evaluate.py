@@ -366,6 +366,13 @@ def test_plot_writes_a_png_with_curves(tmp_path):
     assert len(colours) > 20  # curves, text and grid, not a blank canvas
     with pytest.raises(SystemExit, match="no metrics.jsonl there"):
         plot_curves([str(tmp_path)], tmp_path / "x.png")
+    # A file matplotlib cannot write (by its suffix) stops before any run is read, naming the ones it can;
+    # it used to be matplotlib's ValueError after every run was read. .pdf and .svg are pictures too.
+    with pytest.raises(SystemExit, match=r"--plot_file .*curves\.txt: matplotlib cannot write a \.txt file.*png.*svg"):
+        main(parse_args(Args, ["--plot", "missing-run", "--plot_file", str(tmp_path / "curves.txt")]))
+    assert not (tmp_path / "curves.txt").exists()
+    svg = main(parse_args(Args, ["--plot", *runs, "--plot_file", str(tmp_path / "curves.svg")]))
+    assert svg.read_text().startswith("<?xml")
 
 
 def test_help_explains_every_option(capsys):
