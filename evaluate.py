@@ -76,7 +76,16 @@ from common import (
     use_device,
 )
 from grpo import encode_prompts, generate, tool_turns
-from rewards import BENCHMARKS, REWARD_NONE, FileTaskSpec, Score, load_benchmark, load_file_task, with_tools
+from rewards import (
+    BENCHMARKS,
+    REWARD_NONE,
+    FileTaskSpec,
+    Score,
+    load_benchmark,
+    load_file_task,
+    with_reward_fn,
+    with_tools,
+)
 
 Z_95 = 1.959963984540054  # standard normal quantile of 0.975: two-sided 95% intervals
 # Training-curve panels of --plot: (metrics.jsonl key, title). Runs lacking a key skip that panel.
@@ -120,6 +129,8 @@ class Args:
     temperature: float = arg(0.0, "0 = greedy decoding")
     top_p: float = arg(1.0, "nucleus sampling when temperature > 0")
     grade_timeout: float = arg(60.0, "seconds one grading may take before its worker process is killed (counted wrong)")
+    reward_fn: str = arg("", "grade by your reward (as in training): module:function or file.py:function; >= 1 = right")
+    reward_fn_timeout: float = arg(10.0, "seconds a --reward_fn call may take; past it, or raising: wrong, counted")
     # tools (docs/tools.md): the model may call them mid-answer, as in training with the same flags
     tools: str = arg("", "built-in tools, comma separated: calculator; '' = none (the task's own still apply)")
     tool: str = arg("", "your tools: module:function or file.py:function (type hints, docstring), comma separated")
@@ -276,7 +287,7 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
     order = sorted(range(len(problems)), key=lambda i: -sum(len(m["content"]) for m in conversations[i]))
     correct = [[False] * k for _ in problems]  # [problem][sample], the flexible grade
     strict = [[False] * k for _ in problems]  # [problem][sample], the answer in the asked format only
-    lengths, truncations, formatted, calls = [], [], [], []
+    lengths, truncations, formatted, calls, failures = [], [], [], [], []
     timeouts_before = grader.timeouts
     start = time.perf_counter()
     progress = tqdm(total=len(problems), desc=task.name, unit="problem")
@@ -333,6 +344,9 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
                 "length": row_lengths[row],
                 "truncated": bool(truncated[row]),
             }
+            if args.reward_fn:  # what the user's reward gave, and whether its call failed
+                record["reward"], record["fn_failed"] = score.reward, score.failed
+                failures.append(score.failed)
             if counts is not None:  # who wrote what, and the row's calls
                 record["turns"] = turns_of(tokenizer, completion_ids[row], completion_mask[row], tool_mask[row])
                 record["tool_calls"], record["tool_failed"] = counts[row, 0].item(), counts[row, 1].item()
@@ -350,6 +364,8 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
             "seconds": time.perf_counter() - start,
         }
     )
+    if args.reward_fn:  # the share of completions whose --reward_fn call failed, as training's reward/fn_failed
+        result["reward_fn_failed"] = sum(failures) / len(failures)
     if calls:  # per completion, as training's tools/calls; the share of calls that failed, as tools/errors
         made, failed = sum(c for c, _ in calls), sum(f for _, f in calls)
         result.update({"tool_calls": made / len(calls), "tool_errors": failed / made if made else 0.0})
@@ -1194,6 +1210,8 @@ def main(args: Args) -> Path | None:
         )
         for name in names
     }
+    if args.reward_fn:  # imported and checked before the model loads, as in training
+        tasks = {name: with_reward_fn(task, args.reward_fn, args.reward_fn_timeout) for name, task in tasks.items()}
     device = use_device(resolve_device(args.device))  # a GPU named by --device becomes the current one
     weight_dtype, _ = resolve_precision(args.dtype, device)
     seed_everything(args.seed)
@@ -1207,6 +1225,8 @@ def main(args: Args) -> Path | None:
     settings = {k: getattr(args, k) for k in ("model", "max_new_tokens", "num_samples", "temperature", "top_p")}
     if args.tools or args.tool:
         settings |= {k: getattr(args, k) for k in ("tools", "tool", "max_turns", "max_tool_tokens", "tool_timeout")}
+    if args.reward_fn:
+        settings |= {"reward_fn": args.reward_fn, "reward_fn_timeout": args.reward_fn_timeout}
     results = {}
     grader = Grader(args.grade_timeout)
     try:

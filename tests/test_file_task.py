@@ -354,6 +354,36 @@ def test_evaluate_on_a_file_task(tmp_path):
     assert results["n"] == len(load_file_task(SPEC, "heldout").problems)  # the held-out share, graded
 
 
+@pytest.mark.parametrize("benchmarks", ["file", "digit"])
+def test_evaluate_grades_with_the_reward_of_your_own(benchmarks, tmp_path, capfd):
+    # --reward_fn as in training: a completion is correct when the function gives at least 1. The
+    # tiny model answers none of these, so the task's grader would give 0; "always right" gives 1.
+    # evaluate.py grades in a worker process (Grader): the reward travels to it by its path.
+    flags = dict(model="tiny", benchmarks=benchmarks, max_new_tokens=4, limit=4, output_dir=str(tmp_path))
+    if benchmarks == "file":
+        flags |= dict(data_file=str(ARITHMETIC), prompt_key="question", grader="number")
+    right = evaluate.main(evaluate.Args(**flags, reward_fn=f"{REWARDS}:always_right"))
+    saved = json.loads((right / "results.json").read_text())
+    assert saved["reward_fn"] == f"{REWARDS}:always_right"
+    assert (saved["results"][benchmarks]["accuracy"], saved["results"][benchmarks]["reward_fn_failed"]) == (1.0, 0.0)
+    assert {(s["reward"], s["correct"]) for s in read_jsonl(right / "samples.jsonl")} == {(1.0, True)}
+    plain = evaluate.main(evaluate.Args(**flags))  # the task's grader: nothing right, no reward_fn recorded
+    saved = json.loads((plain / "results.json").read_text())
+    assert saved["results"][benchmarks]["accuracy"] == 0.0 and "reward_fn" not in saved
+    capfd.readouterr()
+    failing = evaluate.main(evaluate.Args(**flags, reward_fn=f"{REWARDS}:raises", reward_fn_timeout=1.0))
+    result = json.loads((failing / "results.json").read_text())["results"][benchmarks]
+    assert (result["accuracy"], result["reward_fn_failed"]) == (0.0, 1.0)
+    shown = capfd.readouterr().err  # printed by the grading worker: once, however many calls failed
+    assert shown.count(f"--reward_fn {REWARDS}:raises: a call failed (RuntimeError: a bug in the user's reward)") == 1
+
+
+def test_evaluate_stops_on_a_reward_that_cannot_be_called_before_the_model_loads(tmp_path):
+    args = evaluate.Args(model="no/such-model", benchmarks="digit", reward_fn=f"{REWARDS}:two_parameters")
+    with pytest.raises(SystemExit, match=r"two_parameters\(completion, problem\) cannot be called"):
+        evaluate.main(args)
+
+
 def test_countdown_from_a_file_trains_as_task_countdown(tmp_path):
     # The offline generator's first 24 problems written to a file and read back with the countdown
     # grader: the same problems in the same order, the same prompts and rewards, so a seed gives the
