@@ -895,6 +895,22 @@ def barrier() -> None:
         dist.barrier()
 
 
+LAST_BARRIER = []  # the exit barrier's work, freed by the main thread as the interpreter exits
+
+
+def leave_process_group() -> None:
+    """A finished run's exit under torchrun: a barrier, then the process group destroyed. The
+    barrier's work holds the collectives before it; gloo's worker thread that ran it used to drop
+    the last reference while the interpreter was exiting, and freeing their tensors takes the GIL,
+    which a thread cannot take then: it aborted ("terminate called without an active exception"),
+    and torchrun failed the launch (seen in a core dump, once in ~60 CPU launches). Holding the
+    work here leaves its freeing to the main thread."""
+    work = dist.barrier(async_op=True)
+    work.wait()
+    LAST_BARRIER.append(work)
+    dist.destroy_process_group()
+
+
 # ----------------------------------------------------------------------------------------
 # Models and tokenizers
 
@@ -1894,9 +1910,8 @@ class Run:
                 self.progress.close()
             print(out_of_memory_message(error, self.newest_checkpoint, f"{self.algo}.py"), file=sys.stderr)
             raise SystemExit(1) from None
-        if kind is None and dist.is_initialized():  # a finished run under torchrun leaves in order: a rank
-            barrier()  # exiting with gloo's threads still running was seen to abort after its last step
-            dist.destroy_process_group()  # ("terminate called without an active exception"), failing the launch
+        if kind is None and dist.is_initialized():  # a finished run under torchrun leaves in order
+            leave_process_group()
 
 
 # ----------------------------------------------------------------------------------------

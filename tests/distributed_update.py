@@ -165,9 +165,8 @@ def main(out: Path) -> None:
     if common.rank() == 0:
         for case, result in results.items():
             torch.save(result, out / f"{case}.pt")
-    if torch.distributed.is_initialized():  # an orderly exit: once, under a loaded CPU, rank 1 leaving
-        torch.distributed.barrier()  # with gloo's threads running aborted ("terminate called without an
-        torch.distributed.destroy_process_group()  # active exception")
+    if torch.distributed.is_initialized():  # as a finished run leaves (common.leave_process_group)
+        common.leave_process_group()
 
 
 if __name__ == "__main__":

@@ -190,20 +190,33 @@ def test_dapo_keeps_as_many_groups_on_every_rank():
 
 
 def test_a_finished_run_leaves_the_process_group_in_order(monkeypatch):
-    # Under torchrun a finished run waits for every rank, then destroys the process group: a rank that
-    # exited with gloo's threads running aborted once after its last step ("terminate called without
-    # an active exception"), and torchrun failed the launch. A run that failed leaves it to torchrun (a
-    # barrier would wait for ranks that may never come).
+    # Under torchrun a finished run waits for every rank, then destroys the process group. The
+    # barrier's work is kept to the end (common.LAST_BARRIER): a core dump of a rank that aborted at
+    # exit ("terminate called without an active exception") showed gloo's worker thread freeing the
+    # barrier's work, and with it the all-reduce before it, whose tensors need the GIL, while the
+    # interpreter was exiting. A run that failed leaves it to torchrun (a barrier would wait for
+    # ranks that may never come).
     import common
 
     calls = []
+
+    class Work:
+        def wait(self):
+            calls.append("wait")
+
+    def barrier(async_op=False):
+        calls.append("barrier")
+        return Work() if async_op else None
+
     monkeypatch.setattr(common.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(common.dist, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(common.dist, "barrier", barrier)
     monkeypatch.setattr(common.dist, "destroy_process_group", lambda: calls.append("destroy"))
+    monkeypatch.setattr(common, "LAST_BARRIER", [])
     run = common.Run.__new__(common.Run)  # the harness's exit alone: no run directory, no model
     run.trackers, run.progress = [], None
     run.__exit__(None, None, None)
-    assert calls == ["barrier", "destroy"]
+    assert calls == ["barrier", "wait", "destroy"]
+    assert [type(work) for work in common.LAST_BARRIER] == [Work]  # held, not freed by whichever thread is last
     calls.clear()
     run.__exit__(RuntimeError, RuntimeError("a step failed"), None)
     assert calls == []
