@@ -1,10 +1,13 @@
 """The scripts under torchrun on the CPU: 2 processes (gloo), the tiny model sharded by FSDP2.
 Every launch runs with a timeout, so a hang fails the test instead of stalling the suite."""
 
+import functools
 import json
 import os
+import re
 import subprocess
 import sys
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -20,26 +23,93 @@ CASES += ["ppo-critic", "grpo-clip_cov", "grpo-kl_cov", "grpo-dppo"]  # the tech
 CASES += ["grpo-tokens"]  # micro-batches by tokens: the same passes on every rank
 
 
+class RankCrashed(Exception):
+    """A rank of a launch died by a signal: torch's own C++ aborted (SIGABRT) or faulted (SIGSEGV,
+    SIGBUS), not a Python error of ours, which exits 1 with its traceback."""
+
+
+CRASHED = re.compile(r"exitcode\s*:\s*-(6|7|11)\b")  # torchrun's failure report: SIGABRT, SIGBUS, SIGSEGV
+
+
 def launch(args: list, cwd, processes: int | None = 2) -> subprocess.CompletedProcess:
-    """`python -m torch.distributed.run --standalone --nproc_per_node 2 …` (processes None: plain python)."""
+    """`python -m torch.distributed.run --standalone --nproc_per_node 2 …` (processes None: plain
+    python). Raises RankCrashed when a rank died by a signal (retried_on_rank_crash)."""
     torchrun = (
         [] if processes is None else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, *torchrun, *map(str, args)]
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    if done.returncode != 0 and processes is not None and CRASHED.search(done.stderr):
+        raise RankCrashed(done.stderr[-3000:])
+    return done
+
+
+def retried_on_rank_crash(test):
+    """The test once more, in a fresh directory, when a launch's rank died by a signal; a Python
+    error, a wrong number or a hang (the timeout) fails at once. Torch 2.13's gloo was seen to
+    abort in C++ in the middle of a run, "double free or corruption" in one of its threads while
+    the main thread waited on an all-gather: once in ~60 launches of tests/distributed_update.py on
+    2 busy cores. No Python code can free memory twice; that is torch's. (The other abort seen,
+    at exit, is fixed: common.leave_process_group.) Each retry is a warning in pytest's summary."""
+
+    @functools.wraps(test)
+    def run(*args, tmp_path, **kwargs):
+        try:
+            return test(*args, tmp_path=tmp_path, **kwargs)
+        except RankCrashed as crash:
+            warnings.warn(f"a rank crashed in C++; the test runs once more: {str(crash)[-1500:]}", stacklevel=1)
+            (tmp_path / "retry").mkdir()
+            return test(*args, tmp_path=tmp_path / "retry", **kwargs)
+
+    return run
 
 
 @pytest.fixture(scope="module")
 def updates(tmp_path_factory):
     """tests/distributed_update.py in one process and in two: {launch: {case: result}}."""
+    return retried_on_rank_crash(launch_updates)(tmp_path=tmp_path_factory.mktemp("updates"))
+
+
+def launch_updates(tmp_path) -> dict:
     results = {}
     for name, processes in (("one", None), ("two", 2)):
-        out = tmp_path_factory.mktemp(name)
+        out = tmp_path / name
+        out.mkdir()
         done = launch([ROOT / "tests" / "distributed_update.py", out], cwd=out, processes=processes)
         assert done.returncode == 0, done.stderr[-3000:]
         results[name] = {case: torch.load(out / f"{case}.pt", weights_only=False) for case in CASES}
     return results
+
+
+ABORTS = """
+import os, sys
+if sys.argv[1] == "abort" and os.environ["RANK"] == "1":
+    os.abort()  # as torch's C++ does on a double free, or a std::terminate
+raise SystemExit(1 if sys.argv[1] == "error" else 0)
+"""
+
+
+def test_a_rank_that_crashes_in_cpp_is_retried_once_and_a_python_error_is_not(tmp_path):
+    (tmp_path / "aborts.py").write_text(ABORTS)
+    with pytest.raises(RankCrashed, match=r"exitcode\s*: -6"):
+        launch([tmp_path / "aborts.py", "abort"], cwd=tmp_path)
+    assert launch([tmp_path / "aborts.py", "error"], cwd=tmp_path).returncode == 1  # a failure to assert on
+    tries = []
+
+    @retried_on_rank_crash
+    def crashes(times, tmp_path):
+        tries.append(tmp_path)
+        if len(tries) <= times:
+            raise RankCrashed("terminate called without an active exception")
+        return "passed"
+
+    with pytest.warns(UserWarning, match=r"a rank crashed in C\+\+; the test runs once more: terminate called"):
+        assert crashes(1, tmp_path=tmp_path) == "passed"
+    assert tries == [tmp_path, tmp_path / "retry"]  # the retry starts in an empty directory
+    tries.clear()
+    with pytest.raises(RankCrashed), pytest.warns(UserWarning):
+        crashes(2, tmp_path=tmp_path / "retry")  # once more, not twice: a second crash fails the test
 
 
 @pytest.mark.xdist_group("updates")  # one worker runs them (-n 2 --dist loadgroup): the fixture launches twice, ~30 s
@@ -89,6 +159,7 @@ RUN["ppo"] = [ROOT / "tests" / "precision_run.py", "ppo"]
 
 
 @pytest.mark.parametrize("script", ["grpo", "dapo", "ppo"])
+@retried_on_rank_crash
 def test_two_processes_train_save_and_resume(tmp_path, script):
     # 2 steps on 2 ranks (GRPO with its sharded reference moving, T1's EMA): one metrics row a step
     # (rank 0 writes, the others don't), a final checkpoint that plain transformers loads with a
@@ -148,6 +219,7 @@ dist.destroy_process_group()
 """
 
 
+@retried_on_rank_crash
 def test_the_tiny_model_built_under_torchrun_is_whole(tmp_path):
     # `torchrun … --model tiny` on a machine that has not built it: every rank builds it into the
     # cache, and the first to finish renames its copy into place. transformers (5.x) writes a
@@ -163,6 +235,7 @@ def test_the_tiny_model_built_under_torchrun_is_whole(tmp_path):
     assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
 
 
+@retried_on_rank_crash
 def test_a_batch_that_does_not_split_stops_every_rank_with_one_message(tmp_path):
     # B = 3 prompts over 2 ranks: a group would span ranks. Every rank stops before loading a
     # model; rank 0 alone prints the message; nothing waits, so the launch ends long before its timeout.

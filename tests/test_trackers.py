@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from test_distributed import SMOKE, launch
+from test_distributed import SMOKE, launch, retried_on_rank_crash
 
 import common
 import dapo
@@ -149,6 +149,7 @@ def test_a_resumed_run_reports_each_step_once(tmp_path, monkeypatch):
     assert [value for _, value in scalars["reward/mean"]] == pytest.approx([row["reward/mean"] for row in rows])
 
 
+@retried_on_rank_crash
 def test_rank_0_alone_reports_under_torchrun(tmp_path):
     # 2 processes: one TensorBoard event file and one W&B run, every step in each.
     env_args = [*SMOKE, "--max_steps", "2", "--save_every", "0", "--report_to", "tensorboard,wandb"]
