@@ -325,7 +325,10 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
         )
         for row, text in enumerate(texts):
             index, sample = batch[row // k], row % k  # rows i·k … i·k+k−1 belong to problem i
-            score = grader.score(task.score, text, problems[index], truncated=bool(truncated[row]))
+            if args.reward_fn:  # in this process, as in training: a reward may hold a model, use the GPU, keep state
+                score = task.score(text, problems[index], truncated=bool(truncated[row]))  # its own time limit
+            else:
+                score = grader.score(task.score, text, problems[index], truncated=bool(truncated[row]))
             correct[index][sample], strict[index][sample] = score.correct, score.strict
             lengths.append(row_lengths[row])
             truncations.append(bool(truncated[row]))
@@ -491,9 +494,9 @@ def compare_table(paths: list[str]) -> str:
 
 
 def plot_curves(run_dirs: list[str], out_file: Path, labels: list[str] | None = None) -> Path:
-    """One PNG with a panel per PLOT_PANELS key, a line per training run (labels, or its
-    directory name), from each run's metrics.jsonl. eval/accuracy, when logged (--eval_every),
-    is drawn dashed with markers in the accuracy panel."""
+    """One picture (PNG, or the format out_file's suffix names) with a panel per PLOT_PANELS key,
+    a line per training run (labels, or its directory name), from each run's metrics.jsonl.
+    eval/accuracy, when logged (--eval_every), is drawn dashed with markers in the accuracy panel."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
@@ -1189,7 +1192,7 @@ def write_into(document: Path, study: dict, study_dir: Path, report: str) -> Non
 
 
 def main(args: Args) -> Path | None:
-    """Runs the mode the arguments ask for. Returns the eval run directory, the PNG or the study's directory."""
+    """Runs the mode the arguments ask for. Returns the eval run directory, the plot or the study's directory."""
     if args.study:
         return run_study(args)
     if args.compare:
@@ -1210,8 +1213,9 @@ def main(args: Args) -> Path | None:
         )
         for name in names
     }
-    if args.reward_fn:  # imported and checked before the model loads, as in training
-        tasks = {name: with_reward_fn(task, args.reward_fn, args.reward_fn_timeout) for name, task in tasks.items()}
+    if args.reward_fn:  # imported and checked once, before the model loads, as in training
+        score = with_reward_fn(next(iter(tasks.values())), args.reward_fn, args.reward_fn_timeout).score
+        tasks = {name: dataclasses.replace(task, score=score) for name, task in tasks.items()}
     device = use_device(resolve_device(args.device))  # a GPU named by --device becomes the current one
     weight_dtype, _ = resolve_precision(args.dtype, device)
     seed_everything(args.seed)

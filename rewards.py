@@ -42,7 +42,6 @@ import ast
 import functools
 import hashlib
 import inspect
-import itertools
 import json
 import random
 import re
@@ -1231,38 +1230,26 @@ def call_with_time_limit(function: Callable, seconds: float, *args):
         signal.signal(signal.SIGALRM, previous)
 
 
-REWARD_FN_RUNS = itertools.count()
-REWARD_FNS: dict[str, Callable] = {}  # --reward_fn's path -> its function, imported once a process
-FAILURES_SHOWN: set[int] = set()  # the RewardFn.run of each reward whose first failure was printed
+def with_reward_fn(task: Task, path: str, timeout_s: float) -> Task:
+    """The task with its reward from --reward_fn: function(completion, problem, truncated) returns a
+    number, or (number, formatted). correct: the number is at least REWARD_CORRECT. A call that
+    raises, runs past timeout_s, or returns NaN or no number scores REWARD_NONE with failed=True
+    (reward/fn_failed counts them); it never ends the run."""
+    function = import_reward_fn(path)
+    warned = []  # the first failure is shown once (warnings would show each place once, whatever the error)
 
-
-@dataclass(frozen=True)
-class RewardFn:
-    """A task's score from --reward_fn: function(completion, problem, truncated) returns a number,
-    or (number, formatted). correct: the number is at least REWARD_CORRECT. A call that raises, runs
-    past timeout_s, or returns NaN or no number scores REWARD_NONE with failed=True (reward/fn_failed
-    counts them); it never ends the run. It pickles as its path, so evaluate.py's grading worker
-    (another process) can call it: there the function is the one imported before the fork."""
-
-    path: str
-    timeout_s: float
-    run: int  # one a with_reward_fn call: its first failure is printed once, in whichever process
-
-    def __call__(self, completion: str, problem: dict, truncated: bool = False) -> Score:
-        function = REWARD_FNS.get(self.path)
-        if function is None:  # a process that unpickled this reward without the parent's imports
-            function = REWARD_FNS[self.path] = import_reward_fn(self.path)
+    def score(completion: str, problem: dict, truncated: bool = False) -> Score:
         try:
-            value = call_with_time_limit(function, self.timeout_s, completion, problem, truncated)
+            value = call_with_time_limit(function, timeout_s, completion, problem, truncated)
             reward, formatted = value if isinstance(value, tuple) else (value, None)
             reward = float(reward)
             if reward != reward or reward in (float("inf"), float("-inf")):
                 raise ValueError(f"returned {reward}")
         except (Exception, RewardTimeout) as error:  # the user's code: a failure is a completion's 0, not the end
-            if self.run not in FAILURES_SHOWN:
-                FAILURES_SHOWN.add(self.run)
+            if not warned:
+                warned.append(error)
                 print(
-                    f"--reward_fn {self.path}: a call failed ({type(error).__name__}: {error}); a failed call scores "
+                    f"--reward_fn {path}: a call failed ({type(error).__name__}: {error}); a failed call scores "
                     f"{REWARD_NONE} and counts in reward/fn_failed (further failures are not shown).",
                     file=sys.stderr,
                     flush=True,
@@ -1271,12 +1258,7 @@ class RewardFn:
         formatted = bool(formatted) if formatted is not None else reward > REWARD_NONE
         return Score(reward, correct=reward >= REWARD_CORRECT, formatted=formatted)
 
-
-def with_reward_fn(task: Task, path: str, timeout_s: float) -> Task:
-    """The task with its reward from --reward_fn (RewardFn), imported and checked here, before any
-    model loads; the rest of the task as it was, its tools too."""
-    REWARD_FNS[path] = import_reward_fn(path)  # imported anew: a file edited since an earlier run counts
-    return replace(task, score=RewardFn(path, timeout_s, run=next(REWARD_FN_RUNS)))
+    return replace(task, score=score)  # the rest as it was: its tools too
 
 
 # ----------------------------------------------------------------------------------------

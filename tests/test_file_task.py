@@ -357,24 +357,26 @@ def test_evaluate_on_a_file_task(tmp_path):
 @pytest.mark.parametrize("benchmarks", ["file", "digit"])
 def test_evaluate_grades_with_the_reward_of_your_own(benchmarks, tmp_path, capfd):
     # --reward_fn as in training: a completion is correct when the function gives at least 1. The
-    # tiny model answers none of these, so the task's grader would give 0; "always right" gives 1.
-    # evaluate.py grades in a worker process (Grader): the reward travels to it by its path.
+    # tiny model answers none of these, so the task's grader would give 0; the reward gives 1 when
+    # called in this process, as training calls it (the task's graders run in a worker process,
+    # where a reward holding a model or using the GPU would fail every call), and 0 elsewhere.
     flags = dict(model="tiny", benchmarks=benchmarks, max_new_tokens=4, limit=4, output_dir=str(tmp_path))
     if benchmarks == "file":
         flags |= dict(data_file=str(ARITHMETIC), prompt_key="question", grader="number")
-    right = evaluate.main(evaluate.Args(**flags, reward_fn=f"{REWARDS}:always_right"))
+    right = evaluate.main(evaluate.Args(**flags, reward_fn=f"{REWARDS}:right_in_the_main_process"))
     saved = json.loads((right / "results.json").read_text())
-    assert saved["reward_fn"] == f"{REWARDS}:always_right"
+    assert saved["reward_fn"] == f"{REWARDS}:right_in_the_main_process"
     assert (saved["results"][benchmarks]["accuracy"], saved["results"][benchmarks]["reward_fn_failed"]) == (1.0, 0.0)
     assert {(s["reward"], s["correct"]) for s in read_jsonl(right / "samples.jsonl")} == {(1.0, True)}
     plain = evaluate.main(evaluate.Args(**flags))  # the task's grader: nothing right, no reward_fn recorded
     saved = json.loads((plain / "results.json").read_text())
     assert saved["results"][benchmarks]["accuracy"] == 0.0 and "reward_fn" not in saved
     capfd.readouterr()
-    failing = evaluate.main(evaluate.Args(**flags, reward_fn=f"{REWARDS}:raises", reward_fn_timeout=1.0))
+    two = "file,digit" if benchmarks == "file" else "digit"  # one import for every benchmark, one message
+    failing = evaluate.main(evaluate.Args(**(flags | {"benchmarks": two}), reward_fn=f"{REWARDS}:raises"))
     result = json.loads((failing / "results.json").read_text())["results"][benchmarks]
     assert (result["accuracy"], result["reward_fn_failed"]) == (0.0, 1.0)
-    shown = capfd.readouterr().err  # printed by the grading worker: once, however many calls failed
+    shown = capfd.readouterr().err  # once, however many calls failed
     assert shown.count(f"--reward_fn {REWARDS}:raises: a call failed (RuntimeError: a bug in the user's reward)") == 1
 
 
