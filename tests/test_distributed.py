@@ -28,7 +28,9 @@ class RankCrashed(Exception):
     SIGBUS), not a Python error of ours, which exits 1 with its traceback."""
 
 
-CRASHED = re.compile(r"exitcode\s*:\s*-(6|7|11)\b")  # torchrun's failure report: SIGABRT, SIGBUS, SIGSEGV
+# torchrun's failure report: the rank that failed first died by SIGABRT, SIGBUS or SIGSEGV (a rank
+# that raised first, and another that then aborted in gloo, is a Python error: "Root Cause" is 1)
+CRASHED = re.compile(r"Root Cause.*?exitcode\s*:\s*-(6|7|11)\b", re.DOTALL)
 
 
 def launch(args: list, cwd, processes: int | None = 2) -> subprocess.CompletedProcess:
@@ -95,6 +97,8 @@ def test_a_rank_that_crashes_in_cpp_is_retried_once_and_a_python_error_is_not(tm
     with pytest.raises(RankCrashed, match=r"exitcode\s*: -6"):
         launch([tmp_path / "aborts.py", "abort"], cwd=tmp_path)
     assert launch([tmp_path / "aborts.py", "error"], cwd=tmp_path).returncode == 1  # a failure to assert on
+    report = "Failures:\n[1]:\n  exitcode  : -6 (pid: 2)\nRoot Cause (first observed failure):\n[0]:\n  exitcode  : 1"
+    assert not CRASHED.search(report)  # rank 0 raised, then rank 1 aborted: the Python error fails the test
     tries = []
 
     @retried_on_rank_crash
