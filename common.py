@@ -904,10 +904,14 @@ def leave_process_group() -> None:
     the last reference while the interpreter was exiting, and freeing their tensors takes the GIL,
     which a thread cannot take then: it aborted ("terminate called without an active exception"),
     and torchrun failed the launch (seen in a core dump, once in ~60 CPU launches). Holding the
-    work here leaves its freeing to the main thread."""
-    work = dist.barrier(async_op=True)
-    work.wait()
-    LAST_BARRIER.append(work)
+    work here leaves its freeing to the main thread. NCCL (GPUs) runs no such thread, and its exit
+    stays the plain barrier the GPU runs used."""
+    if dist.get_backend() == "gloo":
+        work = dist.barrier(async_op=True)
+        work.wait()
+        LAST_BARRIER.append(work)
+    else:
+        dist.barrier()
     dist.destroy_process_group()
 
 

@@ -285,7 +285,9 @@ def test_a_finished_run_leaves_the_process_group_in_order(monkeypatch):
         calls.append("barrier")
         return Work() if async_op else None
 
+    backend = ["gloo"]
     monkeypatch.setattr(common.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(common.dist, "get_backend", lambda: backend[0])
     monkeypatch.setattr(common.dist, "barrier", barrier)
     monkeypatch.setattr(common.dist, "destroy_process_group", lambda: calls.append("destroy"))
     monkeypatch.setattr(common, "LAST_BARRIER", [])
@@ -294,6 +296,10 @@ def test_a_finished_run_leaves_the_process_group_in_order(monkeypatch):
     run.__exit__(None, None, None)
     assert calls == ["barrier", "wait", "destroy"]
     assert [type(work) for work in common.LAST_BARRIER] == [Work]  # held, not freed by whichever thread is last
+    calls.clear()
+    backend[0] = "nccl"  # GPUs: the plain barrier, as measured there
+    run.__exit__(None, None, None)
+    assert calls == ["barrier", "destroy"] and len(common.LAST_BARRIER) == 1
     calls.clear()
     run.__exit__(RuntimeError, RuntimeError("a step failed"), None)
     assert calls == []
