@@ -297,6 +297,7 @@ def check_run_args(args, algo: str) -> list[str]:
         problems.append(
             f"--lm_head_precision {args.lm_head_precision!r} is not one of: {', '.join(LM_HEAD_PRECISIONS)}."
         )
+    problems += timeout_problems(args)
     if args.resume_from:
         problems += resume_problems(args, algo)
     problems += output_dir_problems(args.output_dir)
@@ -307,6 +308,17 @@ def check_run_args(args, algo: str) -> list[str]:
     except ValueError as error:
         problems.append(str(error))
     return problems
+
+
+def timeout_problems(args) -> list[str]:
+    """--reward_fn_timeout and --tool_timeout (training scripts, evaluate.py): the seconds of a
+    SIGALRM (rewards.call_with_time_limit), which cannot be set to infinity: every call would fail,
+    and every reward be 0."""
+    return [
+        f"--{name} must be a finite number of seconds > 0 (got {getattr(args, name)})."
+        for name in ("reward_fn_timeout", "tool_timeout")
+        if not 0 < getattr(args, name) < float("inf")
+    ]
 
 
 def stop_interrupted(script: str, checkpoint: Path | None, steps_done: int) -> NoReturn:

@@ -72,6 +72,7 @@ from common import (
     resolve_device,
     resolve_precision,
     seed_everything,
+    timeout_problems,
     turns_of,
     use_device,
 )
@@ -182,8 +183,9 @@ def check_args(args: Args) -> list[str]:
         problems.append(f"--shots must be >= 0 (got {args.shots}).")
     if args.limit < 0 or args.grade_timeout <= 0:
         problems.append("--limit must be >= 0 and --grade_timeout > 0.")
-    if args.max_turns < 0 or args.max_tool_tokens < 1 or args.tool_timeout <= 0:
-        problems.append("--max_turns must be >= 0, --max_tool_tokens >= 1 and --tool_timeout > 0.")
+    if args.max_turns < 0 or args.max_tool_tokens < 1:
+        problems.append("--max_turns must be >= 0 and --max_tool_tokens >= 1.")
+    problems += timeout_problems(args)
     if problems:
         raise SystemExit("Invalid arguments:\n  " + "\n  ".join(problems))
     return names

@@ -2532,8 +2532,8 @@ def check_args(args: Args) -> None:
     for name in ("batch_size", "group_size", "max_new_tokens", "ppo_epochs"):
         if getattr(args, name) < 1:
             problems.append(f"--{name} must be at least 1.")
-    if args.max_turns < 0 or args.max_tool_tokens < 1 or args.tool_timeout <= 0:
-        problems.append("--max_turns must be >= 0, --max_tool_tokens >= 1 and --tool_timeout > 0.")
+    if args.max_turns < 0 or args.max_tool_tokens < 1:
+        problems.append("--max_turns must be >= 0 and --max_tool_tokens >= 1.")
     if args.resume_from and not (Path(args.resume_from) / CRITIC_DIR / VALUE_HEAD_FILE).exists():
         problems.append(
             f"--resume_from {args.resume_from} has no {CRITIC_DIR}/{VALUE_HEAD_FILE}: not a ppo.py checkpoint."

@@ -66,6 +66,11 @@ def no_model_load(*args, **kwargs):
         (dict(beta=float("nan")), "--beta is NaN: give it a number"),
         (dict(lr=float("inf")), "--lr is inf: give it a finite number"),
         (dict(beta=float("inf")), "--beta is inf: give it a finite number"),
+        # seconds for a SIGALRM: an infinite one cannot be set (OverflowError), so every reward call
+        # failed and scored 0; a negative one set no limit at all
+        (dict(reward_fn_timeout=float("inf")), "--reward_fn_timeout must be a finite number of seconds > 0 (got inf)"),
+        (dict(reward_fn_timeout=-1.0), "--reward_fn_timeout must be a finite number of seconds > 0 (got -1.0)"),
+        (dict(tool_timeout=float("inf")), "--tool_timeout must be a finite number of seconds > 0 (got inf)"),
         (dict(num_mini_batches=3), "divide batch_size * group_size (2 × 2 = 4 rows; got 3)"),
         (dict(resume_from="nowhere"), "--resume_from nowhere: no such directory"),
         (dict(lora_targets="q_proj"), "--lora_targets q_proj: these shape LoRA adapters, and LoRA is off"),

@@ -91,6 +91,14 @@ def test_bad_arguments_stop_with_a_message():
         check_args(Args(benchmarks="countdown", data_file="rows.jsonl"))
     with pytest.raises(SystemExit, match="takes its examples from --data_file's rows"):
         check_args(Args(benchmarks="file", eval_data_file="rows.jsonl", shots=1))
+    # SIGALRM's seconds: an infinite one cannot be set, and every reward call would fail (wrong)
+    for name, value in (
+        ("reward_fn_timeout", float("inf")),
+        ("tool_timeout", float("inf")),
+        ("reward_fn_timeout", 0.0),
+    ):
+        with pytest.raises(SystemExit, match=f"--{name} must be a finite number of seconds > 0 \\(got {value}\\)"):
+            check_args(Args(benchmarks="digit", **{name: value}))
 
 
 def test_grader_kills_a_hung_grading_and_keeps_going():
@@ -103,6 +111,7 @@ def test_grader_kills_a_hung_grading_and_keeps_going():
         hung = grader.score(math500_score, "\\boxed{10^{10^{10^{10}}}-1}", {"gold": "3"})
         assert time.perf_counter() - start < 15
         assert (hung.correct, hung.strict, grader.timeouts) == (False, False, 1)
+        grader.timeout_s = 60  # the rest is about grades, not the deadline: a loaded machine took over 2 s
         assert grader.score(gsm8k_score, "\\boxed{18}", {"gold": "18"}).correct
         assert grader.score(math500_score, "\\boxed{0.5}", {"gold": "\\frac12"}).correct
         # the truncation flag reaches the grader: the grades stand, the training reward goes
