@@ -811,13 +811,23 @@ def all_reduce_metrics(metrics: dict) -> dict:
 
 def check_distributed(args, *prompt_counts: int) -> None:
     """Stops the launch that cannot work, before anything loads: the B prompts of a step (and
-    DAPO's generation round) must split into K equal shares, a group never spanning two ranks.
+    DAPO's generation round) must split into K equal shares, a group never spanning two ranks, and
+    each rank's B·G/K rows into --num_mini_batches equal ones.
     Every rank stops (no rank waits on the others); rank 0 alone prints the message."""
     uneven = [count for count in prompt_counts if count % world_size()]
     if uneven:
         message = (
             f"{uneven[0]} prompts a step do not split over {world_size()} processes: under torchrun "
             f"--batch_size (and dapo.py's --gen_batch_size) must be a multiple of --nproc_per_node × --nnodes."
+        )
+        raise SystemExit(message if rank() == 0 else 1)
+    rows, splits = args.batch_size * args.group_size // world_size(), args.num_mini_batches  # a rank's rows
+    if world_size() > 1 and rows % splits:  # a share split unevenly, or into empty mini-batches
+        fits = max(d for d in range(1, min(splits, rows) + 1) if rows % d == 0)
+        message = (
+            f"--num_mini_batches {splits}: each of the {world_size()} processes splits its {rows} rows "
+            f"({args.batch_size} × {args.group_size} / {world_size()}) into that many mini-batches, so it must "
+            f"divide {rows}: e.g. --num_mini_batches {fits}."
         )
         raise SystemExit(message if rank() == 0 else 1)
     if world_size() > 1 and args.lora_rank:

@@ -1,6 +1,7 @@
 """The scripts under torchrun on the CPU: 2 processes (gloo), the tiny model sharded by FSDP2.
 Every launch runs with a timeout, so a hang fails the test instead of stalling the suite."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -248,6 +249,35 @@ def test_a_batch_that_does_not_split_stops_every_rank_with_one_message(tmp_path)
     output = result.stdout + result.stderr
     assert output.count("3 prompts a step do not split over 2 processes") == 1, output[-3000:]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("script", ["grpo", "dapo", "ppo"])
+def test_mini_batches_that_do_not_split_a_ranks_rows_stop_before_anything_loads(script, monkeypatch, capsys):
+    # Each of K ranks splits its own B·G/K rows into --num_mini_batches. 4 prompts × 2 on 2 ranks:
+    # 4 rows a rank. 8 mini-batches left 4 of them empty on each rank, and the first update raised
+    # KeyError: 'tokens' after the whole rollout (ppo.py's default, 4, did so at B = 2 on 2 ranks);
+    # 3 would split them 2/1/1. 4, 2 and 1 divide 4: they run. Rank 0 alone says why.
+    import common
+
+    module = __import__(script)
+    monkeypatch.setattr(common, "world_size", lambda: 2)
+    args = module.Args(batch_size=4, group_size=2, num_mini_batches=8)
+    with pytest.raises(SystemExit) as stop:
+        common.check_distributed(args, args.batch_size)
+    assert str(stop.value) == (
+        "--num_mini_batches 8: each of the 2 processes splits its 4 rows (4 × 2 / 2) into that many "
+        "mini-batches, so it must divide 4: e.g. --num_mini_batches 4."
+    )
+    with pytest.raises(SystemExit, match="e.g. --num_mini_batches 2"):
+        common.check_distributed(dataclasses.replace(args, num_mini_batches=3), args.batch_size)
+    for fine in (4, 2, 1):
+        common.check_distributed(dataclasses.replace(args, num_mini_batches=fine), args.batch_size)
+    monkeypatch.setattr(common, "rank", lambda: 1)
+    with pytest.raises(SystemExit) as stop:
+        common.check_distributed(args, args.batch_size)
+    assert stop.value.code == 1  # every rank stops; only rank 0 prints
+    monkeypatch.setattr(common, "world_size", lambda: 1)
+    common.check_distributed(args, args.batch_size)  # one process: its own check_args has the rule
 
 
 def test_dapo_keeps_as_many_groups_on_every_rank():
