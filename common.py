@@ -416,7 +416,8 @@ def out_of_memory_message(error: BaseException, checkpoint: Path | None, script:
 
 
 def resume_command(script: str, checkpoint: Path) -> str:
-    """The command that continues this run from `checkpoint`: the same arguments, --resume_from it."""
+    """The command that continues this run from `checkpoint`: the same arguments, --resume_from it,
+    under torchrun with as many processes (a checkpoint resumes on as many as saved it)."""
     argv, skip = [], False
     for token in sys.argv[1:]:  # keep every argument but an earlier --resume_from
         if skip or token.startswith("--resume_from="):
@@ -427,7 +428,13 @@ def resume_command(script: str, checkpoint: Path) -> str:
             argv.append(token)
     if sys.argv and sys.argv[0].endswith(".py"):
         script = sys.argv[0]  # as the user typed it (path/to/grpo.py)
-    return shlex.join(["python", script, *argv, "--resume_from", str(checkpoint)])
+    if world_size() == 1:
+        return shlex.join(["python", script, *argv, "--resume_from", str(checkpoint)])
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
+    nodes = world_size() // per_node
+    launch = ["torchrun", f"--nproc_per_node={per_node}", *([f"--nnodes={nodes}"] if nodes > 1 else [])]
+    command = shlex.join([*launch, script, *argv, "--resume_from", str(checkpoint)])
+    return command + (" (on every node, with the launch's own rendezvous options)" if nodes > 1 else "")
 
 
 @contextlib.contextmanager
@@ -1804,10 +1811,7 @@ class Run:
             return
         saved = load_trainer_state(args.resume_from, vars(args), same_on_resume, trainer_state_file())
         if saved.get("world_size", 1) != world_size():  # each rank's AdamW shard fits that many ranks only
-            raise SystemExit(
-                f"--resume_from {args.resume_from} was saved by {saved.get('world_size', 1)} processes: "
-                f"resume with as many (now {world_size()})."
-            )
+            raise SystemExit(processes_differ(args.resume_from, saved.get("world_size", 1), world_size()))
         for name, thing in resumable.items():
             if name not in saved:  # e.g. the moving reference of --ref_ema_decay, in a run saved without it
                 raise SystemExit(
@@ -2196,12 +2200,21 @@ def resume_problems(args, algo: str) -> list[str]:
             f"--resume_from {checkpoint} was written by {written_by}.py: resume it with {written_by}.py, or start a "
             f"new {algo}.py run from its weights with --model {checkpoint}."
         ]
+    saved_by, launched = state.get("world_size", 1), int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's count
+    if saved_by != launched:  # each rank's AdamW shard fits that many ranks only
+        return [processes_differ(checkpoint, saved_by, launched)]
     if state["step"] >= args.max_steps:
         return [
             f"--resume_from {checkpoint} is at step {state['step']} (its run: --max_steps {saved.get('max_steps')}); "
             f"--max_steps {args.max_steps} leaves nothing to train: give --max_steps above {state['step']}."
         ]
     return []
+
+
+def processes_differ(checkpoint, saved_by: int, now: int) -> str:
+    """The message for a checkpoint saved by another number of processes than this launch's."""
+    processes = f"{saved_by} process{'es' * (saved_by != 1)}"
+    return f"--resume_from {checkpoint} was saved by {processes}: resume with as many (now {now})."
 
 
 def written_by_script(saved_args: dict) -> str:

@@ -234,6 +234,48 @@ def test_ctrl_c_names_the_newest_checkpoint_and_the_resume_command(script, tmp_p
     )
 
 
+def test_a_checkpoint_saved_by_other_processes_stops_every_rank_with_the_counts(monkeypatch, tmp_path):
+    # Read from rank 0's trainer state before the group is joined (torchrun's WORLD_SIZE): rank 1
+    # used to look for its own trainer_state-rank1.pt in a one-process checkpoint first, and say
+    # that its trainer state had been deleted (evaluate.py --study_prune).
+    import common
+
+    saved = {"algo": "grpo", "step": 2, "args": {"max_steps": 4}, "world_size": 1}
+    torch.save(saved, tmp_path / common.TRAINER_STATE)
+    args = grpo.Args(resume_from=str(tmp_path), max_steps=6)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert common.resume_problems(args, "grpo") == [
+        f"--resume_from {tmp_path} was saved by 1 process: resume with as many (now 2)."
+    ]
+    torch.save(saved | {"world_size": 2}, tmp_path / common.TRAINER_STATE)
+    assert common.resume_problems(args, "grpo") == []
+    monkeypatch.delenv("WORLD_SIZE")
+    assert common.resume_problems(args, "grpo") == [
+        f"--resume_from {tmp_path} was saved by 2 processes: resume with as many (now 1)."
+    ]
+
+
+def test_the_resume_command_under_torchrun_launches_as_many_processes(monkeypatch):
+    # A checkpoint resumes on as many processes as saved it: under torchrun the command Ctrl-C and
+    # an out-of-memory error print is torchrun's, with the launch's processes (it was `python …`,
+    # which stopped at "saved by 2 processes: resume with as many (now 1)").
+    import common
+
+    monkeypatch.setattr(sys, "argv", ["grpo.py", "--model", "tiny", "--resume_from", "old", "--max_steps", "9"])
+    assert common.resume_command("grpo.py", Path("runs/r/step-000004")) == (
+        "python grpo.py --model tiny --max_steps 9 --resume_from runs/r/step-000004"
+    )
+    monkeypatch.setattr(common, "world_size", lambda: 16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert common.resume_command("grpo.py", Path("runs/r/step-000004")) == (
+        "torchrun --nproc_per_node=8 --nnodes=2 grpo.py --model tiny --max_steps 9 --resume_from runs/r/step-000004"
+        " (on every node, with the launch's own rendezvous options)"
+    )
+    monkeypatch.setattr(common, "world_size", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert common.resume_command("grpo.py", Path("c")).startswith("torchrun --nproc_per_node=2 grpo.py --model tiny")
+
+
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-llama-nosystem"])
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
 def test_every_script_trains_a_llama_model_with_its_own_template(script, model, tmp_path):
