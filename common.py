@@ -2126,6 +2126,8 @@ def save_full_model(model, directory: Path, dtype: torch.dtype | None = None) ->
     weights = full_state_dict(model) if dist.is_initialized() else model.state_dict()
     if rank() > 0:
         return
+    for name in tied_copies(model):  # written once, as save_pretrained writes a tied model: these
+        weights.pop(name, None)  # gathered or cast tensors no longer share storage, and it would write both
     if dtype not in (None, own):  # one tensor at a time, so a GPU holds one bf16 copy of a weight at most
         weights = {k: (v.to(dtype) if v.is_floating_point() else v).cpu() for k, v in weights.items()}
     model.save_pretrained(directory, state_dict=weights, safe_serialization=True)
@@ -2134,6 +2136,17 @@ def save_full_model(model, directory: Path, dtype: torch.dtype | None = None) ->
     if dtype not in (None, own):
         config["dtype"] = str(dtype).removeprefix("torch.")
     (Path(directory) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def tied_copies(model) -> set[str]:
+    """The names under which a parameter appears a second time (tied embeddings: lm_head.weight is
+    embed_tokens.weight), the first name kept."""
+    seen, copies = set(), set()
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) in seen:
+            copies.add(name)
+        seen.add(id(parameter))
+    return copies
 
 
 def local_shard(parameter: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from common import TRAINER_STATE, read_jsonl
@@ -185,6 +186,9 @@ def test_two_processes_train_save_and_resume(tmp_path, script):
     assert not list((run_dir / "step-000001").glob("trainer_state*"))  # only the newest keeps it
     model = AutoModelForCausalLM.from_pretrained(final)
     assert model.config.architectures == ["Qwen2ForCausalLM"]
+    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+    with safe_open(final / "model.safetensors", "pt") as weights:  # the tied head written once, as one process does
+        assert "lm_head.weight" not in weights.keys()
     if script == "ppo":
         assert (final / "critic" / "value_head.safetensors").exists()
     resumed = launch([*RUN[script], *flags, "--max_steps", "3", "--resume_from", final], cwd=tmp_path)
