@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import functools
 import importlib.util
+import io
 import json
 import os
 import random
@@ -93,7 +94,33 @@ def parse_args(args_class, argv: list[str] | None = None):
     Two things argparse gets wrong for us: a negative number in scientific notation
     (`--lr -1e-6`) reads as a flag, so a value that parses as a number is attached to the flag
     before it (`--lr=-1e-6`), and check_args can then say what is wrong with it; and an unknown
-    flag such as `--maxsteps` stops with argparse's usual message plus the closest valid name."""
+    flag such as `--maxsteps` stops with argparse's usual message plus the closest valid name.
+    Under torchrun, each node's first process alone prints a stop (said_once)."""
+    if first_of_node():
+        return parsed_args(args_class, argv)
+    try:  # another process of the node: argparse's usage error (printed, then exit 2) and a message go unsaid
+        with contextlib.redirect_stderr(io.StringIO()):
+            return parsed_args(args_class, argv)
+    except SystemExit as stop:
+        raise SystemExit(1 if isinstance(stop.code, str) else stop.code) from None
+
+
+def said_once(message: str) -> str | int:
+    """A stop's message in the first process of a torchrun node (LOCAL_RANK 0) or without torchrun,
+    exit status 1 in the others: before the process group is joined, every process checks the same
+    arguments and files and would print the same lines, once a GPU (a node's own files are checked
+    on every node, so each node says what it found)."""
+    return message if first_of_node() else 1
+
+
+def first_of_node() -> bool:
+    """Without torchrun (no WORLD_SIZE, as init_distributed reads it), or a torchrun node's first
+    process (LOCAL_RANK 0)."""
+    return "WORLD_SIZE" not in os.environ or os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def parsed_args(args_class, argv: list[str] | None):
+    """parse_args' work, in any process."""
     parser = HfArgumentParser(args_class, epilog=CONFIG_HELP, allow_abbrev=False)  # --max_step is a typo
     argv, config = pop_config(list(sys.argv[1:] if argv is None else argv))
     if config:

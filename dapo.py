@@ -110,6 +110,7 @@ from common import (
     render_chat,
     resolve_device,
     resolve_precision,
+    said_once,
     seed_everything,
     shard_model,
     size_micro_batches,
@@ -2726,7 +2727,7 @@ def check_args(args: Args) -> None:
     if args.max_turns < 0 or args.max_tool_tokens < 1:
         problems.append("--max_turns must be >= 0 and --max_tool_tokens >= 1.")
     if problems:
-        raise SystemExit("Invalid arguments:\n  " + "\n  ".join(problems))
+        raise SystemExit(said_once("Invalid arguments:\n  " + "\n  ".join(problems)))  # once a node
 
 
 def check_technique_args(args: Args) -> list[str]:

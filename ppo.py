@@ -102,6 +102,7 @@ from common import (
     resolve_device,
     resolve_model_name,
     resolve_precision,
+    said_once,
     seed_everything,
     shard_model,
     size_micro_batches,
@@ -2539,7 +2540,7 @@ def check_args(args: Args) -> None:
             f"--resume_from {args.resume_from} has no {CRITIC_DIR}/{VALUE_HEAD_FILE}: not a ppo.py checkpoint."
         )
     if problems:
-        raise SystemExit("Invalid arguments:\n  " + "\n  ".join(problems))
+        raise SystemExit(said_once("Invalid arguments:\n  " + "\n  ".join(problems)))  # once a node
 
 
 def check_is_mask(args) -> list[str]:

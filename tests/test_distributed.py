@@ -284,6 +284,24 @@ def test_mini_batches_that_do_not_split_a_ranks_rows_stop_before_anything_loads(
     common.check_distributed(args, args.batch_size)  # one process: its own check_args has the rule
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--shots", "-1"], "--shots must be >= 0"),  # check_args
+        (["--maxsteps", "3"], "unrecognized arguments: --maxsteps (did you mean --max_steps?)"),  # argparse
+        (["--batch_size", "x"], "invalid int value: 'x'"),  # argparse
+    ],
+    ids=["check_args", "unknown-flag", "not-a-number"],
+)
+@retried_on_rank_crash
+def test_a_bad_flag_stops_every_rank_with_one_message(flags, message, tmp_path):
+    # Checked before the process group is joined, by every process alike: the node's first
+    # process alone prints it (it was printed once a rank: 8 times on an 8-GPU node).
+    result = launch([ROOT / "grpo.py", *SMOKE, *flags], cwd=tmp_path)
+    assert result.returncode != 0
+    assert (result.stdout + result.stderr).count(message) == 1, result.stderr[-3000:]
+
+
 def test_dapo_keeps_as_many_groups_on_every_rank():
     # Rank a kept groups 0 and 2 of round 1 and group 1 of round 2 (3 groups); rank b found 2.
     # Both train on 2, a's first two in order: FSDP pairs each forward pass across ranks.
