@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import functools
 import importlib.util
+import inspect
 import io
 import json
 import os
@@ -27,6 +28,7 @@ import typing
 import warnings
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
@@ -36,7 +38,15 @@ import torch
 import torch.distributed as dist
 from jinja2 import TemplateError
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, HfArgumentParser, PreTrainedModel
+from transformers import (
+    AttentionInterface,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    HfArgumentParser,
+    PreTrainedModel,
+)
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.utils import logging as hf_logging
 
 hf_logging.disable_progress_bar()  # per-shard load/save bars would drown the training bar
@@ -119,10 +129,29 @@ def first_of_node() -> bool:
     return "WORLD_SIZE" not in os.environ or os.environ.get("LOCAL_RANK", "0") == "0"
 
 
+# Flags a script had and no longer has -> (the value that did what every run now does, what replaced it).
+# Given on the command line, the flag stops with that line; in a --config file (an older run's args.json)
+# the value that behaved as runs do now is accepted, any other stops (docs/speed.md: tried and removed).
+REMOVED_SETTINGS = {
+    "lm_head_precision": ("tf32", "the LM head runs on TF32 tensor cores on a GPU, fp32 on the CPU, always"),
+}
+
+
+def removed_setting(name: str, value=None) -> str | None:
+    """The one line a removed setting stops with, or None where it is not one (or, from a file, holds
+    the value that did what runs now do)."""
+    if name not in REMOVED_SETTINGS or (value is not None and str(value) == REMOVED_SETTINGS[name][0]):
+        return None
+    return f"--{name} was removed: {REMOVED_SETTINGS[name][1]}. Leave it out."
+
+
 def parsed_args(args_class, argv: list[str] | None):
     """parse_args' work, in any process."""
     parser = HfArgumentParser(args_class, epilog=CONFIG_HELP, allow_abbrev=False)  # --max_step is a typo
     argv, config = pop_config(list(sys.argv[1:] if argv is None else argv))
+    for token in argv:
+        if token.startswith("--") and removed_setting(token[2:].split("=", 1)[0]):
+            raise SystemExit(said_once(removed_setting(token[2:].split("=", 1)[0])))
     if config:
         parser.set_defaults(**read_config(config, args_class))
     attached = []
@@ -208,6 +237,10 @@ def checked_settings(data: dict, args_class, where: str) -> dict:
     types = typing.get_type_hints(args_class)  # not field.type: HfArgumentParser rewrites it (float | None -> float)
     values, problems = {}, []
     for key, value in data.items():
+        if key in REMOVED_SETTINGS and key not in fields:
+            if removed_setting(key, value):
+                problems.append(removed_setting(key, value))
+            continue
         if key not in fields:
             close = difflib.get_close_matches(str(key), sorted(fields), n=1)
             problems.append(f"{key!r} is not a setting" + (f" (did you mean {close[0]!r}?)" if close else ""))
@@ -320,10 +353,6 @@ def check_run_args(args, algo: str) -> list[str]:
         problems.append(f"--max_steps must be at least 1 (got {args.max_steps}): a run of no steps trains nothing.")
     if args.dtype not in ("auto", "bfloat16", "float32"):
         problems.append(f"--dtype {args.dtype!r} is not one of: auto, bfloat16, float32.")
-    if args.lm_head_precision not in LM_HEAD_PRECISIONS:
-        problems.append(
-            f"--lm_head_precision {args.lm_head_precision!r} is not one of: {', '.join(LM_HEAD_PRECISIONS)}."
-        )
     problems += timeout_problems(args)
     if args.resume_from:
         problems += resume_problems(args, algo)
@@ -561,27 +590,6 @@ def resolve_precision(dtype: str, device: torch.device) -> tuple[torch.dtype, to
     if dtype == "float32":
         return torch.float32, None
     raise SystemExit(f"--dtype {dtype!r} is not one of: auto, bfloat16, float32.")
-
-
-# The LM head's precision within autocast() (--lm_head_precision): the scripts' fp32_lm_head reads it, as
-# it reads whether autocast is on, so that the sampler, the scorer and the update compute one head alike.
-LM_HEAD_PRECISION = contextvars.ContextVar("lm_head_precision", default="fp32")
-LM_HEAD_PRECISIONS = ("tf32", "fp32")  # what --lm_head_precision takes; the first is the default (docs/speed.md)
-
-
-@contextlib.contextmanager
-def autocast(device: torch.device, compute_dtype: torch.dtype | None, lm_head_precision: str):
-    """bf16 autocast on CUDA when asked for, the LM head's product in lm_head_precision within it
-    (fp32, or tf32 on a GPU); a no-op context otherwise."""
-    if compute_dtype is None:
-        yield
-        return
-    token = LM_HEAD_PRECISION.set(lm_head_precision)
-    try:
-        with torch.autocast(device_type=device.type, dtype=compute_dtype):
-            yield
-    finally:
-        LM_HEAD_PRECISION.reset(token)
 
 
 def seed_everything(seed: int) -> None:
@@ -1330,107 +1338,6 @@ def enable_activation_checkpointing(model) -> None:
     enable({"use_reentrant": False})  # first parameter under both names
 
 
-COMPILED_BLOCKS = ("MLP", "RMSNorm")  # the ends of the class names compile_blocks compiles
-COMPILE_BACKEND = "inductor"  # tests: "aot_eager" (traced and differentiated, no kernels generated: seconds on a CPU)
-COMPILED = {}  # (block class or function, backend) -> it through torch.compile, shared by every block of the class
-DECODE_BACKBONES = weakref.WeakKeyDictionary()  # a model compile_blocks compiled -> what compiled_decode compiles
-
-
-def compile_blocks(model, on: bool = True):
-    """--compile: each feed-forward block and RMSNorm of `model` through torch.compile, where the
-    update spends most of its elementwise traffic (a trace of its ops at the 1.5B shape put RMSNorm
-    in fp32 at ~24% of it, SwiGLU at ~14%, autocast's casts at ~8%: docs/speed.md): TorchInductor
-    fuses each block's elementwise ops into a few kernels, forward and backward, where eager runs
-    one kernel an op. Blocks only, not whole decoder layers: a layer's attention reads its own KV
-    cache, which torch.compile would specialise layer by layer (28 compilations where one will do,
-    and past its recompilation limit eager again); a block reads nothing but its weights and input,
-    so every layer shares one compilation (and one each for no grad, a batch of one, one token).
-    dynamic: every micro-batch's length and the decode's rows in one. The first step compiles (on an
-    H200 a step that compiled and one more took 127 s together, docs/speed.md); the numbers change
-    by float rounding (fused ops, bf16 rounded in other places). A mixture of
-    experts' block (its routing picks rows by value: gpt-oss's GptOssMLP) and a block whose class
-    is named otherwise stay eager. A model with an LM head is registered (DECODE_BACKBONES) for
-    compiled_decode and compiled_sampler. Returns the model, whose weights and state dict are unchanged."""
-    if not on:
-        return model
-    # A block kind's compiled code holds one entry a variant: trained or frozen weights (policy,
-    # reference), grad or none, checkpointing's inputs, a size of 1 (the preflight's one row, the
-    # head probe's one token, the decode). Past dynamo's limit (8) a variant would run eager.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    for module in model.modules():
-        kind, dense = type(module), not any("expert" in name for name, _ in module.named_modules())
-        if kind.__name__.endswith(COMPILED_BLOCKS) and dense and "forward" not in module.__dict__:
-            if (kind, COMPILE_BACKEND) not in COMPILED:
-                COMPILED[kind, COMPILE_BACKEND] = torch.compile(kind.forward, dynamic=True, backend=COMPILE_BACKEND)
-            module.forward = functools.partial(COMPILED[kind, COMPILE_BACKEND], module)  # a copy rebinds it to itself
-    inner = next((module for module in model.modules() if isinstance(module, PreTrainedModel)), None)
-    backbone = getattr(inner, "base_model", inner)  # the layers without the LM head: Qwen2ForCausalLM's Qwen2Model
-    if backbone is not inner and not any("expert" in name for name, _ in model.named_modules()):
-        DECODE_BACKBONES[model] = backbone  # not a backbone itself (ppo's critic): it never decodes
-    return model
-
-
-@contextlib.contextmanager
-def compiled_decode(model):
-    """Saves most of the kernels of generate's one-token step under --compile: within it the model's
-    backbone, every layer, runs as one compiled graph, where eager runs ~40 small kernels a layer
-    (bench.py --decode_layers: RMSNorm, autocast's casts, RoPE, the KV cache's write, the residual
-    adds, SwiGLU; 14 compiled, on the CPU) and a CUDA
-    graph replays them one by one: at 256 rows each moves 0.1-5 MB and costs about its launch
-    latency, not its bytes. Whole, not layer by layer: within the one graph each layer's index into
-    the cache is a constant (compile_blocks). Shapes are dynamic (the rows left after compaction,
-    the width attended over): a new one reuses the compilation, and so does another model of the
-    class (bench.py's measured step after the one that compiled): the blocks' own compiled forwards
-    are set aside within it, the one graph fusing them with the rest, for the graph would check each
-    of them by identity. The prefill and the head (fp32_lm_head) stay eager; the sampler compiles on
-    its own (compiled_sampler). A model compile_blocks did not compile, or with mixture-of-experts
-    layers (routing picks rows by value), or under torchrun (FSDP2's hooks on every layer), or whose
-    backbone's forward a library replaced (accelerate's device_map hooks) runs its step as it is."""
-    backbone = DECODE_BACKBONES.get(model)
-    if backbone is None or dist.is_initialized() or "forward" in backbone.__dict__:  # or a hook library's own
-        yield
-        return
-    if (type(backbone), COMPILE_BACKEND) not in COMPILED:
-        compiled = torch.compile(type(backbone).forward, dynamic=True, backend=COMPILE_BACKEND)
-        COMPILED[type(backbone), COMPILE_BACKEND] = compiled
-    blocks = {}  # block -> its compiled forward (compile_blocks'), set aside
-    for module in backbone.modules():
-        forward = module.__dict__.get("forward")
-        if forward is not None and getattr(forward, "func", None) is COMPILED.get((type(module), COMPILE_BACKEND)):
-            blocks[module] = module.__dict__.pop("forward")
-    backbone.forward = functools.partial(COMPILED[type(backbone), COMPILE_BACKEND], backbone)
-    try:
-        yield
-    except torch._dynamo.exc.TorchDynamoException as error:  # torch.compile's own message, and what to do
-        error.add_note("nanoPO: the decode step did not compile (--compile true); --compile false runs it eagerly.")
-        raise
-    finally:
-        del backbone.forward
-        for module, forward in blocks.items():
-            module.forward = forward
-
-
-def compiled_sampler(model, sample):
-    """Saves most of the sampler's passes over the (n, V) logits under --compile: for a model that
-    compile_blocks registered, `sample` (generate's, called every token outside the captured step)
-    through torch.compile, else `sample` itself. Eager, each op is a pass over the
-    logits (155 MB at 256 rows of Qwen's vocabulary): logsumexp, the log-probs, the noise, its log,
-    the race's keys, their argmax (~1 ms a step on the H100 of the third GPU run); TorchInductor
-    fuses all but the logsumexp and the noise's draw into one pass. The random numbers are torch's
-    own (fallback_random: its exponential_, not TorchInductor's generator), so the tokens for a seed
-    are eager's, bar a near-tie that float rounding breaks the other way. It compiles a few variants
-    once each: the prefill's logits and the step's (a strided view: the head has more rows than the
-    tokenizer ids), one row, each top-p."""
-    if model not in DECODE_BACKBONES:
-        return sample
-    if (sample, COMPILE_BACKEND) not in COMPILED:
-        options = {"fallback_random": True} if COMPILE_BACKEND == "inductor" else None
-        COMPILED[sample, COMPILE_BACKEND] = torch.compile(
-            sample, dynamic=True, backend=COMPILE_BACKEND, options=options
-        )
-    return COMPILED[sample, COMPILE_BACKEND]
-
-
 def load_policy(args, device: torch.device, dtype: torch.dtype, compute_dtype: torch.dtype | None = None, task=None):
     """The policy to train and its tokenizer: returns (policy, tokenizer, eos_ids). With a task that
     has tools, stops where the model cannot take them (check_task_tools), before a run starts.
@@ -1539,6 +1446,781 @@ def save_merged(policy, directory: Path) -> None:
                 if name.endswith("lm_head"):  # an adapted LM head is no longer its embedding's tie
                     base.config.tie_word_embeddings = False
     base.save_pretrained(directory, state_dict=state, safe_serialization=True)
+
+
+# ----------------------------------------------------------------------------------------
+# The model's runtime: how it runs fast, on a GPU above all. The scripts call these by name; each
+# says what it saves and why it is exact (docs/speed.md has the measurements). Nothing here reads a
+# script: what it needs of one (the log-prob formula, the KV cache) is passed in.
+#   precision   autocast, the LM head's fp32/TF32 product (fp32_lm_head)
+#   decode      CUDA graphs, the attention bindings, MoE routing for capture, torch.compile
+#   head        log-probs from the hidden states, chunk by chunk (logprob_head, HeadLogprobs)
+#   passes      rows laid out and chunked by length, each prompt once per group (forward_completions)
+
+
+@contextlib.contextmanager
+def autocast(device: torch.device, compute_dtype: torch.dtype | None):
+    """bf16 autocast on a GPU when asked for (fp32 master weights, bf16 products); a no-op context
+    otherwise. The LM head keeps fp32 logits within it (fp32_lm_head)."""
+    if compute_dtype is None:
+        yield
+        return
+    with torch.autocast(device_type=device.type, dtype=compute_dtype):
+        yield
+
+
+@contextlib.contextmanager
+def fp32_lm_head(model):
+    """Saves the bf16 rounding of the logits under autocast: within it the LM head's product runs
+    in fp32 (weights and hidden states upcast), where autocast would round every logit to bf16's
+    8 significant bits (a logit near 20 lands on a grid of 0.125) and sampler and trainer would
+    read log-probs that differ by that rounding. On a GPU the product runs on TF32 tensor cores
+    (HeadProduct: fp32 in and out, inputs rounded to 10 bits, 9.5e-4 nats from fp64); elsewhere in
+    fp32, exact. A no-op without autocast (the CPU: all fp32 already) and for a head that is not
+    a plain Linear (a LoRA-adapted one runs as it is)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not torch.nn.Linear or not torch.is_autocast_enabled(head.weight.device.type):
+        yield
+        return
+
+    def forward(hidden):
+        with torch.autocast(hidden.device.type, enabled=False):
+            bias = None if head.bias is None else head.bias.float()
+            if hidden.is_cuda:  # TF32 is a GPU's; the CPU computes fp32
+                return HeadProduct.apply(hidden.float(), head.weight.float(), bias, "tf32")
+            return torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
+
+    previous = head.__dict__.get("forward")  # a hook library's own wrapper, if any
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward
+        if previous is not None:
+            head.forward = previous
+
+
+class HeadProduct(torch.autograd.Function):
+    """Saves the GPU's fp32 path for the LM head (an H100 runs fp32
+    GEMMs at ~67 TFLOP/s, TF32 at ~495, by its datasheet): hidden · Wᵀ + b, fp32 in and out, its
+    forward and both backward GEMMs under cuBLAS's fp32 matmul precision `precision` ("tf32":
+    inputs rounded to 10 bits of mantissa, products summed in fp32; "ieee": fp32), set around these
+    three GEMMs alone, so that RoPE's angles and every other fp32 product stay exact. Sampler,
+    scorer and update all go through it (fp32_lm_head), so their log-probs still agree."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, precision: str):  # (…, d), (V', d), (V',) or None -> (…, V')
+        ctx.save_for_backward(hidden, weight)
+        ctx.precision, ctx.with_bias = precision, bias is not None
+        with matmul_precision(precision):
+            return torch.nn.functional.linear(hidden, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):  # (…, V')
+        hidden, weight = ctx.saved_tensors
+        rows, inputs = grad.reshape(-1, grad.shape[-1]), hidden.reshape(-1, hidden.shape[-1])  # (M, V'), (M, d)
+        with matmul_precision(ctx.precision):
+            grad_hidden = grad @ weight if ctx.needs_input_grad[0] else None  # (…, d)
+            grad_weight = rows.T @ inputs if ctx.needs_input_grad[1] else None  # (V', d)
+        grad_bias = rows.sum(0) if ctx.with_bias and ctx.needs_input_grad[2] else None  # (V',)
+        return grad_hidden, grad_weight, grad_bias, None
+
+
+@contextlib.contextmanager
+def matmul_precision(precision: str):
+    """cuBLAS's precision for fp32 matmuls ("ieee": fp32; "tf32") within it only. torch's newer
+    setting: reading the older one (get_float32_matmul_precision) raises once the newer is set."""
+    previous = torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = precision
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = previous
+
+
+def cuda_graph(step, pool=None):
+    """step(), a function of tensors at fixed addresses, captured once as a CUDA graph: the function
+    returned replays its kernels (no Python, no per-kernel launch cost) and returns the output
+    tensor of the capture, which every replay overwrites. By hand rather than torch.compile's
+    mode="reduce-overhead": these lines are the whole mechanism, nothing traces the transformers
+    model (compiling would take tens of seconds for every new batch shape, and N changes between
+    DAPO's rounds and evaluation), and the static buffers it needs are generate's by design.
+    pool: a memory pool (torch.cuda.graph_pool_handle) shared with graphs replayed one after another."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture: lazy set-up (cuBLAS, autocast's casts)
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = step()
+
+    def replay():
+        graph.replay()
+        return output
+
+    return replay
+
+
+CAPTURE_FAILED = []  # the error of a CUDA-graph capture that raised: every later decode runs eagerly
+
+
+def captured_or_none(step, pool):
+    """Saves a run that nobody is watching: step() captured as a CUDA graph (cuda_graph), or None
+    if the capture raises (an operation a graph cannot hold, a driver or library that refuses it),
+    after one warning naming the cause; generate then runs the step eagerly, as on the CPU, in this
+    call and every later one. The same tokens either way, only slower. Out of memory is not a
+    capture failure: it goes on up to the run's message about memory. Nor is a failed compilation
+    (--compile: compiled_decode): it stops with torch.compile's own message."""
+    if CAPTURE_FAILED:
+        return None
+    try:
+        return cuda_graph(step, pool)
+    except (torch.OutOfMemoryError, torch._dynamo.exc.TorchDynamoException):
+        raise
+    except RuntimeError as error:  # CUDA and capture errors (torch.AcceleratorError is one)
+        CAPTURE_FAILED.append(error)
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        warnings.warn(
+            f"CUDA-graph capture of the decode step failed ({type(error).__name__}: {first_line}); "
+            "decoding runs eagerly from now on: the same tokens, slower (docs/speed.md).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+
+
+def cache_argument(model) -> str:
+    """The keyword the model's forward takes a KV cache by: `cache` from transformers 5.24 (which
+    deprecates `past_key_values`), `past_key_values` before it and in models that are not
+    transformers'. Read off the transformers model itself, under any wrapper (peft, FSDP2)."""
+    inner = next((module for module in model.modules() if isinstance(module, PreTrainedModel)), model)
+    return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
+
+
+def attention_windows(model) -> dict[str, int | None]:
+    """Makes generate attend as the model does in every layer: each attention type of the model's
+    layers -> its window (None: every earlier token). A sliding-window layer (Mistral, Gemma 2/3,
+    gpt-oss, Cohere2, Qwen2 with use_sliding_window) sees only the last `window` positions, itself
+    included, and transformers applies no window to a 4D mask it is given: generate builds one mask
+    per type. Types come from config.layer_types where the model has it, else one type for every
+    layer, sliding if config.sliding_window is set (Mistral, Phi-3); a model with no config (not
+    transformers') attends over every earlier token."""
+    if getattr(model, "config", None) is None:
+        return {"full_attention": None}
+    config = model.config.get_text_config()
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"]
+    unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+    if unknown:  # chunked (Llama 4), linear (Qwen3-Next), state-space layers: not a window over one cache
+        raise ValueError(f"{config.model_type} has {sorted(unknown)} layers; generate serves full and sliding ones")
+    return {kind: window if kind == "sliding_attention" else None for kind in dict.fromkeys(layer_types)}
+
+
+def decode_widths(prompt_length: int, max_new_tokens: int, smallest: int = 64) -> list[int]:
+    """Saves attention over the unfilled cache: the few column counts the one-token step attends
+    over, P + 64, P + 128, … doubling up to P + max_new_tokens; token t uses the first that holds
+    P + t + 1 columns, so at most twice the filled columns are read, and on CUDA each width is
+    one captured graph (log2(max_new_tokens / 64) + 1 of them)."""
+    widths, new = [], smallest
+    while new < max_new_tokens:
+        widths.append(prompt_length + new)
+        new *= 2
+    return widths + [prompt_length + max_new_tokens]
+
+
+@contextlib.contextmanager
+def sdpa_replaced(model, name: str, function):
+    """Within it the model's attention layers run `function`, registered with transformers'
+    AttentionInterface as `name`, where they ran sdpa, the function it computes: a model that runs
+    another attention (eager for gpt-oss's attention sinks and Gemma 2's soft-capped scores) keeps its own."""
+    AttentionInterface.register(name, function)
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa":  # not sdpa, or not a transformers model
+        yield
+        return
+    attention, config._attn_implementation = config._attn_implementation, name
+    try:
+        yield
+    finally:
+        config._attn_implementation = attention
+
+
+def grouped_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **unused):
+    """Saves the copies of the cache that grouped-query attention makes in the one-token step: the
+    query heads that share a KV head (Qwen2.5-1.5B: 6 of 12 on 2) attend as the rows of one query,
+    so each cached key and value is read once, not copied once per query head (transformers' sdpa
+    before 5.23 repeats K and V whenever a mask is given, as generate's is). The same products and
+    softmax as attention head by head. query (n, heads, 1, d), key and value (n, kv heads, S, d),
+    attention_mask (n, 1, 1, S) additive -> (n, 1, heads, d), transformers' attention layout."""
+    num_rows, heads, _, head_dim = query.shape
+    kv_heads = key.shape[1]
+    folded = query.reshape(num_rows, kv_heads, heads // kv_heads, head_dim)  # head h = kv head h // group
+    out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(num_rows, 1, heads, head_dim), None
+
+
+def grouped_attention(model):
+    """Within it the model's attention layers run grouped_decode_attention: generate's one-token
+    step, whose query is one token (sdpa_replaced)."""
+    return sdpa_replaced(model, "nanopo_grouped_decode", grouped_decode_attention)
+
+
+def varlen_decode_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, used, starts, **unused
+):
+    """Saves what the masked call reads past each row's filled columns, and its mask: generate's
+    one-token attention over a left-aligned cache (KVCache.align_left) by flash attention's
+    variable-length entry, told each row's filled columns (used (n,) int32, a tensor: a CUDA graph
+    holds it). One layer's call, 256 rows on an H200, took 0.096 ms where the masked SDPA took 0.145
+    at a width of 797 columns, about two thirds of it at every width (docs/speed.md). Query head h
+    attends with KV head h // group, as in grouped_decode_attention. query (n, heads, 1, d); key and
+    value (n, kv heads, S, d), views of (n, S, kv heads, d) buffers; starts (n + 1,) int32, 0 … n
+    -> (n, 1, heads, d)."""
+    num_rows, heads, _, head_dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    out = torch.ops.aten._flash_attention_forward(
+        query.to(value.dtype).reshape(num_rows, heads, head_dim),  # autocast's fp32 rotary makes it fp32
+        key.transpose(1, 2).reshape(num_rows * length, kv_heads, head_dim),  # views of the buffers: no copy
+        value.transpose(1, 2).reshape(num_rows * length, kv_heads, head_dim),
+        starts,  # row i: query i, …
+        starts * length,  # … its keys from column 0 of its own S
+        1,
+        length,
+        0.0,
+        False,
+        False,
+        scale=scaling,
+        seqused_k=used,
+    )[0]  # (n, heads, d)
+    return out.reshape(num_rows, 1, heads, head_dim), None
+
+
+def varlen_attention(model, used: torch.Tensor):
+    """Within it the model's attention layers run varlen_decode_attention, row i over its first
+    used[i] columns (sdpa_replaced)."""
+    starts = torch.arange(len(used) + 1, dtype=torch.int32, device=used.device)  # once a step, not a layer
+    attention = functools.partial(varlen_decode_attention, used=used, starts=starts)
+    return sdpa_replaced(model, "nanopo_varlen_decode", attention)
+
+
+def varlen_decode(model, cache) -> bool:
+    """Whether generate's one-token step runs varlen_decode_attention over a left-aligned cache:
+    for a model whose every layer is full attention computed by sdpa (a window, or an attention of
+    its own, keeps the mask), where flash attention takes the cache (flash_varlen_serves)."""
+    config = getattr(model, "config", None)
+    return (
+        getattr(config, "_attn_implementation", None) == "sdpa"
+        and attention_windows(model) == {"full_attention": None}
+        and flash_varlen_serves(cache.values[0])
+    )
+
+
+def flash_varlen_serves(values: torch.Tensor) -> bool:
+    """Whether flash attention's variable-length entry takes a cache like `values`: on an NVIDIA GPU
+    of compute capability 8 or more (ROCm's entry is not known to honour seqused_k), in a PyTorch
+    built with it and flash SDPA not turned off, in bf16 or fp16, with a head size a multiple of 8
+    up to 256."""
+    return (
+        values.is_cuda
+        and torch.version.hip is None
+        and values.dtype in (torch.bfloat16, torch.float16)
+        and values.shape[-1] % 8 == 0
+        and values.shape[-1] <= 256
+        and torch.backends.cuda.is_flash_attention_available()
+        and torch.backends.cuda.flash_sdp_enabled()
+        and torch.cuda.get_device_capability(values.device) >= (8, 0)
+    )
+
+
+def routing_free_experts(self, hidden_states, top_k_index, top_k_weights):
+    """Saves the CUDA graph of a mixture-of-experts model's decode step (gpt-oss, Qwen3-MoE, OLMoE):
+    transformers' experts (grouped_mm) sort the tokens by expert and multiply each expert's share
+    with one grouped GEMM whose group ends live on the GPU; torch runs that GEMM on the GPU only for
+    bf16 weights on a Hopper-class device, and otherwise as a loop over experts that first copies the
+    group ends to the host, which a graph cannot hold (the capture fails: gpt-oss in fp32 on an
+    H100). Here every token goes through every expert in two batched products whose shapes do not
+    depend on the routing, and each token keeps the outputs of its top-k experts, weighted and summed
+    in top-k order as transformers sums them: the same function, nothing crosses to the host.
+    The cost: E/k times the experts' FLOPs (gpt-oss-20b: 8×) over the same weights read, which a
+    decode step does not notice while 2·n / (bytes a weight) FLOPs per byte stays under the device's
+    FLOP/s per byte/s (an H100's datasheet: bf16 ~300, so n up to ~300 rows; fp32, no tensor cores, ~20).
+    A forward of transformers' ExpertsInterface: hidden_states (n, H), top_k_index and
+    top_k_weights (n, k) -> (n, H)."""
+    up_weight = self.gate_up_proj if self.has_gate else self.up_proj  # (E, 2I or I, H), transposed (E, H, …)
+    with torch.autocast(hidden_states.device.type, enabled=False):  # the weights' dtype, as grouped_mm runs
+        hidden = hidden_states.to(up_weight.dtype)  # (n, H)
+        up = torch.matmul(hidden, up_weight if self.is_transposed else up_weight.transpose(-2, -1))  # (E, n, 2I)
+        if self.has_bias:
+            up = up + (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias)[:, None]
+        inner = self._apply_gate(up) if self.has_gate else self.act_fn(up)  # (E, n, I)
+        out = torch.matmul(inner, self.down_proj if self.is_transposed else self.down_proj.transpose(-2, -1))
+        if self.has_bias:
+            out = out + self.down_proj_bias[:, None]  # (E, n, H)
+        if getattr(self, "has_post_expert_norm", False):  # transformers ≥ 5.24's experts may norm each output
+            out = self.post_expert_norm(out)
+        rows = torch.arange(hidden.shape[0], device=hidden.device)[:, None]  # (n, 1)
+        chosen = out[top_k_index, rows] * top_k_weights[..., None]  # (n, k, H) in the routing weights' dtype too
+        return chosen.sum(dim=1).to(hidden_states.dtype)  # (n, H)
+
+
+@contextlib.contextmanager
+def captured_experts(model):
+    """Within it the model's mixture-of-experts layers run routing_free_experts (registered with
+    transformers' ExpertsInterface): generate's captured one-token step, so that every family's
+    decode step captures. A no-op for a model without such layers (dense models, models that are
+    not transformers'); the eager step (CPU, torchrun, a capture that failed) keeps the model's own."""
+    ALL_EXPERTS_FUNCTIONS.register("nanopo_routing_free", routing_free_experts)
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "config")}
+    # the attribute behind the property, whose setter would also set every sub-config to this one's value
+    saved = {key: config._experts_implementation_internal for key, config in configs.items()}
+    for config in configs.values():
+        config._experts_implementation_internal = "nanopo_routing_free"
+    try:
+        yield
+    finally:
+        for key, config in configs.items():
+            config._experts_implementation_internal = saved[key]
+
+
+COMPILED_BLOCKS = ("MLP", "RMSNorm")  # the ends of the class names compile_blocks compiles
+
+COMPILE_BACKEND = "inductor"  # tests: "aot_eager" (traced and differentiated, no kernels generated: seconds on a CPU)
+
+
+COMPILED = {}  # (block class or function, backend) -> it through torch.compile, shared by every block of the class
+
+DECODE_BACKBONES = weakref.WeakKeyDictionary()  # a model compile_blocks compiled -> what compiled_decode compiles
+
+
+def compile_blocks(model, on: bool = True):
+    """--compile: each feed-forward block and RMSNorm of `model` through torch.compile, where the
+    update spends most of its elementwise traffic (a trace of its ops at the 1.5B shape put RMSNorm
+    in fp32 at ~24% of it, SwiGLU at ~14%, autocast's casts at ~8%: docs/speed.md): TorchInductor
+    fuses each block's elementwise ops into a few kernels, forward and backward, where eager runs
+    one kernel an op. Blocks only, not whole decoder layers: a layer's attention reads its own KV
+    cache, which torch.compile would specialise layer by layer (28 compilations where one will do,
+    and past its recompilation limit eager again); a block reads nothing but its weights and input,
+    so every layer shares one compilation (and one each for no grad, a batch of one, one token).
+    dynamic: every micro-batch's length and the decode's rows in one. The first step compiles (on an
+    H200 a step that compiled and one more took 127 s together, docs/speed.md); the numbers change
+    by float rounding (fused ops, bf16 rounded in other places). A mixture of
+    experts' block (its routing picks rows by value: gpt-oss's GptOssMLP) and a block whose class
+    is named otherwise stay eager. A model with an LM head is registered (DECODE_BACKBONES) for
+    compiled_decode and compiled_sampler. Returns the model, whose weights and state dict are unchanged."""
+    if not on:
+        return model
+    # A block kind's compiled code holds one entry a variant: trained or frozen weights (policy,
+    # reference), grad or none, checkpointing's inputs, a size of 1 (the preflight's one row, the
+    # head probe's one token, the decode). Past dynamo's limit (8) a variant would run eager.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    for module in model.modules():
+        kind, dense = type(module), not any("expert" in name for name, _ in module.named_modules())
+        if kind.__name__.endswith(COMPILED_BLOCKS) and dense and "forward" not in module.__dict__:
+            if (kind, COMPILE_BACKEND) not in COMPILED:
+                COMPILED[kind, COMPILE_BACKEND] = torch.compile(kind.forward, dynamic=True, backend=COMPILE_BACKEND)
+            module.forward = functools.partial(COMPILED[kind, COMPILE_BACKEND], module)  # a copy rebinds it to itself
+    inner = next((module for module in model.modules() if isinstance(module, PreTrainedModel)), None)
+    backbone = getattr(inner, "base_model", inner)  # the layers without the LM head: Qwen2ForCausalLM's Qwen2Model
+    if backbone is not inner and not any("expert" in name for name, _ in model.named_modules()):
+        DECODE_BACKBONES[model] = backbone  # not a backbone itself (ppo's critic): it never decodes
+    return model
+
+
+@contextlib.contextmanager
+def compiled_decode(model):
+    """Saves most of the kernels of generate's one-token step under --compile: within it the model's
+    backbone, every layer, runs as one compiled graph, where eager runs ~40 small kernels a layer
+    (bench.py --decode_layers: RMSNorm, autocast's casts, RoPE, the KV cache's write, the residual
+    adds, SwiGLU; 14 compiled, on the CPU) and a CUDA
+    graph replays them one by one: at 256 rows each moves 0.1-5 MB and costs about its launch
+    latency, not its bytes. Whole, not layer by layer: within the one graph each layer's index into
+    the cache is a constant (compile_blocks). Shapes are dynamic (the rows left after compaction,
+    the width attended over): a new one reuses the compilation, and so does another model of the
+    class (bench.py's measured step after the one that compiled): the blocks' own compiled forwards
+    are set aside within it, the one graph fusing them with the rest, for the graph would check each
+    of them by identity. The prefill and the head (fp32_lm_head) stay eager; the sampler compiles on
+    its own (compiled_sampler). A model compile_blocks did not compile, or with mixture-of-experts
+    layers (routing picks rows by value), or under torchrun (FSDP2's hooks on every layer), or whose
+    backbone's forward a library replaced (accelerate's device_map hooks) runs its step as it is."""
+    backbone = DECODE_BACKBONES.get(model)
+    if backbone is None or dist.is_initialized() or "forward" in backbone.__dict__:  # or a hook library's own
+        yield
+        return
+    if (type(backbone), COMPILE_BACKEND) not in COMPILED:
+        compiled = torch.compile(type(backbone).forward, dynamic=True, backend=COMPILE_BACKEND)
+        COMPILED[type(backbone), COMPILE_BACKEND] = compiled
+    blocks = {}  # block -> its compiled forward (compile_blocks'), set aside
+    for module in backbone.modules():
+        forward = module.__dict__.get("forward")
+        if forward is not None and getattr(forward, "func", None) is COMPILED.get((type(module), COMPILE_BACKEND)):
+            blocks[module] = module.__dict__.pop("forward")
+    backbone.forward = functools.partial(COMPILED[type(backbone), COMPILE_BACKEND], backbone)
+    try:
+        yield
+    except torch._dynamo.exc.TorchDynamoException as error:  # torch.compile's own message, and what to do
+        error.add_note("nanoPO: the decode step did not compile (--compile true); --compile false runs it eagerly.")
+        raise
+    finally:
+        del backbone.forward
+        for module, forward in blocks.items():
+            module.forward = forward
+
+
+def compiled_sampler(model, sample):
+    """Saves most of the sampler's passes over the (n, V) logits under --compile: for a model that
+    compile_blocks registered, `sample` (generate's, called every token outside the captured step)
+    through torch.compile, else `sample` itself. Eager, each op is a pass over the
+    logits (155 MB at 256 rows of Qwen's vocabulary): logsumexp, the log-probs, the noise, its log,
+    the race's keys, their argmax (~1 ms a step on the H100 of the third GPU run); TorchInductor
+    fuses all but the logsumexp and the noise's draw into one pass. The random numbers are torch's
+    own (fallback_random: its exponential_, not TorchInductor's generator), so the tokens for a seed
+    are eager's, bar a near-tie that float rounding breaks the other way. It compiles a few variants
+    once each: the prefill's logits and the step's (a strided view: the head has more rows than the
+    tokenizer ids), one row, each top-p."""
+    if model not in DECODE_BACKBONES:
+        return sample
+    if (sample, COMPILE_BACKEND) not in COMPILED:
+        options = {"fallback_random": True} if COMPILE_BACKEND == "inductor" else None
+        COMPILED[sample, COMPILE_BACKEND] = torch.compile(
+            sample, dynamic=True, backend=COMPILE_BACKEND, options=options
+        )
+    return COMPILED[sample, COMPILE_BACKEND]
+
+
+HEAD_CHUNK_BYTES = 2**28  # fp32 logits of one chunk of positions in logprob_head: 256 MB, 442 rows of Qwen's 151,665
+
+PLAIN_HEADS = weakref.WeakKeyDictionary()  # model -> whether its logits are its LM head's output as is (plain_head)
+
+
+def plain_head(model) -> bool:
+    """Whether the model hands back its LM head's output as its logits, nothing done after it:
+    what logprob_head needs. Gemma 2 soft-caps its logits and Cohere scales them after the head, and
+    other families may: one forward of one token (once per model, remembered), its head made to
+    answer a marker from −100 to 100, shows whether the marker comes back unchanged, rather than a
+    list of families that would go stale."""
+    if model not in PLAIN_HEADS:
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if getattr(head, "weight", None) is None:  # no head, or not one with a weight of V' rows
+            PLAIN_HEADS[model] = False
+            return False
+        marker = torch.linspace(-100.0, 100.0, head.weight.shape[0], device=head.weight.device)  # (V',)
+        previous = head.__dict__.get("forward")
+        head.forward = lambda hidden: marker.expand(*hidden.shape[:-1], -1)  # (…, V')
+        try:
+            with torch.no_grad():
+                token = torch.zeros(1, 1, dtype=torch.long, device=head.weight.device)
+                logits = model(input_ids=token, use_cache=False).logits  # (1, 1, V')
+        finally:
+            del head.forward
+            if previous is not None:
+                head.forward = previous
+        PLAIN_HEADS[model] = logits.shape[-1] == len(marker) and torch.equal(logits.float(), marker.expand_as(logits))
+    return PLAIN_HEADS[model]
+
+
+@contextlib.contextmanager
+def logprob_head(model, formula, tokens, scale: float, vocab_size: int, with_entropy: bool, entropy_grad: bool):
+    """Saves the (n, t, V) logits of scoring and of the update (8 rows × 1024 tokens × 151,665 ids
+    = 5 GB in fp32, and as much again for their gradient and softmax): within it the model's LM
+    head returns, for the positions that predict `tokens` (n, t), their log-probs and entropies
+    (n, t, 2) by `formula` (the script's token_logprobs: logits (…, V'), tokens (…), scale, vocab_size,
+    with_entropy, entropy_grad -> (…, 2)), computed HEAD_CHUNK_BYTES of logits at a time; with grad enabled
+    backward recomputes each chunk's logits instead of keeping them: by HeadLogprobs, its backward
+    written out, where the head is a plain Linear whose product is fp32 (fp32 weights, or any
+    under autocast: fp32_lm_head's), else (a LoRA-adapted head; bf16 without autocast) each chunk
+    checkpointed.
+    The same head product (fp32_lm_head's, inside it) and the same formula as the whole logits
+    would go through, chunk by chunk: exact up to the order in which the weight's gradient sums
+    its chunks. A model whose logits are not its head's output as is (plain_head) keeps its
+    head, and forward_completions hands back its logits, which `read` turns into the same (n, t, 2)."""
+    head = model.get_output_embeddings() if plain_head(model) else None
+    score = functools.partial(
+        formula, scale=scale, vocab_size=vocab_size, with_entropy=with_entropy, entropy_grad=entropy_grad
+    )
+    if head is None:
+        yield lambda logits: score(logits, tokens)
+        return
+    product = head.forward  # fp32_lm_head's fp32 product under autocast, else the head's own
+    chunked = []  # whether the completion's positions came through forward below
+
+    def forward(hidden):  # (n, t', d) -> (n, t, 2), or the plain logits of another pass
+        if hidden.shape[:-1] != tokens.shape:  # forward_completions' prompt pass: its one logit is unused
+            return product(hidden)
+        chunked.append(True)
+        rows = max(1, HEAD_CHUNK_BYTES // (4 * vocab_size))  # positions a chunk
+        flat, targets = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)  # (n·t, d), (n·t,)
+        upcast = torch.is_autocast_enabled(flat.device.type)  # fp32_lm_head's product: fp32 whatever the weight's
+        fp32 = head.weight.dtype == torch.float32 and (head.bias is None or head.bias.dtype == torch.float32)
+        if type(head) is torch.nn.Linear and (fp32 or upcast):  # an fp32 product: its backward written out
+            tf32 = flat.is_cuda and upcast
+            precision = "tf32" if tf32 else torch.backends.cuda.matmul.fp32_precision  # fp32_lm_head's
+            settings = (scale, vocab_size, with_entropy, entropy_grad, precision, rows, formula)
+            out = HeadLogprobs.apply(flat.float(), head.weight, head.bias, targets, *settings)  # (n·t, 2)
+            return out.reshape(*tokens.shape, 2)
+        chunks = []
+        for start in range(0, len(flat), rows):
+            piece = lambda h, o: score(product(h), o)  # noqa: E731  (c, d), (c,) -> (c, 2)
+            part = (flat[start : start + rows], targets[start : start + rows])
+            if torch.is_grad_enabled():
+                chunks.append(torch.utils.checkpoint.checkpoint(piece, *part, use_reentrant=False))
+            else:
+                chunks.append(piece(*part))
+        return torch.cat(chunks).reshape(*tokens.shape, 2)  # (n, t, 2)
+
+    previous = head.__dict__.get("forward")
+    head.forward = forward
+    try:  # the model's "logits" are the (n, t, 2) already, unless it handed its head other positions
+        yield lambda out: out if chunked else score(out, tokens)
+    finally:
+        del head.forward
+        if previous is not None:
+            head.forward = previous
+
+
+class HeadLogprobs(torch.autograd.Function):
+    """Saves what autograd's backward through the head's chunks moves: log π of `tokens` and the
+    entropy (`formula`, the script's token_logprobs) from the hidden states through a plain Linear
+    head, `rows` positions at a time, with a backward written out. Backward recomputes each chunk's logits z (one GEMM),
+    turns them in place into dL/dz = g·(onehot − p) − g_H·p·(log p + H) with p = exp(z − logsumexp),
+    and adds each chunk's weight gradient into one buffer (addmm_). Autograd's backward through a
+    checkpointed chunk reran the whole forward, entropy included, wrote the gradient through ~14
+    tensors of the logits' size and summed a (V', d) weight gradient per chunk (~2.8 GB moved at
+    Qwen's vocabulary, each of ~56 chunks of a 19-row micro-batch). The forward computes what the
+    head and token_logprobs compute, op for op, in the same precision (fp32, or TF32's GEMMs
+    as HeadProduct on a GPU): the same values; the gradients agree to
+    float rounding. A bf16 weight (FSDP2's gathered head, LoRA's frozen one on a GPU) is upcast once
+    a pass, as fp32_lm_head's product reads it, where that product made an fp32 copy a chunk, and its
+    gradient is summed in fp32 and rounded to bf16 once, where autograd summed the chunks' in bf16.
+    hidden (M, d) fp32, weight (V', d), bias (V',) or None, tokens (M,) -> (M, 2): log π and H."""
+
+    @staticmethod
+    def forward(
+        ctx, hidden, weight, bias, tokens, scale, vocab_size, with_entropy, entropy_grad, precision, rows, formula
+    ):
+        entropy_grad = with_entropy and entropy_grad  # without the entropy its column is a constant 0
+        upcast = weight.float(), None if bias is None else bias.float()  # fp32: themselves; bf16: one copy
+        out = []
+        for start in range(0, len(hidden), rows):
+            with torch.autocast(hidden.device.type, enabled=False), matmul_precision(precision):
+                logits = torch.nn.functional.linear(hidden[start : start + rows], *upcast)  # (c, V')
+            out.append(formula(logits, tokens[start : start + rows], scale, vocab_size, with_entropy, False))
+        out = torch.cat(out)  # (M, 2)
+        ctx.save_for_backward(hidden, weight, bias, tokens, out)  # out: its own, whatever is done to the copy
+        ctx.settings = scale, vocab_size, entropy_grad, precision, rows
+        return out.clone()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # its in-place backward builds no graph
+    def backward(ctx, grad):  # (M, 2): d loss / d log π, d loss / d H
+        with torch.autocast(grad.device.type, enabled=False):  # the forward's fp32 products, wherever called
+            return HeadLogprobs.gradients(ctx, grad)
+
+    @staticmethod
+    def gradients(ctx, grad):
+        hidden, stored, stored_bias, tokens, out = ctx.saved_tensors
+        scale, vocab_size, entropy_grad, precision, rows = ctx.settings
+        weight, bias = stored.float(), None if stored_bias is None else stored_bias.float()  # as forward read them
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None  # (M, d)
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None  # (V', d); None: frozen (LoRA)
+        grad_bias = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
+        kept_weight = weight[:vocab_size]  # (V, d): ids past the tokenizer get no gradient
+        for start in range(0, len(hidden), rows):
+            part = slice(start, start + rows)
+            g, logp, entropy = grad[part, :1], out[part, :1], out[part, 1:]  # (c, 1) each
+            with matmul_precision(precision):
+                z = torch.nn.functional.linear(hidden[part], weight, bias)[:, :vocab_size]  # (c, V)
+            if scale != 1.0:
+                z.div_(scale)
+            # log p = z − logsumexp = z − (z_token − log π_token), in place
+            log_p = z.sub_(z.gather(-1, tokens[part, None]) - logp)  # (c, V)
+            if entropy_grad:  # − p·(g + g_H·(log p + H))
+                p = log_p.exp()
+                dz = log_p.add_(entropy).mul_(grad[part, 1:]).add_(g).mul_(p).neg_()
+            else:  # − g·p
+                dz = log_p.exp_().mul_(-g)
+            dz.scatter_add_(-1, tokens[part, None], g)  # + g at the token
+            if scale != 1.0:
+                dz.div_(scale)
+            with matmul_precision(precision):
+                if grad_hidden is not None:
+                    grad_hidden[part] = dz @ kept_weight  # (c, d)
+                if grad_weight is not None:
+                    grad_weight[:vocab_size].addmm_(dz.T, hidden[part])  # (V, d), summed in place
+            if grad_bias is not None:
+                grad_bias[:vocab_size] += dz.sum(0)
+        grad_weight = None if grad_weight is None else grad_weight.to(stored.dtype)  # summed in fp32, rounded once
+        grad_bias = None if grad_bias is None else grad_bias.to(stored_bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Saves the host syncs of a chunk's forward pass: what it needs to know on the host, read for
+    all the chunks of a batch at once (chunks_of), before the first runs. A sync stops the host until
+    the GPU has caught up; in every micro-batch it would leave the GPU idle while the host launched
+    the next one, where without it the host launches micro-batch k+1 while the GPU runs k's backward.
+    prompt, completion: the columns trim_padding keeps; prompts: how many runs of consecutive rows
+    share a prompt (forward_completions' prompt pass has a row for each); shortest: the fewest
+    tokens a row's prompt has."""
+
+    prompt: int
+    completion: int
+    prompts: int
+    shortest: int
+
+
+def chunks_of(order, prompt_ids, prompt_mask, completion_mask, rows: int, tokens: int = 0) -> list[tuple]:
+    """The row indices of `order` in consecutive chunks, each with its Layout: `rows` at a time; with
+    rows 0, by `tokens`: as many as keep rows × (their longest prompt + longest completion, the columns
+    trim_padding keeps) within it, one at least, so that a chunk of short rows holds more rows than a
+    chunk of long ones and every chunk about the same work and memory; with neither, 4 rows (train()
+    sets one of them before step 1: size_micro_batches). One host sync, for every chunk's lengths and
+    prompts. Under torchrun the budget buys rows, as many as the longest row of any rank allows:
+    FSDP pairs each forward pass of a rank with one of every other, so all make the same passes.
+    Returns [(rows (m,), Layout)]."""
+    multiple = shape_multiple(order.device)
+    starts = new_prompts(prompt_ids[order], prompt_mask[order])  # (n,) where a run of one prompt starts
+    facts = torch.stack([prompt_mask.sum(-1)[order], completion_mask.sum(-1)[order], starts.long()]).tolist()
+    prompt_lengths, completion_lengths, new = facts  # (n,) each, in order: the one host sync
+    widths = (prompt_mask.shape[1], completion_mask.shape[1])  # P, T
+    kept = [  # (n,) the (prompt, completion) columns trim_padding keeps of each row alone
+        tuple(min(-(-max(length, 1) // multiple) * multiple, width) for length, width in zip(lengths, widths))
+        for lengths in zip(prompt_lengths, completion_lengths)
+    ]
+    size = rows or (0 if tokens else 4)  # rows a chunk; 0: by tokens
+    if not size and world_size() > 1:
+        size = max(1, tokens // all_reduce(max(map(sum, kept)), "max"))
+    if size:
+        spans = [(start, min(start + size, len(kept))) for start in range(0, len(kept), size)]
+    else:
+        spans, start, prompt, completion = [], 0, 0, 0
+        for i, (row_prompt, row_completion) in enumerate(kept):
+            prompt, completion = max(prompt, row_prompt), max(completion, row_completion)
+            if i > start and (i + 1 - start) * (prompt + completion) > tokens:  # row i starts the next chunk
+                spans.append((start, i))
+                start, prompt, completion = i, row_prompt, row_completion
+        spans.append((start, len(kept)))
+    return [
+        (
+            order[start:end],
+            Layout(
+                prompt=max(p for p, _ in kept[start:end]),
+                completion=max(t for _, t in kept[start:end]),
+                prompts=1 + sum(new[start + 1 : end]),  # a chunk's first row starts a run
+                shortest=min(prompt_lengths[start:end]),
+            ),
+        )
+        for start, end in spans
+    ]
+
+
+def new_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+    """Where a run of rows sharing a prompt starts: row i's prompt (its ids and padding) differs from
+    row i-1's, row 0 always. (n, P), (n, P) -> (n,) bool, on the device, no host sync."""
+    starts = torch.ones(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device)
+    starts[1:] = ((prompt_ids[1:] != prompt_ids[:-1]) | (prompt_mask[1:] != prompt_mask[:-1])).any(-1)
+    return starts
+
+
+def length_order(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """Saves padding work, and lets a prompt be forwarded once for its rows (forward_completions):
+    the row indices with the rows of each prompt (its group) together, the groups in order of
+    their longest completion, longest first, and the rows of a group by length, so that
+    consecutive chunks of them hold whole groups of similar length. (N, P), (N, P), (N, T) -> (N,)."""
+    lengths = completion_mask.sum(-1)  # (N,)
+    prompts = torch.cat([prompt_ids, prompt_mask], dim=-1)  # (N, 2P) a prompt is its ids and its padding
+    _, group = torch.unique(prompts, dim=0, return_inverse=True)  # (N,) each row's prompt
+    longest = torch.zeros(len(lengths), dtype=lengths.dtype, device=lengths.device)
+    longest = longest.scatter_reduce(0, group, lengths, "amax")[group]  # (N,) its group's longest completion
+    order = lengths.argsort(descending=True, stable=True)  # three stable sorts, the last one's key first:
+    order = order[group[order].argsort(stable=True)]  # the rows of a group together, longest first
+    return order[longest[order].argsort(descending=True, stable=True)]  # the groups by their longest
+
+
+def trim_padding(prompt_ids, prompt_mask, completion_ids, completion_mask, layout: Layout):
+    """Saves the compute of columns that are padding in every row of a chunk: the prompt columns
+    before its longest prompt (left padding) and the completion columns after its longest
+    completion (right padding), as many as the chunk's Layout keeps (chunks_of: on CUDA a multiple
+    of shape_multiple columns, or all there are, so that chunks of similar length have one shape and
+    the attention kernels' plans and the allocator's blocks are reused, not made anew for every
+    chunk). Exact: a column no row attends to changes no other position, and positions count real
+    tokens only. (n, P), (n, P), (n, T), (n, T) -> the same, (n, p) and (n, t)."""
+    first = prompt_ids.shape[1] - layout.prompt  # the first prompt column kept
+    kept = layout.completion
+    return prompt_ids[:, first:], prompt_mask[:, first:], completion_ids[:, :kept], completion_mask[:, :kept]
+
+
+def shape_multiple(device: torch.device) -> int:
+    """The multiple trim_padding rounds a chunk's columns up to: 64 on CUDA (at most 63 columns of
+    padding computed, and chunks of a batch share a few shapes, as decode_widths' widths do for
+    the one-token step); 1 elsewhere, where nothing is planned per shape."""
+    return 64 if device.type == "cuda" else 1
+
+
+def forward_completions(
+    model, prompt_ids, prompt_mask, completion_ids, completion_mask, output: str = "logits", share: bool = True,
+    layout: Layout | None = None,
+):  # fmt: skip
+    """The model's `output` (its logits, or a backbone's last_hidden_state) at the t positions that
+    predict the completion tokens, position p-1+j predicting token j: (n, p), (n, p), (n, t),
+    (n, t) -> (n, t, ·), the numbers of one forward pass over prompt + completion.
+
+    Saves forwarding a prompt once per completion: rows that share a prompt (a run of them: a
+    group) run it once, as one row, with the cache on, all but its last token; their completions
+    then attend to its keys and values, which an index copies to their rows, each row's pass
+    starting at the prompt's last token (whose output predicts completion token 0), so that
+    backward sums the G completions' gradients into the one prompt pass (P + G·T token positions
+    instead of G·(P + T)). Exact up to float reassociation: the same keys, values and positions,
+    and transformers builds every mask from the 2D one, sliding windows included. One pass over
+    prompt + completion where no two consecutive rows share a prompt (G = 1), where a prompt is one
+    token, where transformers would drop the cache (gradient checkpointing in train mode), and with
+    share=False (the computation before; tests and bench.py compare with it).
+
+    layout: the chunk's Layout (chunks_of), read on the host with the other chunks'; without it the
+    two numbers sharing needs (how many prompts, the shortest) are read here, one host sync."""
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (n, p+t)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same positions as in generate
+    num_prompt, kept = prompt_ids.shape[1], completion_ids.shape[1]  # p, t
+    keep = {"logits_to_keep": kept} if output == "logits" else {}  # only what predicts a completion token
+    starts = new_prompts(prompt_ids, prompt_mask)  # (n,) where a run of rows sharing a prompt starts
+    lengths = prompt_mask.sum(-1)  # (n,) tokens in each row's prompt
+    if layout:
+        prompts, shortest = layout.prompts, layout.shortest
+    else:
+        prompts, shortest = torch.stack([starts.sum(), lengths.min()]).tolist()
+    checkpointed = model.training and any(getattr(layer, "gradient_checkpointing", False) for layer in model.modules())
+    if not share or prompts == len(prompt_ids) or shortest < 2 or checkpointed:
+        ids = torch.cat([prompt_ids, completion_ids], dim=1)[:, :-1]  # (n, p-1+t) the last token predicts nothing
+        mask, positions = attention_mask[:, :-1], position_ids[:, :-1]
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, **keep)
+        return out[output][:, -kept:]  # (n, t, ·)
+    run = starts.cumsum(0) - 1  # (n,) each row's prompt: the run it is in
+    first = torch.zeros(prompts, dtype=torch.long, device=run.device)  # (b,) each prompt's first row
+    first = first.scatter_reduce(0, run, torch.arange(len(run), device=run.device), "amin", include_self=False)
+    distinct, distinct_mask = prompt_ids[first], prompt_mask[first]  # (b, p) the b distinct prompts, a row each
+    prompt_pass = {  # each distinct prompt but its last token, once: its keys and values
+        "input_ids": distinct[:, :-1],
+        "attention_mask": distinct_mask[:, :-1],
+        "position_ids": (distinct_mask[:, :-1].cumsum(-1) - 1).clamp(min=0),
+    }
+    cache_name = cache_argument(model)
+    prompt_out = model(
+        **prompt_pass, use_cache=True, **({"logits_to_keep": 1} if keep else {})
+    )  # no logit is needed: the fewest the head computes
+    cache = prompt_out[cache_name]
+    cache.batch_select_indices(run)  # each row gets its prompt's keys and values: (n, kv heads, p-1, d)
+    out = model(  # the prompt's last token, then the completion but its last token
+        input_ids=torch.cat([prompt_ids[:, -1:], completion_ids[:, :-1]], dim=1),
+        attention_mask=attention_mask[:, :-1],
+        position_ids=position_ids[:, num_prompt - 1 : -1],
+        use_cache=True,
+        **{cache_name: cache},
+        **keep,
+    )[output]  # (n, t, ·)
+    if torch.is_grad_enabled():  # FSDP2 gathers a layer again for backward only if its forward's output is in
+        out[:, :1] += 0 * prompt_out[output].sum()  # the loss: the prompt pass's joins, at weight 0, in place
+    return out
 
 
 # ----------------------------------------------------------------------------------------

@@ -69,39 +69,44 @@ Shape letters in comments:
 
 import contextlib
 import functools
-import inspect
 import math
 import random
 import time
-import warnings
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, PreTrainedModel
-from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from common import (
-    LM_HEAD_PRECISION,
-    LM_HEAD_PRECISIONS,
     PROMPT_FORMAT_HELP,
+    Layout,
     Run,
     all_reduce,
     all_reduce_metrics,
     all_reduce_totals,
     arg,
+    attention_windows,
     autocast,
+    cache_argument,
+    captured_experts,
+    captured_or_none,
     check_distributed,
     check_run_args,
     check_tool_turns,
+    chunks_of,
     compiled_decode,
     compiled_sampler,
+    decode_widths,
+    forward_completions,
+    fp32_lm_head,
+    grouped_attention,
     host_numbers,
     init_distributed,
+    length_order,
     load_policy,
     load_reference,
+    logprob_head,
     make_optimizer,
     my_share,
     parse_args,
@@ -116,7 +121,10 @@ from common import (
     size_micro_batches,
     too_few_tool_tokens,
     tool_turn_text,
+    trim_padding,
     unsharded,
+    varlen_attention,
+    varlen_decode,
     world_size,
 )
 from rewards import Score, heldout_task, parse_tool_calls, run_tool_call, tool_call_format, training_task
@@ -173,7 +181,6 @@ class Args:
     logprob_chunk_tokens: int = arg(0, "tokens per no-grad scoring pass; 0 = the GPU preflight's (CPU: 8 rows)")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, ~30% slower")
     compile: bool = arg(False, "torch.compile: MLP and RMSNorm blocks, the decode step, the sampler; step 1 compiles")
-    lm_head_precision: str = arg(LM_HEAD_PRECISIONS[0], "LM head's GEMMs on a GPU: tf32 (tensor cores) or fp32 (exact)")
     # LoRA (peft): train low-rank adapters on the frozen model instead of every weight
     lora_rank: int = arg(0, "r, rank of the LoRA adapters (Hu et al. 2021); 0 = train every weight")
     lora_alpha: float = arg(32.0, "α: the adapters' update is scaled by α/r (LoRA Without Regret keeps α = 32)")
@@ -1002,7 +1009,7 @@ def train(args: Args) -> Path:
     device = init_distributed(resolve_device(args.device))  # under torchrun: this rank's device
     check_distributed(args, args.batch_size, args.gen_batch_size)  # prompts split over K ranks, groups whole
     weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
-    amp = functools.partial(autocast, device, compute_dtype, args.lm_head_precision)  # bf16 on a GPU; CPU: nothing
+    amp = functools.partial(autocast, device, compute_dtype)  # bf16 on a GPU; CPU: nothing
     seed_everything(rank_seed(args.seed))  # --seed itself in one process
     # The task first: a wrong --task or --data_dir stops before any model loads.
     task = training_task(args)  # --task, its data and --reward_fn
@@ -1824,373 +1831,6 @@ class KVCache:
             self.slots, self.row_index = self.slots[rows], self.row_index[: len(rows)]
 
 
-def cache_argument(model) -> str:
-    """The keyword the model's forward takes a KV cache by: `cache` from transformers 5.24 (which
-    deprecates `past_key_values`), `past_key_values` before it and in models that are not
-    transformers'. Read off the transformers model itself, under any wrapper (peft, FSDP2)."""
-    inner = next((module for module in model.modules() if isinstance(module, PreTrainedModel)), model)
-    return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
-
-
-def attention_windows(model) -> dict[str, int | None]:
-    """Makes generate attend as the model does in every layer: each attention type of the model's
-    layers -> its window (None: every earlier token). A sliding-window layer (Mistral, Gemma 2/3,
-    gpt-oss, Cohere2, Qwen2 with use_sliding_window) sees only the last `window` positions, itself
-    included, and transformers applies no window to a 4D mask it is given: generate builds one mask
-    per type. Types come from config.layer_types where the model has it, else one type for every
-    layer, sliding if config.sliding_window is set (Mistral, Phi-3); a model with no config (not
-    transformers') attends over every earlier token."""
-    if getattr(model, "config", None) is None:
-        return {"full_attention": None}
-    config = model.config.get_text_config()
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"]
-    unknown = set(layer_types) - {"full_attention", "sliding_attention"}
-    if unknown:  # chunked (Llama 4), linear (Qwen3-Next), state-space layers: not a window over one cache
-        raise ValueError(f"{config.model_type} has {sorted(unknown)} layers; generate serves full and sliding ones")
-    return {kind: window if kind == "sliding_attention" else None for kind in dict.fromkeys(layer_types)}
-
-
-def decode_widths(prompt_length: int, max_new_tokens: int, smallest: int = 64) -> list[int]:
-    """Saves attention over the unfilled cache: the few column counts the one-token step attends
-    over, P + 64, P + 128, … doubling up to P + max_new_tokens; token t uses the first that holds
-    P + t + 1 columns, so at most twice the filled columns are read, and on CUDA each width is
-    one captured graph (log2(max_new_tokens / 64) + 1 of them)."""
-    widths, new = [], smallest
-    while new < max_new_tokens:
-        widths.append(prompt_length + new)
-        new *= 2
-    return widths + [prompt_length + max_new_tokens]
-
-
-def grouped_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **unused):
-    """Saves the copies of the cache that grouped-query attention makes in the one-token step: the
-    query heads that share a KV head (Qwen2.5-1.5B: 6 of 12 on 2) attend as the rows of one query,
-    so each cached key and value is read once, not copied once per query head (transformers' sdpa
-    before 5.23 repeats K and V whenever a mask is given, as generate's is). The same products and
-    softmax as attention head by head. query (n, heads, 1, d), key and value (n, kv heads, S, d),
-    attention_mask (n, 1, 1, S) additive -> (n, 1, heads, d), transformers' attention layout."""
-    num_rows, heads, _, head_dim = query.shape
-    kv_heads = key.shape[1]
-    folded = query.reshape(num_rows, kv_heads, heads // kv_heads, head_dim)  # head h = kv head h // group
-    out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=attention_mask, scale=scaling)
-    return out.reshape(num_rows, 1, heads, head_dim), None
-
-
-def grouped_attention(model):
-    """Within it the model's attention layers run grouped_decode_attention: generate's one-token
-    step, whose query is one token (sdpa_replaced)."""
-    return sdpa_replaced(model, "nanopo_grouped_decode", grouped_decode_attention)
-
-
-def varlen_decode_attention(
-    module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, used, starts, **unused
-):
-    """Saves what the masked call reads past each row's filled columns, and its mask: generate's
-    one-token attention over a left-aligned cache (KVCache.align_left) by flash attention's
-    variable-length entry, told each row's filled columns (used (n,) int32, a tensor: a CUDA graph
-    holds it). One layer's call, 256 rows on an H200, took 0.096 ms where the masked SDPA took 0.145
-    at a width of 797 columns, about two thirds of it at every width (docs/speed.md). Query head h
-    attends with KV head h // group, as in grouped_decode_attention. query (n, heads, 1, d); key and
-    value (n, kv heads, S, d), views of (n, S, kv heads, d) buffers; starts (n + 1,) int32, 0 … n
-    -> (n, 1, heads, d)."""
-    num_rows, heads, _, head_dim = query.shape
-    kv_heads, length = key.shape[1], key.shape[2]
-    out = torch.ops.aten._flash_attention_forward(
-        query.to(value.dtype).reshape(num_rows, heads, head_dim),  # autocast's fp32 rotary makes it fp32
-        key.transpose(1, 2).reshape(num_rows * length, kv_heads, head_dim),  # views of the buffers: no copy
-        value.transpose(1, 2).reshape(num_rows * length, kv_heads, head_dim),
-        starts,  # row i: query i, …
-        starts * length,  # … its keys from column 0 of its own S
-        1,
-        length,
-        0.0,
-        False,
-        False,
-        scale=scaling,
-        seqused_k=used,
-    )[0]  # (n, heads, d)
-    return out.reshape(num_rows, 1, heads, head_dim), None
-
-
-def varlen_attention(model, used: torch.Tensor):
-    """Within it the model's attention layers run varlen_decode_attention, row i over its first
-    used[i] columns (sdpa_replaced)."""
-    starts = torch.arange(len(used) + 1, dtype=torch.int32, device=used.device)  # once a step, not a layer
-    attention = functools.partial(varlen_decode_attention, used=used, starts=starts)
-    return sdpa_replaced(model, "nanopo_varlen_decode", attention)
-
-
-def varlen_decode(model, cache: KVCache) -> bool:
-    """Whether generate's one-token step runs varlen_decode_attention over a left-aligned cache:
-    for a model whose every layer is full attention computed by sdpa (a window, or an attention of
-    its own, keeps the mask), where flash attention takes the cache (flash_varlen_serves)."""
-    config = getattr(model, "config", None)
-    return (
-        getattr(config, "_attn_implementation", None) == "sdpa"
-        and attention_windows(model) == {"full_attention": None}
-        and flash_varlen_serves(cache.values[0])
-    )
-
-
-def flash_varlen_serves(values: torch.Tensor) -> bool:
-    """Whether flash attention's variable-length entry takes a cache like `values`: on an NVIDIA GPU
-    of compute capability 8 or more (ROCm's entry is not known to honour seqused_k), in a PyTorch
-    built with it and flash SDPA not turned off, in bf16 or fp16, with a head size a multiple of 8
-    up to 256."""
-    return (
-        values.is_cuda
-        and torch.version.hip is None
-        and values.dtype in (torch.bfloat16, torch.float16)
-        and values.shape[-1] % 8 == 0
-        and values.shape[-1] <= 256
-        and torch.backends.cuda.is_flash_attention_available()
-        and torch.backends.cuda.flash_sdp_enabled()
-        and torch.cuda.get_device_capability(values.device) >= (8, 0)
-    )
-
-
-@contextlib.contextmanager
-def sdpa_replaced(model, name: str, function):
-    """Within it the model's attention layers run `function`, registered with transformers'
-    AttentionInterface as `name`, where they ran sdpa, the function it computes: a model that runs
-    another attention (eager for gpt-oss's attention sinks and Gemma 2's soft-capped scores) keeps its own."""
-    AttentionInterface.register(name, function)
-    config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) != "sdpa":  # not sdpa, or not a transformers model
-        yield
-        return
-    attention, config._attn_implementation = config._attn_implementation, name
-    try:
-        yield
-    finally:
-        config._attn_implementation = attention
-
-
-def routing_free_experts(self, hidden_states, top_k_index, top_k_weights):
-    """Saves the CUDA graph of a mixture-of-experts model's decode step (gpt-oss, Qwen3-MoE, OLMoE):
-    transformers' experts (grouped_mm) sort the tokens by expert and multiply each expert's share
-    with one grouped GEMM whose group ends live on the GPU; torch runs that GEMM on the GPU only for
-    bf16 weights on a Hopper-class device, and otherwise as a loop over experts that first copies the
-    group ends to the host, which a graph cannot hold (the capture fails: gpt-oss in fp32 on an
-    H100). Here every token goes through every expert in two batched products whose shapes do not
-    depend on the routing, and each token keeps the outputs of its top-k experts, weighted and summed
-    in top-k order as transformers sums them: the same function, nothing crosses to the host.
-    The cost: E/k times the experts' FLOPs (gpt-oss-20b: 8×) over the same weights read, which a
-    decode step does not notice while 2·n / (bytes a weight) FLOPs per byte stays under the device's
-    FLOP/s per byte/s (an H100's datasheet: bf16 ~300, so n up to ~300 rows; fp32, no tensor cores, ~20).
-    A forward of transformers' ExpertsInterface: hidden_states (n, H), top_k_index and
-    top_k_weights (n, k) -> (n, H)."""
-    up_weight = self.gate_up_proj if self.has_gate else self.up_proj  # (E, 2I or I, H), transposed (E, H, …)
-    with torch.autocast(hidden_states.device.type, enabled=False):  # the weights' dtype, as grouped_mm runs
-        hidden = hidden_states.to(up_weight.dtype)  # (n, H)
-        up = torch.matmul(hidden, up_weight if self.is_transposed else up_weight.transpose(-2, -1))  # (E, n, 2I)
-        if self.has_bias:
-            up = up + (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias)[:, None]
-        inner = self._apply_gate(up) if self.has_gate else self.act_fn(up)  # (E, n, I)
-        out = torch.matmul(inner, self.down_proj if self.is_transposed else self.down_proj.transpose(-2, -1))
-        if self.has_bias:
-            out = out + self.down_proj_bias[:, None]  # (E, n, H)
-        if getattr(self, "has_post_expert_norm", False):  # transformers ≥ 5.24's experts may norm each output
-            out = self.post_expert_norm(out)
-        rows = torch.arange(hidden.shape[0], device=hidden.device)[:, None]  # (n, 1)
-        chosen = out[top_k_index, rows] * top_k_weights[..., None]  # (n, k, H) in the routing weights' dtype too
-        return chosen.sum(dim=1).to(hidden_states.dtype)  # (n, H)
-
-
-@contextlib.contextmanager
-def captured_experts(model):
-    """Within it the model's mixture-of-experts layers run routing_free_experts (registered with
-    transformers' ExpertsInterface): generate's captured one-token step, so that every family's
-    decode step captures. A no-op for a model without such layers (dense models, models that are
-    not transformers'); the eager step (CPU, torchrun, a capture that failed) keeps the model's own."""
-    ALL_EXPERTS_FUNCTIONS.register("nanopo_routing_free", routing_free_experts)
-    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "config")}
-    # the attribute behind the property, whose setter would also set every sub-config to this one's value
-    saved = {key: config._experts_implementation_internal for key, config in configs.items()}
-    for config in configs.values():
-        config._experts_implementation_internal = "nanopo_routing_free"
-    try:
-        yield
-    finally:
-        for key, config in configs.items():
-            config._experts_implementation_internal = saved[key]
-
-
-@contextlib.contextmanager
-def fp32_lm_head(model):
-    """Saves the bf16 rounding of the logits under autocast: within it the LM head's product runs
-    in fp32 (weights and hidden states upcast), where autocast would round every logit to bf16's
-    8 significant bits (a logit near 20 lands on a grid of 0.125) and sampler and trainer would
-    read log-probs that differ by that rounding. In the precision autocast() was given
-    (--lm_head_precision): fp32, exact; or tf32 on a GPU, the same product on TF32 tensor cores
-    (HeadProduct). A no-op without autocast (the CPU: all fp32 already) and for a head that is not
-    a plain Linear (a LoRA-adapted one runs as it is)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if type(head) is not torch.nn.Linear or not torch.is_autocast_enabled(head.weight.device.type):
-        yield
-        return
-    precision = LM_HEAD_PRECISION.get()  # read once: a checkpointed chunk recomputes outside autocast()
-
-    def forward(hidden):
-        with torch.autocast(hidden.device.type, enabled=False):
-            bias = None if head.bias is None else head.bias.float()
-            if precision == "tf32" and hidden.is_cuda:  # TF32 is a GPU's; the CPU computes fp32 either way
-                return HeadProduct.apply(hidden.float(), head.weight.float(), bias, "tf32")
-            return torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
-
-    previous = head.__dict__.get("forward")  # a hook library's own wrapper, if any
-    head.forward = forward
-    try:
-        yield
-    finally:
-        del head.forward
-        if previous is not None:
-            head.forward = previous
-
-
-class HeadProduct(torch.autograd.Function):
-    """Saves the GPU's fp32 path for the LM head under --lm_head_precision tf32 (an H100 runs fp32
-    GEMMs at ~67 TFLOP/s, TF32 at ~495, by its datasheet): hidden · Wᵀ + b, fp32 in and out, its
-    forward and both backward GEMMs under cuBLAS's fp32 matmul precision `precision` ("tf32":
-    inputs rounded to 10 bits of mantissa, products summed in fp32; "ieee": fp32), set around these
-    three GEMMs alone, so that RoPE's angles and every other fp32 product stay exact. Sampler,
-    scorer and update all go through it (fp32_lm_head), so their log-probs still agree."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, precision: str):  # (…, d), (V', d), (V',) or None -> (…, V')
-        ctx.save_for_backward(hidden, weight)
-        ctx.precision, ctx.with_bias = precision, bias is not None
-        with matmul_precision(precision):
-            return torch.nn.functional.linear(hidden, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad):  # (…, V')
-        hidden, weight = ctx.saved_tensors
-        rows, inputs = grad.reshape(-1, grad.shape[-1]), hidden.reshape(-1, hidden.shape[-1])  # (M, V'), (M, d)
-        with matmul_precision(ctx.precision):
-            grad_hidden = grad @ weight if ctx.needs_input_grad[0] else None  # (…, d)
-            grad_weight = rows.T @ inputs if ctx.needs_input_grad[1] else None  # (V', d)
-        grad_bias = rows.sum(0) if ctx.with_bias and ctx.needs_input_grad[2] else None  # (V',)
-        return grad_hidden, grad_weight, grad_bias, None
-
-
-class HeadLogprobs(torch.autograd.Function):
-    """Saves what autograd's backward through the head's chunks moves: log π of `tokens` and the
-    entropy (token_logprobs) from the hidden states through a plain Linear head, `rows` positions
-    at a time, with a backward written out. Backward recomputes each chunk's logits z (one GEMM),
-    turns them in place into dL/dz = g·(onehot − p) − g_H·p·(log p + H) with p = exp(z − logsumexp),
-    and adds each chunk's weight gradient into one buffer (addmm_). Autograd's backward through a
-    checkpointed chunk reran the whole forward, entropy included, wrote the gradient through ~14
-    tensors of the logits' size and summed a (V', d) weight gradient per chunk (~2.8 GB moved at
-    Qwen's vocabulary, each of ~56 chunks of a 19-row micro-batch). The forward computes what the
-    head and token_logprobs compute, op for op, in the same precision (fp32, or TF32's GEMMs
-    as HeadProduct under --lm_head_precision tf32 on a GPU): the same values; the gradients agree to
-    float rounding. A bf16 weight (FSDP2's gathered head, LoRA's frozen one on a GPU) is upcast once
-    a pass, as fp32_lm_head's product reads it, where that product made an fp32 copy a chunk, and its
-    gradient is summed in fp32 and rounded to bf16 once, where autograd summed the chunks' in bf16.
-    hidden (M, d) fp32, weight (V', d), bias (V',) or None, tokens (M,) -> (M, 2): log π and H."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, tokens, scale, vocab_size, with_entropy, entropy_grad, precision, rows):
-        entropy_grad = with_entropy and entropy_grad  # without the entropy its column is a constant 0
-        upcast = weight.float(), None if bias is None else bias.float()  # fp32: themselves; bf16: one copy
-        out = []
-        for start in range(0, len(hidden), rows):
-            with torch.autocast(hidden.device.type, enabled=False), matmul_precision(precision):
-                logits = torch.nn.functional.linear(hidden[start : start + rows], *upcast)  # (c, V')
-            out.append(token_logprobs(logits, tokens[start : start + rows], scale, vocab_size, with_entropy, False))
-        out = torch.cat(out)  # (M, 2)
-        ctx.save_for_backward(hidden, weight, bias, tokens, out)  # out: its own, whatever is done to the copy
-        ctx.settings = scale, vocab_size, entropy_grad, precision, rows
-        return out.clone()
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable  # its in-place backward builds no graph
-    def backward(ctx, grad):  # (M, 2): d loss / d log π, d loss / d H
-        with torch.autocast(grad.device.type, enabled=False):  # the forward's fp32 products, wherever called
-            return HeadLogprobs.gradients(ctx, grad)
-
-    @staticmethod
-    def gradients(ctx, grad):
-        hidden, stored, stored_bias, tokens, out = ctx.saved_tensors
-        scale, vocab_size, entropy_grad, precision, rows = ctx.settings
-        weight, bias = stored.float(), None if stored_bias is None else stored_bias.float()  # as forward read them
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None  # (M, d)
-        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None  # (V', d); None: frozen (LoRA)
-        grad_bias = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
-        kept_weight = weight[:vocab_size]  # (V, d): ids past the tokenizer get no gradient
-        for start in range(0, len(hidden), rows):
-            part = slice(start, start + rows)
-            g, logp, entropy = grad[part, :1], out[part, :1], out[part, 1:]  # (c, 1) each
-            with matmul_precision(precision):
-                z = torch.nn.functional.linear(hidden[part], weight, bias)[:, :vocab_size]  # (c, V)
-            if scale != 1.0:
-                z.div_(scale)
-            # log p = z − logsumexp = z − (z_token − log π_token), in place
-            log_p = z.sub_(z.gather(-1, tokens[part, None]) - logp)  # (c, V)
-            if entropy_grad:  # − p·(g + g_H·(log p + H))
-                p = log_p.exp()
-                dz = log_p.add_(entropy).mul_(grad[part, 1:]).add_(g).mul_(p).neg_()
-            else:  # − g·p
-                dz = log_p.exp_().mul_(-g)
-            dz.scatter_add_(-1, tokens[part, None], g)  # + g at the token
-            if scale != 1.0:
-                dz.div_(scale)
-            with matmul_precision(precision):
-                if grad_hidden is not None:
-                    grad_hidden[part] = dz @ kept_weight  # (c, d)
-                if grad_weight is not None:
-                    grad_weight[:vocab_size].addmm_(dz.T, hidden[part])  # (V, d), summed in place
-            if grad_bias is not None:
-                grad_bias[:vocab_size] += dz.sum(0)
-        grad_weight = None if grad_weight is None else grad_weight.to(stored.dtype)  # summed in fp32, rounded once
-        grad_bias = None if grad_bias is None else grad_bias.to(stored_bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
-
-
-@contextlib.contextmanager
-def matmul_precision(precision: str):
-    """cuBLAS's precision for fp32 matmuls ("ieee": fp32; "tf32") within it only. torch's newer
-    setting: reading the older one (get_float32_matmul_precision) raises once the newer is set."""
-    previous = torch.backends.cuda.matmul.fp32_precision
-    torch.backends.cuda.matmul.fp32_precision = precision
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.fp32_precision = previous
-
-
-HEAD_CHUNK_BYTES = 2**28  # fp32 logits of one chunk of positions in logprob_head: 256 MB, 442 rows of Qwen's 151,665
-PLAIN_HEADS = weakref.WeakKeyDictionary()  # model -> whether its logits are its LM head's output as is (plain_head)
-
-
-def plain_head(model) -> bool:
-    """Whether the model hands back its LM head's output as its logits, nothing done after it:
-    what logprob_head needs. Gemma 2 soft-caps its logits and Cohere scales them after the head, and
-    other families may: one forward of one token (once per model, remembered), its head made to
-    answer a marker from −100 to 100, shows whether the marker comes back unchanged, rather than a
-    list of families that would go stale."""
-    if model not in PLAIN_HEADS:
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        if getattr(head, "weight", None) is None:  # no head, or not one with a weight of V' rows
-            PLAIN_HEADS[model] = False
-            return False
-        marker = torch.linspace(-100.0, 100.0, head.weight.shape[0], device=head.weight.device)  # (V',)
-        previous = head.__dict__.get("forward")
-        head.forward = lambda hidden: marker.expand(*hidden.shape[:-1], -1)  # (…, V')
-        try:
-            with torch.no_grad():
-                token = torch.zeros(1, 1, dtype=torch.long, device=head.weight.device)
-                logits = model(input_ids=token, use_cache=False).logits  # (1, 1, V')
-        finally:
-            del head.forward
-            if previous is not None:
-                head.forward = previous
-        PLAIN_HEADS[model] = logits.shape[-1] == len(marker) and torch.equal(logits.float(), marker.expand_as(logits))
-    return PLAIN_HEADS[model]
-
-
 def token_logprobs(logits, tokens, scale: float, vocab_size: int, with_entropy: bool, entropy_grad: bool):
     """log π(token) = logit/τ − logsumexp(logits/τ) over the tokenizer's ids, and the entropy
     H = logsumexp − Σ_v π_v · logit_v/τ (0 without with_entropy; differentiable only with
@@ -2209,116 +1849,6 @@ def token_logprobs(logits, tokens, scale: float, vocab_size: int, with_entropy: 
         with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
             entropy = log_normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # (…)
     return torch.stack([logp, entropy], dim=-1)  # (…, 2)
-
-
-@contextlib.contextmanager
-def logprob_head(model, tokens, scale: float, vocab_size: int, with_entropy: bool, entropy_grad: bool):
-    """Saves the (n, t, V) logits of scoring and of the update (8 rows × 1024 tokens × 151,665 ids
-    = 5 GB in fp32, and as much again for their gradient and softmax): within it the model's LM
-    head returns, for the positions that predict `tokens` (n, t), their log-probs and entropies
-    (n, t, 2) (token_logprobs), computed HEAD_CHUNK_BYTES of logits at a time; with grad enabled
-    backward recomputes each chunk's logits instead of keeping them: by HeadLogprobs, its backward
-    written out, where the head is a plain Linear whose product is fp32 (fp32 weights, or any
-    under autocast: fp32_lm_head's), else (a LoRA-adapted head; bf16 without autocast) each chunk
-    checkpointed.
-    The same head product (fp32_lm_head's, inside it) and the same formula as the whole logits
-    would go through, chunk by chunk: exact up to the order in which the weight's gradient sums
-    its chunks. A model whose logits are not its head's output as is (plain_head) keeps its
-    head, and forward_completions hands back its logits, which `read` turns into the same (n, t, 2)."""
-    head = model.get_output_embeddings() if plain_head(model) else None
-    score = functools.partial(
-        token_logprobs, scale=scale, vocab_size=vocab_size, with_entropy=with_entropy, entropy_grad=entropy_grad
-    )
-    if head is None:
-        yield lambda logits: score(logits, tokens)
-        return
-    product = head.forward  # fp32_lm_head's fp32 product under autocast, else the head's own
-    chunked = []  # whether the completion's positions came through forward below
-
-    def forward(hidden):  # (n, t', d) -> (n, t, 2), or the plain logits of another pass
-        if hidden.shape[:-1] != tokens.shape:  # forward_completions' prompt pass: its one logit is unused
-            return product(hidden)
-        chunked.append(True)
-        rows = max(1, HEAD_CHUNK_BYTES // (4 * vocab_size))  # positions a chunk
-        flat, targets = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)  # (n·t, d), (n·t,)
-        upcast = torch.is_autocast_enabled(flat.device.type)  # fp32_lm_head's product: fp32 whatever the weight's
-        fp32 = head.weight.dtype == torch.float32 and (head.bias is None or head.bias.dtype == torch.float32)
-        if type(head) is torch.nn.Linear and (fp32 or upcast):  # an fp32 product: its backward written out
-            tf32 = flat.is_cuda and upcast and LM_HEAD_PRECISION.get() == "tf32"
-            precision = "tf32" if tf32 else torch.backends.cuda.matmul.fp32_precision  # fp32_lm_head's
-            settings = (scale, vocab_size, with_entropy, entropy_grad, precision, rows)
-            out = HeadLogprobs.apply(flat.float(), head.weight, head.bias, targets, *settings)  # (n·t, 2)
-            return out.reshape(*tokens.shape, 2)
-        chunks = []
-        for start in range(0, len(flat), rows):
-            piece = lambda h, o: score(product(h), o)  # noqa: E731  (c, d), (c,) -> (c, 2)
-            part = (flat[start : start + rows], targets[start : start + rows])
-            if torch.is_grad_enabled():
-                chunks.append(torch.utils.checkpoint.checkpoint(piece, *part, use_reentrant=False))
-            else:
-                chunks.append(piece(*part))
-        return torch.cat(chunks).reshape(*tokens.shape, 2)  # (n, t, 2)
-
-    previous = head.__dict__.get("forward")
-    head.forward = forward
-    try:  # the model's "logits" are the (n, t, 2) already, unless it handed its head other positions
-        yield lambda out: out if chunked else score(out, tokens)
-    finally:
-        del head.forward
-        if previous is not None:
-            head.forward = previous
-
-
-def cuda_graph(step, pool=None):
-    """step(), a function of tensors at fixed addresses, captured once as a CUDA graph: the function
-    returned replays its kernels (no Python, no per-kernel launch cost) and returns the output
-    tensor of the capture, which every replay overwrites. By hand rather than torch.compile's
-    mode="reduce-overhead": these lines are the whole mechanism, nothing traces the transformers
-    model (compiling would take tens of seconds for every new batch shape, and N changes between
-    DAPO's rounds and evaluation), and the static buffers it needs are generate's by design.
-    pool: a memory pool (torch.cuda.graph_pool_handle) shared with graphs replayed one after another."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture: lazy set-up (cuBLAS, autocast's casts)
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        output = step()
-
-    def replay():
-        graph.replay()
-        return output
-
-    return replay
-
-
-CAPTURE_FAILED = []  # the error of a CUDA-graph capture that raised: every later decode runs eagerly
-
-
-def captured_or_none(step, pool):
-    """Saves a run that nobody is watching: step() captured as a CUDA graph (cuda_graph), or None
-    if the capture raises (an operation a graph cannot hold, a driver or library that refuses it),
-    after one warning naming the cause; generate then runs the step eagerly, as on the CPU, in this
-    call and every later one. The same tokens either way, only slower. Out of memory is not a
-    capture failure: it goes on up to the run's message about memory. Nor is a failed compilation
-    (--compile: compiled_decode): it stops with torch.compile's own message."""
-    if CAPTURE_FAILED:
-        return None
-    try:
-        return cuda_graph(step, pool)
-    except (torch.OutOfMemoryError, torch._dynamo.exc.TorchDynamoException):
-        raise
-    except RuntimeError as error:  # CUDA and capture errors (torch.AcceleratorError is one)
-        CAPTURE_FAILED.append(error)
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        warnings.warn(
-            f"CUDA-graph capture of the decode step failed ({type(error).__name__}: {first_line}); "
-            "decoding runs eagerly from now on: the same tokens, slower (docs/speed.md).",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return None
 
 
 # ----------------------------------------------------------------------------------------
@@ -2409,7 +1939,8 @@ def sequence_logprobs(
         chunk = trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], in_sequence[rows], shape)
         kept = chunk[2].shape[1]  # t ≤ T: the chunk's longest completion
         # fp32 logits, as generate's; position p-1+j predicts token j
-        with fp32_lm_head(model), logprob_head(model, chunk[2], scale, vocab_size, with_entropy, entropy_grad) as read:
+        head = logprob_head(model, token_logprobs, chunk[2], scale, vocab_size, with_entropy, entropy_grad)
+        with fp32_lm_head(model), head as read:
             out = read(forward_completions(model, *chunk, layout=shape))  # (n, t, 2): log π and entropy of each token
         scored.append(torch.nn.functional.pad(out, (0, 0, 0, num_tokens - kept)))  # (n, T, 2)
     unsort = order.argsort()  # the rows back in the order they came in
@@ -2431,245 +1962,6 @@ def micro_batches(batch: dict, size: int, tokens: int = 0):
     order = length_order(batch["prompt_ids"], batch["prompt_mask"], in_sequence)  # (n,)
     for rows, layout in chunks_of(order, batch["prompt_ids"], batch["prompt_mask"], in_sequence, size, tokens):
         yield rows, {k: v[rows] if v is not None else None for k, v in batch.items()} | {"layout": layout}
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Saves the host syncs of a chunk's forward pass: what it needs to know on the host, read for
-    all the chunks of a batch at once (chunks_of), before the first runs. A sync stops the host until
-    the GPU has caught up; in every micro-batch it would leave the GPU idle while the host launched
-    the next one, where without it the host launches micro-batch k+1 while the GPU runs k's backward.
-    prompt, completion: the columns trim_padding keeps; prompts: how many runs of consecutive rows
-    share a prompt (forward_completions' prompt pass has a row for each); shortest: the fewest
-    tokens a row's prompt has."""
-
-    prompt: int
-    completion: int
-    prompts: int
-    shortest: int
-
-
-def chunks_of(order, prompt_ids, prompt_mask, completion_mask, rows: int, tokens: int = 0) -> list[tuple]:
-    """The row indices of `order` in consecutive chunks, each with its Layout: `rows` at a time; with
-    rows 0, by `tokens`: as many as keep rows × (their longest prompt + longest completion, the columns
-    trim_padding keeps) within it, one at least, so that a chunk of short rows holds more rows than a
-    chunk of long ones and every chunk about the same work and memory; with neither, 4 rows (train()
-    sets one of them before step 1: size_micro_batches). One host sync, for every chunk's lengths and
-    prompts. Under torchrun the budget buys rows, as many as the longest row of any rank allows:
-    FSDP pairs each forward pass of a rank with one of every other, so all make the same passes.
-    Returns [(rows (m,), Layout)]."""
-    multiple = shape_multiple(order.device)
-    starts = new_prompts(prompt_ids[order], prompt_mask[order])  # (n,) where a run of one prompt starts
-    facts = torch.stack([prompt_mask.sum(-1)[order], completion_mask.sum(-1)[order], starts.long()]).tolist()
-    prompt_lengths, completion_lengths, new = facts  # (n,) each, in order: the one host sync
-    widths = (prompt_mask.shape[1], completion_mask.shape[1])  # P, T
-    kept = [  # (n,) the (prompt, completion) columns trim_padding keeps of each row alone
-        tuple(min(-(-max(length, 1) // multiple) * multiple, width) for length, width in zip(lengths, widths))
-        for lengths in zip(prompt_lengths, completion_lengths)
-    ]
-    size = rows or (0 if tokens else 4)  # rows a chunk; 0: by tokens
-    if not size and world_size() > 1:
-        size = max(1, tokens // all_reduce(max(map(sum, kept)), "max"))
-    if size:
-        spans = [(start, min(start + size, len(kept))) for start in range(0, len(kept), size)]
-    else:
-        spans, start, prompt, completion = [], 0, 0, 0
-        for i, (row_prompt, row_completion) in enumerate(kept):
-            prompt, completion = max(prompt, row_prompt), max(completion, row_completion)
-            if i > start and (i + 1 - start) * (prompt + completion) > tokens:  # row i starts the next chunk
-                spans.append((start, i))
-                start, prompt, completion = i, row_prompt, row_completion
-        spans.append((start, len(kept)))
-    return [
-        (
-            order[start:end],
-            Layout(
-                prompt=max(p for p, _ in kept[start:end]),
-                completion=max(t for _, t in kept[start:end]),
-                prompts=1 + sum(new[start + 1 : end]),  # a chunk's first row starts a run
-                shortest=min(prompt_lengths[start:end]),
-            ),
-        )
-        for start, end in spans
-    ]
-
-
-def new_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
-    """Where a run of rows sharing a prompt starts: row i's prompt (its ids and padding) differs from
-    row i-1's, row 0 always. (n, P), (n, P) -> (n,) bool, on the device, no host sync."""
-    starts = torch.ones(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device)
-    starts[1:] = ((prompt_ids[1:] != prompt_ids[:-1]) | (prompt_mask[1:] != prompt_mask[:-1])).any(-1)
-    return starts
-
-
-def length_order(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
-    """Saves padding work, and lets a prompt be forwarded once for its rows (forward_completions):
-    the row indices with the rows of each prompt (its group) together, the groups in order of
-    their longest completion, longest first, and the rows of a group by length, so that
-    consecutive chunks of them hold whole groups of similar length. (N, P), (N, P), (N, T) -> (N,)."""
-    lengths = completion_mask.sum(-1)  # (N,)
-    prompts = torch.cat([prompt_ids, prompt_mask], dim=-1)  # (N, 2P) a prompt is its ids and its padding
-    _, group = torch.unique(prompts, dim=0, return_inverse=True)  # (N,) each row's prompt
-    longest = torch.zeros(len(lengths), dtype=lengths.dtype, device=lengths.device)
-    longest = longest.scatter_reduce(0, group, lengths, "amax")[group]  # (N,) its group's longest completion
-    order = lengths.argsort(descending=True, stable=True)  # three stable sorts, the last one's key first:
-    order = order[group[order].argsort(stable=True)]  # the rows of a group together, longest first
-    return order[longest[order].argsort(descending=True, stable=True)]  # the groups by their longest
-
-
-def trim_padding(prompt_ids, prompt_mask, completion_ids, completion_mask, layout: Layout):
-    """Saves the compute of columns that are padding in every row of a chunk: the prompt columns
-    before its longest prompt (left padding) and the completion columns after its longest
-    completion (right padding), as many as the chunk's Layout keeps (chunks_of: on CUDA a multiple
-    of shape_multiple columns, or all there are, so that chunks of similar length have one shape and
-    the attention kernels' plans and the allocator's blocks are reused, not made anew for every
-    chunk). Exact: a column no row attends to changes no other position, and positions count real
-    tokens only. (n, P), (n, P), (n, T), (n, T) -> the same, (n, p) and (n, t)."""
-    first = prompt_ids.shape[1] - layout.prompt  # the first prompt column kept
-    kept = layout.completion
-    return prompt_ids[:, first:], prompt_mask[:, first:], completion_ids[:, :kept], completion_mask[:, :kept]
-
-
-def shape_multiple(device: torch.device) -> int:
-    """The multiple trim_padding rounds a chunk's columns up to: 64 on CUDA (at most 63 columns of
-    padding computed, and chunks of a batch share a few shapes, as decode_widths' widths do for
-    the one-token step); 1 elsewhere, where nothing is planned per shape."""
-    return 64 if device.type == "cuda" else 1
-
-
-def aligned_prompts(device: torch.device) -> bool:
-    """Whether forward_completions runs its prompt pass (and its one pass over prompt + completion)
-    with each row's tokens first and its padding after (no mask; a model whose every layer attends to
-    all earlier tokens): on CUDA, where transformers' check of a mask's padding is a host sync;
-    elsewhere the passes stay as they were, and so do their numbers (the sums of attention run over
-    other tiles: equal up to float reassociation)."""
-    return device.type == "cuda"
-
-
-def forward_completions(
-    model, prompt_ids, prompt_mask, completion_ids, completion_mask, output: str = "logits", share: bool = True,
-    layout: Layout | None = None,
-):  # fmt: skip
-    """The model's `output` (its logits, or a backbone's last_hidden_state) at the t positions that
-    predict the completion tokens, position p-1+j predicting token j: (n, p), (n, p), (n, t),
-    (n, t) -> (n, t, ·), the numbers of one forward pass over prompt + completion.
-
-    Saves forwarding a prompt once per completion: rows that share a prompt (a run of them: a
-    group) run it once, as one row, with the cache on, all but its last token; their completions
-    then attend to its keys and values, which an index copies to their rows, each row's pass
-    starting at the prompt's last token (whose output predicts completion token 0), so that
-    backward sums the G completions' gradients into the one prompt pass (P + G·T token positions
-    instead of G·(P + T)). Exact up to float reassociation: the same keys, values and positions,
-    and transformers builds every mask from the 2D one, sliding windows included. One pass over
-    prompt + completion where no two consecutive rows share a prompt (G = 1), where a prompt is one
-    token, where transformers would drop the cache (gradient checkpointing in train mode), and with
-    share=False (the computation before; tests and bench.py compare with it).
-
-    layout: the chunk's Layout (chunks_of), read on the host with the other chunks'; without it the
-    two numbers sharing needs (how many prompts, the shortest) are read here, one host sync. Where
-    aligned_prompts and every layer attends to all earlier tokens, the prompt pass takes each prompt
-    with its tokens first and its padding after, so that it needs no mask (causal attention never
-    looks right) and transformers reads none (its check of a mask's padding is a host sync); the
-    completions' mask then hides those padding columns, and the prompt's last token, which comes again
-    as their pass's first. The one pass does the same with each row, prompt and completion (a
-    completion's padding is all after its tokens), and takes each row's t outputs from where its
-    prompt ends. A sliding window counts columns, so there the rows stay as they are."""
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (n, p+t)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same positions as in generate
-    num_prompt, kept = prompt_ids.shape[1], completion_ids.shape[1]  # p, t
-    keep = {"logits_to_keep": kept} if output == "logits" else {}  # only what predicts a completion token
-    starts = new_prompts(prompt_ids, prompt_mask)  # (n,) where a run of rows sharing a prompt starts
-    lengths = prompt_mask.sum(-1)  # (n,) tokens in each row's prompt
-    if layout:
-        prompts, shortest = layout.prompts, layout.shortest
-    else:
-        prompts, shortest = torch.stack([starts.sum(), lengths.min()]).tolist()
-    checkpointed = model.training and any(getattr(layer, "gradient_checkpointing", False) for layer in model.modules())
-    aligned = aligned_prompts(prompt_ids.device) and all(window is None for window in attention_windows(model).values())
-    if not share or prompts == len(prompt_ids) or shortest < 2 or checkpointed:
-        ids = torch.cat([prompt_ids, completion_ids], dim=1)[:, :-1]  # (n, p-1+t) the last token predicts nothing
-        if aligned:
-            return aligned_pass(model, ids, lengths, completion_mask, output)
-        mask, positions = attention_mask[:, :-1], position_ids[:, :-1]
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, **keep)
-        return out[output][:, -kept:]  # (n, t, ·)
-    run = starts.cumsum(0) - 1  # (n,) each row's prompt: the run it is in
-    first = torch.zeros(prompts, dtype=torch.long, device=run.device)  # (b,) each prompt's first row
-    first = first.scatter_reduce(0, run, torch.arange(len(run), device=run.device), "amin", include_self=False)
-    distinct, distinct_mask = prompt_ids[first], prompt_mask[first]  # (b, p) the b distinct prompts, a row each
-    columns = torch.arange(num_prompt, device=run.device)  # (p,)
-    completion_pass_mask = attention_mask[:, :-1]  # (n, p-1+t): the prompt as the prompt pass laid it out
-    prompt_pass = {  # each distinct prompt but its last token, once: its keys and values
-        "input_ids": distinct[:, :-1],
-        "attention_mask": distinct_mask[:, :-1],
-        "position_ids": (distinct_mask[:, :-1].cumsum(-1) - 1).clamp(min=0),
-    }
-    if aligned:
-        shift = (columns + (num_prompt - distinct_mask.sum(-1))[:, None]).clamp(max=num_prompt - 1)  # (b, p)
-        prompt_pass = {  # the tokens first (columns past them repeat the last and its position: never attended to)
-            "input_ids": distinct.gather(1, shift)[:, :-1],
-            "attention_mask": None,
-            "position_ids": torch.minimum(columns[:-1], distinct_mask.sum(-1, keepdim=True) - 2),  # (b, p-1)
-        }
-        before_last = (columns[None, :-1] < lengths[:, None] - 1).to(attention_mask.dtype)  # (n, p-1)
-        completion_pass_mask = torch.cat([before_last, attention_mask[:, num_prompt - 1 : -1]], dim=1)
-    cache_name = cache_argument(model)
-    prompt_out = model(
-        **prompt_pass, use_cache=True, **({"logits_to_keep": 1} if keep else {})
-    )  # no logit is needed: the fewest the head computes
-    cache = prompt_out[cache_name]
-    cache.batch_select_indices(run)  # each row gets its prompt's keys and values: (n, kv heads, p-1, d)
-    out = model(  # the prompt's last token, then the completion but its last token
-        input_ids=torch.cat([prompt_ids[:, -1:], completion_ids[:, :-1]], dim=1),
-        attention_mask=completion_pass_mask,
-        position_ids=position_ids[:, num_prompt - 1 : -1],
-        use_cache=True,
-        **{cache_name: cache},
-        **keep,
-    )[output]  # (n, t, ·)
-    if torch.is_grad_enabled():  # FSDP2 gathers a layer again for backward only if its forward's output is in
-        out[:, :1] += 0 * prompt_out[output].sum()  # the loss: the prompt pass's joins, at weight 0, in place
-    return out
-
-
-def aligned_pass(model, ids, lengths, completion_mask, output: str):
-    """forward_completions' one pass over prompt + completion with each row's tokens first and its
-    padding after, no mask (aligned_prompts): ids (n, p-1+t), the left-padded prompts, of `lengths`
-    tokens, then the completions (their padding after their tokens) but the last column ->
-    the model's `output` at the t positions that predict each row's completion, (n, t, ·). A row's
-    completion starts where its own prompt ends, at another column in each row: the LM head is
-    handed those t positions alone (logprob_head chunks them; no (n, p-1+t, V) logits), a
-    backbone's hidden states are picked after. The columns past a row's tokens repeat its last
-    token and position, as the masked pass's padding does, so that the longest position, which
-    some RoPE scalings read, is the same."""
-    kept = completion_mask.shape[1]  # t
-    columns = torch.arange(ids.shape[1], device=ids.device)  # (p-1+t,)
-    shift = (columns + (ids.shape[1] + 1 - kept - lengths)[:, None]).clamp(max=len(columns) - 1)  # left by its padding
-    last = torch.minimum(lengths + completion_mask.sum(-1), lengths + kept - 1) - 1  # (n,) last token's position
-    at = (lengths[:, None] - 1 + columns[:kept])[..., None]  # (n, t, 1) where row i predicts its token j
-    picked = lambda hidden: hidden.gather(1, at.expand(-1, -1, hidden.shape[-1]))  # noqa: E731  (n, ·, ·) -> (n, t, ·)
-    head = model.get_output_embeddings() if output == "logits" else None
-    hook = head.register_forward_pre_hook(lambda _, args: (picked(args[0]), *args[1:])) if head else None
-    try:
-        with causal_attention(model):
-            out = model(
-                input_ids=ids.gather(1, shift),
-                attention_mask=None,
-                position_ids=torch.minimum(columns, last[:, None]),  # (n, p-1+t)
-                use_cache=False,
-            )[output]  # (n, t, ·) through the head, else (n, p-1+t, ·)
-    finally:
-        if hook:
-            hook.remove()
-    return out if out.shape[1] == kept else picked(out)  # (n, t, ·)
-
-
-def causal_attention(model):
-    """Saves transformers' host sync in a pass given neither mask nor cache (forward_completions'
-    aligned one pass): it reads the position ids to find sequences packed into one row, unless the
-    model's attention is one it builds no mask for. Within it the layers run sdpa itself under such a
-    name (sdpa_replaced): with no mask, causal attention, as before, and nothing read."""
-    return sdpa_replaced(model, "nanopo_causal", AttentionInterface()["sdpa"])
 
 
 # ----------------------------------------------------------------------------------------

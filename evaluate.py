@@ -53,7 +53,6 @@ from pathlib import Path
 from tqdm import tqdm
 
 from common import (
-    LM_HEAD_PRECISIONS,
     PROMPT_FORMAT_HELP,
     append_jsonl,
     arg,
@@ -302,7 +301,7 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
         if task.tools:
             limits = len(prompt_ids), args.max_turns, args.max_tool_tokens, args.tool_timeout
             tool_turn, counts = tool_turns(tokenizer, task.tools, *limits)  # counts (N, 3): calls, failed, turns
-        with autocast(device, compute_dtype, LM_HEAD_PRECISIONS[0]):  # the training scripts' default head
+        with autocast(device, compute_dtype):
             completion_ids, completion_mask, truncated, _, tool_mask = generate(
                 model,
                 prompt_ids,

@@ -239,11 +239,9 @@ def flash_varlen_by_the_book(
 @pytest.fixture
 def varlen(monkeypatch):
     """generate's one-token step as on a GPU in bf16, on the CPU: varlen_decode_attention over a
-    left-aligned cache wherever the model allows it (flash_varlen_serves answers yes in each script),
-    flash attention's variable-length entry computed by its contract. -> the list of its calls."""
-    import dapo
-    import grpo
-    import ppo
+    left-aligned cache wherever the model allows it (common.flash_varlen_serves answers yes), flash
+    attention's variable-length entry computed by its contract. -> the list of its calls."""
+    import common
 
     calls = []
 
@@ -252,6 +250,5 @@ def varlen(monkeypatch):
         return flash_varlen_by_the_book(*args, **options)
 
     monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", counted)
-    for script in (grpo, dapo, ppo):
-        monkeypatch.setattr(script, "flash_varlen_serves", lambda values: True)
+    monkeypatch.setattr(common, "flash_varlen_serves", lambda values: True)
     return calls

@@ -5,7 +5,8 @@ completion ends. Only the names changed (StaticKVCache, static_generate)."""
 
 import torch
 
-from grpo import cache_argument, cuda_graph, top_p_filter
+from common import cache_argument, cuda_graph
+from grpo import top_p_filter
 
 
 class StaticKVCache:

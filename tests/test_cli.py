@@ -62,7 +62,6 @@ def no_model_load(*args, **kwargs):
         (dict(adam_beta2=1.0), "--adam_beta2 must be in [0, 1)"),
         (dict(warmup_steps=-1), "--warmup_steps must be >= 0"),
         (dict(dtype="fp16"), "--dtype 'fp16' is not one of"),
-        (dict(lm_head_precision="bf16"), "--lm_head_precision 'bf16' is not one of: tf32, fp32"),
         (dict(beta=float("nan")), "--beta is NaN: give it a number"),
         (dict(lr=float("inf")), "--lr is inf: give it a finite number"),
         (dict(beta=float("inf")), "--beta is inf: give it a finite number"),

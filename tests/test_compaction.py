@@ -8,8 +8,8 @@ gives, and compacted and uncompacted runs give the same length distribution."""
 import pytest
 import torch
 
-from common import load_model
-from grpo import KVCache, decode_widths, encode_prompts, generate, sequence_logprobs
+from common import decode_widths, load_model
+from grpo import KVCache, encode_prompts, generate, sequence_logprobs
 from tests.test_fast_generation import PROMPTS, frequent_tokens, loop_generate
 
 

@@ -134,7 +134,7 @@ def flash_on_cpu(monkeypatch):
         return out, query.new_zeros(query.shape[1], query.shape[0]), *unused
 
     library.impl("_flash_attention_forward", kernel, "CPU")
-    monkeypatch.setattr(grpo, "flash_varlen_serves", lambda values: True)
+    monkeypatch.setattr(common, "flash_varlen_serves", lambda values: True)
     yield calls
     library._destroy()
 

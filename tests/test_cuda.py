@@ -16,6 +16,7 @@ import warnings
 import pytest
 import torch
 
+import common
 import dapo
 import grpo
 import ppo
@@ -64,7 +65,7 @@ def decode(model, prompt_ids, prompt_mask, vocab_size, temperature, graph: bool,
     """grpo.generate with the one-token step captured as a CUDA graph (graph) or run eagerly."""
     with monkeypatch.context() as patch:
         if not graph:
-            patch.setattr(grpo, "cuda_graph", lambda step, pool=None: step)
+            patch.setattr(common, "cuda_graph", lambda step, pool=None: step)
         torch.manual_seed(1234)
         with torch.autocast("cuda", torch.bfloat16, enabled=amp):
             return grpo.generate(model, prompt_ids, prompt_mask, 24, [], 0, vocab_size, temperature)
@@ -94,8 +95,8 @@ def test_a_failed_capture_decodes_eagerly_with_one_warning(qwen_shape, monkeypat
     def refuses(step, pool=None):
         raise RuntimeError("operation not permitted when stream is capturing (simulated)")
 
-    monkeypatch.setattr(grpo, "CAPTURE_FAILED", [])
-    monkeypatch.setattr(grpo, "cuda_graph", refuses)
+    monkeypatch.setattr(common, "CAPTURE_FAILED", [])
+    monkeypatch.setattr(common, "cuda_graph", refuses)
     with pytest.warns(RuntimeWarning, match="capture of the decode step failed") as seen:
         with torch.autocast("cuda", torch.bfloat16):
             first = grpo.generate(model, prompt_ids, prompt_mask, 24, [], 0, vocab_size, 0.0)
@@ -115,11 +116,11 @@ def test_graph_decode_keeps_each_layers_window(family, monkeypatch):
 
     model = family_model(family).cuda()
     prompt_ids, prompt_mask = (t.cuda() for t in family_prompts())
-    monkeypatch.setattr(grpo, "CAPTURE_FAILED", [])
+    monkeypatch.setattr(common, "CAPTURE_FAILED", [])
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         ids, mask, _, logp, _ = decode(model, prompt_ids, prompt_mask, VOCAB, 0.0, True, monkeypatch, amp=False)
-    assert grpo.CAPTURE_FAILED == [] and not [w for w in seen if "capture" in str(w.message)]
+    assert common.CAPTURE_FAILED == [] and not [w for w in seen if "capture" in str(w.message)]
     with torch.no_grad():
         assert torch.equal(ids, greedy_by_recomputation(model, prompt_ids, prompt_mask, ids.shape[1], VOCAB))
     assert (logp - plain_forward_logprobs(model, prompt_ids, prompt_mask, ids, mask)).abs().max() <= 1e-5
@@ -137,7 +138,7 @@ def test_tool_turns_through_the_graph_equal_the_eager_step(temperature, monkeypa
     for graph in (True, False):
         with monkeypatch.context() as patch:
             if not graph:
-                patch.setattr(grpo, "cuda_graph", lambda step, pool=None: step)
+                patch.setattr(common, "cuda_graph", lambda step, pool=None: step)
             outputs[graph] = sample_with_tools(model, temperature, device="cuda")
     prompt_ids, prompt_mask, (ids, mask, _, sample_logp, tool_mask), _ = outputs[True]
     assert tool_mask.any()
@@ -170,7 +171,7 @@ def test_the_bf16_varlen_decode_compacts_and_takes_tool_turns(tools, monkeypatch
     for graph in (True, False):
         with monkeypatch.context() as patch, torch.autocast("cuda", torch.bfloat16):
             if not graph:
-                patch.setattr(grpo, "cuda_graph", lambda step, pool=None: step)
+                patch.setattr(common, "cuda_graph", lambda step, pool=None: step)
             if tools:
                 outputs[graph] = sample_with_tools(model, 1.0, device="cuda")
             else:
@@ -280,12 +281,12 @@ def test_the_compiled_decode_is_captured_and_keeps_to_the_scorer(qwen_shape, mon
     model = common.compile_blocks(copy.deepcopy(model))  # the fixture's model stays eager
     torch._dynamo.utils.counters.clear()
     monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)  # not eager past it, silently
-    monkeypatch.setattr(grpo, "CAPTURE_FAILED", [])
-    varlen, served = [], grpo.varlen_decode
+    monkeypatch.setattr(common, "CAPTURE_FAILED", [])
+    varlen, served = [], common.varlen_decode
     monkeypatch.setattr(grpo, "varlen_decode", lambda *a: varlen.append(served(*a)) or varlen[-1])
     gaps = sampler_gaps(model, tokenizer, vocab_size, monkeypatch)
     print(f"|Δ log π| sampler vs trainer, compiled decode: fp32 {gaps[False]}, bf16 {gaps[True]}")
-    assert not grpo.CAPTURE_FAILED and varlen == [False, True]
+    assert not common.CAPTURE_FAILED and varlen == [False, True]
     step = type(common.DECODE_BACKBONES[model]).forward.__code__  # the compiled step's entries: fp32, bf16
     assert 2 <= len(torch._dynamo.eval_frame._debug_get_cache_entry_list(step)) <= 4
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
@@ -308,13 +309,15 @@ def test_the_head_backward_written_out_on_cuda(precision, weight_dtype):
     weight = (0.3 * torch.randn(448, 64, device="cuda")).to(weight_dtype).requires_grad_()
     tokens, weights = torch.randint(0, 384, (300,), device="cuda"), torch.randn(300, 2, device="cuda")
     with torch.autocast("cuda", torch.bfloat16):
-        out = grpo.HeadLogprobs.apply(hidden, weight, None, tokens, 0.7, 384, True, True, precision, 64)
+        out = common.HeadLogprobs.apply(
+            hidden, weight, None, tokens, 0.7, 384, True, True, precision, 64, grpo.token_logprobs
+        )
         (out * weights).sum().backward()
     got = out.detach(), hidden.grad, weight.grad
     hidden.grad = weight.grad = None
     chunks = [
         grpo.token_logprobs(
-            grpo.HeadProduct.apply(hidden[i : i + 64], weight.float(), None, precision),
+            common.HeadProduct.apply(hidden[i : i + 64], weight.float(), None, precision),
             tokens[i : i + 64],
             0.7,
             384,
@@ -333,24 +336,20 @@ def test_the_head_backward_written_out_on_cuda(precision, weight_dtype):
 
 
 def test_the_tf32_head_keeps_sampler_and_trainer_together(qwen_shape):
-    # --lm_head_precision tf32 (the default): the sampler and the scorer compute the head alike on
-    # TF32 tensor cores (HeadProduct), so their gap stays within the bounds of bf16's backbone (the
-    # test above); both heads' gaps are printed.
+    # The LM head on a GPU: the sampler and the scorer compute it alike on TF32 tensor cores
+    # (HeadProduct), so their gap stays within the bounds of bf16's backbone (the test above).
     from common import autocast
 
     model, tokenizer, vocab_size = qwen_shape
     prompt_ids, prompt_mask = countdown_prompts(tokenizer, group_size=4)
     device = torch.device("cuda", 0)
-    scored = {}
-    for precision in ("fp32", "tf32"):
-        torch.manual_seed(1234)
-        with torch.no_grad(), autocast(device, torch.bfloat16, precision):
-            ids, mask, _, sample_logp, _ = grpo.generate(model, prompt_ids, prompt_mask, 24, [], 0, vocab_size, 1.0)
-            logp, _ = grpo.sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, 1.0, vocab_size, 8)
-        gap = (logp - sample_logp).abs()[mask.bool()]
-        scored[precision] = gap.mean().item(), gap.max().item()
-    print(f"|Δ log π| sampler vs trainer, bf16: fp32 head {scored['fp32']}, tf32 head {scored['tf32']}")
-    assert scored["tf32"][0] < 0.05 and scored["tf32"][1] < 1.0
+    torch.manual_seed(1234)
+    with torch.no_grad(), autocast(device, torch.bfloat16):
+        ids, mask, _, sample_logp, _ = grpo.generate(model, prompt_ids, prompt_mask, 24, [], 0, vocab_size, 1.0)
+        logp, _ = grpo.sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, 1.0, vocab_size, 8)
+    gap = (logp - sample_logp).abs()[mask.bool()]
+    print(f"|Δ log π| sampler vs trainer, bf16, the TF32 head: mean {gap.mean().item()}, max {gap.max().item()}")
+    assert gap.mean().item() < 0.05 and gap.max().item() < 1.0
 
 
 def train_settings(tmp_path, **more) -> dict:
@@ -418,7 +417,7 @@ def test_the_update_loop_waits_for_the_gpu_nowhere(script, checkpointed):
     model = model.to(device).train()
     if checkpointed:
         enable_activation_checkpointing(model)
-    amp = functools.partial(autocast, device, torch.bfloat16, "tf32")
+    amp = functools.partial(autocast, device, torch.bfloat16)
     counts = {}
     for micro_batch_size in (12, 3, 12, 3):  # each size's first pass sets up its shapes: the second counts
         args = script.Args(micro_batch_size=micro_batch_size, max_new_tokens=12, beta=0.0)

@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 
+import common
 import dapo
 import grpo
 import ppo
@@ -25,30 +26,29 @@ def out_of_memory(*args, **kwargs):
 # CUDA-graph capture
 
 
-@pytest.mark.parametrize("script", [grpo, dapo, ppo], ids=["grpo", "dapo", "ppo"])
-def test_a_failed_capture_warns_once_and_decodes_eagerly(script, monkeypatch):
-    monkeypatch.setattr(script, "CAPTURE_FAILED", [])
+def test_a_failed_capture_warns_once_and_decodes_eagerly(monkeypatch):
+    monkeypatch.setattr(common, "CAPTURE_FAILED", [])
 
     def refuses(step, pool):
         raise RuntimeError("operation not permitted when stream is capturing (simulated)")
 
-    monkeypatch.setattr(script, "cuda_graph", refuses)
+    monkeypatch.setattr(common, "cuda_graph", refuses)
     with pytest.warns(RuntimeWarning, match=r"capture of the decode step failed \(RuntimeError: operation not"):
-        assert script.captured_or_none(lambda: None, pool=None) is None
+        assert common.captured_or_none(lambda: None, pool=None) is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second width, the next call: eager, and no second warning
-        assert script.captured_or_none(lambda: None, pool=None) is None
-    assert len(script.CAPTURE_FAILED) == 1
+        assert common.captured_or_none(lambda: None, pool=None) is None
+    assert len(common.CAPTURE_FAILED) == 1
 
 
 def test_a_capture_that_works_is_used_and_out_of_memory_is_not_a_capture_failure(monkeypatch):
-    monkeypatch.setattr(grpo, "CAPTURE_FAILED", [])
-    monkeypatch.setattr(grpo, "cuda_graph", lambda step, pool: "the graph")
-    assert grpo.captured_or_none(lambda: None, pool=None) == "the graph"
-    monkeypatch.setattr(grpo, "cuda_graph", out_of_memory)
+    monkeypatch.setattr(common, "CAPTURE_FAILED", [])
+    monkeypatch.setattr(common, "cuda_graph", lambda step, pool: "the graph")
+    assert common.captured_or_none(lambda: None, pool=None) == "the graph"
+    monkeypatch.setattr(common, "cuda_graph", out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
-        grpo.captured_or_none(lambda: None, pool=None)
-    assert grpo.CAPTURE_FAILED == []
+        common.captured_or_none(lambda: None, pool=None)
+    assert common.CAPTURE_FAILED == []
 
 
 def test_a_compilation_that_fails_is_not_a_capture_failure(monkeypatch):
@@ -60,11 +60,11 @@ def test_a_compilation_that_fails_is_not_a_capture_failure(monkeypatch):
     def fails_to_compile(step, pool):
         raise torch._dynamo.exc.Unsupported("a graph break torch.compile cannot take (simulated)")
 
-    monkeypatch.setattr(grpo, "CAPTURE_FAILED", [])
-    monkeypatch.setattr(grpo, "cuda_graph", fails_to_compile)
+    monkeypatch.setattr(common, "CAPTURE_FAILED", [])
+    monkeypatch.setattr(common, "cuda_graph", fails_to_compile)
     with pytest.raises(torch._dynamo.exc.Unsupported):
-        grpo.captured_or_none(lambda: None, pool=None)
-    assert grpo.CAPTURE_FAILED == []
+        common.captured_or_none(lambda: None, pool=None)
+    assert common.CAPTURE_FAILED == []
 
 
 # ----------------------------------------------------------------------------------------

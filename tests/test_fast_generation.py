@@ -6,8 +6,9 @@ left where the loop left it, so every later draw of a run stays the same."""
 import pytest
 import torch
 
-from common import load_model
-from grpo import cache_argument, encode_prompts, generate, top_p_filter
+import common
+from common import cache_argument, load_model
+from grpo import encode_prompts, generate, top_p_filter
 
 PROMPTS = [  # very different lengths, so the batch is heavily left padded
     [{"role": "user", "content": "Hi"}],
@@ -243,14 +244,13 @@ def test_the_left_aligned_cache_keeps_prompts_with_gaps(tiny, varlen):
     aligned = generate(model, *settings)
     assert varlen, "the varlen step must have run"
     varlen.clear()
-    import grpo
 
-    original = grpo.varlen_decode
-    grpo.varlen_decode = lambda model, cache: False
+    original = common.varlen_decode
+    common.varlen_decode = lambda model, cache: False
     try:
         masked = generate(model, *settings)
     finally:
-        grpo.varlen_decode = original
+        common.varlen_decode = original
     assert not varlen
     assert torch.equal(aligned[0], masked[0]) and torch.equal(aligned[1], masked[1])
     assert (aligned[3] - masked[3]).abs().max().item() <= 1e-5

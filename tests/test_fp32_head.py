@@ -28,7 +28,7 @@ def test_the_logits_are_the_fp32_product_of_the_hidden_state_and_the_head():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         bf16 = model(input_ids=ids).logits
         rounded = seen["logits"]
-        with grpo.fp32_lm_head(model):
+        with common.fp32_lm_head(model):
             fp32 = model(input_ids=ids).logits
     hook.remove()
     assert bf16.dtype == rounded.dtype == torch.bfloat16 and fp32.dtype == torch.float32
@@ -44,7 +44,7 @@ def test_the_logits_are_the_fp32_product_of_the_hidden_state_and_the_head():
 def test_no_autocast_no_change_and_a_lora_head_is_left_alone():
     model, _ = tiny()
     head = model.get_output_embeddings()
-    with grpo.fp32_lm_head(model):  # fp32 everywhere already: nothing to do
+    with common.fp32_lm_head(model):  # fp32 everywhere already: nothing to do
         assert "forward" not in head.__dict__
 
     class Adapted(torch.nn.Module):  # stands for peft's LoRA-wrapped head: not a plain Linear
@@ -56,7 +56,7 @@ def test_no_autocast_no_change_and_a_lora_head_is_left_alone():
             return self.base_layer(hidden)
 
     model.lm_head = Adapted(head)
-    with torch.autocast("cpu", dtype=torch.bfloat16), grpo.fp32_lm_head(model):
+    with torch.autocast("cpu", dtype=torch.bfloat16), common.fp32_lm_head(model):
         assert "forward" not in model.lm_head.__dict__
 
 
@@ -89,7 +89,7 @@ def test_the_lora_reference_scores_with_the_fp32_head_too():
     model, _ = tiny()
     policy = common.with_adapters(model, SimpleNamespace(lora_rank=4, lora_alpha=8.0, lora_targets="all-linear"))
     reference = common.AdaptersOff(policy)
-    grpo.plain_head(reference)  # its one-token look at the head (once per model), before the counting
+    common.plain_head(reference)  # its one-token look at the head (once per model), before the counting
     dtypes = []
     hook = policy.get_output_embeddings().register_forward_hook(lambda m, i, output: dtypes.append(output.dtype))
     ids = torch.randint(3, 300, (2, 5))
@@ -103,46 +103,28 @@ def test_the_lora_reference_scores_with_the_fp32_head_too():
 
 
 def test_the_tf32_head_product_has_the_gradient_of_the_linear_layer():
-    # HeadProduct (--lm_head_precision tf32 on a GPU) computes the forward and both backward GEMMs
+    # HeadProduct (the LM head on a GPU, TF32) computes the forward and both backward GEMMs
     # itself: in float64 at torch's "ieee" precision they must be the linear layer's exactly
     # (gradcheck: against finite differences), with and without a bias.
     torch.manual_seed(0)
     hidden = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(7, dtype=torch.float64, requires_grad=True)
-    for script in SCRIPTS:
-        product = script.HeadProduct.apply
-        assert torch.autograd.gradcheck(lambda h, w, b, f=product: f(h, w, b, "ieee"), (hidden, weight, bias))
-        assert torch.autograd.gradcheck(lambda h, w, f=product: f(h, w, None, "ieee"), (hidden, weight))
-        assert torch.equal(product(hidden, weight, bias, "ieee"), torch.nn.functional.linear(hidden, weight, bias))
+    product = common.HeadProduct.apply
+    assert torch.autograd.gradcheck(lambda h, w, b: product(h, w, b, "ieee"), (hidden, weight, bias))
+    assert torch.autograd.gradcheck(lambda h, w: product(h, w, None, "ieee"), (hidden, weight))
+    assert torch.equal(product(hidden, weight, bias, "ieee"), torch.nn.functional.linear(hidden, weight, bias))
 
 
 def test_the_head_precision_is_set_for_its_gemms_alone():
-    # matmul_precision restores what was set before; autocast() hands fp32_lm_head the precision
-    # --lm_head_precision names (read once, when the head is entered), and nothing outside it.
+    # matmul_precision restores what was set before, and sets nothing outside it; autocast() turns
+    # autocast on only with a compute dtype.
     before = torch.backends.cuda.matmul.fp32_precision
-    with grpo.matmul_precision("tf32"):
+    with common.matmul_precision("tf32"):
         assert torch.backends.cuda.matmul.fp32_precision == "tf32"
     assert torch.backends.cuda.matmul.fp32_precision == before
-    assert common.LM_HEAD_PRECISION.get() == "fp32"
-    with common.autocast(torch.device("cpu"), torch.bfloat16, "tf32"):
-        assert common.LM_HEAD_PRECISION.get() == "tf32" and torch.is_autocast_enabled("cpu")
-    assert common.LM_HEAD_PRECISION.get() == "fp32" and not torch.is_autocast_enabled("cpu")
-    with common.autocast(torch.device("cpu"), None, "tf32"):  # no autocast (fp32 on the CPU): nothing set
-        assert common.LM_HEAD_PRECISION.get() == "fp32"
-
-
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.__name__)
-def test_tf32_on_the_cpu_computes_what_fp32_does(script):
-    # TF32 is a GPU's: on the CPU --lm_head_precision tf32 changes no number, in generate or in scoring.
-    model, _ = tiny()
-    ids = torch.randint(3, 300, (4, 7))
-    mask = torch.ones_like(ids)
-    runs = {}
-    for precision in ("fp32", "tf32"):
-        torch.manual_seed(0)
-        with common.autocast(torch.device("cpu"), torch.bfloat16, precision):
-            completion, completion_mask, _, sample_logp, _ = script.generate(model, ids, mask, 6, [], 0, 300, 1.0)
-            logp, _ = script.sequence_logprobs(model, ids, mask, completion, completion_mask, 1.0, 300, chunk_size=2)
-        runs[precision] = completion, sample_logp, logp
-    assert all(torch.equal(a, b) for a, b in zip(runs["fp32"], runs["tf32"]))
+    with common.autocast(torch.device("cpu"), torch.bfloat16):
+        assert torch.is_autocast_enabled("cpu")
+    assert not torch.is_autocast_enabled("cpu")
+    with common.autocast(torch.device("cpu"), None):  # fp32 on the CPU: no autocast
+        assert not torch.is_autocast_enabled("cpu")

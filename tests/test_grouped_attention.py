@@ -9,6 +9,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+import common
 import dapo
 import grpo
 import ppo
@@ -27,13 +28,13 @@ def test_two_query_heads_on_one_kv_head_by_hand():
     key = torch.tensor([1.0, 0.0]).view(1, 1, 2, 1)
     value = torch.tensor([2.0, 4.0]).view(1, 1, 2, 1)
     open_mask = torch.zeros(1, 1, 1, 2)
-    out, weights = grpo.grouped_decode_attention(None, query, key, value, open_mask, scaling=1.0)
+    out, weights = common.grouped_decode_attention(None, query, key, value, open_mask, scaling=1.0)
     expected = torch.tensor([2 + 2 / (math.e + 1), 2 + 2 / (math.e**2 + 1)]).view(1, 1, 2, 1)
     assert weights is None
     assert out.shape == (1, 1, 2, 1)  # (n, q, heads, d): transformers' layout after attention
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
     masked = torch.tensor([0.0, MASKED]).view(1, 1, 1, 2)
-    out, _ = grpo.grouped_decode_attention(None, query, key, value, masked, scaling=1.0)
+    out, _ = common.grouped_decode_attention(None, query, key, value, masked, scaling=1.0)
     torch.testing.assert_close(out, torch.full((1, 1, 2, 1), 2.0), rtol=0, atol=1e-6)
 
 
@@ -54,7 +55,7 @@ def test_equals_transformers_sdpa_with_repeated_kv(dtype):
     mask[2, ..., 20:] = MASKED
     scaling = 64**-0.5
     expected, _ = sdpa_attention_forward(Layer(), query, key, value, mask, scaling=scaling)
-    out, _ = grpo.grouped_decode_attention(Layer(), query, key, value, mask, scaling=scaling)
+    out, _ = common.grouped_decode_attention(Layer(), query, key, value, mask, scaling=scaling)
     assert out.shape == expected.shape == (3, 1, 14, 64)
     tolerance = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out, expected, rtol=0, atol=tolerance)
@@ -82,13 +83,13 @@ def gqa_model():
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.__name__)
 def test_generate_runs_every_decode_step_through_it_and_matches_model_generate(script, monkeypatch):
     model = gqa_model()
-    calls, attend = [], script.grouped_decode_attention
+    calls, attend = [], common.grouped_decode_attention
 
     def counted(*args, **kwargs):
         calls.append(args[1].shape)  # the query
         return attend(*args, **kwargs)
 
-    monkeypatch.setattr(script, "grouped_decode_attention", counted)
+    monkeypatch.setattr(common, "grouped_decode_attention", counted)
     ids = torch.randint(3, 300, (5, 9))
     mask = torch.ones_like(ids)
     mask[1, :4] = 0  # left padding
@@ -103,7 +104,7 @@ def test_generate_runs_every_decode_step_through_it_and_matches_model_generate(s
 def test_the_models_attention_is_restored_after_an_error():
     model = gqa_model()
     with pytest.raises(RuntimeError, match="inside"):
-        with grpo.grouped_attention(model):
+        with common.grouped_attention(model):
             assert model.config._attn_implementation == "nanopo_grouped_decode"
             raise RuntimeError("inside")
     assert model.config._attn_implementation == "sdpa"

@@ -9,6 +9,7 @@ import functools
 import pytest
 import torch
 
+import common
 import dapo
 import grpo
 import ppo
@@ -72,9 +73,9 @@ def scored_with_gradient(script, model, batch, vocab_size, chunked: bool, monkey
     only with entropy_grad) at temperature `scale`, with the head chunked (chunks of 5 positions:
     many per row; HeadLogprobs' backward) or whole (autograd's through the whole logits)."""
     with monkeypatch.context() as patch:
-        patch.setattr(script, "HEAD_CHUNK_BYTES", 4 * vocab_size * 5)
+        patch.setattr(common, "HEAD_CHUNK_BYTES", 4 * vocab_size * 5)
         if not chunked:
-            patch.setattr(script, "plain_head", lambda model: False)
+            patch.setattr(common, "plain_head", lambda model: False)
         model.zero_grad(set_to_none=True)
         sequences = [batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
         logp, entropy = script.sequence_logprobs(model, *sequences, scale, vocab_size, 4, True, entropy_grad)
@@ -86,29 +87,28 @@ def scored_with_gradient(script, model, batch, vocab_size, chunked: bool, monkey
     return logp.detach(), entropy.detach(), gradient
 
 
-def one_pass_aligned(script, monkeypatch, on: bool):
+def one_pass(script, monkeypatch, on: bool):
     """With on, forward_completions' one pass over prompt + completion a row (G = 1, gradient
-    checkpointing) as on CUDA: each row's tokens first, no mask, columns rounded up to 8, so that
-    rows start their completions at different columns and the head must be given their t alone."""
+    checkpointing), columns rounded up to 8 as on CUDA, where the head is handed the t positions
+    that predict the completion (logits_to_keep) of rows padded on both sides."""
     if on:
-        monkeypatch.setattr(script, "aligned_prompts", lambda device: True)
-        monkeypatch.setattr(script, "shape_multiple", lambda device: 8)
+        monkeypatch.setattr(common, "shape_multiple", lambda device: 8)
         monkeypatch.setattr(script, "forward_completions", functools.partial(script.forward_completions, share=False))
 
 
 @pytest.mark.parametrize("settings", [(0.7, True), (1.0, False)], ids=["tau-0.7-entropy-grad", "tau-1"])
-@pytest.mark.parametrize("aligned", [False, True], ids=["", "aligned-one-pass"])
+@pytest.mark.parametrize("whole_rows", [False, True], ids=["", "one-pass"])
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.__name__)
-def test_the_chunked_head_equals_the_whole_logits(tiny, script, aligned, settings, monkeypatch):
+def test_the_chunked_head_equals_the_whole_logits(tiny, script, whole_rows, settings, monkeypatch):
     # The same products and formula chunk by chunk: log π and H to fp32 rounding (values of a few
     # nats, eps 1.2e-7: 1e-6), and the gradient to 1e-5 of its largest entry (HeadLogprobs' backward
     # is the formula dL/dz = g·(onehot − p) − g_H·p·(log p + H), and the head's weight gradient
     # sums its chunks in another order: ~50 terms of eps each). A sign or a 1/τ dropped from that
     # backward (planted) fails it; so does the entropy's term without H.
-    if settings[0] == 1.0 and (script is not grpo or aligned):  # the same code (test_lockstep), CI's minutes
+    if settings[0] == 1.0 and (script is not grpo or whole_rows):  # the same code (test_lockstep), CI's minutes
         pytest.skip("τ = 1 runs in grpo's shared-prompt case")
     model, vocab_size, batch = tiny
-    one_pass_aligned(script, monkeypatch, aligned)
+    one_pass(script, monkeypatch, whole_rows)
     model.train()
     chunked = scored_with_gradient(script, model, batch, vocab_size, True, monkeypatch, *settings)
     whole = scored_with_gradient(script, model, batch, vocab_size, False, monkeypatch, *settings)
@@ -143,7 +143,7 @@ def test_the_head_weight_gradient_is_summed_in_place(tiny, monkeypatch):
     made = {}
     for positions in (5, 10**6):
         with monkeypatch.context() as patch:
-            patch.setattr(grpo, "HEAD_CHUNK_BYTES", 4 * vocab_size * positions)
+            patch.setattr(common, "HEAD_CHUNK_BYTES", 4 * vocab_size * positions)
             sequences = [batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
             logp, _ = grpo.sequence_logprobs(model, *sequences, 1.0, vocab_size, 4)
             with WeightSized() as counted:
@@ -168,7 +168,9 @@ def test_a_bf16_head_is_upcast_once_and_its_gradient_summed_in_fp32():
     tokens, weights = torch.randint(0, 30, (64,)), torch.randn(64, 2)
     precision = torch.backends.cuda.matmul.fp32_precision
     with torch.autocast("cpu", torch.bfloat16):
-        out = grpo.HeadLogprobs.apply(hidden, weight, None, tokens, 0.7, 30, True, True, precision, 2)
+        out = common.HeadLogprobs.apply(
+            hidden, weight, None, tokens, 0.7, 30, True, True, precision, 2, grpo.token_logprobs
+        )
     (out * weights).sum().backward()
     got = out.detach(), hidden.grad, weight.grad
     hidden.grad = weight.grad = None
@@ -191,20 +193,20 @@ def test_a_bf16_head_under_autocast_goes_through_head_logprobs(tiny, monkeypatch
     model, vocab_size, batch = tiny
     bf16 = copy.deepcopy(model).to(torch.bfloat16).train()
     calls = []
-    apply = grpo.HeadLogprobs.apply
-    monkeypatch.setattr(grpo.HeadLogprobs, "apply", lambda *a: calls.append(1) or apply(*a))
+    apply = common.HeadLogprobs.apply
+    monkeypatch.setattr(common.HeadLogprobs, "apply", lambda *a: calls.append(1) or apply(*a))
     sequences = [batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
     scored = []
     for chunked in (True, False):
-        with monkeypatch.context() as patch, autocast(torch.device("cpu"), torch.bfloat16, "fp32"):
-            patch.setattr(grpo, "HEAD_CHUNK_BYTES", 4 * vocab_size * 5)
+        with monkeypatch.context() as patch, autocast(torch.device("cpu"), torch.bfloat16):
+            patch.setattr(common, "HEAD_CHUNK_BYTES", 4 * vocab_size * 5)
             if not chunked:
-                patch.setattr(grpo, "plain_head", lambda model: False)
+                patch.setattr(common, "plain_head", lambda model: False)
             logp, _ = grpo.sequence_logprobs(bf16, *sequences, 0.7, vocab_size, 4)
         logp.sum().backward()
         scored.append(logp.detach())
     assert len(calls) == 3  # the three chunks of 4 rows, each its own pass
-    with torch.no_grad(), autocast(torch.device("cpu"), torch.bfloat16, "fp32"):  # scoring: the same function
+    with torch.no_grad(), autocast(torch.device("cpu"), torch.bfloat16):  # scoring: the same function
         assert torch.equal(grpo.sequence_logprobs(bf16, *sequences, 0.7, vocab_size, 4)[0], scored[0])
     assert len(calls) == 6
     assert bf16.get_output_embeddings().weight.grad.dtype == torch.bfloat16
@@ -222,9 +224,9 @@ def vocabulary_wide_saved(script, model, batch, vocab_size, chunked: bool, monke
         return tensor
 
     with monkeypatch.context() as patch:
-        patch.setattr(script, "HEAD_CHUNK_BYTES", 4 * vocab_size * 5)
+        patch.setattr(common, "HEAD_CHUNK_BYTES", 4 * vocab_size * 5)
         if not chunked:
-            patch.setattr(script, "plain_head", lambda model: False)
+            patch.setattr(common, "plain_head", lambda model: False)
         sequences = [batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
             logp, _ = script.sequence_logprobs(model, *sequences, 1.0, vocab_size, 4)
@@ -233,15 +235,15 @@ def vocabulary_wide_saved(script, model, batch, vocab_size, chunked: bool, monke
     return sum(sizes)
 
 
-@pytest.mark.parametrize("aligned", [False, True], ids=["", "aligned-one-pass"])
+@pytest.mark.parametrize("whole_rows", [False, True], ids=["", "one-pass"])
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.__name__)
-def test_no_logits_are_kept_for_backward(tiny, script, aligned, monkeypatch):
+def test_no_logits_are_kept_for_backward(tiny, script, whole_rows, monkeypatch):
     # Whole: the logits of every chunk of rows are kept, at least 12 rows × 12 positions × 384 ids
     # (and their log-softmax's). Chunked: none (each chunk of positions is checkpointed: its
-    # hidden states and tokens are kept, and backward recomputes its logits). Aligned, the one pass
-    # hands the head each row's t positions alone (the p - 1 + t, planted: its whole logits kept).
+    # hidden states and tokens are kept, and backward recomputes its logits). The one pass hands the
+    # head each row's t positions alone (logits_to_keep).
     model, vocab_size, batch = tiny
-    one_pass_aligned(script, monkeypatch, aligned)
+    one_pass(script, monkeypatch, whole_rows)
     whole = vocabulary_wide_saved(script, model, batch, vocab_size, False, monkeypatch)
     assert whole >= batch["completion_ids"].numel() * vocab_size
     assert vocabulary_wide_saved(script, model, batch, vocab_size, True, monkeypatch) == 0
@@ -253,7 +255,7 @@ def test_plain_head_finds_what_follows_the_head():
     # tiny models' logits are so small that tanh(x/30)·30 rounds to x: the probe's marker is not.
     for family, plain in {"qwen2": True, "llama3": True, "gpt-oss": True, "gemma2": False, "cohere2": False}.items():
         if unbuildable(family) is None:  # transformers 5.4 cannot build Cohere2's config
-            assert grpo.plain_head(family_model(family)) is plain, family
+            assert common.plain_head(family_model(family)) is plain, family
     model = family_model("qwen2")
     model.get_output_embeddings = lambda: None  # no head to read: the whole logits
-    assert grpo.plain_head(model) is False
+    assert common.plain_head(model) is False

@@ -10,12 +10,13 @@ import functools
 import pytest
 import torch
 
+import common
 import dapo
 import grpo
 import ppo
-from common import enable_activation_checkpointing, load_model
+from common import enable_activation_checkpointing, length_order, load_model, trim_padding
 from conftest import assert_same_update, gradients_and_totals, sample_batch
-from grpo import length_order, sequence_logprobs, trim_padding
+from grpo import sequence_logprobs
 
 
 def test_length_order_is_longest_first_and_stable():
@@ -39,8 +40,8 @@ def test_trim_padding_keeps_the_columns_some_row_uses():
     prompt_mask = (prompt_ids != 0).long()
     completion_ids = torch.tensor([[1, 2, 0, 0, 0], [3, 0, 0, 0, 0]])  # right padded: lengths 2 and 1
     completion_mask = (completion_ids != 0).long()
-    [(rows, layout)] = grpo.chunks_of(torch.arange(2), prompt_ids, prompt_mask, completion_mask, 2)
-    assert rows.tolist() == [0, 1] and layout == grpo.Layout(prompt=3, completion=2, prompts=2, shortest=2)
+    [(rows, layout)] = common.chunks_of(torch.arange(2), prompt_ids, prompt_mask, completion_mask, 2)
+    assert rows.tolist() == [0, 1] and layout == common.Layout(prompt=3, completion=2, prompts=2, shortest=2)
     ids, mask, completion, completion_kept = trim_padding(
         prompt_ids, prompt_mask, completion_ids, completion_mask, layout
     )
@@ -198,8 +199,7 @@ def test_ppo_actor_and_critic_bucketed_micro_batches_give_todays_gradient(models
 
 
 def test_shape_multiple_is_64_on_cuda_and_1_elsewhere():
-    for script in (grpo, dapo, ppo):
-        assert script.shape_multiple(torch.device("cuda", 0)) == 64 and script.shape_multiple(torch.device("cpu")) == 1
+    assert common.shape_multiple(torch.device("cuda", 0)) == 64 and common.shape_multiple(torch.device("cpu")) == 1
 
 
 def test_trim_padding_rounds_up_to_the_shape_multiple(monkeypatch):
@@ -212,8 +212,8 @@ def test_trim_padding_rounds_up_to_the_shape_multiple(monkeypatch):
     completion_ids = torch.tensor([[1, 2, 0, 0, 0], [3, 0, 0, 0, 0]])
     completion_mask = (completion_ids != 0).long()
     for multiple, prompt_kept, completion_kept in ((1, 3, 2), (2, 4, 2), (4, 4, 4), (8, 4, 5)):
-        monkeypatch.setattr(grpo, "shape_multiple", lambda device, m=multiple: m)
-        [(_, layout)] = grpo.chunks_of(torch.arange(2), prompt_ids, prompt_mask, completion_mask, 2)
+        monkeypatch.setattr(common, "shape_multiple", lambda device, m=multiple: m)
+        [(_, layout)] = common.chunks_of(torch.arange(2), prompt_ids, prompt_mask, completion_mask, 2)
         ids, mask, completion, kept_mask = trim_padding(
             prompt_ids, prompt_mask, completion_ids, completion_mask, layout
         )
@@ -236,7 +236,7 @@ def test_rounded_chunks_give_the_same_log_probs_and_update(models, monkeypatch):
     with torch.no_grad():
         exact, _ = sequence_logprobs(model, *sequences, 1.0, len(tokenizer), 4)
     reference = gradients_and_totals(grpo, model, update, args, len(tokenizer))
-    monkeypatch.setattr(grpo, "shape_multiple", lambda device: 8)
+    monkeypatch.setattr(common, "shape_multiple", lambda device: 8)
     widths, handle = forward_widths(model)
     with torch.no_grad():
         rounded, _ = sequence_logprobs(model, *sequences, 1.0, len(tokenizer), 4)
@@ -250,7 +250,7 @@ def test_rounded_chunks_give_the_same_log_probs_and_update(models, monkeypatch):
     assert_same_update(result, reference)
 
 
-@pytest.mark.parametrize("passes", ["cpu-prompt-pass", "aligned-prompt-pass", "aligned-one-pass", "checkpointed"])
+@pytest.mark.parametrize("passes", ["prompt-pass", "one-pass", "checkpointed"])
 @pytest.mark.parametrize("script", [grpo, dapo, ppo], ids=lambda s: s.__name__)
 def test_no_host_sync_in_the_loop_over_micro_batches(models, script, passes, monkeypatch):
     # A host sync stops the CPU until the GPU has caught up, so the GPU idles while the host launches
@@ -258,13 +258,11 @@ def test_no_host_sync_in_the_loop_over_micro_batches(models, script, passes, mon
     # backward. Counted from the profiler's events (bench.profiled): 12 rows in micro-batches of 3 (4
     # of them) against 12 (1). What a micro-batch needs on the host (its columns, its prompts) is read
     # for all of them before the first (chunks_of: one .tolist(), which the profiler's count sees on
-    # CUDA only). With the prompt pass aligned (aligned_prompts: on CUDA; here forced), the prompts'
-    # tokens first and no mask, transformers reads no padding either: not one sync more for the 3
-    # micro-batches more; nor with the one pass over prompt + completion a row (G = 1, gradient
-    # checkpointing: share=False, and checkpointed), its rows aligned too, under an attention name
-    # transformers builds no mask for (causal_attention: else it reads the position ids, one sync a
-    # micro-batch). Left as on the CPU, transformers' check of a mask's padding (masking_utils'
-    # _ignore_causal_mask_sdpa: up to two reads) remains, at most 2 a micro-batch.
+    # CUDA only). What remains is transformers' check of a mask's padding (masking_utils'
+    # _ignore_causal_mask_sdpa: up to two reads), at most 2 a micro-batch, with the prompt shared and
+    # in the one pass over prompt + completion a row (G = 1: share=False; gradient checkpointing).
+    # (An unmasked "aligned" pass that read none was measured no faster on an H200 and removed:
+    # docs/speed.md, tried and removed.)
     # Before issue 40: a .item() for each statistic and the loss, trim_padding's two, length_order's
     # unique, 10 or more a micro-batch; then 4 (forward_completions' unique and its check of the
     # shortest prompt, trim_padding's, transformers').
@@ -278,12 +276,10 @@ def test_no_host_sync_in_the_loop_over_micro_batches(models, script, passes, mon
         batch = {k: v for k, v in batch.items() if k != "ref_logp"} | {"advantages": batch["advantages"][:, None]}
     else:
         batch.pop("positive")
-    aligned = passes != "cpu-prompt-pass"
     if passes == "checkpointed":  # a copy: the fixture's model stays as it is
         model = copy.deepcopy(model).train()
         enable_activation_checkpointing(model)
-    monkeypatch.setattr(script, "aligned_prompts", lambda device: aligned)
-    if passes == "aligned-one-pass":
+    if passes == "one-pass":
         monkeypatch.setattr(script, "forward_completions", functools.partial(script.forward_completions, share=False))
     copies, tolist = [], torch.Tensor.tolist  # .tolist(), a copy to the host the profiler does not see
     monkeypatch.setattr(torch.Tensor, "tolist", lambda tensor: copies.append(1) or tolist(tensor))
@@ -300,7 +296,7 @@ def test_no_host_sync_in_the_loop_over_micro_batches(models, script, passes, mon
             model.zero_grad(set_to_none=True)
             critic.zero_grad(set_to_none=True)
             syncs[micro_batch_size] = measured["host syncs"], len(copies)
-        assert syncs[3][0] - syncs[12][0] <= (0 if aligned else 2 * (4 - 1)), (name, syncs)
+        assert syncs[3][0] - syncs[12][0] <= 2 * (4 - 1), (name, syncs)
         assert syncs[3][1] == syncs[12][1], (name, syncs)  # chunks_of's one .tolist(), whatever the micro-batches
 
 
@@ -317,7 +313,9 @@ def test_chunks_of_by_rows_and_by_tokens():
     order = torch.arange(6)
 
     def rows_of(*chunking, order=order):
-        return [rows.tolist() for rows, _ in grpo.chunks_of(order, prompt_ids, prompt_mask, completion_mask, *chunking)]
+        return [
+            rows.tolist() for rows, _ in common.chunks_of(order, prompt_ids, prompt_mask, completion_mask, *chunking)
+        ]
 
     assert rows_of(0, 14) == [[0], [1, 2], [3, 4], [5]]
     assert rows_of(4) == [[0, 1, 2, 3], [4, 5]] and rows_of(0, 0) == [[0, 1, 2, 3], [4, 5]]
@@ -329,13 +327,13 @@ def test_chunks_of_by_rows_and_by_tokens():
     # Each chunk's Layout, by hand from the lengths above: its longest prompt and completion, the runs
     # of rows sharing a prompt (rows 1 and 4 share one, when they come one after the other), the
     # shortest prompt.
-    layouts = [layout for _, layout in grpo.chunks_of(order, prompt_ids, prompt_mask, completion_mask, 0, 14)]
+    layouts = [layout for _, layout in common.chunks_of(order, prompt_ids, prompt_mask, completion_mask, 0, 14)]
     assert [(x.prompt, x.completion, x.prompts, x.shortest) for x in layouts] == [
         (2, 5, 1, 2), (3, 4, 2, 2), (3, 3, 2, 1), (1, 1, 1, 1)
     ]  # fmt: skip
-    [(_, shared)] = grpo.chunks_of(torch.tensor([1, 4]), prompt_ids, prompt_mask, completion_mask, 2)
-    assert shared == grpo.Layout(prompt=3, completion=4, prompts=1, shortest=3)
-    [(_, apart)] = grpo.chunks_of(torch.tensor([1, 0, 4]), prompt_ids, prompt_mask, completion_mask, 3)
+    [(_, shared)] = common.chunks_of(torch.tensor([1, 4]), prompt_ids, prompt_mask, completion_mask, 2)
+    assert shared == common.Layout(prompt=3, completion=4, prompts=1, shortest=3)
+    [(_, apart)] = common.chunks_of(torch.tensor([1, 0, 4]), prompt_ids, prompt_mask, completion_mask, 3)
     assert apart.prompts == 3  # rows 1 and 4 share a prompt, but not a run: two passes of it
 
 
@@ -349,19 +347,19 @@ def test_micro_batches_by_tokens_give_todays_update(models):
     sequences = [batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
     tokens = 800
     order = length_order(*sequences[:2], sequences[3])
-    chunks = [rows for rows, _ in grpo.chunks_of(order, *sequences[:2], sequences[3], 0, tokens)]
+    chunks = [rows for rows, _ in common.chunks_of(order, *sequences[:2], sequences[3], 0, tokens)]
     cost = lambda rows: len(rows) * (sequences[1][rows].sum(-1).max() + sequences[3][rows].sum(-1).max())  # noqa: E731
     assert len({len(chunk) for chunk in chunks}) > 1  # more rows to a chunk where they are short
     for chunk, after in zip(chunks, chunks[1:]):  # each within the budget, and full: the next row would not fit
         assert cost(chunk) <= tokens < cost(torch.cat([chunk, after[:1]]))
-    common = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "sample_logp")}
-    grpo_batch = common | {k: batch[k] for k in ("old_logp", "ref_logp", "advantages")}
+    shared = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "sample_logp")}
+    grpo_batch = shared | {k: batch[k] for k in ("old_logp", "ref_logp", "advantages")}
     for script, update in ((grpo, grpo_batch), (dapo, grpo_batch)):
         settings = dict(beta=0.04, max_new_tokens=12, num_iterations=2)
         reference = gradients_and_totals(script, model, update, script.Args(micro_batch_size=12, **settings), 384)
         by_tokens = script.Args(micro_batch_tokens=tokens, **settings)
         assert_same_update(gradients_and_totals(script, model, update, by_tokens, 384), reference)
-    ppo_batch = common | {k: batch[k] for k in ("old_logp", "old_values", "returns", "positive")}
+    ppo_batch = shared | {k: batch[k] for k in ("old_logp", "old_values", "returns", "positive")}
     ppo_batch |= {"advantages": batch["advantages_ppo"]}
     for backward, trained in (("policy_backward", model), ("critic_backward", critic)):
         reference = gradients_and_totals(ppo, trained, ppo_batch, ppo.Args(micro_batch_size=12), 384, backward)

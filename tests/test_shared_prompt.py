@@ -10,6 +10,7 @@ import functools
 import pytest
 import torch
 
+import common
 import dapo
 import grpo
 import ppo
@@ -50,31 +51,26 @@ def tiny():
     return model, critic, len(tokenizer), batch
 
 
-@pytest.fixture(params=[False, True], ids=["prompt-pass-as-is", "aligned-prompt-pass"])
-def aligned(request, monkeypatch):
-    """Both prompt passes of forward_completions: as it is on the CPU, and as on CUDA (aligned_prompts,
-    forced here): each prompt's tokens first and its padding after, no mask, in models whose every
-    layer attends to all earlier tokens; with chunks' columns rounded up to a multiple of 8 (CUDA's
-    shape_multiple is 64), so that every prompt pass of a group of 252-token prompts has padding."""
-    for script in (grpo, dapo, ppo):
-        monkeypatch.setattr(script, "aligned_prompts", lambda device, on=request.param: on)
-        if request.param:
-            monkeypatch.setattr(script, "shape_multiple", lambda device: 8)
+@pytest.fixture(params=[False, True], ids=["columns-as-is", "columns-rounded"])
+def rounded(request, monkeypatch):
+    """Both layouts of forward_completions' chunks: columns as the CPU keeps them, and rounded up to
+    a multiple of 8 as on CUDA (shape_multiple: 64 there), so that every prompt pass of a group of
+    252-token prompts has padding."""
+    if request.param:
+        monkeypatch.setattr(common, "shape_multiple", lambda device: 8)
     return request.param
 
 
 def unshared(script, monkeypatch):
     """Within it, `script` runs the computation before: one pass over prompt + completion a row, each
-    row as it is, left padding and mask (aligned or not, the fixture's setting is undone)."""
+    row as it is, left padding and mask."""
     monkeypatch.setattr(script, "forward_completions", functools.partial(script.forward_completions, share=False))
-    monkeypatch.setattr(script, "aligned_prompts", lambda device: False)
 
 
 def passes(module):
     """Counts the forward passes of module and the token positions they run: a dict to read. The
     one-token pass that looks at the model's head once (plain_head) is made first, uncounted."""
-    for script in (grpo, dapo, ppo):
-        script.plain_head(module)
+    common.plain_head(module)
     seen = {"passes": 0, "positions": 0, "unmasked": 0, "largest position": 0}
 
     def count(_, args, kwargs):
@@ -87,10 +83,9 @@ def passes(module):
     return seen, module.register_forward_pre_hook(count, with_kwargs=True)
 
 
-def test_log_probs_equal_and_each_prompt_runs_once(tiny, aligned, monkeypatch):
+def test_log_probs_equal_and_each_prompt_runs_once(tiny, rounded, monkeypatch):
     # 12 rows, 3 prompts: chunks of 4 rows are one group each, so 3 prompt passes of 1 row and 3
-    # completion passes of 4; before, 3 passes of 4 rows over prompt + completion. Aligned, the
-    # prompt passes run without a mask (the tiny model attends to every earlier token).
+    # completion passes of 4; before, 3 passes of 4 rows over prompt + completion. Every pass masked.
     model, _, vocab_size, batch = tiny
     sequences = [batch[k] for k in SEQUENCES]
     seen, handle = passes(model)
@@ -105,7 +100,7 @@ def test_log_probs_equal_and_each_prompt_runs_once(tiny, aligned, monkeypatch):
     assert (shared - before).abs().max() <= 8 * FP32_EPS * before.abs().max()  # measured 4.8e-7 at 6.4: 1 ulp
     assert (entropy - entropy_before).abs().max() <= 8 * FP32_EPS * entropy_before.abs().max()
     assert (seen["passes"], seen_before["passes"]) == (6, 3)
-    assert (seen["unmasked"], seen_before["unmasked"]) == (3 if aligned else 0, 0)
+    assert (seen["unmasked"], seen_before["unmasked"]) == (0, 0)
     assert seen["positions"] < 0.75 * seen_before["positions"]  # P + G·t instead of G·(P + t) for each group
 
 
@@ -122,7 +117,7 @@ GRPO_CASES = [
 
 @pytest.mark.parametrize("settings", GRPO_CASES, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
 @pytest.mark.parametrize("micro_batch_size", [4, 5])  # whole groups; and groups split across micro-batches
-def test_every_grpo_loss_has_the_gradient_of_before(tiny, settings, micro_batch_size, aligned, monkeypatch):
+def test_every_grpo_loss_has_the_gradient_of_before(tiny, settings, micro_batch_size, rounded, monkeypatch):
     model, _, vocab_size, batch = tiny
     args = grpo.Args(micro_batch_size=micro_batch_size, max_new_tokens=12, **{"beta": 0.04} | settings)
     batch = {k: v for k, v in batch.items() if k in (*SEQUENCES, "sample_logp", "old_logp", "ref_logp", "advantages")}
@@ -134,7 +129,7 @@ def test_every_grpo_loss_has_the_gradient_of_before(tiny, settings, micro_batch_
 
 
 @pytest.mark.parametrize("overlong_filter", [False, True])
-def test_the_dapo_loss_has_the_gradient_of_before(tiny, overlong_filter, aligned, monkeypatch):
+def test_the_dapo_loss_has_the_gradient_of_before(tiny, overlong_filter, rounded, monkeypatch):
     model, _, vocab_size, batch = tiny
     batch = {
         k: v
@@ -149,7 +144,7 @@ def test_the_dapo_loss_has_the_gradient_of_before(tiny, overlong_filter, aligned
     assert_same_update(shared, gradients_and_totals(dapo, model, batch, args, vocab_size))
 
 
-def test_ppo_actor_and_critic_have_the_gradients_of_before(tiny, aligned, monkeypatch):
+def test_ppo_actor_and_critic_have_the_gradients_of_before(tiny, rounded, monkeypatch):
     model, critic, vocab_size, batch = tiny
     batch = dict(batch, advantages=batch["advantages_ppo"])
     args = ppo.Args(micro_batch_size=4, max_new_tokens=12, entropy_coef=0.01, pos_lm_coef=0.1)
@@ -167,9 +162,8 @@ def test_ppo_actor_and_critic_have_the_gradients_of_before(tiny, aligned, monkey
     assert_same_update(value, gradients_and_totals(ppo, critic, batch, args, 0, "critic_backward"))
 
 
-def test_one_completion_per_prompt_runs_one_pass_as_before(tiny, aligned, monkeypatch):
+def test_one_completion_per_prompt_runs_one_pass_as_before(tiny, rounded, monkeypatch):
     # G = 1 (PPO's default is 8, but a user may sample one): no row shares a prompt, nothing to save.
-    # Aligned, the one pass takes each row's prompt and completion first, its padding after, no mask.
     model, _, vocab_size, batch = tiny
     rows = torch.arange(0, 12, 4)  # one row of each prompt
     sequences = [batch[k][rows] for k in SEQUENCES]
@@ -177,7 +171,7 @@ def test_one_completion_per_prompt_runs_one_pass_as_before(tiny, aligned, monkey
     with torch.no_grad():
         one_pass, entropy = grpo.sequence_logprobs(model, *sequences, 1.0, vocab_size, 3, with_entropy=True)
     handle.remove()
-    assert (seen["passes"], seen["unmasked"]) == (1, 1 if aligned else 0)
+    assert (seen["passes"], seen["unmasked"]) == (1, 0)
     unshared(grpo, monkeypatch)
     seen_before, handle = passes(model)
     with torch.no_grad():
@@ -190,37 +184,9 @@ def test_one_completion_per_prompt_runs_one_pass_as_before(tiny, aligned, monkey
     assert (entropy - entropy_before).abs().max() <= 8 * FP32_EPS * entropy_before.abs().max()
 
 
-def test_the_aligned_one_pass_keeps_the_positions_of_the_masked_pass(tiny, monkeypatch):
-    # Rows of (prompt, completion) lengths (5, 2) and (3, 6) in 5 + 6 columns. The masked pass's
-    # positions run to 5 + 2 - 1 = 6 in the first row (its padding repeats it) and to 3 + 6 - 2 = 7
-    # in the second (its last token predicts nothing). Aligned, each row's tokens first, the columns
-    # past them repeat their row's last position: the same, where 0, 1, … would reach 5 - 1 + 6 - 1
-    # = 9 (RoPE scaled by the longest position, dynamic or longrope, would see another sequence).
-    model = tiny[0]
-    ids = torch.arange(3, 3 + 22).reshape(2, 11)
-    prompt_mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
-    completion_mask = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]])
-    sequences = ids[:, :5] * prompt_mask, prompt_mask, ids[:, 5:] * completion_mask, completion_mask
-    largest = {}
-    for aligned in (False, True):
-        monkeypatch.setattr(grpo, "aligned_prompts", lambda device, on=aligned: on)
-        seen = []
-        handle = model.register_forward_pre_hook(
-            lambda _, args, kwargs, seen=seen: seen.append(kwargs["position_ids"].amax(-1).tolist()), with_kwargs=True
-        )
-        with torch.no_grad():
-            out = grpo.forward_completions(model, *sequences, share=False)  # (2, 6, V)
-        handle.remove()
-        largest[aligned] = seen, out
-    assert largest[False][0] == largest[True][0] == [[6, 7]]
-    kept = completion_mask.bool()
-    assert (largest[True][1] - largest[False][1])[kept].abs().max() <= 8 * FP32_EPS * largest[False][1].abs().max()
-
-
-def test_gradient_checkpointing_runs_one_pass_and_the_gradient_of_before(tiny, aligned, monkeypatch):
+def test_gradient_checkpointing_runs_one_pass_and_the_gradient_of_before(tiny, rounded, monkeypatch):
     # transformers drops the cache of a checkpointed layer in a backward pass: the shared pass would
-    # lose the prompt, so forward_completions runs one pass over prompt + completion, as before
-    # (aligned: each row's tokens first, no mask; the gradient still the masked pass's).
+    # lose the prompt, so forward_completions runs one pass over prompt + completion, as before.
     _, _, vocab_size, batch = tiny
     model, _, _ = load_model("tiny", torch.device("cpu"))
     enable_activation_checkpointing(model)
@@ -230,12 +196,12 @@ def test_gradient_checkpointing_runs_one_pass_and_the_gradient_of_before(tiny, a
     seen, handle = passes(model)
     checkpointed = gradients_and_totals(grpo, model, batch, args, vocab_size)
     handle.remove()
-    assert (seen["passes"], seen["unmasked"]) == (3, 3 if aligned else 0)  # 12 rows in micro-batches of 4
+    assert (seen["passes"], seen["unmasked"]) == (3, 0)  # 12 rows in micro-batches of 4
     unshared(grpo, monkeypatch)
     assert_same_update(checkpointed, gradients_and_totals(grpo, model, batch, args, vocab_size))
 
 
-def test_lora_has_the_gradient_of_before(tiny, aligned, monkeypatch):
+def test_lora_has_the_gradient_of_before(tiny, rounded, monkeypatch):
     _, _, vocab_size, batch = tiny
     torch.manual_seed(1)
     policy, _, _ = load_policy(grpo.Args(model="tiny", lora_rank=4), torch.device("cpu"), torch.float32)
@@ -250,10 +216,10 @@ def test_lora_has_the_gradient_of_before(tiny, aligned, monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["gemma3", "mistral", "gpt-oss", "qwen3-moe"])
-def test_sliding_windows_reach_back_into_the_prompt_exactly(family, aligned, monkeypatch):
+def test_sliding_windows_reach_back_into_the_prompt_exactly(family, rounded, monkeypatch):
     # Windows of 8 under prompts of 12-30 tokens and completions of 10: a completion token's window
     # covers the end of the prompt, now in the cache; log-probs and the gradient as before. A window
-    # counts columns: aligned or not, these models keep the prompt pass as it is, with its mask.
+    # counts columns: the prompt pass keeps its mask.
     model = family_model(family).train()
     prompt_ids, prompt_mask = (t.repeat_interleave(3, 0) for t in family_prompts())  # 3 prompts × 3
     generator = torch.Generator().manual_seed(0)
@@ -292,9 +258,7 @@ def test_whole_groups_is_a_uniform_shuffle_of_groups_from_the_same_random_number
 
 @pytest.mark.parametrize("script", [grpo, dapo, ppo], ids=["grpo", "dapo", "ppo-checkpointed"])
 def test_a_run_with_the_cuda_passes_trains_as_the_cpu_run(script, tmp_path, monkeypatch):
-    # The passes CUDA runs (aligned_prompts: the prompt pass, and the one pass of gradient
-    # checkpointing, each row's tokens first and no mask; columns rounded to 64, shape_multiple),
-    # forced here on the CPU through two whole steps of each script (rollout, scoring, the update,
+    # The passes CUDA runs (columns rounded to 64, shape_multiple), forced here on the CPU through two whole steps of each script (rollout, scoring, the update,
     # DAPO's rounds, PPO's critic, held-out evaluation): every metric of both steps as the CPU's
     # passes give it, to float reassociation, the tokens sampled the same. lr 1e-30, a step below
     # every weight's rounding: the tiny model's first rewards are all 0, so its update is AdamW's
@@ -306,11 +270,10 @@ def test_a_run_with_the_cuda_passes_trains_as_the_cpu_run(script, tmp_path, monk
     settings = dict(model="tiny", task="digit", lr=1e-30, max_new_tokens=8, batch_size=4, group_size=4, max_steps=2)
     settings |= dict(save_every=0, eval_every=2, eval_problems=8, **more)
     runs = {}
-    for aligned in (False, True):
-        monkeypatch.setattr(script, "aligned_prompts", lambda device, on=aligned: on)
-        monkeypatch.setattr(script, "shape_multiple", lambda device, on=aligned: 64 if on else 1)
-        run_dir = script.train(script.Args(output_dir=str(tmp_path / str(aligned)), **settings))
-        runs[aligned] = read_jsonl(run_dir / "metrics.jsonl")
+    for rounded in (False, True):
+        monkeypatch.setattr(common, "shape_multiple", lambda device, on=rounded: 64 if on else 1)
+        run_dir = script.train(script.Args(output_dir=str(tmp_path / str(rounded)), **settings))
+        runs[rounded] = read_jsonl(run_dir / "metrics.jsonl")
     assert [row["step"] for row in runs[True]] == [row["step"] for row in runs[False]] == [1, 2]
     for before, after in zip(runs[False], runs[True], strict=True):
         for key, value in before.items():
