@@ -49,6 +49,8 @@ from transformers import (
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.utils import logging as hf_logging
 
+from rewards import check_tool_turns, too_few_tool_tokens, tool_turn_text
+
 hf_logging.disable_progress_bar()  # per-shard load/save bars would drown the training bar
 # CUDA memory in segments that grow instead of blocks of fixed sizes: the KV cache, the logits and
 # the activations change size from step to step, and fixed blocks leave them gaps they cannot
@@ -1167,64 +1169,6 @@ def render_chat(tokenizer, messages: list[dict], tools: list[Callable] | None = 
     return text
 
 
-# The assistant's text in tool_turn_text's conversation: it marks where that turn ends.
-TOOL_TURN_MARK = "nanoPO: the assistant's turn"
-
-
-def tool_turn_text(tokenizer, answers: list[tuple[str, str]]) -> str:
-    """The text the chat template writes after an assistant turn that called tools, from the
-    end-of-turn token the model wrote (tokenizer.eos_token, such as <|im_end|>) to where the
-    assistant writes again: the tool messages holding `answers` ((tool name, answer text)
-    pairs, one per call of the turn) and the next assistant header. A rollout appends its
-    tokens to the row and lets the model go on.
-
-    Read off the template itself, for any model: a conversation [user, assistant, the tool
-    messages] is rendered with the generation prompt, and the text after the assistant turn's
-    end-of-turn token is the answer ("\\n<|im_start|>user\\n<tool_response>\\n7\\n</tool_response>
-    <|im_end|>\\n<|im_start|>assistant\\n" for tiny-tools, as Qwen2.5's). Only what follows that
-    turn is read, so a template may write earlier turns otherwise once a tool message follows
-    (Qwen3's drops the empty <think></think> it gives the last assistant turn): the tokens the
-    model wrote stay as they are. Stops where the template cannot write a tool message."""
-    if getattr(tokenizer, "plain_prompt", False) or tokenizer.chat_template is None:
-        raise SystemExit(
-            "Tools need a chat template, to give the model the tools' answers, and these prompts are plain "
-            "text: drop --prompt_format plain, or use a chat model (tiny-tools among the tiny ones)."
-        )
-    messages = [
-        {"role": "user", "content": "x"},
-        {"role": "assistant", "content": TOOL_TURN_MARK},
-        *[{"role": "tool", "name": name, "content": answer} for name, answer in answers],
-    ]
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except TemplateError as error:
-        raise SystemExit(
-            f"This model's chat template has no tool role (it raised on a tool message: {error}), so the "
-            "tools' answers cannot be given to the model. Use a model whose template takes tool messages."
-        ) from error
-    mark = text.find(TOOL_TURN_MARK)
-    end = text.find(tokenizer.eos_token, mark) if mark >= 0 else -1
-    if end < 0:
-        raise SystemExit(
-            f"This model's chat template does not end an assistant turn with its EOS token "
-            f"{tokenizer.eos_token!r}, so where a tool's answer goes after the model's turn is unknown."
-        )
-    return text[end + len(tokenizer.eos_token) :]
-
-
-def check_tool_turns(tokenizer) -> None:
-    """Stops, before a rollout, where the chat template cannot give the model a tool's answer: no
-    tool role (tool_turn_text says so), or one that drops the answer. Checked once, on a plain
-    answer: at a tool call the answers are any text, which a template may escape (Llama 3.1's
-    writes them through tojson), so that they are not found as they were given."""
-    probe = "4242"
-    if probe not in tool_turn_text(tokenizer, [("probe", probe)]):
-        raise SystemExit(
-            "This model's chat template drops the tool's answer (a message of role 'tool'), so the model "
-            "would never see it. Use a model whose template takes tool messages."
-        )
-
-
 def check_task_tools(tokenizer, task, max_tool_tokens: int) -> None:
     """Stops, before a run directory exists, where the model cannot take the task's tools (a task's
     own, --tools'): its chat template does not show them (render_chat), drops their answers
@@ -1237,14 +1181,6 @@ def check_task_tools(tokenizer, task, max_tool_tokens: int) -> None:
     around = len(tokenizer(tool_turn_text(tokenizer, [("", "")]), add_special_tokens=False)["input_ids"])
     if around > max_tool_tokens:
         raise SystemExit(too_few_tool_tokens(max_tool_tokens, around))
-
-
-def too_few_tool_tokens(max_tokens: int, around: int) -> str:
-    """The message for --max_tool_tokens below what the chat template writes around one empty answer."""
-    return (
-        f"--max_tool_tokens {max_tokens} is fewer than the {around} tokens the chat template puts around "
-        "a tool's answer: raise it (the answers' own tokens come on top)."
-    )
 
 
 def load_model(

@@ -75,7 +75,7 @@ from common import (
     turns_of,
     use_device,
 )
-from grpo import encode_prompts, generate, tool_turns
+from grpo import encode_prompts, generate
 from rewards import (
     BENCHMARKS,
     REWARD_NONE,
@@ -83,6 +83,7 @@ from rewards import (
     Score,
     load_benchmark,
     load_file_task,
+    tool_turns,
     with_reward_fn,
     with_tools,
 )
@@ -277,7 +278,7 @@ class Grader:
 def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, grader: Grader, samples_path: Path):
     """Generates num_samples completions for every problem, grades them, appends each to
     samples.jsonl, and returns the benchmark's entry of results.json. With tools (task.tools) a
-    completion may call them as in training (grpo.tool_turns): its text for the grader holds the
+    completion may call them as in training (rewards.tool_turns): its text for the grader holds the
     answers, its length counts the model's own tokens, and the entry counts the calls."""
     device = next(model.parameters()).device
     _, compute_dtype = resolve_precision(args.dtype, device)

@@ -75,7 +75,6 @@ from common import (
     captured_or_none,
     check_distributed,
     check_run_args,
-    check_tool_turns,
     chunks_of,
     compiled_decode,
     compiled_sampler,
@@ -101,15 +100,20 @@ from common import (
     seed_everything,
     shard_model,
     size_micro_batches,
-    too_few_tool_tokens,
-    tool_turn_text,
     trim_padding,
     unsharded,
     varlen_attention,
     varlen_decode,
     world_size,
 )
-from rewards import Score, heldout_task, parse_tool_calls, run_tool_call, tool_call_format, training_task
+from rewards import (
+    Score,
+    ToolQueue,
+    heldout_task,
+    tool_turns,
+    tool_turns_due,
+    training_task,
+)
 
 
 @dataclass
@@ -1286,47 +1290,6 @@ def rollout(
     )
 
 
-def tool_turns(tokenizer, tools: list, num_rows: int, max_turns: int, max_tool_tokens: int, timeout_s: float):
-    """generate's tool_turn for a task's tools (functions; rewards.py's Tools): a turn's text, as the
-    model wrote it, is parsed for calls in the model's own format (parse_tool_calls); each call
-    runs (run_tool_call: an unknown tool, wrong arguments, an exception or a timeout become the
-    answer's error text, never the run's end); the answers go back as the chat template renders
-    tool messages and the next assistant header (common.tool_turn_text), cut to max_tool_tokens.
-    No call, or max_turns answered already: None, the completion ends. Returns (tool_turn, counts):
-    counts (n, 3) the calls, failed calls and answered turns of each row, filled as it runs."""
-    by_name = {tool.__name__: tool for tool in tools}
-    counts = torch.zeros(num_rows, 3, dtype=torch.long)  # calls, failed calls, turns answered
-    check_tool_turns(tokenizer)  # stops now where the template cannot give the model an answer…
-    fitted_answer(tokenizer, [("", "")], max_tool_tokens)  # …or its own tokens around one do not fit
-    whole_turn_json = tool_call_format(tokenizer)  # Llama's whole-turn JSON calls, or Hermes' blocks only
-
-    def tool_turn(row: int, ids: list[int]) -> list[int] | None:
-        calls = parse_tool_calls(tokenizer.decode(ids), whole_turn_json)  # the turn as written, its EOS too
-        if not calls or counts[row, 2] >= max_turns:
-            return None
-        answers = [run_tool_call(call, by_name, timeout_s) for call in calls]  # (text, failed) each
-        counts[row] += torch.tensor([len(calls), sum(failed for _, failed in answers), 1])
-        names = [call.get("name", "") for call in calls]
-        return fitted_answer(tokenizer, [(name, text) for name, (text, _) in zip(names, answers)], max_tool_tokens)
-
-    return tool_turn, counts
-
-
-def fitted_answer(tokenizer, answers: list[tuple[str, str]], max_tokens: int) -> list[int]:
-    """The token ids of one tool turn's (name, text) answers as the chat template renders them
-    (common.tool_turn_text), the longest answer's text cut ("…") until they fit max_tokens."""
-    names, texts = [name for name, _ in answers], [text for _, text in answers]
-    while True:
-        ids = tokenizer(tool_turn_text(tokenizer, list(zip(names, texts))), add_special_tokens=False)["input_ids"]
-        if len(ids) <= max_tokens:
-            return ids
-        longest = max(range(len(texts)), key=lambda k: len(texts[k]))
-        if not texts[longest]:
-            raise SystemExit(too_few_tool_tokens(max_tokens, len(ids)))
-        keep = len(texts[longest]) * max_tokens // len(ids) - 2  # about the share that fits, less the "…"
-        texts[longest] = texts[longest][:keep] + "…" if keep > 0 else ""
-
-
 def tool_limits(args) -> dict:
     """rollout's limits on tool turns, from the flags (they matter only for a task with tools)."""
     return {"max_turns": args.max_turns, "max_tool_tokens": args.max_tool_tokens, "tool_timeout": args.tool_timeout}
@@ -1597,55 +1560,6 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the tokens ranked higher
     sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)  # the top token always stays
     return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-
-
-@dataclass
-class ToolQueue:
-    """Per row of generate's decode loop, what its tool turns need: the environment's tokens still
-    to force (`queued` of ids, from index `next`), the model's own tokens so far (`spent`, bounded
-    by max_new_tokens) and the column its current turn began at (`start`). (n, ·) each."""
-
-    ids: torch.Tensor  # (n, max_tool_tokens) the current answer's tokens
-    queued: torch.Tensor  # (n,) how many of them are still to come
-    next: torch.Tensor  # (n,) the index of the next one
-    spent: torch.Tensor  # (n,) the model's own tokens so far
-    start: torch.Tensor  # (n,) the column the current turn began at
-
-    @classmethod
-    def empty(cls, num_rows: int, max_tool_tokens: int, pad_id: int, device: torch.device) -> "ToolQueue":
-        zeros = torch.zeros(num_rows, dtype=torch.long, device=device)
-        ids = torch.full((num_rows, max(max_tool_tokens, 1)), pad_id, device=device)
-        return cls(ids, zeros, zeros.clone(), zeros.clone(), zeros.clone())
-
-    def keep(self, rows: torch.Tensor) -> "ToolQueue":
-        """The queue of the rows that stay (generate's compaction)."""
-        return ToolQueue(self.ids[rows], self.queued[rows], self.next[rows], self.spent[rows], self.start[rows])
-
-
-def tool_turns_due(env: ToolQueue, ended, completion_ids, rows, t: int, tool_turn, max_new_tokens: int):
-    """The rows whose turn ended at column t, handed to tool_turn with their turn's token ids: one
-    that called a tool gets its answer queued as forced tokens from column t + 1 and goes on; the
-    others end. A row with none of max_new_tokens left ends without its tools run. One host sync
-    (whether any turn ended), then one copy of the ended rows' ids. Returns `ended` less the rows
-    that go on. ended (n,) bool; rows (n,) their rows in completion_ids (N, ·)."""
-    due = ended & (env.spent < max_new_tokens)  # (n,)
-    if not due.any():
-        return ended
-    indices = due.nonzero().squeeze(-1)  # (d,)
-    texts = completion_ids[rows[indices], : t + 1].tolist()  # (d, t + 1): each turn's ids, and before it
-    going_on = []
-    for i, row, start, ids in zip(indices.tolist(), rows[indices].tolist(), env.start[indices].tolist(), texts):
-        answer = tool_turn(row, ids[start:])
-        if not answer:  # no call (or no turns left): the completion ends with this turn
-            continue
-        if len(answer) > env.ids.shape[1]:
-            raise ValueError(f"tool_turn gave {len(answer)} tokens; max_tool_tokens is {env.ids.shape[1]}")
-        env.ids[i, : len(answer)] = torch.tensor(answer, device=ended.device)
-        env.queued[i], env.next[i], env.start[i] = len(answer), 0, t + 1 + len(answer)
-        going_on.append(i)
-    ended = ended.clone()
-    ended[going_on] = False
-    return ended
 
 
 class KVCache:

@@ -32,7 +32,9 @@ models commonly put it instead.
 Tools: functions a model may call during its rollout (Task.tools: a task's own, --tools'
 built-in ones such as the calculator, --tool your own), the parser of the calls it writes
 (parse_tool_calls) and the runner whose failures become the answer, never the run's end
-(run_tool_call). The "Tools" section says how a rollout uses them.
+(run_tool_call). The "Tool turns" section at the end is the environment of a multi-turn rollout:
+a turn's calls run and their answers rendered by the chat template (tool_turns, tool_turn_text),
+and the queue of answer tokens generate() forces into a row (ToolQueue, tool_turns_due).
 
 Model output is untrusted input: the Countdown verifier parses it with `ast` and computes
 with exact fractions; nothing is ever passed to `eval`.
@@ -50,6 +52,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
+
+import torch
+from jinja2 import TemplateError
 
 # Reward levels, in one place (TinyZero's scheme; the DAPO paper uses ±1 instead).
 REWARD_CORRECT = 1.0  # the answer is right
@@ -1264,7 +1269,7 @@ def with_reward_fn(task: Task, path: str, timeout_s: float) -> Task:
 # ----------------------------------------------------------------------------------------
 # Tools: functions the model may call in the middle of its rollout. The model writes a call in
 # its chat template's format; the sampler reads it (parse_tool_calls), runs it (run_tool_call),
-# appends the answer as the template writes a tool message (common.tool_turn_text), and the
+# appends the answer as the template writes a tool message (tool_turn_text), and the
 # model's turn goes on. A tool is a plain Python function with type hints and a Google-style
 # docstring (a description, then "Args:"): transformers' get_json_schema turns those into the
 # JSON schema the chat template shows the model (apply_chat_template(tools=[function])), and the
@@ -1581,3 +1586,165 @@ def load_heldout_task(
         task = load_benchmark(name, data_dir, num_problems, shots, countdown_numbers)
     task.problems = task.problems[:num_problems]
     return task
+
+
+# ----------------------------------------------------------------------------------------
+# Tool turns: the environment side of a multi-turn rollout. A turn's calls parsed and run, their
+# answers rendered by the chat template and cut to --max_tool_tokens, and the per-row queue of
+# answer tokens that generate() forces into a row.
+
+
+# The assistant's text in tool_turn_text's conversation: it marks where that turn ends.
+TOOL_TURN_MARK = "nanoPO: the assistant's turn"
+
+
+def tool_turn_text(tokenizer, answers: list[tuple[str, str]]) -> str:
+    """The text the chat template writes after an assistant turn that called tools, from the
+    end-of-turn token the model wrote (tokenizer.eos_token, such as <|im_end|>) to where the
+    assistant writes again: the tool messages holding `answers` ((tool name, answer text)
+    pairs, one per call of the turn) and the next assistant header. A rollout appends its
+    tokens to the row and lets the model go on.
+
+    Read off the template itself, for any model: a conversation [user, assistant, the tool
+    messages] is rendered with the generation prompt, and the text after the assistant turn's
+    end-of-turn token is the answer ("\\n<|im_start|>user\\n<tool_response>\\n7\\n</tool_response>
+    <|im_end|>\\n<|im_start|>assistant\\n" for tiny-tools, as Qwen2.5's). Only what follows that
+    turn is read, so a template may write earlier turns otherwise once a tool message follows
+    (Qwen3's drops the empty <think></think> it gives the last assistant turn): the tokens the
+    model wrote stay as they are. Stops where the template cannot write a tool message."""
+    if getattr(tokenizer, "plain_prompt", False) or tokenizer.chat_template is None:
+        raise SystemExit(
+            "Tools need a chat template, to give the model the tools' answers, and these prompts are plain "
+            "text: drop --prompt_format plain, or use a chat model (tiny-tools among the tiny ones)."
+        )
+    messages = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": TOOL_TURN_MARK},
+        *[{"role": "tool", "name": name, "content": answer} for name, answer in answers],
+    ]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except TemplateError as error:
+        raise SystemExit(
+            f"This model's chat template has no tool role (it raised on a tool message: {error}), so the "
+            "tools' answers cannot be given to the model. Use a model whose template takes tool messages."
+        ) from error
+    mark = text.find(TOOL_TURN_MARK)
+    end = text.find(tokenizer.eos_token, mark) if mark >= 0 else -1
+    if end < 0:
+        raise SystemExit(
+            f"This model's chat template does not end an assistant turn with its EOS token "
+            f"{tokenizer.eos_token!r}, so where a tool's answer goes after the model's turn is unknown."
+        )
+    return text[end + len(tokenizer.eos_token) :]
+
+
+def check_tool_turns(tokenizer) -> None:
+    """Stops, before a rollout, where the chat template cannot give the model a tool's answer: no
+    tool role (tool_turn_text says so), or one that drops the answer. Checked once, on a plain
+    answer: at a tool call the answers are any text, which a template may escape (Llama 3.1's
+    writes them through tojson), so that they are not found as they were given."""
+    probe = "4242"
+    if probe not in tool_turn_text(tokenizer, [("probe", probe)]):
+        raise SystemExit(
+            "This model's chat template drops the tool's answer (a message of role 'tool'), so the model "
+            "would never see it. Use a model whose template takes tool messages."
+        )
+
+
+def too_few_tool_tokens(max_tokens: int, around: int) -> str:
+    """The message for --max_tool_tokens below what the chat template writes around one empty answer."""
+    return (
+        f"--max_tool_tokens {max_tokens} is fewer than the {around} tokens the chat template puts around "
+        "a tool's answer: raise it (the answers' own tokens come on top)."
+    )
+
+
+def tool_turns(tokenizer, tools: list, num_rows: int, max_turns: int, max_tool_tokens: int, timeout_s: float):
+    """generate's tool_turn for a task's tools (functions; rewards.py's Tools): a turn's text, as the
+    model wrote it, is parsed for calls in the model's own format (parse_tool_calls); each call
+    runs (run_tool_call: an unknown tool, wrong arguments, an exception or a timeout become the
+    answer's error text, never the run's end); the answers go back as the chat template renders
+    tool messages and the next assistant header (tool_turn_text), cut to max_tool_tokens.
+    No call, or max_turns answered already: None, the completion ends. Returns (tool_turn, counts):
+    counts (n, 3) the calls, failed calls and answered turns of each row, filled as it runs."""
+    by_name = {tool.__name__: tool for tool in tools}
+    counts = torch.zeros(num_rows, 3, dtype=torch.long)  # calls, failed calls, turns answered
+    check_tool_turns(tokenizer)  # stops now where the template cannot give the model an answer…
+    fitted_answer(tokenizer, [("", "")], max_tool_tokens)  # …or its own tokens around one do not fit
+    whole_turn_json = tool_call_format(tokenizer)  # Llama's whole-turn JSON calls, or Hermes' blocks only
+
+    def tool_turn(row: int, ids: list[int]) -> list[int] | None:
+        calls = parse_tool_calls(tokenizer.decode(ids), whole_turn_json)  # the turn as written, its EOS too
+        if not calls or counts[row, 2] >= max_turns:
+            return None
+        answers = [run_tool_call(call, by_name, timeout_s) for call in calls]  # (text, failed) each
+        counts[row] += torch.tensor([len(calls), sum(failed for _, failed in answers), 1])
+        names = [call.get("name", "") for call in calls]
+        return fitted_answer(tokenizer, [(name, text) for name, (text, _) in zip(names, answers)], max_tool_tokens)
+
+    return tool_turn, counts
+
+
+def fitted_answer(tokenizer, answers: list[tuple[str, str]], max_tokens: int) -> list[int]:
+    """The token ids of one tool turn's (name, text) answers as the chat template renders them
+    (tool_turn_text), the longest answer's text cut ("…") until they fit max_tokens."""
+    names, texts = [name for name, _ in answers], [text for _, text in answers]
+    while True:
+        ids = tokenizer(tool_turn_text(tokenizer, list(zip(names, texts))), add_special_tokens=False)["input_ids"]
+        if len(ids) <= max_tokens:
+            return ids
+        longest = max(range(len(texts)), key=lambda k: len(texts[k]))
+        if not texts[longest]:
+            raise SystemExit(too_few_tool_tokens(max_tokens, len(ids)))
+        keep = len(texts[longest]) * max_tokens // len(ids) - 2  # about the share that fits, less the "…"
+        texts[longest] = texts[longest][:keep] + "…" if keep > 0 else ""
+
+
+@dataclass
+class ToolQueue:
+    """Per row of generate's decode loop, what its tool turns need: the environment's tokens still
+    to force (`queued` of ids, from index `next`), the model's own tokens so far (`spent`, bounded
+    by max_new_tokens) and the column its current turn began at (`start`). (n, ·) each."""
+
+    ids: torch.Tensor  # (n, max_tool_tokens) the current answer's tokens
+    queued: torch.Tensor  # (n,) how many of them are still to come
+    next: torch.Tensor  # (n,) the index of the next one
+    spent: torch.Tensor  # (n,) the model's own tokens so far
+    start: torch.Tensor  # (n,) the column the current turn began at
+
+    @classmethod
+    def empty(cls, num_rows: int, max_tool_tokens: int, pad_id: int, device: torch.device) -> "ToolQueue":
+        zeros = torch.zeros(num_rows, dtype=torch.long, device=device)
+        ids = torch.full((num_rows, max(max_tool_tokens, 1)), pad_id, device=device)
+        return cls(ids, zeros, zeros.clone(), zeros.clone(), zeros.clone())
+
+    def keep(self, rows: torch.Tensor) -> "ToolQueue":
+        """The queue of the rows that stay (generate's compaction)."""
+        return ToolQueue(self.ids[rows], self.queued[rows], self.next[rows], self.spent[rows], self.start[rows])
+
+
+def tool_turns_due(env: ToolQueue, ended, completion_ids, rows, t: int, tool_turn, max_new_tokens: int):
+    """The rows whose turn ended at column t, handed to tool_turn with their turn's token ids: one
+    that called a tool gets its answer queued as forced tokens from column t + 1 and goes on; the
+    others end. A row with none of max_new_tokens left ends without its tools run. One host sync
+    (whether any turn ended), then one copy of the ended rows' ids. Returns `ended` less the rows
+    that go on. ended (n,) bool; rows (n,) their rows in completion_ids (N, ·)."""
+    due = ended & (env.spent < max_new_tokens)  # (n,)
+    if not due.any():
+        return ended
+    indices = due.nonzero().squeeze(-1)  # (d,)
+    texts = completion_ids[rows[indices], : t + 1].tolist()  # (d, t + 1): each turn's ids, and before it
+    going_on = []
+    for i, row, start, ids in zip(indices.tolist(), rows[indices].tolist(), env.start[indices].tolist(), texts):
+        answer = tool_turn(row, ids[start:])
+        if not answer:  # no call (or no turns left): the completion ends with this turn
+            continue
+        if len(answer) > env.ids.shape[1]:
+            raise ValueError(f"tool_turn gave {len(answer)} tokens; max_tool_tokens is {env.ids.shape[1]}")
+        env.ids[i, : len(answer)] = torch.tensor(answer, device=ended.device)
+        env.queued[i], env.next[i], env.start[i] = len(answer), 0, t + 1 + len(answer)
+        going_on.append(i)
+    ended = ended.clone()
+    ended[going_on] = False
+    return ended

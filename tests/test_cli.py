@@ -48,6 +48,23 @@ def test_a_mistyped_flag_names_the_closest_one(script, capsys):
     assert "unrecognized arguments: --maxsteps (did you mean --max_steps?)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
+def test_a_removed_flag_says_what_replaced_it(script, tmp_path):
+    # --lm_head_precision (removed: one head, TF32 on a GPU) on the command line, in either spelling,
+    # and with any value, stops with the one line; in a --config file, an older run's args.json, the
+    # value that did what every run now does (tf32) is accepted, another stops with the same line.
+    line = "--lm_head_precision was removed: the LM head runs on TF32 tensor cores on a GPU, fp32 on the CPU"
+    for argv in (["--lm_head_precision", "tf32"], ["--lm_head_precision=fp32"]):
+        with pytest.raises(SystemExit, match=line):
+            parse_args(script.Args, argv)
+    config = tmp_path / "args.json"
+    config.write_text(json.dumps({"lm_head_precision": "tf32", "max_steps": 7}))
+    assert parse_args(script.Args, ["--config", str(config)]).max_steps == 7
+    config.write_text(json.dumps({"lm_head_precision": "fp32", "max_steps": 7}))
+    with pytest.raises(SystemExit, match=line):
+        parse_args(script.Args, ["--config", str(config)])
+
+
 def no_model_load(*args, **kwargs):
     raise AssertionError("a model was loaded before the arguments were checked")
 

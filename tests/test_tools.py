@@ -18,10 +18,8 @@ from common import (
     TINY_SECRET_CALL,
     TINY_VOCAB,
     build_tiny_model,
-    check_tool_turns,
     load_model,
     render_chat,
-    tool_turn_text,
 )
 from rewards import (
     BUILTIN_TOOLS,
@@ -30,6 +28,7 @@ from rewards import (
     REWARD_FORMAT,
     REWARD_NONE,
     calculator,
+    check_tool_turns,
     import_reward_fn,
     load_heldout_task,
     load_task,
@@ -39,6 +38,7 @@ from rewards import (
     secret_digit,
     secret_score,
     tool_call_format,
+    tool_turn_text,
     training_task,
     with_reward_fn,
     with_tools,
