@@ -49,7 +49,7 @@ from transformers import (
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.utils import logging as hf_logging
 
-from rewards import check_tool_turns, too_few_tool_tokens, tool_turn_text
+from rewards import arg, check_tool_turns, too_few_tool_tokens, tool_turn_text
 
 hf_logging.disable_progress_bar()  # per-shard load/save bars would drown the training bar
 # CUDA memory in segments that grow instead of blocks of fixed sizes: the KV cache, the logits and
@@ -86,14 +86,47 @@ FULL_LR, LORA_LR = 1e-6, 1e-5
 # Command line
 
 
-def arg(default, help: str):
-    """One field of a script's Args with its --help text, on one line:
-        lr: float = arg(1e-6, "learning rate (seed study: 1e-6 to 3e-6)")
-    HfArgumentParser reads the text from the field's metadata and adds the default after it."""
-    metadata = {"help": help.replace("%", "%%")}  # argparse formats help strings with %
-    if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
-    return dataclasses.field(default=default, metadata=metadata)
+PROMPT_FORMATS = ("auto", "chat", "plain")
+PROMPT_FORMAT_HELP = (
+    "how prompts are written: chat (the tokenizer's chat template), plain (text a base model continues: "
+    "the system text, then 'Question: ...' and 'Answer:' lines), auto (chat if the tokenizer has a template)"
+)
+
+
+@dataclass
+class RunArgs:
+    """The flags every training script has, beyond its algorithm's: the model, how the passes are
+    sized and compiled, LoRA, the run on disk, held-out evaluation. A script's Args extends it (and
+    rewards.TaskArgs); --help lists them after the algorithm's own."""
+
+    # the model
+    model: str = arg("Qwen2.5-1.5B-Instruct", "local dir, Hub id, short name (common.MODEL_ALIASES) or 'tiny'")
+    prompt_format: str = arg("auto", PROMPT_FORMAT_HELP)
+    # LoRA (peft): train low-rank adapters on the frozen model instead of every weight
+    lora_rank: int = arg(0, "r, rank of the LoRA adapters (Hu et al. 2021); 0 = train every weight")
+    lora_alpha: float = arg(32.0, "α: the adapters' update is scaled by α/r (LoRA Without Regret keeps α = 32)")
+    lora_targets: str = arg("all-linear", "layers with adapters: all-linear (attention, MLP) or names: q_proj,v_proj")
+    # how the passes run: micro-batches, scoring chunks, memory, compilation
+    micro_batch_size: int = arg(0, "rows per forward/backward (gradient accumulation); 0 = by tokens")
+    micro_batch_tokens: int = arg(0, "tokens per forward/backward; 0 = the GPU preflight's (CPU: 4 rows)")
+    logprob_chunk_size: int = arg(0, "rows per no-grad scoring pass; 0 = by tokens")
+    logprob_chunk_tokens: int = arg(0, "tokens per no-grad scoring pass; 0 = the GPU preflight's (CPU: 8 rows)")
+    gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, ~30% slower")
+    compile: bool = arg(False, "torch.compile: MLP and RMSNorm blocks, the decode step, the sampler; step 1 compiles")
+    # the run
+    seed: int = arg(0, "seeds prompts order, sampling and initialisation")
+    device: str = arg("auto", "auto, cpu, cuda, cuda:1, ...")
+    dtype: str = arg("auto", "auto (bf16 compute, fp32 weights on GPU; fp32 on CPU), bfloat16, float32")
+    output_dir: str = arg("runs", "runs/<algo>-<task>-<model>-<time>/")
+    save_every: int = arg(100, "checkpoint every this many steps (and always at the end); 0 = end only")
+    sample_every: int = arg(10, "write a few completions to samples.jsonl every this many steps")
+    num_samples: int = arg(4, "completions written each time")
+    resume_from: str = arg("", "a checkpoint directory of an earlier run to continue from")
+    report_to: str = arg("none", "none, tensorboard, wandb or both (tensorboard,wandb): every metrics row to it too")
+    # held-out evaluation
+    eval_every: int = arg(0, "greedy accuracy on held-out problems every this many steps and at the end; 0 = never")
+    eval_problems: int = arg(128, "held-out problems per evaluation (Countdown: its held-out share; GSM8K: test split)")
+    eval_batch_size: int = arg(32, "held-out problems per generation batch")
 
 
 def parse_args(args_class, argv: list[str] | None = None):
@@ -150,6 +183,7 @@ def removed_setting(name: str, value=None) -> str | None:
 def parsed_args(args_class, argv: list[str] | None):
     """parse_args' work, in any process."""
     parser = HfArgumentParser(args_class, epilog=CONFIG_HELP, allow_abbrev=False)  # --max_step is a typo
+    help_groups(parser, args_class)
     argv, config = pop_config(list(sys.argv[1:] if argv is None else argv))
     for token in argv:
         if token.startswith("--") and removed_setting(token[2:].split("=", 1)[0]):
@@ -173,6 +207,25 @@ def parsed_args(args_class, argv: list[str] | None):
             hints.append(f"{token} (did you mean {close[0]}?)" if close else token)
         parser.error(f"unrecognized arguments: {' '.join(hints)}. See --help for every option.")
     return args
+
+
+def help_groups(parser, args_class) -> None:
+    """--help lists a script's own flags first (its algorithm's hyperparameters), then those of each
+    class its Args extends (RunArgs, TaskArgs), a titled group each. A class that extends none keeps
+    argparse's one list."""
+    bases = [cls for cls in args_class.__mro__[1:] if dataclasses.is_dataclass(cls)]
+    if not bases:
+        return
+    owner = {}
+    for cls in reversed(args_class.__mro__):
+        owner |= dict.fromkeys(vars(cls).get("__annotations__", {}), cls)
+    titles = {args_class: "the algorithm's hyperparameters"}
+    titles |= {cls: re.split(r"[:(.]", cls.__doc__)[0].strip() for cls in bases}  # "The flags of …"
+    groups = {cls: parser.add_argument_group(title) for cls, title in titles.items()}
+    for action in list(parser._optionals._group_actions):  # argparse's own list of them, as HfArgumentParser left it
+        if action.dest in owner:
+            parser._optionals._group_actions.remove(action)
+            groups[owner[action.dest]]._group_actions.append(action)
 
 
 CONFIG_HELP = (
@@ -1082,13 +1135,6 @@ def set_pad_token(tokenizer, eos_ids: list[int]) -> None:
             return
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-
-
-PROMPT_FORMATS = ("auto", "chat", "plain")
-PROMPT_FORMAT_HELP = (
-    "how prompts are written: chat (the tokenizer's chat template), plain (text a base model continues: "
-    "the system text, then 'Question: ...' and 'Answer:' lines), auto (chat if the tokenizer has a template)"
-)
 
 
 def check_prompt_format(prompt_format: str) -> list[str]:

@@ -79,9 +79,9 @@ import torch
 import torch.nn.functional as F
 
 from common import (
-    PROMPT_FORMAT_HELP,
     Layout,
     Run,
+    RunArgs,
     all_reduce,
     all_reduce_metrics,
     all_reduce_totals,
@@ -126,6 +126,7 @@ from common import (
 )
 from rewards import (
     Score,
+    TaskArgs,
     ToolQueue,
     heldout_task,
     tool_turns,
@@ -135,60 +136,9 @@ from rewards import (
 
 
 @dataclass
-class Args:
-    # model and task
-    model: str = arg("Qwen2.5-1.5B-Instruct", "local dir, Hub id, short name (common.MODEL_ALIASES) or 'tiny'")
-    task: str = arg("countdown", "a task of rewards.py: countdown, digit, secret, gsm8k, or file (--data_file)")
-    dataset: str = arg("", "Hub dataset for the task (Jiayi-Pan/Countdown-Tasks-3to4); '' = offline generator")
-    data_dir: str = arg("", "gsm8k offline: a directory holding gsm8k/train.jsonl and gsm8k/test.jsonl; '' = the Hub")
-    num_problems: int = arg(20000, "problems drawn from the offline Countdown generator")
-    countdown_numbers: str = arg("3-4", "numbers per Countdown problem, N or MIN-MAX (training and held-out)")
-    shots: int = arg(0, "worked examples in each prompt, as earlier turns (countdown, gsm8k); 0 = none")
-    prompt_format: str = arg("auto", PROMPT_FORMAT_HELP)
-    # your own task (--task file; docs/tasks.md), your own reward, tools to call (docs/tools.md)
-    data_file: str = arg("", "--task file: a .jsonl/.json/.csv/.parquet file or a Hub dataset id (owner/name[:config])")
-    data_split: str = arg("train", "--task file: the split of a Hub dataset (or the key of a JSON file) to train on")
-    prompt_key: str = arg("prompt", "--task file: the column of the prompt (a text, or a list of chat messages)")
-    answer_key: str = arg("answer", "--task file: the column of the reference answer")
-    grader: str = arg("math", "--task file: math (math-verify), number, choice (A-J), exact, countdown (nums, target)")
-    system_prompt: str = arg("", "--task file: a system message before each prompt; '' = none")
-    instruction: str = arg("auto", "--task file: appended to each prompt; auto = the grader's own, '' = none")
-    eval_data_file: str = arg("", "--task file: held-out problems (a file or Hub id); '' = 1 row in 10 of --data_file")
-    eval_data_split: str = arg("test", "--task file: the split of --eval_data_file when it is a Hub dataset")
-    reward_fn: str = arg("", "your reward: module:function or file.py:function, called (completion, row, truncated)")
-    reward_fn_timeout: float = arg(10.0, "seconds a --reward_fn call may take; past it, or raising: reward 0, counted")
-    tools: str = arg("", "built-in tools, comma separated: calculator; '' = none (the task's own still apply)")
-    tool: str = arg("", "your tools: module:function or file.py:function (type hints, docstring), comma separated")
-    max_turns: int = arg(4, "tool turns a completion may take; a call past them ends it")
-    max_tool_tokens: int = arg(256, "tokens one tool turn adds (answers cut to fit); not in --max_new_tokens")
-    tool_timeout: float = arg(10.0, "seconds a tool call may take; past it, or raising: the error is its answer")
-    # sampling
-    batch_size: int = arg(32, "B, prompts per step")
-    group_size: int = arg(8, "G, completions per prompt (seed study: 8 beats 2 and 4)")
-    max_new_tokens: int = arg(1024, "completion cap; every completion longer is truncated")
-    temperature: float = arg(1.0, "sampling temperature; log-probs use the same one")
-    top_p: float = arg(1.0, "nucleus sampling; 1.0 samples the whole distribution")
-    dynamic_sampling: bool = arg(True, "DAPO Eq. 11: train only on groups with unequal rewards (seed study: no gain)")
-    gen_batch_size: int = arg(0, "prompts per generation round of dynamic sampling; 0 = B (DAPO's verl recipe: 3·B)")
-    max_gen_rounds: int = arg(10, "generation rounds per step at most, then train on the groups kept (verl: 10)")
-    # optimisation
-    lr: float | None = arg(None, "learning rate; unset: 1e-6 (seed study: 1e-6 to 3e-6), 1e-5 with LoRA")
-    warmup_steps: int = arg(0, "linear learning-rate warm-up, in steps")
-    weight_decay: float = arg(0.0, "AdamW weight decay")
-    adam_beta2: float = arg(0.999, "AdamW β2")
-    max_grad_norm: float = arg(1.0, "gradient clipping by global norm")
-    num_iterations: int = arg(1, "μ, GRPO iterations over each batch (DeepSeekMath Alg. 1)")
-    num_mini_batches: int = arg(1, "optimizer steps per iteration; B·G must split evenly (fewer kept: near-evenly)")
-    micro_batch_size: int = arg(0, "rows per forward/backward (gradient accumulation); 0 = by tokens")
-    micro_batch_tokens: int = arg(0, "tokens per forward/backward; 0 = the GPU preflight's (CPU: 4 rows)")
-    logprob_chunk_size: int = arg(0, "rows per no-grad scoring pass; 0 = by tokens")
-    logprob_chunk_tokens: int = arg(0, "tokens per no-grad scoring pass; 0 = the GPU preflight's (CPU: 8 rows)")
-    gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, ~30% slower")
-    compile: bool = arg(False, "torch.compile: MLP and RMSNorm blocks, the decode step, the sampler; step 1 compiles")
-    # LoRA (peft): train low-rank adapters on the frozen model instead of every weight
-    lora_rank: int = arg(0, "r, rank of the LoRA adapters (Hu et al. 2021); 0 = train every weight")
-    lora_alpha: float = arg(32.0, "α: the adapters' update is scaled by α/r (LoRA Without Regret keeps α = 32)")
-    lora_targets: str = arg("all-linear", "layers with adapters: all-linear (attention, MLP) or names: q_proj,v_proj")
+class Args(RunArgs, TaskArgs):
+    # The algorithm's hyperparameters. The flags every script shares, the model's, the run's (common.RunArgs)
+    # and the task's and tools' (rewards.TaskArgs), follow them in --help.
     # the DAPO objective
     loss_type: str = arg("dapo", "dapo (the clipped surrogate, Eq. 8), cispo, sapo, dppo, clip_cov, kl_cov")
     eps_low: float = arg(0.2, "ε_low, lower clip range of the token ratio, DAPO Eq. 10")
@@ -241,21 +191,25 @@ class Args:
     tis_cap: float = arg(0.0, "C, truncated IS: each token's policy-gradient term × min(π_θold/π_sampler, C); 0 = off")
     is_mask: str = arg("", "α,β of masked IS (IcePop): a token with π_θold/π_sampler outside [α, β] leaves the loss")
     is_mask_level: str = arg("token", "token (IcePop's M per token) or sequence (the geometric mean of a completion's)")
+    # sampling
+    batch_size: int = arg(32, "B, prompts per step")
+    group_size: int = arg(8, "G, completions per prompt (seed study: 8 beats 2 and 4)")
+    max_new_tokens: int = arg(1024, "completion cap; every completion longer is truncated")
+    temperature: float = arg(1.0, "sampling temperature; log-probs use the same one")
+    top_p: float = arg(1.0, "nucleus sampling; 1.0 samples the whole distribution")
+    dynamic_sampling: bool = arg(True, "DAPO Eq. 11: train only on groups with unequal rewards (seed study: no gain)")
+    gen_batch_size: int = arg(0, "prompts per generation round of dynamic sampling; 0 = B (DAPO's verl recipe: 3·B)")
+    max_gen_rounds: int = arg(10, "generation rounds per step at most, then train on the groups kept (verl: 10)")
+    # optimisation
+    lr: float | None = arg(None, "learning rate; unset: 1e-6 (seed study: 1e-6 to 3e-6), 1e-5 with LoRA")
+    warmup_steps: int = arg(0, "linear learning-rate warm-up, in steps")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    adam_beta2: float = arg(0.999, "AdamW β2")
+    max_grad_norm: float = arg(1.0, "gradient clipping by global norm")
+    num_iterations: int = arg(1, "μ, GRPO iterations over each batch (DeepSeekMath Alg. 1)")
+    num_mini_batches: int = arg(1, "optimizer steps per iteration; B·G must split evenly (fewer kept: near-evenly)")
     # run
     max_steps: int = arg(500, "training steps (one batch of at most B·G completions each)")
-    seed: int = arg(0, "seeds prompts order, sampling and initialisation")
-    device: str = arg("auto", "auto, cpu, cuda, cuda:1, ...")
-    dtype: str = arg("auto", "auto (bf16 compute, fp32 weights on GPU; fp32 on CPU), bfloat16, float32")
-    output_dir: str = arg("runs", "runs/<algo>-<task>-<model>-<time>/")
-    save_every: int = arg(100, "checkpoint every this many steps (and always at the end); 0 = end only")
-    sample_every: int = arg(10, "write a few completions to samples.jsonl every this many steps")
-    num_samples: int = arg(4, "completions written each time")
-    resume_from: str = arg("", "a checkpoint directory of an earlier run to continue from")
-    report_to: str = arg("none", "none, tensorboard, wandb or both (tensorboard,wandb): every metrics row to it too")
-    # held-out evaluation
-    eval_every: int = arg(0, "greedy accuracy on held-out problems every this many steps and at the end; 0 = never")
-    eval_problems: int = arg(128, "held-out problems per evaluation (Countdown: its held-out share; GSM8K: test split)")
-    eval_batch_size: int = arg(32, "held-out problems per generation batch")
 
 
 # Settings a resumed run must share with the run it continues (the reference model, the

@@ -56,6 +56,51 @@ from pathlib import Path
 import torch
 from jinja2 import TemplateError
 
+# ----------------------------------------------------------------------------------------
+# Flags: a task's, its reward's and its tools' (a training script's Args extends TaskArgs)
+
+
+def arg(default, help: str):
+    """One field of a script's Args with its --help text, on one line:
+        lr: float = arg(1e-6, "learning rate (seed study: 1e-6 to 3e-6)")
+    HfArgumentParser reads the text from the field's metadata and adds the default after it."""
+    metadata = {"help": help.replace("%", "%%")}  # argparse formats help strings with %
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class TaskArgs:
+    """The flags of the task a script trains on, its reward and its tools (docs/tasks.md, docs/tools.md).
+    A training script's Args extends it."""
+
+    task: str = arg("countdown", "a task of rewards.py: countdown, digit, secret, gsm8k, or file (--data_file)")
+    dataset: str = arg("", "Hub dataset for the task (Jiayi-Pan/Countdown-Tasks-3to4); '' = offline generator")
+    data_dir: str = arg("", "gsm8k offline: a directory holding gsm8k/train.jsonl and gsm8k/test.jsonl; '' = the Hub")
+    num_problems: int = arg(20000, "problems drawn from the offline Countdown generator")
+    countdown_numbers: str = arg("3-4", "numbers per Countdown problem, N or MIN-MAX (training and held-out)")
+    shots: int = arg(0, "worked examples in each prompt, as earlier turns (countdown, gsm8k); 0 = none")
+    # your own task (--task file), your own reward
+    data_file: str = arg("", "--task file: a .jsonl/.json/.csv/.parquet file or a Hub dataset id (owner/name[:config])")
+    data_split: str = arg("train", "--task file: the split of a Hub dataset (or the key of a JSON file) to train on")
+    prompt_key: str = arg("prompt", "--task file: the column of the prompt (a text, or a list of chat messages)")
+    answer_key: str = arg("answer", "--task file: the column of the reference answer")
+    grader: str = arg("math", "--task file: math (math-verify), number, choice (A-J), exact, countdown (nums, target)")
+    system_prompt: str = arg("", "--task file: a system message before each prompt; '' = none")
+    instruction: str = arg("auto", "--task file: appended to each prompt; auto = the grader's own, '' = none")
+    eval_data_file: str = arg("", "--task file: held-out problems (a file or Hub id); '' = 1 row in 10 of --data_file")
+    eval_data_split: str = arg("test", "--task file: the split of --eval_data_file when it is a Hub dataset")
+    reward_fn: str = arg("", "your reward: module:function or file.py:function, called (completion, row, truncated)")
+    reward_fn_timeout: float = arg(10.0, "seconds a --reward_fn call may take; past it, or raising: reward 0, counted")
+    # tools to call
+    tools: str = arg("", "built-in tools, comma separated: calculator; '' = none (the task's own still apply)")
+    tool: str = arg("", "your tools: module:function or file.py:function (type hints, docstring), comma separated")
+    max_turns: int = arg(4, "tool turns a completion may take; a call past them ends it")
+    max_tool_tokens: int = arg(256, "tokens one tool turn adds (answers cut to fit); not in --max_new_tokens")
+    tool_timeout: float = arg(10.0, "seconds a tool call may take; past it, or raising: the error is its answer")
+
+
 # Reward levels, in one place (TinyZero's scheme; the DAPO paper uses ±1 instead).
 REWARD_CORRECT = 1.0  # the answer is right
 REWARD_FORMAT = 0.1  # well-formed (right tags, a parseable answer) but wrong
