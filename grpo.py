@@ -276,69 +276,32 @@ def grpo_loss(
     ref_logp: torch.Tensor | None,  # (n, T) log π_ref; None when beta = 0
     advantages: torch.Tensor,  # (n,) Â_i
     loss_mask: torch.Tensor,  # (n, T) completion_mask, less the tokens --is_mask drops
-    args: Args,  # reads loss_type, its ε, beta, dual_clip, entropy_coef, max_new_tokens
+    args: Args,
     *,
     num_sequences: int,  # N: completions with a token in loss_mask, in the whole mini-batch
     num_tokens: int,  # Σ_i |o_i| over the whole mini-batch (the token-level normaliser)
-    entropy: torch.Tensor | None = None,  # (n, T) H(π_θ(·|s_t)) with grad; None when entropy_coef = 0
-    is_weight: torch.Tensor | None = None,  # (n, T) truncated IS weights (tis_weights); None = off
-    policy_mask: torch.Tensor | None = None,  # (n, T) 0: the policy-gradient term leaves (corrections); None = off
-    cov_tokens: torch.Tensor | None = None,  # (n, T) bool, KL-Cov's tokens (covariance_tokens); None unless kl_cov
-    sample_logp: torch.Tensor | None = None,  # (n, T) log π_sampler: DPPO's and --kl_tau's μ; None = old_logp
+    **terms,  # (n, T) each, or None: entropy, is_weight, policy_mask, cov_tokens, sample_logp (corrected)
 ):
     """The negative GRPO objective of one micro-batch, DAPO Eq. 5:
-        J = 1/G Σ_i 1/|o_i| Σ_t [ min(r_it Â_i, clip(r_it, 1−ε, 1+ε) Â_i) − β D_KL,it ],
-        r_it = π_θ(o_it | q, o_i,<t) / π_θold(o_it | q, o_i,<t)
-    with N (num_sequences) in the place of G: the mean over every completion of the mini-batch,
-    not of this micro-batch, so the micro-batches' losses add up to the mini-batch's and gradient
-    accumulation gives exactly the big-batch gradient.
-    A variant of --loss_type or a technique enters as one named function each, defined in the
-    section on variants below: GSPO's sequence ratio, GPG's and CISPO's objectives in place of the
-    clipped surrogate, Dr. GRPO's and the token-level normalisers (aggregate), dual-clip, truncated
-    IS (is_weight), T1's entropy bonus, Kimi K2.5's squared log-ratio (--kl_tau). A token --is_mask
-    drops is not in loss_mask: it leaves every term and every normaliser. Returns (loss, stats):
-    stats are sums over the tokens of loss_mask."""
+        J = 1/G Σ_i 1/|o_i| Σ_t [ min(r_it Â_i, clip(r_it, 1−ε, 1+ε) Â_i) − β D_KL,it ],  r_it = π_θ / π_θold
+    with N (num_sequences) for G: the mean over the mini-batch's completions, not the micro-batch's,
+    so gradient accumulation is exact. Variants enter through one function each, after train():
+    variant_objective, corrected, kl_estimate, aggregate. Returns (loss, stats over loss_mask's tokens)."""
     mask = loss_mask.to(logp.dtype)  # (n, T)
     adv = advantages[:, None]  # (n, 1) Â_i, the same for every token of o_i
     ratio = torch.exp((logp - old_logp) * mask)  # (n, T) r_it
-    if args.loss_type == "gspo":
-        ratio = sequence_ratio(logp, old_logp, mask)  # (n, T) GSPO: one ratio per completion
-    eps_low, eps_high = clip_range(args)
-    sampler = old_logp if sample_logp is None else sample_logp  # (n, T) μ, the behaviour policy
-    cut = None  # (n, T) bool: DPPO's dropped tokens, logged as its clip
-
-    if args.loss_type == "gpg":
-        objective = logp * adv  # (n, T) GPG: the plain policy gradient, no ratio, no clip
-    elif args.loss_type == "cispo":
-        objective = cispo_objective(logp, ratio, adv, eps_low, eps_high)  # (n, T)
-    elif args.loss_type == "sapo":
-        objective = sapo_objective(logp, old_logp, mask, adv, args.sapo_tau_pos, args.sapo_tau_neg)  # (n, T)
-    elif args.loss_type == "dppo":
-        objective, cut = dppo_objective(logp, sampler, mask, adv, **dppo_region(args))  # (n, T) each
-    elif args.loss_type == "kl_cov":
-        objective = kl_cov_objective(logp, old_logp, ratio, adv, cov_tokens, args.kl_cov_coef)  # (n, T)
+    if args.loss_type in CLIPPED:
+        objective, cut = clipped_surrogate(ratio, adv, args.eps, args.eps), None  # (n, T) min(r·Â, clip(r)·Â)
     else:
-        objective = clipped_surrogate(ratio, adv, eps_low, eps_high)  # (n, T)
-    objective, dual_clipped = dual_clip(objective, adv, args.dual_clip)  # c·Â bounds Â < 0 tokens below
-    if is_weight is not None:
-        objective = is_weight * objective  # truncated IS: the policy-gradient term only
-    if policy_mask is not None:
-        objective = policy_mask * objective  # OPSM's sequences, the top-ρ entropy tokens: the KL stays
-    if args.entropy_coef > 0:
-        objective = objective + args.entropy_coef * entropy  # T1's entropy bonus c_H·H_t
-    kl = kl_k3(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)  # (n, T) D_KL,it
-    if args.unbiased_kl and ref_logp is not None:
-        kl = unbiased_kl(logp, old_logp, ref_logp, mask)  # (n, T) r·k3: DeepSeek-V3.2's estimate
-    per_token = -objective
-    if args.beta > 0:
-        per_token = per_token + args.beta * kl  # (n, T) −[ objective − β·D_KL ]
-    if args.kl_tau > 0:
-        per_token = per_token + args.kl_tau * squared_log_ratio(logp, sampler, mask)  # Kimi K2.5's penalty
-    loss = aggregate(per_token, mask, args, num_sequences, num_tokens)
-    stats = loss_stats(
-        ratio, adv, loss_mask, eps_low=eps_low, eps_high=eps_high, dual_clipped=dual_clipped, kl=kl,
-        is_weight=is_weight, clips_weight=args.loss_type == "cispo", cut=cut,
-    )  # fmt: skip
+        objective, ratio, cut = variant_objective(logp, old_logp, ratio, adv, mask, args, terms)  # (n, T)
+    objective, dual_clipped = corrected(objective, adv, args, terms)  # dual-clip, IS weights, masks, entropy
+    kl = kl_estimate(logp, old_logp, ref_logp, mask, args)  # (n, T) D_KL,it
+    per_token = -objective + args.beta * kl if args.beta > 0 else -objective  # (n, T) −[objective − β·D_KL]
+    if args.kl_tau > 0:  # Kimi K2.5's penalty τ·(log π_θ − log μ)²
+        per_token = per_token + args.kl_tau * squared_log_ratio(logp, sampler_logp(terms, old_logp), mask)
+    loss = aggregate(per_token, mask, args, num_sequences, num_tokens)  # 1/N Σ_i 1/|o_i| Σ_t, sample-level
+    cispo, is_weight = args.loss_type == "cispo", terms.get("is_weight")
+    stats = loss_stats(ratio, adv, loss_mask, *clip_range(args), dual_clipped, kl, is_weight, cispo, cut)
     return loss, stats
 
 
@@ -464,6 +427,66 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
 # reference (shared with dapo.py).
 
 
+CLIPPED = ("grpo", "dr_grpo", "clip_cov")  # the loss types whose objective is the clipped surrogate itself
+
+
+def variant_objective(logp, old_logp, ratio, advantages, mask, args: Args, terms: dict):
+    """The per-token objective of a --loss_type that is not the clipped surrogate (CLIPPED), in its
+    place: the table from the loss type to its function of this section. logp, old_logp, ratio, mask
+    (n, T), advantages (n, 1) -> (the objective (n, T), the ratio its stats report (n, T), DPPO's
+    dropped tokens (n, T) bool or None)."""
+    eps_low, eps_high = clip_range(args)
+    match args.loss_type:
+        case "gspo":  # one ratio per completion, clipped with GSPO's own ε
+            ratio = sequence_ratio(logp, old_logp, mask)  # (n, T)
+            return clipped_surrogate(ratio, advantages, eps_low, eps_high), ratio, None
+        case "gpg":  # the plain policy gradient, no ratio, no clip
+            return logp * advantages, ratio, None
+        case "cispo":
+            return cispo_objective(logp, ratio, advantages, eps_low, eps_high), ratio, None
+        case "sapo":
+            return sapo_objective(logp, old_logp, mask, advantages, args.sapo_tau_pos, args.sapo_tau_neg), ratio, None
+        case "dppo":
+            sampler = sampler_logp(terms, old_logp)  # (n, T) μ
+            objective, cut = dppo_objective(logp, sampler, mask, advantages, **dppo_region(args))  # (n, T) each
+            return objective, ratio, cut
+        case "kl_cov":
+            objective = kl_cov_objective(logp, old_logp, ratio, advantages, terms["cov_tokens"], args.kl_cov_coef)
+            return objective, ratio, None
+    raise ValueError(f"--loss_type {args.loss_type}: no objective")
+
+
+def corrected(objective: torch.Tensor, advantages: torch.Tensor, args, terms: dict):
+    """The policy-gradient term after dual-clip and the sampler/trainer corrections, each off unless
+    its flag is set or its tensor given, in this order: dual-clip's bound c·Â on Â < 0 tokens
+    (dual_clip), truncated IS's weight (terms["is_weight"], tis_weights), the policy mask of OPSM,
+    Clip-Cov and the top-ρ entropy share (terms["policy_mask"], corrections: the KL term stays), T1's
+    entropy bonus c_H·H_t (terms["entropy"]). objective (n, T), advantages (n, 1) -> the objective
+    (n, T) and the tokens dual-clip bounded (n, T) bool."""
+    objective, dual_clipped = dual_clip(objective, advantages, args.dual_clip)
+    if terms.get("is_weight") is not None:
+        objective = terms["is_weight"] * objective
+    if terms.get("policy_mask") is not None:
+        objective = terms["policy_mask"] * objective
+    if args.entropy_coef > 0:
+        objective = objective + args.entropy_coef * terms["entropy"]
+    return objective, dual_clipped
+
+
+def kl_estimate(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp, mask: torch.Tensor, args) -> torch.Tensor:
+    """D_KL,it, the loss's estimate of KL(π_θ ‖ π_ref) per token: k3 (kl_k3), or with --unbiased_kl
+    DeepSeek-V3.2's r·k3 (unbiased_kl); 0 without a reference. (n, T) each -> (n, T)."""
+    if ref_logp is None:
+        return torch.zeros_like(logp)
+    return unbiased_kl(logp, old_logp, ref_logp, mask) if args.unbiased_kl else kl_k3(logp, ref_logp)
+
+
+def sampler_logp(terms: dict, old_logp: torch.Tensor) -> torch.Tensor:
+    """μ, the behaviour policy's log-probs that DPPO and --kl_tau measure from: the sampler's
+    (terms["sample_logp"]), or π_θold's where none are given. (n, T)."""
+    return old_logp if terms.get("sample_logp") is None else terms["sample_logp"]
+
+
 def sequence_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """GSPO's sequence-level ratio (Zheng et al. 2025, arXiv 2507.18071, Eq. 7):
         s_i = (π_θ(o_i|q) / π_θold(o_i|q))^(1/|o_i|) = exp(1/|o_i| · Σ_t log r_it)
@@ -473,6 +496,14 @@ def sequence_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tenso
     lengths = mask.sum(-1, keepdim=True).clamp(min=1)  # (n, 1) |o_i|
     log_ratio = (logp - old_logp) * mask  # (n, T)
     return torch.exp(log_ratio.sum(-1, keepdim=True) / lengths).expand_as(logp)
+
+
+def variant_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
+    """Â of a variant, in place of group_advantages: GPG's (gpg_advantages), or the scale
+    --scale_rewards names (scaled_advantages). rewards (N,) -> (N,)."""
+    if args.loss_type == "gpg":
+        return gpg_advantages(rewards, args.group_size, total=all_reduce)
+    return scaled_advantages(rewards, args.group_size, reward_scale(args), eps=args.adv_eps, total=all_reduce)
 
 
 def gpg_advantages(rewards: torch.Tensor, group_size: int, total=lambda count: count) -> torch.Tensor:
@@ -953,12 +984,10 @@ def train(args: Args) -> Path:
             seconds_logprobs = time.perf_counter() - timer
 
             # 5. Group-relative advantages: one number per completion, shared by its tokens.
-            if args.loss_type == "gpg":
-                advantages = gpg_advantages(batch.rewards, args.group_size, total=all_reduce)  # (N,)
-            else:
-                advantages = scaled_advantages(
-                    batch.rewards, args.group_size, reward_scale(args), eps=args.adv_eps, total=all_reduce
-                )  # (N,)
+            if args.loss_type != "gpg" and reward_scale(args) == "group":
+                advantages = group_advantages(batch.rewards, args.group_size, eps=args.adv_eps)  # (N,)
+            else:  # GPG's, or another scale's (Dr. GRPO's none, Lite PPO's batch, MaxRL's mean)
+                advantages = variant_advantages(batch.rewards, args)  # (N,)
 
             # 6. μ iterations over shuffled mini-batches; one optimizer step per mini-batch.
             timer = time.perf_counter()

@@ -51,7 +51,10 @@ SHARED = [
     "is_mask_metrics",
 ]
 # Shared by grpo.py and dapo.py only (ppo.py has neither CISPO nor T1's techniques).
-SHARED_GRPO_DAPO = ["check_technique_args", "cispo_objective", "on_policy", "micro_batch_passes"]
+SHARED_GRPO_DAPO = [
+    "check_technique_args", "cispo_objective", "on_policy", "micro_batch_passes", "corrected", "kl_estimate",
+    "sampler_logp",
+]  # fmt: skip
 # Same name, different body on purpose: the reason is the algorithm.
 DIFFERS_BY_DESIGN = {
     "Args": "each script has its own hyperparameters (shared fields: test_shared_args_fields_agree)",
@@ -60,6 +63,7 @@ DIFFERS_BY_DESIGN = {
     "policy_backward": "each objective normalises and batches its loss differently",
     "on_policy": "PPO counts its epochs K (--ppo_epochs), GRPO and DAPO their iterations μ (--num_iterations)",
     "clip_range": "GRPO's ε is symmetric with GSPO's own; DAPO's is clip-higher's ε_low, ε_high",
+    "variant_objective": "GRPO has GSPO's and GPG's objectives, which DAPO does not take",
     "update_metrics": "each objective logs its own update statistics",
 }
 # Args fields that two scripts share with a different default or help, and why.
