@@ -20,7 +20,9 @@ so that the LM head, the sampler and the log-softmax run at the real vocabulary'
    with tool turns on and none called (a tool_turn that answers None): what enabling them costs,
    one host sync a token (tool_turns_due) and the answers' columns in the KV cache; `compiled` is
    generate with --compile's model (its blocks, its one-token step and its sampler compiled), its
-   row also the seconds of its first call (`compiled first call s`: compiling and one call).
+   row also the seconds of its first call (`compiled first call s`: compiling and one call);
+   `masked` is generate with the masked one-token step where it would run varlen_decode_attention
+   (a GPU, bf16): the A/B of the varlen decode.
    The contenders take turns within each repetition; the table gives the median of --repeats.
    On CUDA also the fraction of the memory-bandwidth bound of a decode step (bytes of weights
    and KV cache read per step ÷ measured copy bandwidth), with its arithmetic.
@@ -43,8 +45,8 @@ so that the LM head, the sampler and the log-softmax run at the real vocabulary'
    after a step that compiles, whose times come beside it (`compiling …`).
 5. With --gap_rows N: the gap between the log-probs generate samples with and those
    sequence_logprobs scores for the same tokens, under bf16 autocast (on the CPU too), with the
-   LM head in bf16 (fp32_lm_head switched off: the code before it), in fp32 (fp32_lm_head) and
-   in tf32 (--lm_head_precision tf32: HeadProduct on a GPU, fp32 on the CPU):
+   LM head in bf16 (fp32_lm_head switched off: the code before it) and as the scripts run it
+   (fp32_lm_head: TF32 on a GPU, HeadProduct; fp32 on the CPU):
    mean and max |Δ log π| over the completion tokens, and the share of tokens beyond 0.01.
    Countdown prompts, N/G prompts × G, sampled at τ = 0.7 (the seed study's rollouts are τ = 1;
    a real model at 0.7 is more confident, which is where rounding a large logit matters).
@@ -64,11 +66,13 @@ so that the LM head, the sampler and the log-softmax run at the real vocabulary'
    random state, over N rows of 8 ids on the CPU (near-ties the two roundings break apart).
 8. With --attention_rows N, next (before --profile too): the one-token step's attention, one
    layer's call at the model's shape, at each width generate attends over: SDPA as generate calls
-   it, each SDPA backend alone, the candidate matmul_decode_attention, SDPA with no mask; ms a
-   call, GB/s of keys and values read, and the error against float64 (bench_attention).
+   it, each SDPA backend alone, the varlen attention generate runs in bf16, SDPA with no mask; ms
+   a call, GB/s of keys and values read, and the error against float64 (bench_attention).
 9. With --host_layers N: the host's ops a layer of an update pass (bench_host_pass); with
    --decode_layers N: the one-token step's kernels a layer, eager against --compile's
    (bench_decode_kernels).
+A/B flags replace one of the scripts' choices for the whole run (compared): --shape_multiple,
+--head_chunk_mb. The alternatives tried and removed are in docs/speed.md, "Tried and removed".
 Prints Markdown tables and writes them to --output (JSON).
 """
 
@@ -92,6 +96,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
+import common
 import dapo
 import grpo
 import ppo
@@ -99,7 +104,6 @@ from common import (
     CHATML_TEMPLATE,
     DECODE_BACKBONES,
     IN_PREFLIGHT,
-    LM_HEAD_PRECISIONS,
     Run,
     arg,
     autocast,
@@ -136,8 +140,7 @@ class Args:
         "nanopo,hf,loop",
         "nanopo (generate), hf (model.generate), loop, static (older generates), tools (generate with tool turns on, "
         "no call made: their cost when unused), masked (generate's masked one-token step where it would run "
-        "varlen_decode_attention: a GPU, bf16), matmul and widths (the masked step with a candidate: "
-        "matmul_decode_attention, finer_widths), compiled (generate with --compile's model: its blocks, its "
+        "varlen_decode_attention: a GPU, bf16), compiled (generate with --compile's model: its blocks, its "
         "one-token step and its sampler compiled; warmed up, so its compilation is not timed: compiled first call s)",
     )
     step_rows: int = arg(0, "N of the steps 4 + 6 comparison (--lengths decides the lengths); 0 = skip it")
@@ -149,7 +152,7 @@ class Args:
     train_batch_size: int = arg(2, "B of the training step")
     logprob_rows: int = arg(16, "N of the sequence_logprobs memory comparison; 0 = skip it")
     gap_rows: int = arg(
-        0, "N of the sampler/trainer log-prob gap under bf16 autocast, LM head bf16/fp32/tf32; 0 = skip"
+        0, "N of the sampler/trainer log-prob gap under bf16 autocast, the LM head in bf16 and the scripts'; 0 = skip"
     )
     head_rows: int = arg(0, "positions whose log-probs each LM-head precision computes, against fp64; 0 = skip")
     sampler_rows: int = arg(
@@ -184,11 +187,8 @@ class Args:
     )
     device: str = arg("auto", "auto, cpu, cuda")
     dtype: str = arg("auto", "auto (bf16 autocast on GPU, fp32 on CPU), bfloat16, float32")
-    lm_head_precision: str = arg(LM_HEAD_PRECISIONS[0], "the LM head's GEMMs under autocast on a GPU: tf32 or fp32")
-    shape_multiple: int = arg(0, "A/B: trim_padding's multiple in the scripts (1 = exact lengths); 0 = their own")
-    sdpa_backend: str = arg("", "A/B: PyTorch's SDPA tries this backend first (cudnn, efficient, flash, math)")
+    shape_multiple: int = arg(0, "A/B: the multiple chunks_of rounds a chunk's columns to (1 = exact); 0 = the default")
     head_chunk_mb: int = arg(0, "A/B: logprob_head's chunk of fp32 logits in MiB (HEAD_CHUNK_BYTES); 0 = the scripts'")
-    aligned_prompts: str = arg("", "A/B: on or off, the prompt pass as aligned_prompts sets it; '' = the scripts'")
     output: str = arg("bench.json", "where the tables go, as JSON")
 
 
@@ -373,9 +373,6 @@ def bench_generation(args, model, tokenizer, vocab_size, device, amp, compute_dt
                 "tools": functools.partial(
                     grpo.generate, *inputs, tool_turn=lambda row, ids: None, max_turns=4, max_tool_tokens=256
                 ),
-                # issue 40's decode candidates, each generate with one function of it replaced for the call
-                "matmul": functools.partial(replaced, "grouped_decode_attention", matmul_decode_attention, *inputs),
-                "widths": functools.partial(replaced, "decode_widths", finer_widths, *inputs),
                 # the masked one-token step where generate would run varlen_decode_attention (a GPU, bf16)
                 "masked": functools.partial(replaced, "varlen_decode", lambda model, cache: False, *inputs),
                 "compiled": functools.partial(compiled_generate, *inputs),
@@ -428,7 +425,7 @@ def decode_bytes(model, num_rows: int, prompt_length: int, max_new_tokens: int, 
     weights = sum(p.numel() for p in model.parameters())
     column = layers * kv_heads * head_dim  # elements of K (or V) per row and column
     keep = 1 - end_probability(max_new_tokens)
-    widths = grpo.decode_widths(prompt_length, max_new_tokens)
+    widths = common.decode_widths(prompt_length, max_new_tokens)
     totals = {"ideal": 0.0, "static": 0.0, "nanopo": 0.0}
     decoded = num_rows  # the rows nanopo decodes: halves when half have ended (at the 16-token checks)
     for t in range(max_new_tokens - 1):  # the steps after the prefill
@@ -488,16 +485,15 @@ def bench_steps_4_and_6(args, model, tokenizer, vocab_size, device, amp) -> list
 
     @contextlib.contextmanager
     def version(name: str):
-        saved = grpo.length_order, grpo.trim_padding, grpo.forward_completions
-        if name != "shared":
-            grpo.forward_completions = functools.partial(saved[2], share=False)
-        if name == "padded":  # length_order and trim_padding as no-ops: every chunk padded to the rollout's longest
-            grpo.length_order = lambda prompt_ids, *masks: torch.arange(len(prompt_ids), device=device)
-            grpo.trim_padding = lambda *tensors_and_layout: tensors_and_layout[:4]
-        try:
+        with contextlib.ExitStack() as stack:
+            if name != "shared":
+                unshared = functools.partial(common.forward_completions, share=False)
+                stack.enter_context(swapped("forward_completions", unshared))
+            if name == "padded":  # length_order and trim_padding as no-ops: every chunk padded to the rollout's longest
+                in_order = lambda prompt_ids, *masks: torch.arange(len(prompt_ids), device=device)  # noqa: E731
+                stack.enter_context(swapped("length_order", in_order))
+                stack.enter_context(swapped("trim_padding", lambda *tensors_and_layout: tensors_and_layout[:4]))
             yield
-        finally:
-            grpo.length_order, grpo.trim_padding, grpo.forward_completions = saved
 
     versions = ("shared", "unshared", "padded")
     seconds = {(name, phase): [] for name in versions for phase in ("4", "6")}
@@ -654,19 +650,34 @@ def race_agreement(num_rows: int, ids: int = 8, chunk: int = 500_000) -> list[di
     return rows
 
 
-def replaced(name: str, candidate, *inputs, **settings):
-    """grpo.generate(*inputs, **settings) with grpo's function `name` replaced by `candidate` for the
-    call (generate looks both candidates' names up as it runs: the captured graphs hold the candidate),
-    and the masked one-token step (varlen_decode answering no): each candidate changes that step,
-    which generate would not run on a GPU in bf16."""
-    originals = {"varlen_decode": grpo.varlen_decode, name: getattr(grpo, name)}
-    grpo.varlen_decode = lambda model, cache: False
-    setattr(grpo, name, candidate)
+@contextlib.contextmanager
+def swapped(name: str, value):
+    """`name` bound to `value`, while inside, in common and in every script that binds it; then as it
+    was. The model's runtime lives in common, and the scripts import its names: generate and
+    sequence_logprobs look a name up in their own script's globals (varlen_decode, fp32_lm_head,
+    forward_completions), common's functions in common's (grouped_attention calls
+    grouped_decode_attention, captured_or_none calls cuda_graph, chunks_of calls shape_multiple,
+    logprob_head reads HEAD_CHUNK_BYTES), so each is replaced in both."""
+    modules = [module for module in (common, *SCRIPTS.values()) if hasattr(module, name)]
+    if not modules:
+        raise AttributeError(f"{name}: neither common nor a script has it")
+    originals = [getattr(module, name) for module in modules]
+    for module in modules:
+        setattr(module, name, value)
     try:
-        return grpo.generate(*inputs, **settings)
+        yield
     finally:
-        for function, original in originals.items():
-            setattr(grpo, function, original)
+        for module, original in zip(modules, originals):
+            setattr(module, name, original)
+
+
+def replaced(name: str, candidate, *inputs, **settings):
+    """grpo.generate(*inputs, **settings) with the function `name` replaced by `candidate` for the
+    call (swapped: generate looks it up as it runs, so the captured graphs hold the candidate). The
+    contender `masked` is generate with varlen_decode answering no: the masked one-token step, over
+    widths of left-padded columns, where on a GPU in bf16 generate runs the varlen one."""
+    with swapped(name, candidate):
+        return grpo.generate(*inputs, **settings)
 
 
 def compiled_generate(model, *inputs, **settings):
@@ -684,18 +695,6 @@ def compiled_generate(model, *inputs, **settings):
         DECODE_BACKBONES.pop(model, None)
 
 
-def finer_widths(prompt_length: int, max_new_tokens: int, smallest: int = 64) -> list[int]:
-    """A candidate for decode_widths: the new columns grow by a quarter (rounded up to a multiple of
-    32) where decode_widths doubles them. Over 1024 new tokens after the acceptance run's 285-token
-    prompts the one-token step then reads 1.07 times the filled columns on average, where doubling
-    reads 1.22 times (after 130 tokens: 1.09 and 1.27), at the price of more CUDA graphs (12 against 5)."""
-    widths, new = [], smallest
-    while new < max_new_tokens:
-        widths.append(prompt_length + new)
-        new = -(-int(new * 1.25) // 32) * 32
-    return widths + [prompt_length + max_new_tokens]
-
-
 def attention_shape(args: Args, device) -> tuple:
     """(the model's text config, --attention_rows, the prompt length of that many Countdown rows), from
     the model's directory: its config and tokenizer, no weights loaded."""
@@ -709,28 +708,11 @@ def attention_shape(args: Args, device) -> tuple:
     return config, args.attention_rows, prompts(tokenizer, args.attention_rows, args.group_size, device)[0].shape[1]
 
 
-def matmul_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **unused):
-    """A candidate for generate's one-token attention (bench_attention times it; generate does not run
-    it): grouped_decode_attention's function written as two batched products and a softmax, the
-    query heads of a KV head as the rows of one product, so each cached key and value is read once.
-    The scores (n, kv heads, group, S) are small next to the cache at one query token. Under
-    autocast the products run in bf16, the scaling, the (additive) mask and the softmax in fp32."""
-    num_rows, heads, _, head_dim = query.shape
-    kv_heads = key.shape[1]
-    folded = query.reshape(num_rows, kv_heads, heads // kv_heads, head_dim)  # (n, kv, g, d)
-    scale = head_dim**-0.5 if scaling is None else scaling
-    scores = torch.matmul(folded, key.transpose(-1, -2)).float() * scale  # (n, kv, g, S), scaled in fp32
-    if attention_mask is not None:
-        scores = scores + attention_mask  # (n, 1, 1, S) additive: one row of columns for every head
-    weights = torch.softmax(scores, dim=-1).to(value.dtype)
-    return torch.matmul(weights, value).reshape(num_rows, 1, heads, head_dim), None
-
-
 def bench_attention(config, num_rows: int, prompt_length: int, max_new_tokens: int, device, amp, dtype, calls=20):
     """The attention of generate's one-token step, one layer's call at a time, at each width it
     attends over (decode_widths: prompt_length + 64, + 128, … + max_new_tokens): PyTorch's SDPA as
-    grouped_decode_attention calls it (the backend PyTorch picks, then each backend alone), the
-    candidate matmul_decode_attention, varlen_decode_attention as generate calls it on a GPU in bf16
+    grouped_decode_attention calls it (the backend PyTorch picks, then each backend alone),
+    varlen_decode_attention as generate calls it on a GPU in bf16
     (the whole cache left-aligned, flash attention told each row's filled columns: its GB/s counts
     the width, as the others', though it reads the filled columns alone), and SDPA with no mask
     (what the kernel costs when it has neither padding nor unfilled columns to hide). Inputs as
@@ -754,9 +736,9 @@ def bench_attention(config, num_rows: int, prompt_length: int, max_new_tokens: i
     padding = torch.arange(num_rows, device=device)[:, None] % 8  # (n, 1) left padding of 0-7 columns
     columns = torch.arange(length, device=device)  # (S,)
     variants = {
-        "sdpa, masked (generate's masked step)": (grpo.grouped_decode_attention, None, True),
+        "sdpa, masked (generate's masked step)": (common.grouped_decode_attention, None, True),
         **{
-            f"sdpa, {name} only": (grpo.grouped_decode_attention, backend, True)
+            f"sdpa, {name} only": (common.grouped_decode_attention, backend, True)
             for name, backend in (
                 ("cudnn", SDPBackend.CUDNN_ATTENTION),
                 ("efficient", SDPBackend.EFFICIENT_ATTENTION),
@@ -764,11 +746,10 @@ def bench_attention(config, num_rows: int, prompt_length: int, max_new_tokens: i
                 ("math", SDPBackend.MATH),
             )
         },  # fmt: skip
-        "matmul (candidate)": (matmul_decode_attention, None, True),
-        "flash varlen (generate's in bf16)": (grpo.varlen_decode_attention, None, True),
-        "sdpa, no mask": (grpo.grouped_decode_attention, None, False),
+        "flash varlen (generate's in bf16)": (common.varlen_decode_attention, None, True),
+        "sdpa, no mask": (common.grouped_decode_attention, None, False),
     }
-    rows, widths = [], grpo.decode_widths(prompt_length, max_new_tokens)
+    rows, widths = [], common.decode_widths(prompt_length, max_new_tokens)
     for previous, width in zip([prompt_length, *widths], widths):
         filled = (previous + width) // 2 + 1  # halfway through the width's tokens
         visible = (columns[:width] >= padding) & (columns[:width] < filled)  # (n, W)
@@ -782,7 +763,7 @@ def bench_attention(config, num_rows: int, prompt_length: int, max_new_tokens: i
         left = [c.gather(2, shift.expand_as(c)).transpose(1, 2).contiguous().transpose(1, 2) for c in (key, value)]
         for name, (attention, backend, masked) in variants.items():
             call = functools.partial(attention, None, query, k, v, mask if masked else None, head_dim**-0.5)
-            if attention is grpo.varlen_decode_attention:  # all S columns, each row's filled ones from 0
+            if attention is common.varlen_decode_attention:  # all S columns, each row's filled ones from 0
                 used, starts = visible.sum(-1, dtype=torch.int32), torch.arange(num_rows + 1, dtype=torch.int32)
                 settings = dict(used=used, starts=starts.to(device))
                 call = functools.partial(attention, None, query, *left, None, head_dim**-0.5, **settings)
@@ -798,7 +779,7 @@ def bench_attention(config, num_rows: int, prompt_length: int, max_new_tokens: i
                 run, row["timed"] = call, "eager"
                 if device.type == "cuda":
                     try:
-                        run, row["timed"] = grpo.cuda_graph(call), "graph replay"
+                        run, row["timed"] = common.cuda_graph(call), "graph replay"
                     except RuntimeError as error:
                         row["timed"] = f"eager (capture failed: {str(error).strip()[:80]})"
                 seconds = timed(functools.partial(repeat_calls, run, calls), device) / calls
@@ -911,7 +892,6 @@ def one_step(args, name: str, directory: str) -> dict:
     script = SCRIPTS[name]
     settings = dict(model=directory, max_steps=1, batch_size=args.train_batch_size, group_size=args.group_size)
     settings |= dict(max_new_tokens=args.max_new_tokens, device=args.device, dtype=args.dtype, save_every=0)
-    settings |= dict(lm_head_precision=args.lm_head_precision)
     settings |= dict(gradient_checkpointing=args.gradient_checkpointing, compile=args.compile)
     settings |= {"overlong_buffer": 0, "dynamic_sampling": False} if script is dapo else {}
     settings |= {"num_mini_batches": 1} if script is ppo and args.train_batch_size * args.group_size < 4 else {}
@@ -1024,10 +1004,9 @@ def bench_host_pass(layers: int, device, amp, repeats: int) -> list[dict]:
         logp.sum().backward()
         model.zero_grad(set_to_none=True)
 
-    rows, forward = [], grpo.forward_completions
+    rows = []
     for share in (True, False):
-        grpo.forward_completions = functools.partial(forward, share=share)
-        try:
+        with swapped("forward_completions", functools.partial(common.forward_completions, share=share)):
             counts = {}
             for n, model in models.items():
                 one_pass(model)  # set-up outside the count
@@ -1041,8 +1020,6 @@ def bench_host_pass(layers: int, device, amp, repeats: int) -> list[dict]:
                 one_pass(models[layers])
                 synchronize(device)
                 seconds.append(time.perf_counter() - start)
-        finally:
-            grpo.forward_completions = forward
         ops, views = ((getattr(counts[layers], k) - getattr(counts[1], k)) / (layers - 1) for k in ("ops", "views"))
         rows.append(
             {
@@ -1088,9 +1065,8 @@ def bench_decode_kernels(layers: int, device, amp) -> list[dict]:
     shape = dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2)
     prompt = torch.randint(3, 1024, (8, 64), generator=torch.Generator().manual_seed(0)).to(device)
     calls = re.compile(r"^\s+(?:\w+\.run\(|cpp_fused_\w+\(|extern_kernels\.|buf\w+ = torch\.ops\.)", re.M)  # one a line
-    counts, graph = {}, grpo.cuda_graph
-    grpo.cuda_graph = lambda step, pool=None: step  # on a GPU too, each step runs (and is counted) once
-    try:
+    counts = {}
+    with swapped("cuda_graph", lambda step, pool=None: step):  # on a GPU too, each step runs (and is counted) once
         for depth in (1, layers):
             model = Qwen2ForCausalLM(Qwen2Config(**shape, vocab_size=1024, num_hidden_layers=depth)).to(device)
             inputs = (model, prompt, torch.ones_like(prompt))
@@ -1104,8 +1080,6 @@ def bench_decode_kernels(layers: int, device, amp) -> list[dict]:
                 _, code = run_and_get_code(compiled_generate, *inputs, 2, [], 0, 1024, 1.0)
             largest = max(len(calls.findall(text[text.index("def call(") :])) for text in code)  # the step
             counts[depth] = eager[2] - eager[1], largest
-    finally:
-        grpo.cuda_graph = graph
     step = lambda i: (counts[layers][i] - counts[1][i]) / (layers - 1)  # noqa: E731
     return [{"layers": layers, "eager kernels a layer": step(0), "compiled kernels a layer": step(1)}]
 
@@ -1119,21 +1093,20 @@ def markdown(rows: list[dict]) -> str:
 
 
 def bench_logprob_gap(args, model, tokenizer, vocab_size, device) -> list[dict]:
+    """The sampler/trainer gap under bf16 autocast, the LM head in bf16 (fp32_lm_head switched off)
+    and as the scripts run it (fp32_lm_head: TF32 on a GPU, fp32 on the CPU, named so)."""
     ids, mask = prompts(tokenizer, args.gap_rows, args.group_size, device)
     eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    rows, real_head = [], grpo.fp32_lm_head
-    for head in ("bf16", "fp32", "tf32"):  # tf32: --lm_head_precision tf32 (on the CPU the same as fp32)
-        grpo.fp32_lm_head = real_head if head != "bf16" else lambda model: contextlib.nullcontext()
-        try:
+    rows, plain = [], lambda model: contextlib.nullcontext()
+    for head in ("bf16", "tf32" if device.type == "cuda" else "fp32"):
+        with swapped("fp32_lm_head", plain) if head == "bf16" else contextlib.nullcontext():
             torch.manual_seed(0)
-            with autocast(device, torch.bfloat16, "tf32" if head == "tf32" else "fp32"):
+            with autocast(device, torch.bfloat16):
                 batch = grpo.generate(
                     model, ids, mask, args.max_new_tokens, eos, tokenizer.pad_token_id, vocab_size, 0.7
                 )
                 completion, completion_mask, _, sample_logp, _ = batch
                 logp, _ = grpo.sequence_logprobs(model, ids, mask, completion, completion_mask, 0.7, vocab_size, 8)
-        finally:
-            grpo.fp32_lm_head = real_head
         gap = (logp - sample_logp)[completion_mask.bool()].abs()
         rows.append(
             {"LM head": head, "N": args.gap_rows, "tokens": len(gap), "mean abs Δ": gap.mean().item()}
@@ -1543,10 +1516,10 @@ def call_work(phase: str, function, args: tuple, kwargs: dict, result, element_b
 
 def passes_of(batch, rows: int, tokens: int) -> int:
     """How many chunks (passes) the scripts cut batch = (prompt_ids, prompt_mask, completion_mask)
-    into, by rows or by tokens (chunks_of, the same text in the three scripts)."""
+    into, by rows or by tokens (common.chunks_of, which the three scripts call)."""
     prompt_ids, prompt_mask, completion_mask = batch
-    order = grpo.length_order(prompt_ids, prompt_mask, completion_mask)
-    return len(grpo.chunks_of(order, prompt_ids, prompt_mask, completion_mask, rows, tokens))
+    order = common.length_order(prompt_ids, prompt_mask, completion_mask)
+    return len(common.chunks_of(order, prompt_ids, prompt_mask, completion_mask, rows, tokens))
 
 
 def rollout_batch(rollout) -> tuple:
@@ -1629,50 +1602,19 @@ def bench_profile(args, device, weight_dtype, compute_dtype, amp, report: dict, 
 
 @contextlib.contextmanager
 def compared(args: Args):
-    """--shape_multiple, --sdpa_backend, --head_chunk_mb and --aligned_prompts: a choice of the scripts replaced for the
-    whole run, to measure what it buys (the same command with and without). --sdpa_backend puts one
-    backend first in PyTorch's scaled_dot_product_attention for every forward (generate's one-token
-    step as its CUDA graph is captured, the scoring and training passes; backward follows its
-    forward); the others stay, in PyTorch's order, for the inputs it refuses (the H100 run of
-    2026-11-26: the memory-efficient kernel alone refused a grouped-query call without a mask).
-    PyTorch sets its CUDA order at its first CUDA call (cuDNN first on a Hopper), over an order set
-    before it, so that call is made first.
+    """--shape_multiple and --head_chunk_mb: a choice of the scripts replaced for the whole run, to
+    measure what it buys (the same command with and without), in common and in every script that
+    binds it (swapped).
+    --shape_multiple: the multiple chunks_of rounds a chunk's columns up to (trim_padding keeps
+    them), on any device.
     --head_chunk_mb: the positions logprob_head turns into log-probs at a time, in the scoring and
     training passes (the preflight, in the same run, sizes the passes with it): fewer, larger
-    chunks make fewer (V, d) weight gradients to sum, and larger fp32 logits.
-    --aligned_prompts off: forward_completions' prompt pass (and its one pass, under gradient
-    checkpointing or G = 1) as on the CPU, left-padded with its mask, whose padding transformers
-    checks with a host sync in every micro-batch (the code before; on: each row's tokens first, no
-    mask, the CUDA default)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
-    backends |= {"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
-    if args.sdpa_backend and args.sdpa_backend not in backends:
-        raise SystemExit(f"--sdpa_backend {args.sdpa_backend}: one of {', '.join(backends)}")
-    if args.aligned_prompts not in ("", "on", "off"):
-        raise SystemExit(f"--aligned_prompts {args.aligned_prompts}: on or off ('' for the scripts' own)")
+    chunks make fewer (V, d) weight gradients to sum, and larger fp32 logits."""
     with contextlib.ExitStack() as stack:
         if args.shape_multiple:
-            for script in SCRIPTS.values():
-                original = script.shape_multiple
-                script.shape_multiple = lambda device, m=args.shape_multiple: m
-                stack.callback(setattr, script, "shape_multiple", original)
-        if args.sdpa_backend:
-            if torch.cuda.is_available():  # PyTorch sets its CUDA order (cuDNN first on a Hopper) at its first
-                one = torch.zeros(1, 1, 1, 8, device="cuda", dtype=torch.bfloat16)  # CUDA call, over any order set
-                torch.nn.functional.scaled_dot_product_attention(one, one, one)  # before: make that call first
-            first, current = backends[args.sdpa_backend], torch._C._get_sdp_priority_order()  # PyTorch's, ints
-            rest = sorted((b for b in backends.values() if b != first), key=lambda b: current.index(int(b)))
-            stack.enter_context(sdpa_kernel([first, *rest], set_priority=True))
+            stack.enter_context(swapped("shape_multiple", lambda device, m=args.shape_multiple: m))
         if args.head_chunk_mb:
-            for script in SCRIPTS.values():
-                stack.callback(setattr, script, "HEAD_CHUNK_BYTES", script.HEAD_CHUNK_BYTES)
-                script.HEAD_CHUNK_BYTES = args.head_chunk_mb * 2**20
-        if args.aligned_prompts:
-            for script in SCRIPTS.values():
-                stack.callback(setattr, script, "aligned_prompts", script.aligned_prompts)
-                script.aligned_prompts = lambda device, on=args.aligned_prompts == "on": on
+            stack.enter_context(swapped("HEAD_CHUNK_BYTES", args.head_chunk_mb * 2**20))
         yield
 
 
@@ -1731,7 +1673,7 @@ def measure(args: Args) -> dict:
     check_profile_args(args)
     device = use_device(resolve_device(args.device))  # a GPU named by --device becomes the current one
     weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
-    amp = lambda: autocast(device, compute_dtype, args.lm_head_precision)  # noqa: E731
+    amp = lambda: autocast(device, compute_dtype)  # noqa: E731
     report = {"args": asdict(args), "device": str(device), "threads": torch.get_num_threads()}
     if device.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name(device)

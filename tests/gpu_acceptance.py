@@ -17,9 +17,9 @@ acceptance as it was then ran out of time:
      torchrun NCCL save-and-resume test 74.5 s and the bench smoke on CUDA 55.4 s; the other tests
      together ~20 s (13 s of it the first fixture's set-up) while 18 of them failed early; on the
      third GPU run (50caaf9) the rest took under 60 s, two of them failing at an import. Since then
-     the tier has grown: those two now train, the sync count runs six ways, the SDPA probe starts
-     a process of its own: 100 s; the fourth GPU run (H200) measured 64 s for its 47 tests, the
-     SDPA probe's 14.9 s the slowest; the fifth (H200) 67 s for 54. --durations prints the slowest. The two run on their own (130 s),
+     the tier has grown: those two now train, the sync count runs six ways: 100 s; the fourth GPU run
+     (H200) measured 64 s for its 47 tests, an SDPA probe since removed the slowest (14.9 s); the
+     fifth (H200) 67 s for 54. --durations prints the slowest. The two run on their own (130 s),
      and the compiled decode's test in stage 13:
      python -m pytest -m cuda tests/test_cuda.py -k "torchrun_one_process or bench_smoke_on_cuda"
   2. generation, N = 16 × 64 new tokens, greedy: nanopo against model.generate, and nanopo with
@@ -57,19 +57,17 @@ acceptance as it was then ran out of time:
      with 4-row micro-batches ran out of 161 s in the update (recording 64 micro-batches costs
      more than the step), so the unprofiled steps come first. On the H100 (2026-11-26) stages 1-6
      took 374 s, and stage 7, every phase profiled, 90 s.
-  8., 9. and 10., optional, on the time left: the grpo step of stage 4 again, with
-     --aligned_prompts off (the passes left-padded with their mask, whose padding transformers
-     checks with a host sync in every micro-batch: what the sync-free loop buys; first, so that a
-     whole run's time left, ~95 s on the H100, goes to it), with --gradient_checkpointing true
-     (fewer, larger micro-batches: the H100's update paid ~0.3 s a pass whatever its rows,
-     docs/speed.md; each one pass over prompt + completion a row, aligned and unmasked, with no
-     sync), and with --sdpa_backend efficient (the memory-efficient attention first: 10-12% faster
-     than cuDNN's in the decode's one-token call, on its own). Stages 1-7 took 464 s of the 560 on
-     the H100: run all three with `--stages 4,8,9,10` in a call of their own.
+  8., 9. and 10., optional, on the time left: the grpo step of stage 4 again, with --dtype bfloat16
+     (bf16 weights and AdamW state, no fp32 masters: what bf16 activations would buy, issue 58), with
+     --gradient_checkpointing true (fewer, larger micro-batches: the H100's update paid ~0.3 s a pass
+     whatever its rows, docs/speed.md), and with both --compile true and --gradient_checkpointing
+     true. Stages 1-7 took 464 s of the 560 on the H100: run them with `--stages 4,8,9,10` in a call
+     of their own. (Until issue 56 stages 8 and 10 were --aligned_prompts off and --sdpa_backend
+     efficient, both measured no faster and removed: docs/speed.md, tried and removed.)
   11. optional: bench.py's steps 4 + 6 (scoring and update) of 64 rows in 7-row micro-batches,
      the preflight's at this shape, each prompt forwarded once per group (two model calls a pass,
      more than twice the host's ops a layer: bench.py --host_layers) against once per row (one
-     call, aligned and unmasked as well, 16-19% more token positions): whether sharing pays on a GPU
+     call, 16-19% more token positions): whether sharing pays on a GPU
      whose passes wait on the host.
   12. optional: the grpo step of stage 4 with --compile true (the MLP and RMSNorm blocks through
      TorchInductor: the update's elementwise traffic fused), measured after an unmeasured step that
@@ -183,9 +181,9 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
                 + flags.split(),
             )
             for name, flags in (  # the first gets what stages 1-7 leave of a whole run (~95 s on the H100)
-                ("masked_prompts", "--aligned_prompts off"),
+                ("bf16_weights", "--dtype bfloat16"),
                 ("checkpointed", "--gradient_checkpointing true"),
-                ("efficient", "--sdpa_backend efficient"),
+                ("compiled_checkpointed", "--compile true --gradient_checkpointing true"),
             )
         ],
         dict(

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+import common
 from conftest import ROOT, flash_varlen_by_the_book
 
 
@@ -15,11 +16,12 @@ def test_bench_smoke(tmp_path):
     output = tmp_path / "bench.json"
     command = [sys.executable, "bench.py", "--model", "tiny", "--batch_sizes", "1,4", "--max_new_tokens", "4"]
     command += ["--repeats", "1", "--group_size", "2", "--train_batch_size", "1", "--logprob_rows", "2"]
-    command += ["--contenders", "nanopo,hf,loop,tools", "--output", str(output)]
+    command += ["--contenders", "nanopo,hf,loop,tools,masked", "--output", str(output)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(output.read_text())
     assert all(row["tools tok/s"] > 0 and row["nanopo/tools"] > 0 for row in report["generation"])
+    assert all(row["masked tok/s"] > 0 and row["nanopo/masked"] > 0 for row in report["generation"])
     assert [(row["N"], row["mode"]) for row in report["generation"]] == [
         (1, "greedy"),
         (1, "sampled"),
@@ -97,19 +99,23 @@ def test_decode_bytes_by_hand():
 
 def test_bench_logprob_gap(tmp_path):
     # --gap_rows: generate's and sequence_logprobs' log-probs under bf16 autocast, the LM head in
-    # bf16 and in fp32; the gaps are small, and the table prints. (On the tiny model they are 0
-    # since scoring runs a group's prompt alone and then its completions, as generate does; on
-    # SmolLM2-135M 0.015 on average, docs/speed.md.)
+    # bf16 and as the scripts run it (fp32_lm_head: fp32 on the CPU, TF32 on a GPU, the row named
+    # so); the gaps are small, and the table prints. (On the tiny model they are 0 since scoring
+    # runs a group's prompt alone and then its completions, as generate does; on SmolLM2-135M
+    # 0.015 on average, docs/speed.md.) The removed --lm_head_precision stops with its one line.
+    import bench
+
     output = tmp_path / "bench.json"
     command = [sys.executable, "bench.py", "--model", "tiny", "--batch_sizes", "", "--max_new_tokens", "6"]
     command += ["--gap_rows", "4", "--group_size", "2", "--train_steps", "", "--logprob_rows", "0"]
     done = subprocess.run(command + ["--output", str(output)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(output.read_text())["logprob_gap"]
-    assert [row["LM head"] for row in rows] == ["bf16", "fp32", "tf32"]
+    assert [row["LM head"] for row in rows] == ["bf16", "fp32"]
     assert all(row["tokens"] > 0 and 0 <= row["max abs Δ"] < 0.1 for row in rows)
-    assert rows[1] == rows[2] | {"LM head": "fp32"}  # TF32 is a GPU's: on the CPU the fp32 head's numbers
     assert "| LM head | N | tokens |" in done.stdout
+    with pytest.raises(SystemExit, match="--lm_head_precision was removed"):
+        common.parse_args(bench.Args, ["--gap_rows", "4", "--lm_head_precision", "fp32"])
 
 
 def test_tf32_rounding_by_hand():
@@ -173,48 +179,32 @@ def test_the_shapes_model_is_written_once_and_read_back(tmp_path, monkeypatch):
 
 
 def test_compared_replaces_a_choice_for_the_run_and_restores_it():
-    # --shape_multiple: every script's trim_padding rounds to it inside the run, and to its own
-    # after; --sdpa_backend: that backend first inside, the others after it in PyTorch's own order
-    # and still enabled (for the inputs it refuses), every backend in PyTorch's order again after
-    # (math on the CPU gives the numbers the default does there), and a name that is none of them
-    # is refused; --head_chunk_mb: logprob_head's chunk in every script, MiB, inside the run only;
-    # --aligned_prompts: on or off in every script inside the run, CUDA's choice after.
-    from torch.nn.attention import SDPBackend
-
+    # --shape_multiple: chunks_of rounds each chunk's columns to it inside the run (common's, which
+    # every script calls), and to its own after; --head_chunk_mb: logprob_head's chunk, MiB, inside
+    # the run only. The A/B flags of paths since removed (--aligned_prompts, --sdpa_backend:
+    # docs/speed.md, "Tried and removed") are flags no more.
     import bench
     import dapo
     import grpo
     import ppo
 
-    query = key = value = torch.randn(1, 2, 3, 4)
-    mask = torch.zeros(1, 1, 3, 3)
-    before = torch._C._get_sdp_priority_order()
-    others = [int(b) for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION)]
-    with bench.compared(bench.Args(shape_multiple=8, sdpa_backend="math", head_chunk_mb=2048, aligned_prompts="on")):
-        assert [s.shape_multiple(torch.device("cpu")) for s in (grpo, dapo, ppo)] == [8, 8, 8]
-        assert [s.aligned_prompts(torch.device("cpu")) for s in (grpo, dapo, ppo)] == [True] * 3
-        assert [s.HEAD_CHUNK_BYTES for s in (grpo, dapo, ppo)] == [2**31] * 3
-        inside = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
-        backends = [
-            getattr(torch.backends.cuda, f"{b}_sdp_enabled")() for b in ("flash", "mem_efficient", "cudnn", "math")
-        ]
-        assert backends == [True] * 4  # every one enabled
-        order = torch._C._get_sdp_priority_order()
-        assert order[0] == int(SDPBackend.MATH)  # math first, then the others as PyTorch had them
-        assert [b for b in order[1:] if b in others] == [b for b in before if b in others]
-    assert torch._C._get_sdp_priority_order() == before  # PyTorch's own order again after
-    assert [s.shape_multiple(torch.device("cpu")) for s in (grpo, dapo, ppo)] == [1, 1, 1]
-    assert [s.HEAD_CHUNK_BYTES for s in (grpo, dapo, ppo)] == [2**28] * 3
-    assert [s.aligned_prompts(torch.device(d)) for s in (grpo, ppo) for d in ("cpu", "cuda")] == [False, True] * 2
-    with bench.compared(bench.Args(aligned_prompts="off")):
-        assert not any(s.aligned_prompts(torch.device("cuda")) for s in (grpo, dapo, ppo))
-    with pytest.raises(SystemExit, match="on or off"):
-        with bench.compared(bench.Args(aligned_prompts="yes")):
-            pass
-    assert torch.allclose(inside, torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask))
-    with pytest.raises(SystemExit, match="--sdpa_backend fast: one of cudnn, efficient, flash, math"):
-        with bench.compared(bench.Args(sdpa_backend="fast")):
-            pass
+    prompt_ids = torch.tensor([[0, 5, 6], [0, 5, 6]])
+    prompt_mask, completion_mask = torch.tensor([[0, 1, 1], [0, 1, 1]]), torch.ones(2, 9, dtype=torch.long)
+    order = common.length_order(prompt_ids, prompt_mask, completion_mask)
+
+    def layout():
+        [(_, chunk)] = common.chunks_of(order, prompt_ids, prompt_mask, completion_mask, 2)
+        return chunk.prompt, chunk.completion
+
+    with bench.compared(bench.Args(shape_multiple=8, head_chunk_mb=2048)):
+        assert common.shape_multiple(torch.device("cpu")) == 8 and layout() == (3, 9)  # 8 columns, or all there are
+        assert {s.HEAD_CHUNK_BYTES for s in (common, grpo, dapo, ppo) if hasattr(s, "HEAD_CHUNK_BYTES")} == {2**31}
+    assert common.shape_multiple(torch.device("cpu")) == 1 and layout() == (2, 9)
+    assert common.HEAD_CHUNK_BYTES == 2**28
+    for flag in ("--aligned_prompts", "--sdpa_backend"):
+        assert not hasattr(bench.Args(), flag[2:])
+        with pytest.raises(SystemExit):
+            common.parse_args(bench.Args, [flag, "off"])
 
 
 def test_the_sampler_parts():
@@ -241,33 +231,22 @@ def test_the_sampler_parts():
 def test_the_decode_attention_variants_compute_generate_attention():
     # bench.py --attention_rows times the one-token step's attention per variant and width. Every
     # variant that runs must compute the attention generate's step computes (against float64,
-    # fp32 on the CPU: 1e-5), at each of decode_widths' widths, and the candidate
-    # matmul_decode_attention must equal grouped_decode_attention itself on a mask with padding
-    # and unfilled columns (1e-6): 4 query heads on 2 KV heads, so the fold of heads is tested.
+    # fp32 on the CPU: 1e-5), at each of decode_widths' widths: 4 query heads on 2 KV heads, so
+    # grouped_decode_attention's fold of heads is tested.
     from transformers import Qwen2Config
 
-    import grpo
-    from bench import bench_attention, matmul_decode_attention, refusal
+    from bench import bench_attention, refusal
 
     config = Qwen2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
     rows = bench_attention(config, 3, 5, 130, torch.device("cpu"), contextlib.nullcontext, torch.float32, calls=2)
-    assert sorted({row["width"] for row in rows}) == grpo.decode_widths(5, 130) == [69, 133, 135]
+    assert sorted({row["width"] for row in rows}) == common.decode_widths(5, 130) == [69, 133, 135]
     for width in (69, 133, 135):
         ran = {row["variant"]: row for row in rows if row["width"] == width and "refused" not in row}
-        named = {"sdpa, masked (generate's masked step)", "sdpa, math only", "matmul (candidate)", "sdpa, no mask"}
-        assert named <= set(ran)
+        named = {"sdpa, masked (generate's masked step)", "sdpa, math only", "sdpa, no mask"}
+        assert named <= set(ran) and not any("matmul" in name for name in ran)
         for name, row in ran.items():
             assert row["ms a call"] > 0 and row["ms a step"] == pytest.approx(3 * row["ms a call"])
             assert name == "sdpa, no mask" or row["max |Δ| vs fp64"] < 1e-5
-    torch.manual_seed(0)
-    query, key, value = torch.randn(3, 4, 1, 8), torch.randn(3, 2, 20, 8), torch.randn(3, 2, 20, 8)
-    mask = torch.zeros(3, 1, 1, 20)
-    mask[0, ..., :4] = mask[1, ..., 15:] = -1e30  # left padding; columns not yet filled
-    expected = grpo.grouped_decode_attention(None, query, key, value, mask, 8**-0.5)[0]  # (n, 1, heads, d)
-    assert expected.shape == (3, 1, 4, 8)
-    torch.testing.assert_close(
-        matmul_decode_attention(None, query, key, value, mask, 8**-0.5)[0], expected, atol=1e-6, rtol=0
-    )
     # A refused backend's row says why, as PyTorch's warnings do (here the CPU's, for flash with
     # dropout): the header and its reason, without the source locations; a header with no reason
     # after it (a backend switched off) is dropped.
@@ -303,30 +282,37 @@ def test_the_varlen_row_attends_as_the_masked_call(monkeypatch):
     assert all(row["max |Δ| vs fp64"] < 1e-5 for row in ran), ran
 
 
-def test_the_decode_candidates_generate_what_generate_does():
-    # bench.py's contenders `matmul` and `widths` are generate with one function replaced: the
-    # one-token attention by matmul_decode_attention, decode_widths by finer_widths. Each computes
-    # the same function (the widths only add masked columns), so on the tiny model in fp32 the
-    # greedy tokens are generate's and the log-probs within float rounding (1e-5); grpo's own
-    # functions are back in place after the call. finer_widths: new columns 64, then a quarter
-    # more each, rounded up to 32: 64, 80 → 96, 120 → 128, 160, 200 → 224, 280 → 288, then the cap.
+def test_replaced_swaps_a_name_in_common_and_the_scripts_for_one_call():
+    # bench.py's contender `masked` is generate with varlen_decode answering no (replaced). The
+    # model's runtime lives in common and the scripts import its names: generate looks varlen_decode
+    # up in grpo's globals, grouped_attention (common's) looks grouped_decode_attention up in
+    # common's. replaced swaps a name in both for the call and puts both back after. Here each is
+    # replaced by a spy that calls the original: generate's own tokens and log-probs, each spy called.
     import grpo
-    from bench import finer_widths, matmul_decode_attention, prompts, replaced
+    from bench import prompts, replaced
     from common import load_model
 
-    assert finer_widths(10, 300) == [74, 106, 138, 170, 234, 298, 310]
     model, tokenizer, _ = load_model("tiny", torch.device("cpu"))
     ids, mask = prompts(tokenizer, 4, 2, torch.device("cpu"))
-    prompt_length = ids.shape[1]
-    assert len(finer_widths(prompt_length, 300)) == 7 and len(grpo.decode_widths(prompt_length, 300)) == 4
-    inputs = (model, ids, mask, 300, [], tokenizer.pad_token_id, len(tokenizer), 0.0)  # every width its own
+    inputs = (model, ids, mask, 70, [], tokenizer.pad_token_id, len(tokenizer), 0.0)  # two widths
     expected = grpo.generate(*inputs)
-    originals = grpo.grouped_decode_attention, grpo.decode_widths
-    for name, candidate in (("grouped_decode_attention", matmul_decode_attention), ("decode_widths", finer_widths)):
-        got = replaced(name, candidate, *inputs)
+    names = ("varlen_decode", "grouped_decode_attention")
+    bound = {name: [getattr(module, name, None) for module in (common, grpo)] for name in names}
+    assert bound["varlen_decode"][1] is bound["varlen_decode"][0]  # grpo's is common's, by import
+    calls = []
+
+    def spy(name: str):
+        original = getattr(common, name)
+        return lambda *a, **k: calls.append(name) or original(*a, **k)
+
+    for name in names:
+        got = replaced(name, spy(name), *inputs)
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
         torch.testing.assert_close(got[3], expected[3], atol=1e-5, rtol=0)
-    assert (grpo.grouped_decode_attention, grpo.decode_widths) == originals
+    assert set(calls) == set(names) and calls.count("varlen_decode") == 1  # once a generate; attention each layer
+    assert {name: [getattr(module, name, None) for module in (common, grpo)] for name in names} == bound
+    got = replaced("varlen_decode", lambda model, cache: False, *inputs)  # the contender masked
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
 def test_training_steps_alone_load_no_model_and_report_each_phase(tmp_path, monkeypatch):

@@ -399,10 +399,10 @@ def test_the_update_loop_waits_for_the_gpu_nowhere(script, checkpointed):
     # The update of 12 rows under bf16 autocast in micro-batches of 3 (4 of them) against 12 (1),
     # counted by the profiler (bench.profiled): the CUDA runtime's synchronising calls (a .tolist() or
     # .item() is a cudaMemcpy and a cudaStreamSynchronize) and the ops that read a value; the micro-
-    # batches' shapes are read once (chunks_of), their prompt pass is aligned (no mask, aligned_prompts),
-    # so 3 micro-batches more add none. The tiny model's every layer attends to all earlier tokens.
-    # Checkpointed (ppo.py's flags for one GPU), each micro-batch is one pass over prompt + completion,
-    # its rows aligned too, and transformers runs it under an attention it builds no mask for.
+    # batches' shapes are read once (chunks_of), so 3 micro-batches more add only transformers' check
+    # of each pass's mask for padding (at most 2 reads a micro-batch: the masked passes; an unmasked
+    # "aligned" pass that read none was measured no faster and removed, docs/speed.md). Checkpointed
+    # (ppo.py's flags for one GPU), each micro-batch is one pass over prompt + completion.
     from bench import profiled
     from common import autocast, enable_activation_checkpointing
     from conftest import sample_batch
@@ -425,7 +425,7 @@ def test_the_update_loop_waits_for_the_gpu_nowhere(script, checkpointed):
         _, measured = profiled(update, device)
         model.zero_grad(set_to_none=True)
         counts[micro_batch_size] = measured["CUDA syncs"], measured["host syncs"]
-    assert counts[3] == counts[12], counts
+    assert all(0 <= more - fewer <= 2 * (4 - 1) for more, fewer in zip(counts[3], counts[12])), counts
 
 
 @pytest.mark.parametrize("script", [grpo, ppo], ids=["grpo", "ppo"])
@@ -518,28 +518,3 @@ def test_the_sampler_draws_what_torch_multinomial_draws_on_cuda():
             assert torch.equal(torch.cuda.get_rng_state(), after)
             assert torch.equal(token, expected)
             assert torch.equal(token_logp, logp.gather(-1, expected[:, None]).squeeze(-1))
-
-
-SDPA_FIRST_PROBE = """
-import torch
-import bench
-from torch.profiler import ProfilerActivity, profile
-
-query = torch.randn(2, 4, 16, 64, device="cuda", dtype=torch.bfloat16)
-mask = torch.ones(2, 1, 16, 16, device="cuda", dtype=torch.bool).tril()
-with bench.compared(bench.Args(sdpa_backend="efficient")):
-    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
-        torch.nn.functional.scaled_dot_product_attention(query, query, query, attn_mask=mask)
-        torch.cuda.synchronize()
-print(sorted({event.key for event in profiler.key_averages()}))
-"""
-
-
-def test_sdpa_backend_first_holds_from_the_first_cuda_call(tmp_path):
-    # PyTorch sets its CUDA order at its first CUDA attention call (cuDNN first on a Hopper), over
-    # any order set before it: bench.compared makes a call first, so --sdpa_backend efficient runs
-    # the memory-efficient kernel (cutlass's fmha) from the run's first call. A fresh process,
-    # where no attention has run yet: in this one an earlier test has already made that call.
-    done = run([sys.executable, "-c", SDPA_FIRST_PROBE], cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert "fmha_cutlass" in done.stdout and "cudnn" not in done.stdout, done.stdout[-2000:]

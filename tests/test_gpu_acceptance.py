@@ -27,7 +27,10 @@ def test_acceptance_runner_smoke(tmp_path):
     # Stage 3: the decode against the masked step, the sampler and the attention part by part.
     assert "| 4 | " in text and "| sampled | fixed |" in text and "| nanopo/masked |" in text
     assert "| part | N | V | ms a call |" in text and "| argmax | 4 | 151665 |" in text  # the sampler's ops
-    assert "| variant | N | width | timed | ms a call |" in text and "| matmul (candidate) | 4 |" in text  # attention
+    assert (
+        "| variant | N | width | timed | ms a call |" in text
+        and "| sdpa, masked (generate's masked step) | 4 |" in text
+    )
     # Stages 4-6, each script's step unprofiled: its time/* metrics, the preflight's time and sizes
     # (on the CPU the rows it falls back to), the work per second of each phase.
     for script in ("grpo", "dapo", "ppo"):
@@ -49,15 +52,15 @@ def test_acceptance_runner_smoke(tmp_path):
 
 
 def test_the_ab_stages_are_stage_4_with_one_flag_more(tmp_path):
-    # Stages 8, 9 and 10, optional: the grpo step of stage 4 again, with the passes as before (masked,
-    # a sync in every micro-batch: first, on what stages 1-7 leave of a whole run), with gradient
-    # checkpointing, and with the memory-efficient attention first; each writes its own JSON.
+    # Stages 8, 9 and 10, optional: the grpo step of stage 4 again, with bf16 weights, with gradient
+    # checkpointing, and with both --compile and gradient checkpointing; each writes its own JSON.
     import gpu_acceptance
 
     planned = gpu_acceptance.stages(False, tmp_path, tmp_path / "model")
     assert len(planned) == 14 and all(stage.get("optional") for stage in planned[6:])
     step = planned[3]["command"]
-    flags = (["--aligned_prompts", "off"], ["--gradient_checkpointing", "true"], ["--sdpa_backend", "efficient"])
+    flags = (["--dtype", "bfloat16"], ["--gradient_checkpointing", "true"])
+    flags += (["--compile", "true", "--gradient_checkpointing", "true"],)
     for stage, more in zip(planned[7:10], flags, strict=True):
         assert stage["command"] == step + more and stage["json"] != planned[3]["json"]
         assert stage["seconds"] == 0 and "A/B against stage 4" in stage["name"]
