@@ -1765,6 +1765,117 @@ def captured_experts(model):
             config._experts_implementation_internal = saved[key]
 
 
+MASKED = -1e30  # the bias of a position not attended to: exp() of it is 0, finite in bf16 and fp32
+
+
+def by_type(masks: dict):
+    """What a model takes for its attention mask: one for every layer, or one per layer type (a dict)."""
+    return masks if len(masks) > 1 else next(iter(masks.values()))
+
+
+def prefill_mask(model, prompt_mask: torch.Tensor, length: int):
+    """The prefill's additive attention masks (B, 1, P, P), one per attention type of the model's layers
+    (attention_windows): causal, the left padding hidden, and in a sliding-window layer the keys within
+    its window only, since transformers adds nothing to a 4D mask it is given. length: the columns the
+    cache holds (a window of None reaches them all). prompt_mask (B, P) -> by_type of the masks."""
+    num_rows, prompt_length = prompt_mask.shape
+    device = prompt_mask.device
+    causal = torch.ones(prompt_length, prompt_length, dtype=torch.bool, device=device).tril()  # (P, P) keys ≤ query
+    visible = torch.zeros(num_rows, prompt_length, prompt_length, dtype=torch.bool, device=device)  # (B, P, P)
+    visible[:] = causal & prompt_mask[:, None, :].bool()
+    columns = torch.arange(prompt_length, device=device)  # (P,) key columns; a query's column is its row
+    return by_type(
+        {
+            kind: torch.where(visible & (columns[:, None] - columns < (window or length)), 0.0, MASKED)[:, None]
+            for kind, window in attention_windows(model).items()
+        }
+    )
+
+
+class DecodeStep:
+    """generate's one-token step: each row's last token, at its next column, through the model and the
+    KV cache (the script's, passed in: its slots, width, align_left and keep_rows), to the next logits.
+    Its buffers (the token, the positions, a mask per attention type) are allocated once and changed in
+    place, so that on CUDA a captured graph replays them (cuda_graph; one graph per width the step
+    attends over, decode_widths, with mixture-of-experts layers routing-free in it: captured_experts);
+    on a GPU in bf16 each row's cache moves to column 0 and attention reads its filled columns alone
+    (varlen_decode: one width); elsewhere grouped_decode_attention over the masked width; with
+    --compile the layers run as one compiled graph (compiled_decode). Each of these computes the
+    model's own attention and layers: the same function, only faster (docs/speed.md).
+    prompt_mask (N, P); position (N, 1) each row's next position."""
+
+    def __init__(self, model, cache, prompt_mask, position, steps: int, pad_id: int, vocab_size: int):
+        num_rows, prompt_length = prompt_mask.shape
+        device = prompt_mask.device
+        length = prompt_length + steps  # S
+        self.model, self.cache, self.vocab_size, self.prompt_length = model, cache, vocab_size, prompt_length
+        self.windows = attention_windows(model)  # attention type -> window; a mask per type
+        self.cache_name = cache_argument(model)  # the keyword the model takes it by
+        self.token_in = torch.full((num_rows, 1), pad_id, device=device)  # (n, 1) the token just sampled
+        self.position = position  # (n, 1)
+        cache.slots = torch.tensor([prompt_length], device=device)  # (1,) the column its key and value go to
+        self.varlen = varlen_decode(model, cache)  # on a GPU: each row's columns from 0, attention over the filled ones
+        if self.varlen:
+            cache.align_left(prompt_mask)  # slots (N,): each row's own next column
+        columns = torch.arange(prompt_length, device=device)  # (P,)
+        bias = torch.full((num_rows, 1, 1, length), MASKED, device=device)  # (n, 1, 1, S)
+        visible = columns < cache.slots[:, None] if self.varlen else prompt_mask.bool()  # (N, P) the prompt
+        bias[:, 0, 0, :prompt_length].masked_fill_(visible, 0.0)
+        self.biases = {kind: bias.clone() for kind in self.windows}  # (n, 1, 1, S) each
+        for kind, window in self.windows.items():  # the first query, column P, sees columns P-window+1 … P
+            if window:
+                self.biases[kind][..., : max(prompt_length - window + 1, 0)] = MASKED
+        self.widths = [length] if self.varlen else decode_widths(prompt_length, steps)  # varlen reads no more
+        self.graphs, self.pool = {}, None  # on CUDA: width -> captured step, for the rows decoded now
+        if device.type == "cuda" and not torch.distributed.is_initialized():
+            self.pool = torch.cuda.graph_pool_handle()
+
+    def __call__(self, token: torch.Tensor, t: int) -> torch.Tensor:
+        """Each row's token (n,), sampled at column P + t, in; the logits (n, V) of the next token out."""
+        cache = self.cache
+        self.token_in.copy_(token[:, None])
+        for kind, window in self.windows.items():
+            if self.varlen:  # row i's own column
+                self.biases[kind].scatter_(-1, cache.slots[:, None, None, None], 0.0)
+            else:
+                self.biases[kind].index_fill_(-1, cache.slots, 0.0)  # later tokens attend to this one (column P+t)…
+            if window and self.prompt_length + t >= window:  # …and, in a window, no longer to column P+t-window
+                self.biases[kind].index_fill_(-1, cache.slots - window, MASKED)
+        width = next(w for w in self.widths if w > self.prompt_length + t)  # holds columns 0 … P+t
+        if self.pool is not None and width not in self.graphs:
+            self.graphs[width] = captured_or_none(functools.partial(self.forward, width, captured=True), self.pool)
+        replay = self.graphs.get(width)  # None: eager, as on the CPU (no CUDA, torchrun, or a capture that failed)
+        logits = replay() if replay is not None else self.forward(width)  # (n, V)
+        self.position += 1
+        cache.slots += 1
+        return logits
+
+    def forward(self, width: int, captured: bool = False) -> torch.Tensor:
+        """The model on the step's buffers over the first `width` columns; captured: the step a CUDA graph
+        holds. -> (n, V) fp32 logits, ids ≥ vocab_size cut off."""
+        model, cache = self.model, self.cache
+        cache.width = width
+        experts = captured_experts(model) if captured else contextlib.nullcontext()
+        attention = varlen_attention(model, (cache.slots + 1).int()) if self.varlen else grouped_attention(model)
+        with attention, fp32_lm_head(model), experts, compiled_decode(model):
+            out = model(
+                input_ids=self.token_in,
+                attention_mask=by_type({kind: bias[..., :width] for kind, bias in self.biases.items()}),
+                position_ids=self.position,
+                **{self.cache_name: cache},
+                use_cache=True,
+            )
+        return out.logits[:, -1, : self.vocab_size].float()
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Saves the decode work of finished rows: only these rows (n',) stay, in new, smaller buffers
+        (the cache's too), with new graphs."""
+        self.token_in, self.position = self.token_in[rows], self.position[rows]
+        self.biases = {kind: bias[rows] for kind, bias in self.biases.items()}
+        self.cache.keep_rows(rows)
+        self.graphs = {}
+
+
 COMPILED_BLOCKS = ("MLP", "RMSNorm")  # the ends of the class names compile_blocks compiles
 
 COMPILE_BACKEND = "inductor"  # tests: "aot_eager" (traced and differentiated, no kernels generated: seconds on a CPU)

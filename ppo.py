@@ -64,6 +64,7 @@ from common import (
     ADAPTER_DIR,
     FULL_LR,
     LORA_LR,
+    DecodeStep,
     Layout,
     Run,
     RunArgs,
@@ -71,25 +72,19 @@ from common import (
     all_reduce_metrics,
     all_reduce_totals,
     arg,
-    attention_windows,
     autocast,
     cache_argument,
-    captured_experts,
-    captured_or_none,
     check_distributed,
     check_run_args,
     chunks_of,
     compile_blocks,
-    compiled_decode,
     compiled_sampler,
-    decode_widths,
     dequantised,
     enable_activation_checkpointing,
     forward_completions,
     fp32_lm_head,
     frozen_dtype,
     full_state_dict,
-    grouped_attention,
     host_numbers,
     init_distributed,
     is_lora,
@@ -101,6 +96,7 @@ from common import (
     model_source,
     my_share,
     parse_args,
+    prefill_mask,
     rank,
     rank_seed,
     render_chat,
@@ -113,8 +109,6 @@ from common import (
     size_micro_batches,
     trim_padding,
     unsharded,
-    varlen_attention,
-    varlen_decode,
     with_adapters,
     world_size,
 )
@@ -1232,18 +1226,14 @@ def generate(
     environment's tokens (the tools' answers and the next assistant header, at most max_tool_tokens),
     which the row then takes one a step as forced tokens, in place of the ones it samples, while
     every other row goes on sampling; then the row samples again. None ends the row. Forced tokens
-    keep every row's columns its positions, so the cache, the masks and the CUDA graphs stay as
-    they are; seeing each turn's end costs one host sync a token. max_new_tokens bounds the model's
-    own tokens; T may reach max_new_tokens + max_turns · max_tool_tokens.
+    keep every row's columns its positions, so the cache and the masks stay as they are; seeing
+    each turn's end costs one host sync a token. max_new_tokens bounds the model's own tokens; T may
+    reach max_new_tokens + max_turns · max_tool_tokens.
 
-    The phases: 1. prefill each distinct prompt once; 2. set up the one-token step's buffers;
-    3. decode: sample, record, check for the end every check_every tokens (compacting finished
-    rows away once at most compact_below of them are live), step (a CUDA graph per width on
-    CUDA, mixture-of-experts layers routing-free in it: captured_experts; on a GPU in bf16, each
-    row's cache from column 0 and attention over its filled columns alone, varlen_decode, one width;
-    with --compile, the layers as one compiled graph, compiled_decode, and the sampler, compiled_sampler);
-    4. cut to the longest completion and rewind the random generator past it. None of the speed features changes the
-    distribution sampled from; docs/speed.md explains each.
+    The phases: 1. prefill each distinct prompt once; 2. the one-token step (common.DecodeStep:
+    how it runs fast is the runtime's); 3. decode: sample, record, check for the end every
+    check_every tokens (compacting finished rows away once at most compact_below of them are live),
+    step; 4. cut to the longest completion and rewind the random generator past it.
     """
     was_training = model.training
     model.eval()  # no dropout, and gradient checkpointing (train-mode only) keeps the cache
@@ -1253,16 +1243,8 @@ def generate(
         raise ValueError(f"generate on {device} while cuda:{torch.cuda.current_device()} is current: set_device first")
     num_rows, prompt_length = prompt_ids.shape  # N, P
     steps = max_new_tokens + (max_turns * max_tool_tokens if tool_turn else 0)  # columns a completion may fill
-    length = prompt_length + steps  # S
-    masked = -1e30  # the bias of a position not attended to: exp() of it is 0, finite in bf16 and fp32
     eos = torch.tensor(eos_ids, device=device)
-    cache = KVCache(num_rows, length)
-    windows = attention_windows(model)  # attention type -> window; a mask per type
-
-    def by_type(masks: dict):  # what the model takes: one mask for every layer, or one per layer type
-        return masks if len(masks) > 1 else next(iter(masks.values()))
-
-    cache_name = cache_argument(model)  # the keyword the model takes it by
+    cache = KVCache(num_rows, prompt_length + steps)
     check_every = check_every or (16 if cuda else 1)
 
     # 1. Prefill each distinct prompt once (B rows), then copy its keys and values to its G rows.
@@ -1271,60 +1253,22 @@ def generate(
     # Left padding shifts every prompt; positions count real tokens only, so a prompt
     # scores the same whatever batch it is in.
     position_ids = (distinct_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
-    causal = torch.ones(prompt_length, prompt_length, dtype=torch.bool, device=device).tril()  # (P, P) keys ≤ query
-    visible = torch.zeros(len(counts), prompt_length, prompt_length, dtype=torch.bool, device=device)  # (B, P, P)
-    visible[:] = causal & distinct_mask[:, None, :].bool()
-    columns = torch.arange(prompt_length, device=device)  # (P,) key columns; a query's column is its row
-    prefill_masks = {  # (B, 1, P, P) per attention type: causal, padding hidden, keys in the window only
-        kind: torch.where(visible & (columns[:, None] - columns < (window or length)), 0.0, masked)[:, None]
-        for kind, window in windows.items()
-    }
-    cache.slots, cache.width = columns, prompt_length
+    cache.slots, cache.width = torch.arange(prompt_length, device=device), prompt_length
     with fp32_lm_head(model):
         out = model(
             input_ids=distinct_ids,
-            attention_mask=by_type(prefill_masks),
+            attention_mask=prefill_mask(model, distinct_mask, prompt_length + steps),  # causal, padding hidden
             position_ids=position_ids,
-            **{cache_name: cache},
+            **{cache_argument(model): cache},
             use_cache=True,
             logits_to_keep=1,
         )
     cache.repeat_rows(counts)
     logits = out.logits[:, -1, :vocab_size].float().repeat_interleave(counts, dim=0, output_size=num_rows)  # (N, V)
 
-    # 2. The one-token step's buffers, allocated once and changed in place: a CUDA graph replays them.
-    token_in = torch.full((num_rows, 1), pad_id, device=device)  # (n, 1) the token just sampled
-    position = position_ids[:, -1:].repeat_interleave(counts, dim=0, output_size=num_rows) + 1  # (n, 1)
-    cache.slots = torch.tensor([prompt_length], device=device)  # (1,) the column its key and value go to
-    varlen = varlen_decode(model, cache)  # on a GPU: each row's columns from 0, attention over the filled ones
-    if varlen:
-        cache.align_left(prompt_mask)  # slots (N,): each row's own next column
-    bias = torch.full((num_rows, 1, 1, length), masked, device=device)  # (n, 1, 1, S)
-    visible = columns < cache.slots[:, None] if varlen else prompt_mask.bool()  # (N, P) the prompt, not its padding
-    bias[:, 0, 0, :prompt_length].masked_fill_(visible, 0.0)
-    biases = {kind: bias.clone() for kind in windows}  # (n, 1, 1, S) each: the one-token step's masks
-    for kind, window in windows.items():  # the first query, column P, sees columns P-window+1 … P
-        if window:
-            biases[kind][..., : max(prompt_length - window + 1, 0)] = masked
-    widths = [length] if varlen else decode_widths(prompt_length, steps)  # varlen reads no column past a row's
-
-    def step(width: int, captured: bool = False):  # captured: the step a CUDA graph holds
-        cache.width = width
-        experts = captured_experts(model) if captured else contextlib.nullcontext()
-        attention = varlen_attention(model, (cache.slots + 1).int()) if varlen else grouped_attention(model)
-        with attention, fp32_lm_head(model), experts, compiled_decode(model):
-            out = model(
-                input_ids=token_in,
-                attention_mask=by_type({kind: bias[..., :width] for kind, bias in biases.items()}),
-                position_ids=position,
-                **{cache_name: cache},
-                use_cache=True,
-            )
-        return out.logits[:, -1, :vocab_size].float()  # (n, V) ids ≥ vocab_size are cut off
-
-    graphs, pool = {}, None  # on CUDA: width -> captured step, for the rows decoded now
-    if cuda and not torch.distributed.is_initialized():
-        pool = torch.cuda.graph_pool_handle()
+    # 2. The one-token step: each row's last token at its next column, through the cache.
+    position = position_ids[:, -1:].repeat_interleave(counts, dim=0, output_size=num_rows) + 1  # (N, 1)
+    step = DecodeStep(model, cache, prompt_mask, position, steps, pad_id, vocab_size)
     completion_ids = torch.full((num_rows, steps), pad_id, device=device)  # (N, steps)
     completion_mask = torch.zeros(num_rows, steps, dtype=torch.long, device=device)
     tool_mask = torch.zeros_like(completion_mask)
@@ -1373,25 +1317,8 @@ def generate(
             if len(live) <= compact_below * len(rows):  # the finished rows leave the batch
                 rows, finished, token = rows[live], finished[live], token[live]
                 env = env.keep(live) if env is not None else None
-                token_in, position = token_in[live], position[live]
-                biases = {kind: bias[live] for kind, bias in biases.items()}
-                cache.keep_rows(live)
-                graphs = {}  # new buffers, new graphs
-        token_in.copy_(token[:, None])
-        for kind, window in windows.items():
-            if varlen:  # row i's own column
-                biases[kind].scatter_(-1, cache.slots[:, None, None, None], 0.0)
-            else:
-                biases[kind].index_fill_(-1, cache.slots, 0.0)  # later tokens attend to this one (column P+t)…
-            if window and prompt_length + t >= window:  # …and, in a window, no longer to column P+t-window
-                biases[kind].index_fill_(-1, cache.slots - window, masked)
-        width = next(w for w in widths if w > prompt_length + t)  # holds columns 0 … P+t
-        if pool is not None and width not in graphs:
-            graphs[width] = captured_or_none(functools.partial(step, width, captured=True), pool)
-        replay = graphs.get(width)  # None: eager, as on the CPU (no CUDA, torchrun, or a capture that failed)
-        logits = replay() if replay is not None else step(width)  # (n, V)
-        position += 1
-        cache.slots += 1
+                step.keep(live)  # its buffers and the cache
+        logits = step(token, t)  # (n, V) each row's token at column P + t in, the next logits out
     # 4. Cut to the longest completion; the random draws past its EOS never happened.
     model.train(was_training)
     truncated[rows] |= ~finished  # the rows still decoded at the last step; those that left had ended

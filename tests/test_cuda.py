@@ -254,7 +254,7 @@ def test_the_bf16_decode_attends_by_flash_varlen(qwen_shape, monkeypatch):
     for varlen in (True, False):
         with monkeypatch.context() as patch:
             if not varlen:
-                patch.setattr(grpo, "varlen_decode", lambda model, cache: False)
+                patch.setattr(common, "varlen_decode", lambda model, cache: False)
             ids, mask, _, sample_logp, _ = decode(model, prompt_ids, prompt_mask, vocab_size, 1.0, True, monkeypatch)
         with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
             logp, _ = grpo.sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, 1.0, vocab_size, 8)
@@ -283,7 +283,7 @@ def test_the_compiled_decode_is_captured_and_keeps_to_the_scorer(qwen_shape, mon
     monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)  # not eager past it, silently
     monkeypatch.setattr(common, "CAPTURE_FAILED", [])
     varlen, served = [], common.varlen_decode
-    monkeypatch.setattr(grpo, "varlen_decode", lambda *a: varlen.append(served(*a)) or varlen[-1])
+    monkeypatch.setattr(common, "varlen_decode", lambda *a: varlen.append(served(*a)) or varlen[-1])
     gaps = sampler_gaps(model, tokenizer, vocab_size, monkeypatch)
     print(f"|Δ log π| sampler vs trainer, compiled decode: fp32 {gaps[False]}, bf16 {gaps[True]}")
     assert not common.CAPTURE_FAILED and varlen == [False, True]

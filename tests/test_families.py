@@ -161,7 +161,7 @@ def test_a_sampler_without_windows_fails_this_matrix(monkeypatch):
     # than the tolerance (0.07-0.13 nats on average, python tests/families.py before the fix).
     model = family_model("gemma3")
     prompt_ids, prompt_mask = family_prompts()
-    monkeypatch.setattr(grpo, "attention_windows", lambda model: {"full_attention": None})
+    monkeypatch.setattr(common, "attention_windows", lambda model: {"full_attention": None})
     ids, mask, _, sample_logp, _ = generate(model, prompt_ids, prompt_mask, NEW_TOKENS, [VOCAB + 1], 0, VOCAB, 0.0)
     plain = plain_forward_logprobs(model, prompt_ids, prompt_mask, ids, mask)
     assert (sample_logp - plain).abs().max().item() > 100 * TOLERANCE
@@ -325,7 +325,7 @@ def decode_ops(model, captured: bool, monkeypatch):
             with real(model), common.captured_experts(model):
                 yield
 
-        monkeypatch.setattr(grpo, "grouped_attention", as_captured)
+        monkeypatch.setattr(common, "grouped_attention", as_captured)
     prompt_ids, prompt_mask = family_prompts()
     recorder = DecodeStepOps(model)
     try:
