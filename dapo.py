@@ -47,19 +47,13 @@ Papers (equation numbers as cited in the code):
             Qwen2.5-1.5B-Instruct, arXiv 2512.07611.
 
 Run:
-  python dapo.py --model Qwen2.5-1.5B-Instruct                 # one GPU, Countdown
-  python dapo.py --model Qwen2.5-1.5B-Instruct --dynamic_sampling false
-                                                               # the seed study's best variant
-  python dapo.py --model tiny --max_steps 20 --dynamic_sampling false
-                                                               # CPU smoke run, no download (the tiny
-                                                               # model scores 0 on Countdown: with dynamic
-                                                               # sampling every step would be skipped)
+  python dapo.py --model Qwen2.5-1.5B-Instruct                            # one GPU, Countdown
+  python dapo.py --model Qwen2.5-1.5B-Instruct --dynamic_sampling false   # the seed study's best variant
+  python dapo.py --model tiny --max_steps 20 --dynamic_sampling false     # CPU smoke run, no download
   python dapo.py --model tiny --task digit --lr 3e-3 --max_new_tokens 8 --overlong_buffer 4 --max_steps 40
-                                                               # CPU, watch the reward rise
-  python dapo.py --model Qwen2.5-1.5B-Instruct --task gsm8k --eval_every 50
-                                                               # GSM8K, held-out accuracy logged
-  torchrun --nproc_per_node 8 dapo.py --model Qwen2.5-7B-Instruct
-                                                               # 8 GPUs, FSDP2: docs/distributed.md
+  torchrun --nproc_per_node 8 dapo.py --model Qwen2.5-7B-Instruct         # 8 GPUs, FSDP2: docs/distributed.md
+(The tiny model scores 0 on Countdown: with dynamic sampling every step would be skipped. The digit
+run on the CPU: watch the reward rise.)
 Shape letters in comments:
   B prompts per step · G completions per prompt · N = B·G sequences (fewer when dynamic
   sampling ran out of rounds) · n sequences of a micro-batch or of one rollout() ·
@@ -78,33 +72,23 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import common
 from common import (
-    DecodeStep,
-    Layout,
     Run,
     RunArgs,
     all_reduce,
     all_reduce_metrics,
     all_reduce_totals,
     arg,
-    autocast,
-    cache_argument,
     check_distributed,
     check_run_args,
-    chunks_of,
-    compiled_sampler,
-    forward_completions,
-    fp32_lm_head,
     host_numbers,
     init_distributed,
-    length_order,
     load_policy,
     load_reference,
-    logprob_head,
     make_optimizer,
     my_share,
     parse_args,
-    prefill_mask,
     rank,
     rank_seed,
     render_chat,
@@ -114,7 +98,6 @@ from common import (
     seed_everything,
     shard_model,
     size_micro_batches,
-    trim_padding,
     unsharded,
     world_size,
 )
@@ -131,8 +114,7 @@ from rewards import (
 
 @dataclass
 class Args(RunArgs, TaskArgs):
-    # The algorithm's hyperparameters. The flags every script shares, the model's, the run's (common.RunArgs)
-    # and the task's and tools' (rewards.TaskArgs), follow them in --help.
+    # The algorithm's hyperparameters; --help lists the shared flags after them (common.RunArgs, rewards.TaskArgs).
     # the DAPO objective
     loss_type: str = arg("dapo", "dapo (the clipped surrogate, Eq. 8), cispo, sapo, dppo, clip_cov, kl_cov")
     eps_low: float = arg(0.2, "ε_low, lower clip range of the token ratio, DAPO Eq. 10")
@@ -142,45 +124,24 @@ class Args(RunArgs, TaskArgs):
     cispo_eps_low: float = arg(1.0, "ε_low^IS: CISPO's weight ≥ 1 − ε_low^IS, MiniMax-M1 Eq. 5; 1 = no lower bound")
     cispo_eps_high: float = arg(3.0, "ε_high^IS, CISPO's weight ≤ 1 + ε_high^IS, MiniMax-M1 Eq. 5 (3: a cap of 4)")
     beta: float = arg(0.0, "β, k3 KL coefficient as in GRPO (DAPO drops the KL, Sec. 2.3); 0 = no reference model")
-    scale_rewards: str = arg(
-        "", "Â's scale: group (std), batch (Lite PPO), mean (MaxRL), none (Dr. GRPO); '' = none for dr_grpo, else group"
-    )
+    scale_rewards: str = arg("", "Â's scale: group (std), batch (Lite PPO), mean (MaxRL), none; '': dr_grpo's none")
     adv_eps: float = arg(1e-6, "added to Â's scale (the group std, DAPO Eq. 6; verl's value, TRL uses 1e-4)")
-    dppo_delta: float = arg(
-        0.2, "δ of DPPO's Binary-TV region |π_θ − π_sampler| on the sampled token (--loss_type dppo; arXiv 2602.04879)"
-    )
-    dppo_ratio_cap: float = arg(
-        20.0, "C: DPPO's detached ratio min(r, C), large against its bias (verl: 3 unless set; docs/techniques.md)"
-    )
+    dppo_delta: float = arg(0.2, "δ of DPPO's Binary-TV region |π_θ − π_sampler| (arXiv 2602.04879)")
+    dppo_ratio_cap: float = arg(20.0, "C, the cap of DPPO's detached ratio min(r, C) (verl: 3; docs/techniques.md)")
     dppo_type: str = arg("binary_tv", "DPPO's divergence: binary_tv (|p − q| > δ) or binary_kl (Bernoulli KL > δ_KL)")
     dppo_kl_delta: float = arg(0.05, "δ_KL of DPPO's Binary-KL region (--dppo_type binary_kl; the paper's 0.05)")
-    kl_tau: float = arg(
-        0.0, "τ of Kimi K2.5's penalty τ·(log π_θ − log π_sampler)² per token (prime-rl: 1e-3, with DPPO); 0 = off"
-    )
-    clip_cov_ratio: float = arg(
-        2e-4, "r, Clip-Cov's share of tokens whose gradient is cut (--loss_type clip_cov; arXiv 2505.22617)"
-    )
+    kl_tau: float = arg(0.0, "τ of Kimi K2.5's penalty τ·(log π_θ − log π_sampler)² per token (prime-rl: 1e-3)")
+    clip_cov_ratio: float = arg(2e-4, "r, Clip-Cov's share of tokens whose gradient is cut (arXiv 2505.22617)")
     clip_cov_bounds: str = arg("1,5", "ω_low,ω_high: Clip-Cov cuts only tokens whose covariance lies in this band")
-    kl_cov_ratio: float = arg(
-        2e-4, "k, KL-Cov's share of tokens, of largest covariance, that get its penalty (verl: 2e-4)"
-    )
+    kl_cov_ratio: float = arg(2e-4, "k, KL-Cov's share of tokens, of largest covariance, that get its penalty")
     kl_cov_coef: float = arg(1.0, "β of KL-Cov's penalty β·|log π_θ − log π_θold| on its tokens (--loss_type kl_cov)")
-    sapo_tau_pos: float = arg(
-        1.0, "τ_pos of SAPO's gate σ(τ(r − 1))·4/τ for Â > 0 (--loss_type sapo; arXiv 2511.20347)"
-    )
+    sapo_tau_pos: float = arg(1.0, "τ_pos of SAPO's gate σ(τ(r − 1))·4/τ for Â > 0 (arXiv 2511.20347)")
     sapo_tau_neg: float = arg(1.05, "τ_neg of SAPO's gate for Â < 0 (the paper's: a little steeper than τ_pos)")
     dual_clip: float = arg(0.0, "c of dual-clip PPO (Ye et al. Eq. 4), > 1 to enable (verl: 3); 0 = off")
     entropy_coef: float = arg(0.0, "c_H, T1's entropy bonus: the loss minus c_H·H(π_θ) per token; 0 = off")
-    top_entropy_quantile: float = arg(
-        1.0,
-        "ρ: the top-ρ share of tokens by π_θold's entropy keep the policy gradient (arXiv 2506.01939: 0.2); 1 = all",
-    )
-    off_policy_mask_threshold: float = arg(
-        0.0, "δ of DeepSeek-V3.2's sequence masking: Â < 0 and mean log π_sampler/π_θ > δ leave; 0 = off"
-    )
-    unbiased_kl: bool = arg(
-        False, "DeepSeek-V3.2's KL estimate: k3 × π_θ/π_θold, the ratio not detached (arXiv 2512.02556)"
-    )
+    top_entropy_quantile: float = arg(1.0, "ρ: the top-ρ share of tokens by π_θold's entropy keep the gradient")
+    off_policy_mask_threshold: float = arg(0.0, "δ, DeepSeek-V3.2's masking of Â < 0 completions off by > δ")
+    unbiased_kl: bool = arg(False, "DeepSeek-V3.2's KL estimate k3·π_θ/π_θold, the ratio not detached")
     ref_ema_decay: float = arg(0.0, "λ, T1's moving π_ref ← λ·π_ref + (1−λ)·π_θ after each optimizer step; 0 = frozen")
     tis_cap: float = arg(0.0, "C, truncated IS: each token's policy-gradient term × min(π_θold/π_sampler, C); 0 = off")
     is_mask: str = arg("", "α,β of masked IS (IcePop): a token with π_θold/π_sampler outside [α, β] leaves the loss")
@@ -204,15 +165,6 @@ class Args(RunArgs, TaskArgs):
     num_mini_batches: int = arg(1, "optimizer steps per iteration; B·G must split evenly (fewer kept: near-evenly)")
     # run
     max_steps: int = arg(500, "training steps (one batch of at most B·G completions each)")
-
-
-# Settings a resumed run must share with the run it continues (the reference model, the
-# prompt order and the meaning of a step depend on them).
-SAME_ON_RESUME = ("model", "task", "dataset", "num_problems", "seed", "batch_size", "group_size")
-SAME_ON_RESUME += ("lora_rank", "lora_alpha", "lora_targets")  # the adapters saved must fit the run
-SAME_ON_RESUME += ("dynamic_sampling", "gen_batch_size")  # the prompt stream's rounds depend on them too
-SAME_ON_RESUME += ("ref_ema_decay",)  # with it, the trainer state holds the moving reference
-SAME_ON_RESUME += ("data_file", "data_split", "prompt_key", "answer_key", "eval_data_file")  # --task file's rows
 
 
 @dataclass
@@ -982,13 +934,22 @@ def ema_update(reference, policy, decay: float) -> None:
 # Training: train() runs the numbered steps of the docstring; its metrics and helpers follow.
 
 
+# Settings a resumed run must share with the run it continues (the reference model, the
+# prompt order and the meaning of a step depend on them).
+SAME_ON_RESUME = ("model", "task", "dataset", "num_problems", "seed", "batch_size", "group_size")
+SAME_ON_RESUME += ("lora_rank", "lora_alpha", "lora_targets")  # the adapters saved must fit the run
+SAME_ON_RESUME += ("dynamic_sampling", "gen_batch_size")  # the prompt stream's rounds depend on them too
+SAME_ON_RESUME += ("ref_ema_decay",)  # with it, the trainer state holds the moving reference
+SAME_ON_RESUME += ("data_file", "data_split", "prompt_key", "answer_key", "eval_data_file")  # --task file's rows
+
+
 def train(args: Args) -> Path:
     """Runs DAPO and returns the run directory."""
     check_args(args)
     device = init_distributed(resolve_device(args.device))  # under torchrun: this rank's device
     check_distributed(args, args.batch_size, args.gen_batch_size)  # prompts split over K ranks, groups whole
     weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
-    amp = functools.partial(autocast, device, compute_dtype)  # bf16 on a GPU; CPU: nothing
+    amp = functools.partial(common.autocast, device, compute_dtype)  # bf16 on a GPU; CPU: nothing
     seed_everything(rank_seed(args.seed))  # --seed itself in one process
     # The task first: a wrong --task or --data_dir stops before any model loads.
     task = training_task(args)  # --task, its data and --reward_fn
@@ -1466,12 +1427,12 @@ def generate(
     # scores the same whatever batch it is in.
     position_ids = (distinct_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
     cache.slots, cache.width = torch.arange(prompt_length, device=device), prompt_length
-    with fp32_lm_head(model):
+    with common.fp32_lm_head(model):
         out = model(
             input_ids=distinct_ids,
-            attention_mask=prefill_mask(model, distinct_mask, prompt_length + steps),  # causal, padding hidden
+            attention_mask=common.prefill_mask(model, distinct_mask, prompt_length + steps),  # causal, padding hidden
             position_ids=position_ids,
-            **{cache_argument(model): cache},
+            **{common.cache_argument(model): cache},
             use_cache=True,
             logits_to_keep=1,
         )
@@ -1480,7 +1441,7 @@ def generate(
 
     # 2. The one-token step: each row's last token at its next column, through the cache.
     position = position_ids[:, -1:].repeat_interleave(counts, dim=0, output_size=num_rows) + 1  # (N, 1)
-    step = DecodeStep(model, cache, prompt_mask, position, steps, pad_id, vocab_size)
+    step = common.DecodeStep(model, cache, prompt_mask, position, steps, pad_id, vocab_size)
     completion_ids = torch.full((num_rows, steps), pad_id, device=device)  # (N, steps)
     completion_mask = torch.zeros(num_rows, steps, dtype=torch.long, device=device)
     tool_mask = torch.zeros_like(completion_mask)
@@ -1490,7 +1451,7 @@ def generate(
     env = ToolQueue.empty(num_rows, max_tool_tokens, pad_id, device) if tool_turn else None  # forced tokens
     rows = torch.arange(num_rows, device=device)  # (n,) the row of the output each decoded row is
     rng_states = []  # rng_states[t]: the state of the random generator before token t was drawn
-    draw = compiled_sampler(model, sample)  # --compile: through torch.compile
+    draw = common.compiled_sampler(model, sample)  # --compile: through torch.compile
     # 3. Decode, one token a step for every unfinished row.
     for t in range(steps):
         # logit − logsumexp, as sequence_logprobs scores, not F.log_softmax (biased on the CPU: docs/metrics.md)
@@ -1732,7 +1693,7 @@ def sequence_logprobs(
     entropy_grad: bool = False,
     chunk_tokens: int = 0,
     tool_mask: torch.Tensor | None = None,  # (N, T) the tools' answers: in the sequence, not scored
-    layout: "Layout | None" = None,  # the rows as one chunk, its Layout read by the caller (micro_batches)
+    layout: "common.Layout | None" = None,  # the rows as one chunk, its Layout read by the caller (micro_batches)
 ):
     """log π(o_t | q, o_<t) of every completion token, from logits / temperature restricted to the
     tokenizer's vocabulary, exactly as `generate` sampled them. Rows go through the model chunk_size
@@ -1754,16 +1715,18 @@ def sequence_logprobs(
     chunking = chunk_size, chunk_tokens
     order = torch.arange(len(prompt_ids), device=prompt_ids.device)  # one chunk: the rows as they come
     if not layout and (not chunk_size or len(prompt_ids) > chunk_size):  # whole groups of similar length (a sync)
-        order = length_order(prompt_ids, prompt_mask, in_sequence)
-    chunks = [(order, layout)] if layout else chunks_of(order, prompt_ids, prompt_mask, in_sequence, *chunking)
+        order = common.length_order(prompt_ids, prompt_mask, in_sequence)
+    chunks = [(order, layout)] if layout else common.chunks_of(order, prompt_ids, prompt_mask, in_sequence, *chunking)
     scored = []
     for rows, shape in chunks:  # no host sync in this loop: each chunk's shape was read before it
-        chunk = trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], in_sequence[rows], shape)
+        chunk = common.trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], in_sequence[rows], shape)
         kept = chunk[2].shape[1]  # t ≤ T: the chunk's longest completion
         # fp32 logits, as generate's; position p-1+j predicts token j
-        head = logprob_head(model, token_logprobs, chunk[2], scale, vocab_size, with_entropy, entropy_grad)
-        with fp32_lm_head(model), head as read:
-            out = read(forward_completions(model, *chunk, layout=shape))  # (n, t, 2): log π and entropy of each token
+        head = common.logprob_head(model, token_logprobs, chunk[2], scale, vocab_size, with_entropy, entropy_grad)
+        with common.fp32_lm_head(model), head as read:
+            out = read(
+                common.forward_completions(model, *chunk, layout=shape)
+            )  # (n, t, 2): log π and entropy of each token
         scored.append(torch.nn.functional.pad(out, (0, 0, 0, num_tokens - kept)))  # (n, T, 2)
     unsort = order.argsort()  # the rows back in the order they came in
     logp, entropy = (torch.cat(scored)[unsort] * completion_mask[..., None]).unbind(-1)  # (N, T) each
@@ -1781,8 +1744,8 @@ def micro_batches(batch: dict, size: int, tokens: int = 0):
     in_sequence = batch["completion_mask"]  # (n, T) the model's tokens, and the tools' answers it attends to
     if batch.get("tool_mask") is not None:
         in_sequence = in_sequence + batch["tool_mask"]
-    order = length_order(batch["prompt_ids"], batch["prompt_mask"], in_sequence)  # (n,)
-    for rows, layout in chunks_of(order, batch["prompt_ids"], batch["prompt_mask"], in_sequence, size, tokens):
+    order = common.length_order(batch["prompt_ids"], batch["prompt_mask"], in_sequence)  # (n,)
+    for rows, layout in common.chunks_of(order, batch["prompt_ids"], batch["prompt_mask"], in_sequence, size, tokens):
         yield rows, {k: v[rows] if v is not None else None for k, v in batch.items()} | {"layout": layout}
 
 

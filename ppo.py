@@ -60,43 +60,33 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel
 
+import common
 from common import (
     ADAPTER_DIR,
     FULL_LR,
     LORA_LR,
-    DecodeStep,
-    Layout,
     Run,
     RunArgs,
     all_reduce,
     all_reduce_metrics,
     all_reduce_totals,
     arg,
-    autocast,
-    cache_argument,
     check_distributed,
     check_run_args,
-    chunks_of,
     compile_blocks,
-    compiled_sampler,
     dequantised,
     enable_activation_checkpointing,
-    forward_completions,
-    fp32_lm_head,
     frozen_dtype,
     full_state_dict,
     host_numbers,
     init_distributed,
     is_lora,
-    length_order,
     load_policy,
     load_reference,
-    logprob_head,
     make_optimizer,
     model_source,
     my_share,
     parse_args,
-    prefill_mask,
     rank,
     rank_seed,
     render_chat,
@@ -107,7 +97,6 @@ from common import (
     seed_everything,
     shard_model,
     size_micro_batches,
-    trim_padding,
     unsharded,
     with_adapters,
     world_size,
@@ -125,8 +114,7 @@ from rewards import (
 
 @dataclass
 class Args(RunArgs, TaskArgs):
-    # The algorithm's hyperparameters. The flags every script shares, the model's, the run's (common.RunArgs)
-    # and the task's and tools' (rewards.TaskArgs), follow them in --help.
+    # The algorithm's hyperparameters; --help lists the shared flags after them (common.RunArgs, rewards.TaskArgs).
     # the PPO objective
     eps_low: float = arg(0.2, "ε_low, lower clip range of the token ratio, DAPO Eq. 10")
     eps_high: float = arg(0.2, "ε_high, upper clip range of the token ratio (clip-higher), DAPO Eq. 10 (VAPO: 0.28)")
@@ -617,7 +605,7 @@ def train(args: Args) -> Path:
     device = init_distributed(resolve_device(args.device))  # under torchrun: this rank's device
     check_distributed(args, args.batch_size)  # B prompts split over K ranks, a group never spans two
     weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
-    amp = functools.partial(autocast, device, compute_dtype)  # bf16 on a GPU; CPU: nothing
+    amp = functools.partial(common.autocast, device, compute_dtype)  # bf16 on a GPU; CPU: nothing
     seed_everything(rank_seed(args.seed))  # --seed itself in one process
     # The task first: a wrong --task or --data_dir stops before any model loads.
     task = training_task(args)  # --task, its data and --reward_fn
@@ -986,7 +974,7 @@ class Critic(torch.nn.Module):
         """(n, p) and (n, t) ids and masks -> (n, t) fp32 value of the state in which each completion
         token is chosen (at position p-1+j for token j), each prompt forwarded once (forward_completions;
         layout: the chunk's, as chunks_of read it)."""
-        hidden = forward_completions(
+        hidden = common.forward_completions(
             self.backbone, prompt_ids, prompt_mask, completion_ids, completion_mask, "last_hidden_state", layout=layout
         )  # (n, t, H)
         # The head runs in fp32, outside autocast and whatever --dtype the backbone has: it is
@@ -1070,7 +1058,7 @@ def critic_values(
     chunk_size: int,
     chunk_tokens: int = 0,
     tool_mask: torch.Tensor | None = None,  # (N, T) the tools' answers: in the sequence, no value read
-    layout: "Layout | None" = None,  # the rows as one chunk, its Layout read by the caller (micro_batches)
+    layout: "common.Layout | None" = None,  # the rows as one chunk, its Layout read by the caller (micro_batches)
 ) -> torch.Tensor:
     """V_φ(s_t) for every completion position t, s_t = (q, o_<t): the state in which token t
     is chosen, read at position P-1+t, the same position whose logits give log π(o_t) in
@@ -1084,11 +1072,11 @@ def critic_values(
     chunking = chunk_size, chunk_tokens
     order = torch.arange(len(prompt_ids), device=prompt_ids.device)  # one chunk: the rows as they come
     if not layout and (not chunk_size or len(prompt_ids) > chunk_size):  # whole groups, each trimmed (a sync)
-        order = length_order(prompt_ids, prompt_mask, in_sequence)
-    chunks = [(order, layout)] if layout else chunks_of(order, prompt_ids, prompt_mask, in_sequence, *chunking)
+        order = common.length_order(prompt_ids, prompt_mask, in_sequence)
+    chunks = [(order, layout)] if layout else common.chunks_of(order, prompt_ids, prompt_mask, in_sequence, *chunking)
     values = []
     for rows, shape in chunks:  # no host sync in this loop: each chunk's shape was read before it
-        chunk = trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], in_sequence[rows], shape)
+        chunk = common.trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], in_sequence[rows], shape)
         chunk_values = critic(*chunk, layout=shape)  # (n, t), t ≤ T the chunk's longest completion
         values.append(torch.nn.functional.pad(chunk_values, (0, num_tokens - chunk_values.shape[1])))  # (n, T)
     return torch.cat(values)[order.argsort()] * completion_mask.to(torch.float32)  # (N, T)
@@ -1254,12 +1242,12 @@ def generate(
     # scores the same whatever batch it is in.
     position_ids = (distinct_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
     cache.slots, cache.width = torch.arange(prompt_length, device=device), prompt_length
-    with fp32_lm_head(model):
+    with common.fp32_lm_head(model):
         out = model(
             input_ids=distinct_ids,
-            attention_mask=prefill_mask(model, distinct_mask, prompt_length + steps),  # causal, padding hidden
+            attention_mask=common.prefill_mask(model, distinct_mask, prompt_length + steps),  # causal, padding hidden
             position_ids=position_ids,
-            **{cache_argument(model): cache},
+            **{common.cache_argument(model): cache},
             use_cache=True,
             logits_to_keep=1,
         )
@@ -1268,7 +1256,7 @@ def generate(
 
     # 2. The one-token step: each row's last token at its next column, through the cache.
     position = position_ids[:, -1:].repeat_interleave(counts, dim=0, output_size=num_rows) + 1  # (N, 1)
-    step = DecodeStep(model, cache, prompt_mask, position, steps, pad_id, vocab_size)
+    step = common.DecodeStep(model, cache, prompt_mask, position, steps, pad_id, vocab_size)
     completion_ids = torch.full((num_rows, steps), pad_id, device=device)  # (N, steps)
     completion_mask = torch.zeros(num_rows, steps, dtype=torch.long, device=device)
     tool_mask = torch.zeros_like(completion_mask)
@@ -1278,7 +1266,7 @@ def generate(
     env = ToolQueue.empty(num_rows, max_tool_tokens, pad_id, device) if tool_turn else None  # forced tokens
     rows = torch.arange(num_rows, device=device)  # (n,) the row of the output each decoded row is
     rng_states = []  # rng_states[t]: the state of the random generator before token t was drawn
-    draw = compiled_sampler(model, sample)  # --compile: through torch.compile
+    draw = common.compiled_sampler(model, sample)  # --compile: through torch.compile
     # 3. Decode, one token a step for every unfinished row.
     for t in range(steps):
         # logit − logsumexp, as sequence_logprobs scores, not F.log_softmax (biased on the CPU: docs/metrics.md)
@@ -1520,7 +1508,7 @@ def sequence_logprobs(
     entropy_grad: bool = False,
     chunk_tokens: int = 0,
     tool_mask: torch.Tensor | None = None,  # (N, T) the tools' answers: in the sequence, not scored
-    layout: "Layout | None" = None,  # the rows as one chunk, its Layout read by the caller (micro_batches)
+    layout: "common.Layout | None" = None,  # the rows as one chunk, its Layout read by the caller (micro_batches)
 ):
     """log π(o_t | q, o_<t) of every completion token, from logits / temperature restricted to the
     tokenizer's vocabulary, exactly as `generate` sampled them. Rows go through the model chunk_size
@@ -1542,16 +1530,18 @@ def sequence_logprobs(
     chunking = chunk_size, chunk_tokens
     order = torch.arange(len(prompt_ids), device=prompt_ids.device)  # one chunk: the rows as they come
     if not layout and (not chunk_size or len(prompt_ids) > chunk_size):  # whole groups of similar length (a sync)
-        order = length_order(prompt_ids, prompt_mask, in_sequence)
-    chunks = [(order, layout)] if layout else chunks_of(order, prompt_ids, prompt_mask, in_sequence, *chunking)
+        order = common.length_order(prompt_ids, prompt_mask, in_sequence)
+    chunks = [(order, layout)] if layout else common.chunks_of(order, prompt_ids, prompt_mask, in_sequence, *chunking)
     scored = []
     for rows, shape in chunks:  # no host sync in this loop: each chunk's shape was read before it
-        chunk = trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], in_sequence[rows], shape)
+        chunk = common.trim_padding(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], in_sequence[rows], shape)
         kept = chunk[2].shape[1]  # t ≤ T: the chunk's longest completion
         # fp32 logits, as generate's; position p-1+j predicts token j
-        head = logprob_head(model, token_logprobs, chunk[2], scale, vocab_size, with_entropy, entropy_grad)
-        with fp32_lm_head(model), head as read:
-            out = read(forward_completions(model, *chunk, layout=shape))  # (n, t, 2): log π and entropy of each token
+        head = common.logprob_head(model, token_logprobs, chunk[2], scale, vocab_size, with_entropy, entropy_grad)
+        with common.fp32_lm_head(model), head as read:
+            out = read(
+                common.forward_completions(model, *chunk, layout=shape)
+            )  # (n, t, 2): log π and entropy of each token
         scored.append(torch.nn.functional.pad(out, (0, 0, 0, num_tokens - kept)))  # (n, T, 2)
     unsort = order.argsort()  # the rows back in the order they came in
     logp, entropy = (torch.cat(scored)[unsort] * completion_mask[..., None]).unbind(-1)  # (N, T) each
@@ -1569,8 +1559,8 @@ def micro_batches(batch: dict, size: int, tokens: int = 0):
     in_sequence = batch["completion_mask"]  # (n, T) the model's tokens, and the tools' answers it attends to
     if batch.get("tool_mask") is not None:
         in_sequence = in_sequence + batch["tool_mask"]
-    order = length_order(batch["prompt_ids"], batch["prompt_mask"], in_sequence)  # (n,)
-    for rows, layout in chunks_of(order, batch["prompt_ids"], batch["prompt_mask"], in_sequence, size, tokens):
+    order = common.length_order(batch["prompt_ids"], batch["prompt_mask"], in_sequence)  # (n,)
+    for rows, layout in common.chunks_of(order, batch["prompt_ids"], batch["prompt_mask"], in_sequence, size, tokens):
         yield rows, {k: v[rows] if v is not None else None for k, v in batch.items()} | {"layout": layout}
 
 

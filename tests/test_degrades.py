@@ -122,14 +122,14 @@ def test_out_of_memory_in_scoring_and_update_names_the_phase(script, phase, flag
     # Raised inside sequence_logprobs' forward pass (where it enters fp32_lm_head), which runs in
     # both phases: with grad in the update, without in step 4. generate enters it too, and passes.
     in_update = phase.startswith("the policy update")
-    fp32_lm_head = script.fp32_lm_head
+    fp32_lm_head = common.fp32_lm_head
 
     def failing_head(model):
         if sys._getframe(1).f_code.co_name == "sequence_logprobs" and torch.is_grad_enabled() == in_update:
             out_of_memory()
         return fp32_lm_head(model)
 
-    monkeypatch.setattr(script, "fp32_lm_head", failing_head)
+    monkeypatch.setattr(common, "fp32_lm_head", failing_head)
     extra = dict(overlong_buffer=2) if script is dapo else {}
     err = run_out_of_memory(script, tmp_path, capsys, max_steps=1, save_every=0, beta=0.01, **extra)
     message = err.strip().splitlines()[-2]

@@ -124,7 +124,7 @@ def test_cuda_columns_score_as_the_plain_forward(family, script, one_pass, monke
     name, model = family
     monkeypatch.setattr(common, "shape_multiple", lambda device: 8)
     if one_pass:
-        monkeypatch.setattr(script, "forward_completions", functools.partial(script.forward_completions, share=False))
+        monkeypatch.setattr(common, "forward_completions", functools.partial(common.forward_completions, share=False))
     prompt_ids, prompt_mask = (t.repeat_interleave(2, 0) for t in family_prompts())  # (6, 30)
     generator = torch.Generator().manual_seed(1)
     completion_ids = torch.randint(3, VOCAB, (6, 10), generator=generator)

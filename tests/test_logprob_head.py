@@ -93,7 +93,7 @@ def one_pass(script, monkeypatch, on: bool):
     that predict the completion (logits_to_keep) of rows padded on both sides."""
     if on:
         monkeypatch.setattr(common, "shape_multiple", lambda device: 8)
-        monkeypatch.setattr(script, "forward_completions", functools.partial(script.forward_completions, share=False))
+        monkeypatch.setattr(common, "forward_completions", functools.partial(common.forward_completions, share=False))
 
 
 @pytest.mark.parametrize("settings", [(0.7, True), (1.0, False)], ids=["tau-0.7-entropy-grad", "tau-1"])

@@ -280,7 +280,7 @@ def test_no_host_sync_in_the_loop_over_micro_batches(models, script, passes, mon
         model = copy.deepcopy(model).train()
         enable_activation_checkpointing(model)
     if passes == "one-pass":
-        monkeypatch.setattr(script, "forward_completions", functools.partial(script.forward_completions, share=False))
+        monkeypatch.setattr(common, "forward_completions", functools.partial(common.forward_completions, share=False))
     copies, tolist = [], torch.Tensor.tolist  # .tolist(), a copy to the host the profiler does not see
     monkeypatch.setattr(torch.Tensor, "tolist", lambda tensor: copies.append(1) or tolist(tensor))
     updates = {"policy": lambda args: script.policy_backward(model, batch, args, len(tokenizer))}

@@ -64,7 +64,7 @@ def rounded(request, monkeypatch):
 def unshared(script, monkeypatch):
     """Within it, `script` runs the computation before: one pass over prompt + completion a row, each
     row as it is, left padding and mask."""
-    monkeypatch.setattr(script, "forward_completions", functools.partial(script.forward_completions, share=False))
+    monkeypatch.setattr(common, "forward_completions", functools.partial(common.forward_completions, share=False))
 
 
 def passes(module):
