@@ -1277,12 +1277,10 @@ def generate(
     max_tool_tokens: int = 0,
 ):
     """Autoregressive sampling with a KV cache: one forward pass over the prompts, then one
-    single-token pass per new token that reuses every earlier key and value.
-
-    temperature 0 means greedy. Only ids below vocab_size are ever sampled (Qwen's embedding
-    has ~270 more rows than its tokenizer has tokens). A completion ends with the first EOS
-    id it samples; that EOS is part of the completion (it is what teaches the model to stop),
-    and later positions hold pad_id with mask 0. Returns
+    single-token pass per new token that reuses every earlier key and value. temperature 0 means
+    greedy. Only ids below vocab_size are ever sampled (Qwen's embedding has ~270 more rows than its
+    tokenizer has tokens). A completion ends with the first EOS id it samples; that EOS is part of
+    the completion (it teaches the model to stop), and later positions hold pad_id with mask 0. Returns
       completion_ids  (N, T) T ≤ max_new_tokens (with tools, + their answers): the longest, right padded
       completion_mask (N, T) 1 at the model's own tokens, up to and including the EOS
       truncated       (N,)   True where no EOS came within max_new_tokens
@@ -1294,15 +1292,11 @@ def generate(
     hands that turn's token ids to tool_turn(row, ids); when the turn called a tool it returns the
     environment's tokens (the tools' answers and the next assistant header, at most max_tool_tokens),
     which the row then takes one a step as forced tokens, in place of the ones it samples, while
-    every other row goes on sampling; then the row samples again. None ends the row. Forced tokens
-    keep every row's columns its positions, so the cache and the masks stay as they are; seeing
-    each turn's end costs one host sync a token. max_new_tokens bounds the model's own tokens; T may
-    reach max_new_tokens + max_turns · max_tool_tokens.
-
-    The phases: 1. prefill each distinct prompt once; 2. the one-token step (common.DecodeStep:
-    how it runs fast is the runtime's); 3. decode: sample, record, check for the end every
-    check_every tokens (compacting finished rows away once at most compact_below of them are live),
-    step; 4. cut to the longest completion and rewind the random generator past it.
+    every other row goes on sampling; then the row samples again. None ends the row. max_new_tokens
+    bounds the model's own tokens; T may reach max_new_tokens + max_turns · max_tool_tokens.
+    Phases: 1. prefill each distinct prompt once; 2. the one-token step (common.DecodeStep);
+    3. decode: sample, record, check for the end every check_every tokens (compacting finished rows
+    away once at most compact_below of them are live), step; 4. cut, and rewind the random generator.
     """
     was_training = model.training
     model.eval()  # no dropout, and gradient checkpointing (train-mode only) keeps the cache
@@ -1438,20 +1432,13 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 class KVCache:
     """The keys and values of every layer for N rows and S = P + max_new_tokens positions (with
-    tools, + max_turns · max_tool_tokens for their answers), in buffers allocated once and written
-    in place: generate passes it to the model as past_key_values. transformers' attention layers
-    call update() with the keys and values of the tokens they just computed and attend over what
-    it returns; generate sets the columns they go to (slots), how many columns they attend over
-    (width: the filled part, not all S) and, with the attention mask, which of those columns each
-    row may attend to.
-
-    Keys and values are both stored in the values' dtype, the compute dtype: under bf16 autocast
-    with fp32 weights the rotary cos/sin are fp32 and promote the keys to fp32, which attention
-    casts back to bf16 anyway, so a bf16 cache holds the same numbers in half the bytes.
-
-    Left-aligned (align_left, where generate runs varlen_decode_attention): after the prefill each
-    row's prompt moves to columns 0 … len-1, the buffers become (N, S, kv heads, head dim), and
-    each row writes its next key and value at a column of its own (slots (n,))."""
+    tools, + max_turns · max_tool_tokens), in buffers allocated once and written in place: the
+    model's attention layers call update() with the keys and values of the tokens they just
+    computed and attend over what it returns; generate sets the columns they go to (slots) and how
+    many they read (width). Keys are stored in the values' dtype, the compute dtype (under bf16
+    autocast the rotary cos/sin promote keys to fp32, which attention casts back to bf16 anyway).
+    Left-aligned (align_left, on a GPU in bf16: common.DecodeStep): each row's prompt in columns
+    0 … len-1 of (N, S, kv heads, head dim) buffers, each row writing at a column of its own."""
 
     def __init__(self, rows: int, length: int):
         self.rows, self.length = rows, length  # N, S
@@ -1535,18 +1522,11 @@ def token_logprobs(logits, tokens, scale: float, vocab_size: int, with_entropy: 
 
 
 def old_and_ref_logprobs(policy, reference, batch: Rollout, args, vocab_size: int, amp, score_policy: bool):
-    """Step 4, no grad: log π_θold and log π_ref of every sampled token, from logits / temperature,
-    logprob_chunk_size rows (or logprob_chunk_tokens) at a time (sequence_logprobs), and π_θold's entropy.
-    Returns old_logp, entropy, ref_logp, (N, T) each; ref_logp is None without a reference.
-
-    score_policy False skips the policy's pass and returns None for old_logp and entropy. That
-    is exact on-policy (one update over one mini-batch, μ = 1): π_θold is then the π_θ of the
-    update's own forward pass, before its optimizer step, and that pass computes log π_θ anyway.
-    The loss never read this pass's old_logp there (the ratio is exp(logp − logp.detach()) = 1,
-    see policy_backward); only the metrics did, and policy_backward hands them its log-probs,
-    detached, and the entropy of the same logits. One no-grad forward pass over N sequences
-    less: about half of step 4. With μ > 1 or several mini-batches θ moves between the updates,
-    and the ratios need the log-probs of θ as it sampled: the pass runs."""
+    """Step 4, no grad: log π_θold and log π_ref of every sampled token, from logits / temperature
+    (sequence_logprobs), and π_θold's entropy. Returns old_logp, entropy, ref_logp, (N, T) each;
+    ref_logp is None without a reference. score_policy False skips the policy's pass (None, None):
+    exact on-policy (μ = 1, one mini-batch), where π_θold is the π_θ of the update's own forward
+    pass, which policy_backward records instead (the ratio is exp(logp − logp.detach()) = 1)."""
     sequences = batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
     old_logp, entropy, ref_logp = None, None, None
     policy.eval()  # same mode as sampling (matters for models with dropout)
@@ -1592,19 +1572,13 @@ def sequence_logprobs(
     layout: "common.Layout | None" = None,  # the rows as one chunk, its Layout read by the caller (micro_batches)
 ):
     """log π(o_t | q, o_<t) of every completion token, from logits / temperature restricted to the
-    tokenizer's vocabulary, exactly as `generate` sampled them. Rows go through the model chunk_size
-    (or, with chunk_size 0, chunk_tokens: chunks_of) at a time, and the LM head turns their hidden
-    states into log-probs a few hundred positions at a time (logprob_head), so no (n, T, V) logits
-    exist, nor are any kept for backward (Gemma 2 and Cohere, whose logits are more than the head's
-    output, have (n, T, V) a chunk); the chunks take the rows in order of length (length_order) and
-    each is cut to its own longest prompt and completion (trim_padding): no forward pass computes
-    padding that a longer row elsewhere in the rollout forced on it. The rows come back in the order
-    they came in.
-    Returns logp (N, T) and, with with_entropy, the entropy of π at each position (N, T);
-    both 0 where completion_mask is 0 (the tools' answers, tool_mask, are attended to, not scored).
-    logp is differentiable when called with grad enabled; the entropy only with entropy_grad too
-    (PPO's entropy bonus, T1's).
-    """
+    tokenizer's vocabulary, exactly as `generate` sampled them (token_logprobs). The runtime runs the
+    passes: rows chunk_size (or chunk_tokens) at a time in order of length, each chunk cut to its
+    own longest prompt and completion, each prompt once per group (common.forward_completions), the
+    head's log-probs a few hundred positions at a time (common.logprob_head); the rows come back in
+    the order they came in. Returns logp (N, T) and, with with_entropy, the entropy (N, T), both 0
+    where completion_mask is 0 (tool_mask's answers are attended to, not scored). logp carries
+    grad when grad is enabled; the entropy only with entropy_grad too (PPO's and T1's bonus)."""
     num_tokens = completion_ids.shape[1]  # T
     scale = temperature if temperature > 0 else 1.0
     in_sequence = completion_mask if tool_mask is None else completion_mask + tool_mask  # (N, T) attended
@@ -1631,12 +1605,9 @@ def sequence_logprobs(
 
 def micro_batches(batch: dict, size: int, tokens: int = 0):
     """The rows of a mini-batch (a dict of (n, …) tensors, None kept as None) in micro-batches of
-    `size` rows, or of about `tokens` tokens (chunks_of), taken in length_order: rows of similar
-    length together, so that a micro-batch's forward pass computes little padding (trim_padding),
-    and a group's rows together, so that its prompt runs once (forward_completions). Yields (rows,
-    micro): rows (m,) are the micro-batch's indices in `batch`, where what it computes goes back
-    (`recorded[rows] = …`: input order again); micro["layout"] is its Layout, read on the host with
-    every other micro-batch's before the first, so that nothing in the loop over them waits for the GPU."""
+    `size` rows, or of about `tokens` tokens, rows of similar length and a group's rows together
+    (common.chunks_of). Yields (rows (m,), micro): the micro-batch's indices in `batch`, and its
+    tensors with micro["layout"], its common.Layout, read for every micro-batch before the first."""
     in_sequence = batch["completion_mask"]  # (n, T) the model's tokens, and the tools' answers it attends to
     if batch.get("tool_mask") is not None:
         in_sequence = in_sequence + batch["tool_mask"]
