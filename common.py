@@ -1,5 +1,6 @@
-"""What ppo.py, grpo.py and dapo.py share: loading and saving models, the tiny test model,
-seeding, the run directory, the metrics log and checkpoints.
+"""What ppo.py, grpo.py and dapo.py share: the flags every script takes (RunArgs), loading and
+saving models, the tiny test model, seeding, the run directory, the metrics log and checkpoints,
+and the model's runtime: how it runs fast, which the scripts call by name.
 
 Nothing here is algorithm: sampling, log-probs, advantages and losses live in the training
 scripts themselves, so that each script reads top to bottom on its own.
@@ -169,6 +170,9 @@ def first_of_node() -> bool:
 # the value that behaved as runs do now is accepted, any other stops (docs/speed.md: tried and removed).
 REMOVED_SETTINGS = {
     "lm_head_precision": ("tf32", "the LM head runs on TF32 tensor cores on a GPU, fp32 on the CPU, always"),
+    # bench.py's A/B flags of paths measured and removed
+    "aligned_prompts": ("off", "the prompt pass keeps its mask, always"),
+    "sdpa_backend": ("", "PyTorch picks the SDPA backend"),
 }
 
 
@@ -1454,12 +1458,11 @@ def autocast(device: torch.device, compute_dtype: torch.dtype | None):
 @contextlib.contextmanager
 def fp32_lm_head(model):
     """Saves the bf16 rounding of the logits under autocast: within it the LM head's product runs
-    in fp32 (weights and hidden states upcast), where autocast would round every logit to bf16's
-    8 significant bits (a logit near 20 lands on a grid of 0.125) and sampler and trainer would
-    read log-probs that differ by that rounding. On a GPU the product runs on TF32 tensor cores
-    (HeadProduct: fp32 in and out, inputs rounded to 10 bits, 9.5e-4 nats from fp64); elsewhere in
-    fp32, exact. A no-op without autocast (the CPU: all fp32 already) and for a head that is not
-    a plain Linear (a LoRA-adapted one runs as it is)."""
+    in fp32 (weights and hidden states upcast), where autocast would round every logit to bf16 and
+    sampler and trainer would read log-probs that differ by that rounding. On a GPU the product
+    runs on TF32 tensor cores (HeadProduct: fp32 in and out, inputs rounded to 10 bits; its error,
+    docs/speed.md); elsewhere in fp32, exact. A no-op without autocast (the CPU: all fp32 already)
+    and for a head that is not a plain Linear (a LoRA-adapted one runs as it is)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not torch.nn.Linear or not torch.is_autocast_enabled(head.weight.device.type):
         yield
@@ -1483,12 +1486,12 @@ def fp32_lm_head(model):
 
 
 class HeadProduct(torch.autograd.Function):
-    """Saves the GPU's fp32 path for the LM head (an H100 runs fp32
-    GEMMs at ~67 TFLOP/s, TF32 at ~495, by its datasheet): hidden · Wᵀ + b, fp32 in and out, its
-    forward and both backward GEMMs under cuBLAS's fp32 matmul precision `precision` ("tf32":
-    inputs rounded to 10 bits of mantissa, products summed in fp32; "ieee": fp32), set around these
-    three GEMMs alone, so that RoPE's angles and every other fp32 product stay exact. Sampler,
-    scorer and update all go through it (fp32_lm_head), so their log-probs still agree."""
+    """hidden · Wᵀ + b, fp32 in and out, its forward and both backward GEMMs under cuBLAS's fp32
+    matmul precision `precision` ("tf32": inputs rounded to 10 bits of mantissa, products summed
+    in fp32; "ieee": fp32). Saves the GPU's slow fp32 path for the LM head (docs/speed.md). The
+    precision is set around these three GEMMs alone, so RoPE's angles and every other fp32 product
+    stay exact; sampler, scorer and update all go through it (fp32_lm_head), so their log-probs
+    agree."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, precision: str):  # (…, d), (V', d), (V',) or None -> (…, V')
@@ -1523,11 +1526,9 @@ def matmul_precision(precision: str):
 def cuda_graph(step, pool=None):
     """step(), a function of tensors at fixed addresses, captured once as a CUDA graph: the function
     returned replays its kernels (no Python, no per-kernel launch cost) and returns the output
-    tensor of the capture, which every replay overwrites. By hand rather than torch.compile's
-    mode="reduce-overhead": these lines are the whole mechanism, nothing traces the transformers
-    model (compiling would take tens of seconds for every new batch shape, and N changes between
-    DAPO's rounds and evaluation), and the static buffers it needs are generate's by design.
-    pool: a memory pool (torch.cuda.graph_pool_handle) shared with graphs replayed one after another."""
+    tensor of the capture, which every replay overwrites. By hand, not torch.compile's
+    "reduce-overhead": nothing traces the model (docs/speed.md). pool: a memory pool
+    (torch.cuda.graph_pool_handle) shared with graphs replayed one after another."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside the capture: lazy set-up (cuBLAS, autocast's casts)
@@ -1548,12 +1549,12 @@ CAPTURE_FAILED = []  # the error of a CUDA-graph capture that raised: every late
 
 
 def captured_or_none(step, pool):
-    """Saves a run that nobody is watching: step() captured as a CUDA graph (cuda_graph), or None
-    if the capture raises (an operation a graph cannot hold, a driver or library that refuses it),
-    after one warning naming the cause; generate then runs the step eagerly, as on the CPU, in this
-    call and every later one. The same tokens either way, only slower. Out of memory is not a
-    capture failure: it goes on up to the run's message about memory. Nor is a failed compilation
-    (--compile: compiled_decode): it stops with torch.compile's own message."""
+    """step() captured as a CUDA graph (cuda_graph), or None if the capture raises (an operation a
+    graph cannot hold, a driver or library that refuses it), after one warning naming the cause;
+    generate then runs the step eagerly in this call and every later one: the same tokens, slower.
+    Saves a run that nobody is watching. Out of memory is not a capture failure: it goes on up to
+    the run's message about memory. Nor is a failed compilation (--compile: compiled_decode): it
+    stops with torch.compile's own message."""
     if CAPTURE_FAILED:
         return None
     try:
@@ -1581,13 +1582,12 @@ def cache_argument(model) -> str:
 
 
 def attention_windows(model) -> dict[str, int | None]:
-    """Makes generate attend as the model does in every layer: each attention type of the model's
-    layers -> its window (None: every earlier token). A sliding-window layer (Mistral, Gemma 2/3,
-    gpt-oss, Cohere2, Qwen2 with use_sliding_window) sees only the last `window` positions, itself
-    included, and transformers applies no window to a 4D mask it is given: generate builds one mask
-    per type. Types come from config.layer_types where the model has it, else one type for every
-    layer, sliding if config.sliding_window is set (Mistral, Phi-3); a model with no config (not
-    transformers') attends over every earlier token."""
+    """Each attention type of the model's layers -> its window (None: every earlier token), so that
+    generate attends as the model does. A sliding-window layer sees only the last `window`
+    positions, itself included, and transformers applies no window to a 4D mask it is given:
+    generate builds one mask per type. Types come from config.layer_types, else one for every
+    layer, sliding if config.sliding_window is set; a model with no config attends over every
+    earlier token. Other layer kinds (chunked, linear, state-space) raise ValueError."""
     if getattr(model, "config", None) is None:
         return {"full_attention": None}
     config = model.config.get_text_config()
@@ -1600,10 +1600,10 @@ def attention_windows(model) -> dict[str, int | None]:
 
 
 def decode_widths(prompt_length: int, max_new_tokens: int, smallest: int = 64) -> list[int]:
-    """Saves attention over the unfilled cache: the few column counts the one-token step attends
-    over, P + 64, P + 128, … doubling up to P + max_new_tokens; token t uses the first that holds
-    P + t + 1 columns, so at most twice the filled columns are read, and on CUDA each width is
-    one captured graph (log2(max_new_tokens / 64) + 1 of them)."""
+    """The few column counts the masked one-token step attends over: P + 64, P + 128, … doubling up
+    to P + max_new_tokens; token t uses the first that holds P + t + 1 columns. Saves attention
+    over the unfilled cache: at most twice the filled columns are read, and on CUDA each width is
+    one captured graph."""
     widths, new = [], smallest
     while new < max_new_tokens:
         widths.append(prompt_length + new)
@@ -1614,8 +1614,8 @@ def decode_widths(prompt_length: int, max_new_tokens: int, smallest: int = 64) -
 @contextlib.contextmanager
 def sdpa_replaced(model, name: str, function):
     """Within it the model's attention layers run `function`, registered with transformers'
-    AttentionInterface as `name`, where they ran sdpa, the function it computes: a model that runs
-    another attention (eager for gpt-oss's attention sinks and Gemma 2's soft-capped scores) keeps its own."""
+    AttentionInterface as `name`, where they ran sdpa, the function it computes. A model that runs
+    another attention (eager for gpt-oss's attention sinks, Gemma 2's soft-capped scores) keeps its own."""
     AttentionInterface.register(name, function)
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) != "sdpa":  # not sdpa, or not a transformers model
@@ -1629,12 +1629,11 @@ def sdpa_replaced(model, name: str, function):
 
 
 def grouped_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **unused):
-    """Saves the copies of the cache that grouped-query attention makes in the one-token step: the
-    query heads that share a KV head (Qwen2.5-1.5B: 6 of 12 on 2) attend as the rows of one query,
-    so each cached key and value is read once, not copied once per query head (transformers' sdpa
-    before 5.23 repeats K and V whenever a mask is given, as generate's is). The same products and
-    softmax as attention head by head. query (n, heads, 1, d), key and value (n, kv heads, S, d),
-    attention_mask (n, 1, 1, S) additive -> (n, 1, heads, d), transformers' attention layout."""
+    """The one-token step's attention with the query heads that share a KV head attending as the
+    rows of one query: the same products and softmax as attention head by head. Saves copying K
+    and V once per query head (transformers' sdpa before 5.23 does under a mask). query
+    (n, heads, 1, d), key and value (n, kv heads, S, d), attention_mask (n, 1, 1, S) additive
+    -> (n, 1, heads, d), transformers' attention layout."""
     num_rows, heads, _, head_dim = query.shape
     kv_heads = key.shape[1]
     folded = query.reshape(num_rows, kv_heads, heads // kv_heads, head_dim)  # head h = kv head h // group
@@ -1651,13 +1650,12 @@ def grouped_attention(model):
 def varlen_decode_attention(
     module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, used, starts, **unused
 ):
-    """Saves what the masked call reads past each row's filled columns, and its mask: generate's
-    one-token attention over a left-aligned cache (KVCache.align_left) by flash attention's
-    variable-length entry, told each row's filled columns (used (n,) int32, a tensor: a CUDA graph
-    holds it). One layer's call, 256 rows on an H200, took 0.096 ms where the masked SDPA took 0.145
-    at a width of 797 columns, about two thirds of it at every width (docs/speed.md). Query head h
-    attends with KV head h // group, as in grouped_decode_attention. query (n, heads, 1, d); key and
-    value (n, kv heads, S, d), views of (n, S, kv heads, d) buffers; starts (n + 1,) int32, 0 … n
+    """generate's one-token attention over a left-aligned cache (KVCache.align_left) by flash
+    attention's variable-length entry, row i over its first used[i] columns (used (n,) int32, a
+    tensor a CUDA graph holds): the attention of the masked step over the same columns, with no
+    mask. Saves reading past each row's filled columns (docs/speed.md). Query head h attends with
+    KV head h // group, as in grouped_decode_attention. query (n, heads, 1, d); key and value
+    (n, kv heads, S, d), views of (n, S, kv heads, d) buffers; starts (n + 1,) int32, 0 … n
     -> (n, 1, heads, d)."""
     num_rows, heads, _, head_dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
@@ -1716,19 +1714,14 @@ def flash_varlen_serves(values: torch.Tensor) -> bool:
 
 
 def routing_free_experts(self, hidden_states, top_k_index, top_k_weights):
-    """Saves the CUDA graph of a mixture-of-experts model's decode step (gpt-oss, Qwen3-MoE, OLMoE):
-    transformers' experts (grouped_mm) sort the tokens by expert and multiply each expert's share
-    with one grouped GEMM whose group ends live on the GPU; torch runs that GEMM on the GPU only for
-    bf16 weights on a Hopper-class device, and otherwise as a loop over experts that first copies the
-    group ends to the host, which a graph cannot hold (the capture fails: gpt-oss in fp32 on an
-    H100). Here every token goes through every expert in two batched products whose shapes do not
-    depend on the routing, and each token keeps the outputs of its top-k experts, weighted and summed
-    in top-k order as transformers sums them: the same function, nothing crosses to the host.
-    The cost: E/k times the experts' FLOPs (gpt-oss-20b: 8×) over the same weights read, which a
-    decode step does not notice while 2·n / (bytes a weight) FLOPs per byte stays under the device's
-    FLOP/s per byte/s (an H100's datasheet: bf16 ~300, so n up to ~300 rows; fp32, no tensor cores, ~20).
-    A forward of transformers' ExpertsInterface: hidden_states (n, H), top_k_index and
-    top_k_weights (n, k) -> (n, H)."""
+    """A mixture-of-experts layer whose shapes do not depend on the routing, so that its decode
+    step can be captured as a CUDA graph: transformers' grouped GEMM may copy its group ends to the
+    host (outside bf16 on a Hopper-class GPU), which a graph cannot hold. Every token goes through
+    every expert in two batched products and keeps the outputs of its top-k experts, weighted and
+    summed in top-k order as transformers sums them: the same function, nothing crosses to the
+    host, at E/k times the experts' FLOPs over the same weights read (docs/speed.md). A forward of
+    transformers' ExpertsInterface: hidden_states (n, H), top_k_index and top_k_weights (n, k)
+    -> (n, H)."""
     up_weight = self.gate_up_proj if self.has_gate else self.up_proj  # (E, 2I or I, H), transposed (E, H, …)
     with torch.autocast(hidden_states.device.type, enabled=False):  # the weights' dtype, as grouped_mm runs
         hidden = hidden_states.to(up_weight.dtype)  # (n, H)
@@ -1795,13 +1788,11 @@ def prefill_mask(model, prompt_mask: torch.Tensor, length: int):
 class DecodeStep:
     """generate's one-token step: each row's last token, at its next column, through the model and the
     KV cache (the script's, passed in: its slots, width, align_left and keep_rows), to the next logits.
-    Its buffers (the token, the positions, a mask per attention type) are allocated once and changed in
-    place, so that on CUDA a captured graph replays them (cuda_graph; one graph per width the step
-    attends over, decode_widths, with mixture-of-experts layers routing-free in it: captured_experts);
-    on a GPU in bf16 each row's cache moves to column 0 and attention reads its filled columns alone
-    (varlen_decode: one width); elsewhere grouped_decode_attention over the masked width; with
-    --compile the layers run as one compiled graph (compiled_decode). Each of these computes the
-    model's own attention and layers: the same function, only faster (docs/speed.md).
+    Its buffers (the token, the positions, a mask per attention type) are allocated once and changed
+    in place, so that on CUDA a captured graph replays them (cuda_graph, captured_experts). Attention
+    runs varlen_decode_attention where varlen_decode says so (one width), else
+    grouped_decode_attention over decode_widths; --compile adds compiled_decode. Each computes the
+    model's own attention and layers: the same function, faster (docs/speed.md).
     prompt_mask (N, P); position (N, 1) each row's next position."""
 
     def __init__(self, model, cache, prompt_mask, position, steps: int, pad_id: int, vocab_size: int):
@@ -1887,20 +1878,15 @@ DECODE_BACKBONES = weakref.WeakKeyDictionary()  # a model compile_blocks compile
 
 
 def compile_blocks(model, on: bool = True):
-    """--compile: each feed-forward block and RMSNorm of `model` through torch.compile, where the
-    update spends most of its elementwise traffic (a trace of its ops at the 1.5B shape put RMSNorm
-    in fp32 at ~24% of it, SwiGLU at ~14%, autocast's casts at ~8%: docs/speed.md): TorchInductor
-    fuses each block's elementwise ops into a few kernels, forward and backward, where eager runs
-    one kernel an op. Blocks only, not whole decoder layers: a layer's attention reads its own KV
-    cache, which torch.compile would specialise layer by layer (28 compilations where one will do,
-    and past its recompilation limit eager again); a block reads nothing but its weights and input,
-    so every layer shares one compilation (and one each for no grad, a batch of one, one token).
-    dynamic: every micro-batch's length and the decode's rows in one. The first step compiles (on an
-    H200 a step that compiled and one more took 127 s together, docs/speed.md); the numbers change
-    by float rounding (fused ops, bf16 rounded in other places). A mixture of
-    experts' block (its routing picks rows by value: gpt-oss's GptOssMLP) and a block whose class
-    is named otherwise stay eager. A model with an LM head is registered (DECODE_BACKBONES) for
-    compiled_decode and compiled_sampler. Returns the model, whose weights and state dict are unchanged."""
+    """--compile: each feed-forward block and RMSNorm of `model` through torch.compile (dynamic
+    shapes), which fuses a block's elementwise ops into a few kernels, forward and backward. Saves
+    most of the update's elementwise traffic (docs/speed.md). Blocks, not decoder layers: a layer's
+    attention reads its own KV cache, which torch.compile would specialise layer by layer; a block
+    reads only its weights and input, so every layer shares one compilation. The first step
+    compiles; numbers change by float rounding (fused ops). Mixture-of-experts blocks (routing
+    picks rows by value) and blocks named otherwise stay eager. A model with an LM head is
+    registered (DECODE_BACKBONES) for compiled_decode and compiled_sampler. Returns the model,
+    weights and state dict unchanged."""
     if not on:
         return model
     # A block kind's compiled code holds one entry a variant: trained or frozen weights (policy,
@@ -1922,20 +1908,15 @@ def compile_blocks(model, on: bool = True):
 
 @contextlib.contextmanager
 def compiled_decode(model):
-    """Saves most of the kernels of generate's one-token step under --compile: within it the model's
-    backbone, every layer, runs as one compiled graph, where eager runs ~40 small kernels a layer
-    (bench.py --decode_layers: RMSNorm, autocast's casts, RoPE, the KV cache's write, the residual
-    adds, SwiGLU; 14 compiled, on the CPU) and a CUDA
-    graph replays them one by one: at 256 rows each moves 0.1-5 MB and costs about its launch
-    latency, not its bytes. Whole, not layer by layer: within the one graph each layer's index into
-    the cache is a constant (compile_blocks). Shapes are dynamic (the rows left after compaction,
-    the width attended over): a new one reuses the compilation, and so does another model of the
-    class (bench.py's measured step after the one that compiled): the blocks' own compiled forwards
-    are set aside within it, the one graph fusing them with the rest, for the graph would check each
-    of them by identity. The prefill and the head (fp32_lm_head) stay eager; the sampler compiles on
-    its own (compiled_sampler). A model compile_blocks did not compile, or with mixture-of-experts
-    layers (routing picks rows by value), or under torchrun (FSDP2's hooks on every layer), or whose
-    backbone's forward a library replaced (accelerate's device_map hooks) runs its step as it is."""
+    """Within it the model's backbone, every layer, runs as one compiled graph (--compile): generate's
+    one-token step. Saves most of the step's small kernels, each costing its launch latency even in a
+    CUDA graph (docs/speed.md). Whole, not layer by layer, so each layer's index into the cache is a
+    constant of the one graph (compile_blocks). Shapes are dynamic; the blocks' compiled forwards are
+    set aside within it (the graph would check each by identity, recompiling for another model). The
+    prefill and the head stay eager; the sampler compiles on its own (compiled_sampler). A model
+    compile_blocks did not compile, with mixture-of-experts layers (routing picks rows by value),
+    under torchrun (FSDP2's hooks on every layer), or whose backbone's forward a library replaced
+    (accelerate's hooks) runs its step as it is."""
     backbone = DECODE_BACKBONES.get(model)
     if backbone is None or dist.is_initialized() or "forward" in backbone.__dict__:  # or a hook library's own
         yield
@@ -1961,16 +1942,12 @@ def compiled_decode(model):
 
 
 def compiled_sampler(model, sample):
-    """Saves most of the sampler's passes over the (n, V) logits under --compile: for a model that
-    compile_blocks registered, `sample` (generate's, called every token outside the captured step)
-    through torch.compile, else `sample` itself. Eager, each op is a pass over the
-    logits (155 MB at 256 rows of Qwen's vocabulary): logsumexp, the log-probs, the noise, its log,
-    the race's keys, their argmax (~1 ms a step on the H100 of the third GPU run); TorchInductor
-    fuses all but the logsumexp and the noise's draw into one pass. The random numbers are torch's
-    own (fallback_random: its exponential_, not TorchInductor's generator), so the tokens for a seed
-    are eager's, bar a near-tie that float rounding breaks the other way. It compiles a few variants
-    once each: the prefill's logits and the step's (a strided view: the head has more rows than the
-    tokenizer ids), one row, each top-p."""
+    """For a model that compile_blocks registered (--compile), `sample` (generate's, called every
+    token outside the captured step) through torch.compile, else `sample` itself. Saves most of the
+    sampler's passes over the (n, V) logits: all but the logsumexp and the noise's draw fuse into
+    one (docs/speed.md). The random numbers are torch's own (fallback_random), so the tokens for a
+    seed are eager's, bar a near-tie that float rounding breaks the other way. A few variants
+    compile once each: the prefill's logits and the step's (a strided view), one row, each top-p."""
     if model not in DECODE_BACKBONES:
         return sample
     if (sample, COMPILE_BACKEND) not in COMPILED:
@@ -1987,11 +1964,10 @@ PLAIN_HEADS = weakref.WeakKeyDictionary()  # model -> whether its logits are its
 
 
 def plain_head(model) -> bool:
-    """Whether the model hands back its LM head's output as its logits, nothing done after it:
-    what logprob_head needs. Gemma 2 soft-caps its logits and Cohere scales them after the head, and
-    other families may: one forward of one token (once per model, remembered), its head made to
-    answer a marker from −100 to 100, shows whether the marker comes back unchanged, rather than a
-    list of families that would go stale."""
+    """Whether the model hands back its LM head's output as its logits, nothing done after it (Gemma 2
+    soft-caps, Cohere scales): what logprob_head needs. One forward of one token, once per model,
+    its head made to answer a marker from −100 to 100, shows whether the marker comes back
+    unchanged, rather than a list of families that would go stale."""
     if model not in PLAIN_HEADS:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if getattr(head, "weight", None) is None:  # no head, or not one with a weight of V' rows
@@ -2014,19 +1990,15 @@ def plain_head(model) -> bool:
 
 @contextlib.contextmanager
 def logprob_head(model, formula, tokens, scale: float, vocab_size: int, with_entropy: bool, entropy_grad: bool):
-    """Saves the (n, t, V) logits of scoring and of the update (8 rows × 1024 tokens × 151,665 ids
-    = 5 GB in fp32, and as much again for their gradient and softmax): within it the model's LM
-    head returns, for the positions that predict `tokens` (n, t), their log-probs and entropies
-    (n, t, 2) by `formula` (the script's token_logprobs: logits (…, V'), tokens (…), scale, vocab_size,
-    with_entropy, entropy_grad -> (…, 2)), computed HEAD_CHUNK_BYTES of logits at a time; with grad enabled
-    backward recomputes each chunk's logits instead of keeping them: by HeadLogprobs, its backward
-    written out, where the head is a plain Linear whose product is fp32 (fp32 weights, or any
-    under autocast: fp32_lm_head's), else (a LoRA-adapted head; bf16 without autocast) each chunk
-    checkpointed.
-    The same head product (fp32_lm_head's, inside it) and the same formula as the whole logits
-    would go through, chunk by chunk: exact up to the order in which the weight's gradient sums
-    its chunks. A model whose logits are not its head's output as is (plain_head) keeps its
-    head, and forward_completions hands back its logits, which `read` turns into the same (n, t, 2)."""
+    """Within it the model's LM head returns, for the positions that predict `tokens` (n, t), their
+    log-probs and entropies (n, t, 2) by `formula` (the script's token_logprobs: logits (…, V'),
+    tokens (…), scale, vocab_size, with_entropy, entropy_grad -> (…, 2)), HEAD_CHUNK_BYTES of
+    logits at a time; backward recomputes each chunk's logits (HeadLogprobs where the head is a
+    plain Linear whose product is fp32, else each chunk checkpointed). Saves the (n, t, V) logits
+    and their gradient (docs/speed.md). Exact: the same head product and formula as the whole
+    logits, chunk by chunk, up to the order the weight's gradient sums its chunks. A model whose
+    logits are not its head's output as is (plain_head) keeps its head; `read` turns its logits
+    into the same (n, t, 2)."""
     head = model.get_output_embeddings() if plain_head(model) else None
     score = functools.partial(
         formula, scale=scale, vocab_size=vocab_size, with_entropy=with_entropy, entropy_grad=entropy_grad
@@ -2072,19 +2044,15 @@ def logprob_head(model, formula, tokens, scale: float, vocab_size: int, with_ent
 
 
 class HeadLogprobs(torch.autograd.Function):
-    """Saves what autograd's backward through the head's chunks moves: log π of `tokens` and the
-    entropy (`formula`, the script's token_logprobs) from the hidden states through a plain Linear
-    head, `rows` positions at a time, with a backward written out. Backward recomputes each chunk's logits z (one GEMM),
-    turns them in place into dL/dz = g·(onehot − p) − g_H·p·(log p + H) with p = exp(z − logsumexp),
-    and adds each chunk's weight gradient into one buffer (addmm_). Autograd's backward through a
-    checkpointed chunk reran the whole forward, entropy included, wrote the gradient through ~14
-    tensors of the logits' size and summed a (V', d) weight gradient per chunk (~2.8 GB moved at
-    Qwen's vocabulary, each of ~56 chunks of a 19-row micro-batch). The forward computes what the
-    head and token_logprobs compute, op for op, in the same precision (fp32, or TF32's GEMMs
-    as HeadProduct on a GPU): the same values; the gradients agree to
-    float rounding. A bf16 weight (FSDP2's gathered head, LoRA's frozen one on a GPU) is upcast once
-    a pass, as fp32_lm_head's product reads it, where that product made an fp32 copy a chunk, and its
-    gradient is summed in fp32 and rounded to bf16 once, where autograd summed the chunks' in bf16.
+    """log π of `tokens` and the entropy (`formula`, the script's token_logprobs) from the hidden
+    states through a plain Linear head, `rows` positions at a time, with a backward written out:
+    it recomputes each chunk's logits z (one GEMM), turns them in place into
+    dL/dz = g·(onehot − p) − g_H·p·(log p + H) with p = exp(z − logsumexp), and adds each chunk's
+    weight gradient into one buffer (addmm_). Saves most of what autograd's backward through the
+    chunks moves (docs/speed.md). The forward is the head and token_logprobs op for op, in the same
+    precision (fp32, or TF32 as HeadProduct on a GPU): the same values; the gradients agree to
+    float rounding. A bf16 weight (FSDP2's gathered head, LoRA's frozen one) is upcast once a pass,
+    its gradient summed in fp32 and rounded to bf16 once.
     hidden (M, d) fp32, weight (V', d), bias (V',) or None, tokens (M,) -> (M, 2): log π and H."""
 
     @staticmethod
@@ -2149,13 +2117,11 @@ class HeadLogprobs(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class Layout:
-    """Saves the host syncs of a chunk's forward pass: what it needs to know on the host, read for
-    all the chunks of a batch at once (chunks_of), before the first runs. A sync stops the host until
-    the GPU has caught up; in every micro-batch it would leave the GPU idle while the host launched
-    the next one, where without it the host launches micro-batch k+1 while the GPU runs k's backward.
-    prompt, completion: the columns trim_padding keeps; prompts: how many runs of consecutive rows
-    share a prompt (forward_completions' prompt pass has a row for each); shortest: the fewest
-    tokens a row's prompt has."""
+    """What a chunk's forward pass needs to know on the host, read for all the chunks of a batch at
+    once (chunks_of) before the first runs. Saves a host sync a micro-batch, so the host launches
+    micro-batch k+1 while the GPU runs k's backward. prompt, completion: the columns trim_padding
+    keeps; prompts: how many runs of consecutive rows share a prompt (forward_completions' prompt
+    pass has a row for each); shortest: the fewest tokens a row's prompt has."""
 
     prompt: int
     completion: int
@@ -2166,11 +2132,10 @@ class Layout:
 def chunks_of(order, prompt_ids, prompt_mask, completion_mask, rows: int, tokens: int = 0) -> list[tuple]:
     """The row indices of `order` in consecutive chunks, each with its Layout: `rows` at a time; with
     rows 0, by `tokens`: as many as keep rows × (their longest prompt + longest completion, the columns
-    trim_padding keeps) within it, one at least, so that a chunk of short rows holds more rows than a
-    chunk of long ones and every chunk about the same work and memory; with neither, 4 rows (train()
-    sets one of them before step 1: size_micro_batches). One host sync, for every chunk's lengths and
-    prompts. Under torchrun the budget buys rows, as many as the longest row of any rank allows:
-    FSDP pairs each forward pass of a rank with one of every other, so all make the same passes.
+    trim_padding keeps) within it, one at least, so every chunk has about the same work and memory;
+    with neither, 4 rows (size_micro_batches sets one before step 1). One host sync for all chunks.
+    Under torchrun the budget buys rows, as many as the longest row of any rank allows: FSDP pairs
+    each forward pass of a rank with one of every other, so all make the same passes.
     Returns [(rows (m,), Layout)]."""
     multiple = shape_multiple(order.device)
     starts = new_prompts(prompt_ids[order], prompt_mask[order])  # (n,) where a run of one prompt starts
@@ -2217,10 +2182,10 @@ def new_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Te
 
 
 def length_order(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
-    """Saves padding work, and lets a prompt be forwarded once for its rows (forward_completions):
-    the row indices with the rows of each prompt (its group) together, the groups in order of
-    their longest completion, longest first, and the rows of a group by length, so that
-    consecutive chunks of them hold whole groups of similar length. (N, P), (N, P), (N, T) -> (N,)."""
+    """The row indices with the rows of each prompt (its group) together, the groups by their longest
+    completion, longest first, and a group's rows by length. Saves padding work, and lets a prompt
+    be forwarded once for its rows (forward_completions): consecutive chunks hold whole groups of
+    similar length. (N, P), (N, P), (N, T) -> (N,)."""
     lengths = completion_mask.sum(-1)  # (N,)
     prompts = torch.cat([prompt_ids, prompt_mask], dim=-1)  # (N, 2P) a prompt is its ids and its padding
     _, group = torch.unique(prompts, dim=0, return_inverse=True)  # (N,) each row's prompt
@@ -2232,22 +2197,20 @@ def length_order(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion
 
 
 def trim_padding(prompt_ids, prompt_mask, completion_ids, completion_mask, layout: Layout):
-    """Saves the compute of columns that are padding in every row of a chunk: the prompt columns
-    before its longest prompt (left padding) and the completion columns after its longest
-    completion (right padding), as many as the chunk's Layout keeps (chunks_of: on CUDA a multiple
-    of shape_multiple columns, or all there are, so that chunks of similar length have one shape and
-    the attention kernels' plans and the allocator's blocks are reused, not made anew for every
-    chunk). Exact: a column no row attends to changes no other position, and positions count real
-    tokens only. (n, P), (n, P), (n, T), (n, T) -> the same, (n, p) and (n, t)."""
+    """The chunk without the columns that are padding in every row: the prompt columns before its
+    longest prompt and the completion columns after its longest completion, as many as its Layout
+    keeps (a multiple of shape_multiple, or all there are). Saves their compute. Exact: a column no
+    row attends to changes no other position, and positions count real tokens only.
+    (n, P), (n, P), (n, T), (n, T) -> the same, (n, p) and (n, t)."""
     first = prompt_ids.shape[1] - layout.prompt  # the first prompt column kept
     kept = layout.completion
     return prompt_ids[:, first:], prompt_mask[:, first:], completion_ids[:, :kept], completion_mask[:, :kept]
 
 
 def shape_multiple(device: torch.device) -> int:
-    """The multiple trim_padding rounds a chunk's columns up to: 64 on CUDA (at most 63 columns of
-    padding computed, and chunks of a batch share a few shapes, as decode_widths' widths do for
-    the one-token step); 1 elsewhere, where nothing is planned per shape."""
+    """The multiple trim_padding rounds a chunk's columns up to: 64 on CUDA, so chunks of a batch
+    share a few shapes and the attention kernels' plans are reused; 1 elsewhere, where nothing is
+    planned per shape."""
     return 64 if device.type == "cuda" else 1
 
 
@@ -2259,19 +2222,17 @@ def forward_completions(
     predict the completion tokens, position p-1+j predicting token j: (n, p), (n, p), (n, t),
     (n, t) -> (n, t, ·), the numbers of one forward pass over prompt + completion.
 
-    Saves forwarding a prompt once per completion: rows that share a prompt (a run of them: a
-    group) run it once, as one row, with the cache on, all but its last token; their completions
-    then attend to its keys and values, which an index copies to their rows, each row's pass
-    starting at the prompt's last token (whose output predicts completion token 0), so that
-    backward sums the G completions' gradients into the one prompt pass (P + G·T token positions
-    instead of G·(P + T)). Exact up to float reassociation: the same keys, values and positions,
-    and transformers builds every mask from the 2D one, sliding windows included. One pass over
-    prompt + completion where no two consecutive rows share a prompt (G = 1), where a prompt is one
-    token, where transformers would drop the cache (gradient checkpointing in train mode), and with
-    share=False (the computation before; tests and bench.py compare with it).
+    Rows that share a prompt (a run of them: a group) run it once, as one row with the cache on,
+    all but its last token; each row's pass then starts at that last token and attends to the
+    prompt's keys and values, copied to its rows by an index, and backward sums the G completions'
+    gradients into the one prompt pass. Saves forwarding a prompt once per completion: P + G·T
+    token positions instead of G·(P + T). Exact up to float reassociation: the same keys, values
+    and positions, and transformers builds every mask from the 2D one, sliding windows included.
+    One pass over prompt + completion where G = 1, where a prompt is one token, under gradient
+    checkpointing in train mode (transformers drops the cache), and with share=False (the plain
+    computation).
 
-    layout: the chunk's Layout (chunks_of), read on the host with the other chunks'; without it the
-    two numbers sharing needs (how many prompts, the shortest) are read here, one host sync."""
+    layout: the chunk's Layout (chunks_of); without it, one host sync here."""
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (n, p+t)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same positions as in generate
     num_prompt, kept = prompt_ids.shape[1], completion_ids.shape[1]  # p, t
