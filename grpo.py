@@ -485,12 +485,9 @@ def sapo_objective(
     """SAPO's soft-gated objective per token (Soft Adaptive Policy Optimization, arXiv 2511.20347):
         f(r)·Â,   f(r) = σ(τ (r − 1)) · 4/τ,   τ = τ_pos where Â > 0, τ_neg where Â < 0
     a smooth gate in place of the hard clip: ∂f/∂r = 4·σ(x)(1 − σ(x)) is 1 at r = 1, so on-policy
-    the gradient is the plain policy gradient Â·∇log π_θ, and it decays smoothly as r leaves 1 on
-    either side: a token far off-policy is damped, not cut as a clipped token is. τ_neg > τ_pos
-    damps negative-advantage tokens a little faster (the paper's asymmetry). Choice where peers
-    differ: the log-ratio is clamped to ±20 before the exp, as verl and SkyRL do (TRL does not), so a
-    token whose ratio would overflow gets a zero gradient, not NaN. logp, old_logp, mask (n, T),
-    advantages (n, 1) or (n, T) -> (n, T)."""
+    the gradient is the plain policy gradient, and it decays smoothly as r leaves 1: a token far
+    off-policy is damped, not cut. The log-ratio is clamped to ±20 before the exp, so an overflowing
+    ratio gets a zero gradient, not NaN. logp, old_logp, mask (n, T), advantages (n, 1) -> (n, T)."""
     ratio = torch.exp(((logp - old_logp) * mask).clamp(-20.0, 20.0))  # (n, T) r, finite
     tau = torch.where(advantages > 0, tau_pos, tau_neg)  # (n, 1) or (n, T)
     return torch.sigmoid(tau * (ratio - 1)) * (4 / tau) * advantages
@@ -498,12 +495,11 @@ def sapo_objective(
 
 def unbiased_kl(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor):
     """DeepSeek-V3.2's unbiased KL estimate (arXiv 2512.02556, Sec. 3.1): the k3 estimate of each
-    token weighted by its importance ratio π_θ/π_θold, which is not detached,
+    token weighted by its importance ratio, not detached,
         D_t = (π_θ(o_t) / π_θold(o_t)) · k3_t
-    The tokens were sampled by π_θold, not π_θ, so k3 alone estimates KL(π_θ ‖ π_ref) with a bias
-    once θ moves; the weight removes it, and its gradient is the KL's own gradient: ∇D = r·(k3 + 1
-    − π_ref/π_θ)·∇log π_θ, against (1 − π_ref/π_θ)·∇log π_θ for plain k3. On-policy r = 1 and the
-    value is k3's, the gradient not. logp, old_logp, ref_logp, mask (n, T) -> (n, T)."""
+    The tokens were sampled by π_θold, so k3 alone is biased once θ moves; the weight removes the
+    bias, and ∇D = r·(k3 + 1 − π_ref/π_θ)·∇log π_θ is the KL's own gradient. On-policy r = 1: k3's
+    value, not its gradient. logp, old_logp, ref_logp, mask (n, T) -> (n, T)."""
     return torch.exp(((logp - old_logp) * mask).clamp(-20.0, 20.0)) * kl_k3(logp, ref_logp)  # e^20: finite
 
 
@@ -592,13 +588,10 @@ def off_policy_sequence_mask(
 ) -> torch.Tensor:
     """DeepSeek-V3.2's off-policy sequence masking (arXiv 2512.02556, Sec. 3.1), per completion:
         M_i = 0  if Â_i < 0 and 1/|o_i| Σ_t log(π_sampler(o_i,t) / π_θ(o_i,t)) > δ,  else 1
-    A negative completion that the current policy has already moved far from (or that the sampler
-    scored very differently) would push π_θ down on tokens it no longer samples: such noisy
-    negatives leave the policy term, not the KL term, and not the normaliser. Choices where the
-    peers differ: π_sampler is sample_logp, the log-probs the sampler drew with (the behaviour
-    policy the paper means; some peers compare π_θold instead), π_θ this update's, detached; the
-    divergence is the mean over the completion's tokens in mask. sample_logp, logp, mask (n, T),
-    advantages (n, 1) -> M (n, 1) in logp's dtype, no gradient."""
+    A negative completion the current policy has already moved far from would push π_θ down on tokens
+    it no longer samples: such completions leave the policy term, not the KL term, not the normaliser.
+    π_sampler is sample_logp (the behaviour policy), π_θ this update's, detached (docs/techniques.md).
+    sample_logp, logp, mask (n, T), advantages (n, 1) -> M (n, 1) in logp's dtype, no gradient."""
     lengths = mask.sum(-1, keepdim=True).clamp(min=1)  # (n, 1) |o_i|
     divergence = ((sample_logp - logp.detach()) * mask).sum(-1, keepdim=True) / lengths  # (n, 1)
     return 1 - ((advantages < 0) & (divergence > threshold)).to(logp.dtype)
@@ -610,19 +603,14 @@ def scaled_advantages(
     """Â_i = (R_i − mean of its group) / s, the scale s as --scale_rewards chooses:
       group  the group's std (GRPO, DAPO Eq. 6: group_advantages)
       none   1 (Dr. GRPO Sec. 3.1: no std, which up-weights nearly solved and nearly failed groups)
-      batch  the std of every reward of the batch (Lite PPO, arXiv 2508.08221; TRL's
-             scale_rewards="batch"): the group's baseline, the batch's scale, so a group whose
-             rewards hardly differ is not blown up to unit size
+      batch  the std of every reward of the batch (Lite PPO, arXiv 2508.08221): the group's
+             baseline, the batch's scale, so a group whose rewards hardly differ is not blown up
       mean   the group's mean reward (MaxRL, arXiv 2602.02710): a group that is rarely right gets
              large advantages, one nearly always right small ones
-    Choices where the paper is silent or the peers differ: batch's std is the unbiased one over
-    the whole batch, under torchrun every rank's (total sums over ranks, as gpg_advantages), the
-    mean taken first; mean divides by the group mean of `success` (the task's reward, rewards by
-    default: dapo.py's length penalty shapes the advantage, not the scale), as prime-rl and SkyRL
-    do; the success rate of the paper's 0/1 rewards, not with partial credit (Countdown's 0.1 for
-    a well-formed wrong answer: a group [0.1, 0 ×7] gets Â = +7, −1). A group whose mean is 0 has
-    nothing to scale by and gets Â = 0, and a negative reward stops the run. eps is added to s
-    (not for none).
+    batch's std is the unbiased one over the whole batch, every rank's under torchrun (total); mean
+    divides by the group mean of `success` (the task's reward; dapo.py's length penalty shapes the
+    advantage, not the scale), a group whose mean is 0 gets Â = 0, and a negative reward stops the
+    run (docs/techniques.md). eps is added to s (not for none).
     rewards (N,) with groups in consecutive rows -> advantages (N,)."""
     if scale in ("group", "none"):
         return group_advantages(rewards, group_size, scale_by_std=scale == "group", eps=eps)
@@ -715,23 +703,11 @@ def dppo_objective(
                     D = μ·log(μ/p) + (1 − μ)·log((1 − μ)/(1 − p)), the KL between the Bernoulli
                     "this token or another" of the sampler and of π_θ
         sg(min(r_t, C)) · Â · log π_θ(o_t) · kept_t
-    The ratio clip over-restrains rare tokens (1e-5 -> 1e-3 is r = 100, a negligible move) and
-    under-restrains likely ones (0.99 -> 0.8 is r = 0.81, inside 1 ± 0.2); the difference of
-    probabilities is the total-variation distance those moves actually make, and Binary-KL weighs a
-    rare token's move more (0.02 -> 0.15 leaves at δ = 0.05, kept by TV at 0.2). The gradient of a
-    kept token is min(r, C)·Â·∇log π_θ, PPO's unclipped one below the cap. As the paper does
-    (Sec. 5.2), both the region and r are measured from the sampler's log-probs (sample_logp), not
-    from π_θold recomputed by the trainer: on-policy r is then the sampler/trainer mismatch (within
-    1e-6 of 1 on the CPU in fp32, not in bf16), which the region also bounds. Choices where the peers
-    differ: the ratio is detached and capped at C, 20 here: large, as verl's DPPO code advises after the
-    paper's Sec. 5.4 (a small cap biases the gradient), yet bounding the weight of one rare token whose
-    probability jumped. verl 0.9.1 and the authors' Stable-RL read config.get("clip_ratio_c", 20.0) and
-    (…, 10.0), but their ActorConfig declares clip_ratio_c = 3.0 (dual-clip's c), so their cap is 3
-    unless set; verl's DPPO example sets 10000. prime-rl and SkyRL keep r·Â differentiable: the same
-    gradient below the cap, another value. 1 − p is floored at 1e-6, so a token that was certain
-    (μ = 1) and fell has D ≈ −log p, not NaN. Kimi K2.5's penalty is --kl_tau (squared_log_ratio).
-    logp, sample_logp, mask (n, T), advantages (n, 1) -> the objective (n, T) and the dropped tokens (n, T)
-    bool."""
+    A kept token's gradient is min(r, C)·Â·∇log π_θ, PPO's unclipped one below the cap. As the paper
+    does (Sec. 5.2), the region and r are measured from the sampler's log-probs (sample_logp), not
+    π_θold's. Choices where the peers differ (docs/techniques.md): the ratio detached and capped at
+    C = 20; 1 − p floored at 1e-6, so a token that was certain (μ = 1) and fell has D ≈ −log p, not NaN.
+    logp, sample_logp, mask (n, T), advantages (n, 1) -> the objective (n, T), the dropped tokens (n, T) bool."""
     p, q = logp.detach().exp(), sample_logp.exp()  # (n, T)
     gap = p - q  # (n, T)
     if divergence == "binary_kl":
@@ -751,13 +727,10 @@ def dppo_region(args: Args) -> dict:
 
 
 def squared_log_ratio(logp: torch.Tensor, sample_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Kimi K2.5's penalty per token (arXiv 2602.02276), added to the loss as τ·(log π_θ − log μ)²
-    on every valid token, the ones a trust region dropped included: where DPPO's mask stops a token's
-    policy gradient, this term still pulls it back toward the sampler μ, with gradient
-    2τ·log(π_θ/μ)·∇log π_θ. Its form, every token and the sampler's log-probs (sample_logp, not the
-    reference's), is prime-rl's default loss (DPPO + this penalty, τ = 1e-3); the loss's normaliser
-    averages it as it does the policy term. On-policy it is the sampler/trainer mismatch squared,
-    about 1e-14 on the CPU in fp32. logp, sample_logp, mask (n, T) -> (n, T)."""
+    """Kimi K2.5's penalty per token (arXiv 2602.02276), τ·(log π_θ − log μ)² on every valid token, the
+    ones a trust region dropped included: it pulls a token DPPO's mask stopped back toward the sampler
+    μ (sample_logp), with gradient 2τ·log(π_θ/μ)·∇log π_θ; prime-rl's default loss with DPPO.
+    logp, sample_logp, mask (n, T) -> (n, T)."""
     return ((logp - sample_logp) * mask) ** 2
 
 
@@ -767,11 +740,9 @@ def cispo_objective(
     """CISPO's per-token objective (MiniMax 2025, MiniMax-M1, arXiv 2506.13585, Sec. 3.1, Eq. 4-5):
         sg(r̂_t) · Â · log π_θ(o_t),   r̂_t = clip(r_t, 1 − ε_low^IS, 1 + ε_high^IS)
     The IS weight is clipped and carries no gradient, so ∇ = r̂_t·Â·∇log π_θ for every token: no
-    token loses its gradient to the clip, as a PPO-clipped token does once r leaves [1 − ε, 1 + ε]
-    (M1's case: the rare reflective tokens, "However", "Wait", are the ones whose ratio runs away).
-    At r = 1 (on-policy) it is the plain policy gradient. Fidelity: Eq. 4's objective exactly, with
-    its token-level normaliser 1/Σ_i|o_i| (the caller's num_tokens); M1 sets ε_low^IS large (no
-    lower bound) and tunes ε_high^IS without publishing it: the default cap 1 + ε_high^IS = 4 is ours.
+    token loses its gradient to the clip, as a PPO-clipped token does. At r = 1 (on-policy) it is the
+    plain policy gradient. Eq. 4 exactly, with its token-level normaliser (the caller's num_tokens);
+    the default cap 1 + ε_high^IS = 4 is ours (M1 does not publish its own).
     logp, ratio (n, T), advantages (n, 1) -> (n, T)."""
     weight = ratio.clamp(1 - eps_low, 1 + eps_high).detach()  # (n, T) sg(r̂_t)
     return weight * advantages * logp
@@ -793,14 +764,12 @@ def dual_clip(objective: torch.Tensor, advantages: torch.Tensor, c: float) -> tu
 
 def tis_weights(old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_mask: torch.Tensor, cap: float):
     """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you
-    off-policy RL training"): the sampler (generate, in its kernels and precision) and the trainer
-    (sequence_logprobs) give the same token different probabilities, so a batch sampled from
-    π_sampler is slightly off-policy for π_θold. Each token's policy-gradient term is weighted by
+    off-policy RL training"): the sampler and the trainer give a token different probabilities, so a
+    batch sampled from π_sampler is slightly off-policy for π_θold. Each token's policy-gradient term
+    is weighted by
         w_t = min(π_θold(y_t) / π_sampler(y_t), C)
-    the importance ratio that corrects for it, truncated at C to bound its variance (Yao et al.
-    use C = 2). A constant, no gradient. π_sampler is sample_logp, recorded before top-p (as
-    verl's and vLLM's raw log-probs): with --top_p < 1 the weight leaves the truncation of the
-    distribution uncorrected. old_logp, sample_logp, completion_mask (n, T) -> w (n, T), 1 where masked."""
+    truncated at C to bound its variance. A constant, no gradient. π_sampler is sample_logp, recorded
+    before top-p. old_logp, sample_logp, completion_mask (n, T) -> w (n, T), 1 where masked."""
     log_ratio = ((old_logp - sample_logp) * completion_mask).clamp(max=20.0)  # e^20: finite, as in kl_k3
     return torch.exp(log_ratio).clamp(max=cap).detach()
 
@@ -817,15 +786,12 @@ def tis_stats(is_weight: torch.Tensor, valid: torch.Tensor) -> dict:
 def importance_mask(
     old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_mask: torch.Tensor, bounds: tuple, level: str
 ) -> torch.Tensor:
-    """Masked importance sampling: where truncated IS (tis_weights) reweights a token that the sampler
-    and the trainer score differently, this drops it. IcePop (Ling Team 2025, Ring-1T, arXiv 2510.18855)
-    keeps a token's policy-gradient term only while k_t = π_θold(y_t) / π_sampler(y_t) lies in [α, β]
-    (its M(k; α, β)), as TRL, verl, SkyRL, OpenRLHF and slime do; a token far outside is a numerical
-    accident of one of the two passes, and reweighting it, even truncated, trains on that accident.
-    level "sequence" judges a completion as a whole, by the geometric mean of its ratios,
-    exp(mean_t log k_t), and keeps or drops all of its tokens (one row of GSPO's kind of ratio).
-    Fidelity: IcePop's mask exactly; its M also weights a kept token by k_t, which is --tis_cap C
-    with C ≥ β (docs/techniques.md). The sequence level is not IcePop's: the geometric-mean rule.
+    """Masked importance sampling (IcePop, Ling Team 2025, Ring-1T, arXiv 2510.18855): a token keeps its
+    policy-gradient term only while k_t = π_θold(y_t) / π_sampler(y_t) lies in [α, β] (its M(k; α, β));
+    where truncated IS (tis_weights) reweights a token the sampler and the trainer score differently,
+    this drops it. level "sequence" keeps or drops a completion's tokens together, by the geometric
+    mean of its ratios exp(mean_t log k_t) (not IcePop's: docs/techniques.md). IcePop's M also weights
+    a kept token by k_t: --tis_cap C with C ≥ β.
     old_logp, sample_logp, completion_mask (n, T), bounds (α, β) -> keep (n, T) in completion_mask's
     dtype: 1 for a valid token that stays, 0 for one masked out and for padding. No gradient."""
     low, high = bounds

@@ -533,14 +533,12 @@ def dual_clip(objective: torch.Tensor, advantages: torch.Tensor, c: float) -> tu
 
 def tis_weights(old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_mask: torch.Tensor, cap: float):
     """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you
-    off-policy RL training"): the sampler (generate, in its kernels and precision) and the trainer
-    (sequence_logprobs) give the same token different probabilities, so a batch sampled from
-    π_sampler is slightly off-policy for π_θold. Each token's policy-gradient term is weighted by
+    off-policy RL training"): the sampler and the trainer give a token different probabilities, so a
+    batch sampled from π_sampler is slightly off-policy for π_θold. Each token's policy-gradient term
+    is weighted by
         w_t = min(π_θold(y_t) / π_sampler(y_t), C)
-    the importance ratio that corrects for it, truncated at C to bound its variance (Yao et al.
-    use C = 2). A constant, no gradient. π_sampler is sample_logp, recorded before top-p (as
-    verl's and vLLM's raw log-probs): with --top_p < 1 the weight leaves the truncation of the
-    distribution uncorrected. old_logp, sample_logp, completion_mask (n, T) -> w (n, T), 1 where masked."""
+    truncated at C to bound its variance. A constant, no gradient. π_sampler is sample_logp, recorded
+    before top-p. old_logp, sample_logp, completion_mask (n, T) -> w (n, T), 1 where masked."""
     log_ratio = ((old_logp - sample_logp) * completion_mask).clamp(max=20.0)  # e^20: finite, as in kl_k3
     return torch.exp(log_ratio).clamp(max=cap).detach()
 
@@ -557,15 +555,12 @@ def tis_stats(is_weight: torch.Tensor, valid: torch.Tensor) -> dict:
 def importance_mask(
     old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_mask: torch.Tensor, bounds: tuple, level: str
 ) -> torch.Tensor:
-    """Masked importance sampling: where truncated IS (tis_weights) reweights a token that the sampler
-    and the trainer score differently, this drops it. IcePop (Ling Team 2025, Ring-1T, arXiv 2510.18855)
-    keeps a token's policy-gradient term only while k_t = π_θold(y_t) / π_sampler(y_t) lies in [α, β]
-    (its M(k; α, β)), as TRL, verl, SkyRL, OpenRLHF and slime do; a token far outside is a numerical
-    accident of one of the two passes, and reweighting it, even truncated, trains on that accident.
-    level "sequence" judges a completion as a whole, by the geometric mean of its ratios,
-    exp(mean_t log k_t), and keeps or drops all of its tokens (one row of GSPO's kind of ratio).
-    Fidelity: IcePop's mask exactly; its M also weights a kept token by k_t, which is --tis_cap C
-    with C ≥ β (docs/techniques.md). The sequence level is not IcePop's: the geometric-mean rule.
+    """Masked importance sampling (IcePop, Ling Team 2025, Ring-1T, arXiv 2510.18855): a token keeps its
+    policy-gradient term only while k_t = π_θold(y_t) / π_sampler(y_t) lies in [α, β] (its M(k; α, β));
+    where truncated IS (tis_weights) reweights a token the sampler and the trainer score differently,
+    this drops it. level "sequence" keeps or drops a completion's tokens together, by the geometric
+    mean of its ratios exp(mean_t log k_t) (not IcePop's: docs/techniques.md). IcePop's M also weights
+    a kept token by k_t: --tis_cap C with C ≥ β.
     old_logp, sample_logp, completion_mask (n, T), bounds (α, β) -> keep (n, T) in completion_mask's
     dtype: 1 for a valid token that stays, 0 for one masked out and for padding. No gradient."""
     low, high = bounds
