@@ -49,6 +49,33 @@ def test_a_mistyped_flag_names_the_closest_one(script, capsys):
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
+def test_help_lists_the_algorithm_first_then_each_shared_group(script, capsys):
+    # --help: the script's own Args fields (its algorithm's hyperparameters) under the first title,
+    # then common.RunArgs' and rewards.TaskArgs' fields, each under its class's title; every field
+    # once. A flag moved into the wrong group (or the groups left as argparse's one list) fails.
+    import dataclasses
+
+    from common import RunArgs
+    from rewards import TaskArgs
+
+    with pytest.raises(SystemExit):
+        parse_args(script.Args, ["--help"])
+    text = capsys.readouterr().out
+    titles = ["the algorithm's hyperparameters:", "The flags every training script has", "The flags of the task"]
+    at = [text.index(title) for title in titles]
+    assert at == sorted(at), at
+    own = [name for name in script.Args.__annotations__]
+    for name, group in (
+        [(n, 0) for n in own]
+        + [(f.name, 1) for f in dataclasses.fields(RunArgs)]
+        + [(f.name, 2) for f in dataclasses.fields(TaskArgs)]
+    ):
+        where = text.index(f"\n  --{name} ")
+        end = at[group + 1] if group < 2 else len(text)
+        assert at[group] < where < end, (name, group)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
 def test_a_removed_flag_says_what_replaced_it(script, tmp_path):
     # --lm_head_precision (removed: one head, TF32 on a GPU) on the command line, in either spelling,
     # and with any value, stops with the one line; in a --config file, an older run's args.json, the

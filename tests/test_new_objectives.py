@@ -268,6 +268,29 @@ def test_dr_grpo_keeps_its_own_scale_unless_asked():
         grpo.check_args(grpo.Args(loss_type="gpg", beta=0.0, scale_rewards="batch"))
 
 
+def test_train_takes_each_variant_s_advantage_from_variant_advantages():
+    # train() calls group_advantages by name for GRPO's own scale and variant_advantages otherwise;
+    # rewards [1, 0, 0, 0 | 1, 1, 1, 0] in groups of 4 (means 0.25, 0.75), by hand:
+    #   none (Dr. GRPO's default)  R − mean: [0.75, −0.25 ×3 | 0.25 ×3, −0.75]
+    #   batch  / the batch's unbiased std √(8·0.25/7) = 0.534522: [1.403121, −0.467707 ×3 | …]
+    #   mean   / the group's mean reward: [3, −1 ×3 | 1/3 ×3, −1]
+    #   gpg    α = 2 groups / 2 informative = 1: R − mean
+    #   group  / the group's std 0.5: [1.5, −0.5 ×3 | 0.5 ×3, −1.5] (group_advantages, as train() calls it)
+    rewards = torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 0])
+    centered = [0.75, -0.25, -0.25, -0.25, 0.25, 0.25, 0.25, -0.75]
+
+    def advantages(**settings):
+        return grpo.variant_advantages(rewards, grpo.Args(group_size=4, **settings)).tolist()
+
+    assert advantages(loss_type="dr_grpo") == pytest.approx(centered, abs=1e-6)
+    assert advantages(scale_rewards="batch") == pytest.approx([c / 0.534522 for c in centered], abs=1e-5)
+    assert advantages(scale_rewards="mean") == pytest.approx([3, -1, -1, -1, 1 / 3, 1 / 3, 1 / 3, -1], abs=1e-4)  # + ε
+    assert advantages(loss_type="gpg", beta=0.0) == pytest.approx(centered, abs=1e-6)
+    by_name = grpo.group_advantages(rewards, 4, eps=1e-6).tolist()
+    assert by_name == pytest.approx([1.5, -0.5, -0.5, -0.5, 0.5, 0.5, 0.5, -1.5], abs=1e-5)
+    assert advantages(scale_rewards="group") == by_name  # the same numbers through either path
+
+
 @pytest.mark.parametrize("script", [grpo, dapo])
 def test_a_run_trains_with_each_scale(script, tmp_path):
     settings = dict(model="tiny", task="digit", max_new_tokens=4, batch_size=2, group_size=4, max_steps=1, save_every=0)
