@@ -16,6 +16,7 @@ import inspect
 import io
 import json
 import os
+import pickle
 import random
 import re
 import shlex
@@ -2955,6 +2956,38 @@ def output_dir_problems(output_dir: str) -> list[str]:
     return [f"--output_dir {output_dir}: {existing} is a file, not a directory: give a directory, new or existing."]
 
 
+def trainer_state_globals() -> list:
+    """What a trainer state holds beyond what torch.load(weights_only=True) reads by itself (tensors,
+    DTensors, numbers, strings, None, lists, tuples, dicts, OrderedDicts: the step, the args, the
+    optimizer, scheduler and reference state dicts, the fp32 master weights, the torch and CUDA RNG
+    states; random.getstate() is a tuple of ints). np.random.get_state() alone needs more: its key
+    is a uint32 ndarray, which pickles as numpy's _reconstruct, the ndarray and dtype classes and the
+    uint32 dtype's class (numpy.dtypes.UInt32DType). The four transformers' Trainer allows for its
+    RNG states (trainer_pt_utils.safe_globals); nothing else, so that a trainer state is read as
+    data, and a pickle that would call anything else (open, os.system, ...) is refused unrun."""
+    return [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def read_trainer_state(checkpoint, path: Path, mmap: bool = False) -> dict:
+    """The trainer state at `path` (in --resume_from `checkpoint`), read as data only: weights_only,
+    with trainer_state_globals and no other global. A file that holds anything else (a pickle from
+    elsewhere, which could run code as it loads) stops with a message, its code not run."""
+    if dist.is_available():
+        import torch.distributed.tensor  # noqa: F401  a torchrun run's optimizer state holds DTensors
+
+    try:
+        with torch.serialization.safe_globals(trainer_state_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as error:
+        found = re.search(r"GLOBAL (\S+) was not|but got (.+?)\s*$", str(error), re.MULTILINE)
+        what = f" ({found[1] or found[2]})" if found else ""
+        raise SystemExit(
+            f"--resume_from {checkpoint}: {path} holds something other than a trainer state{what}, so it "
+            "was not loaded: a trainer state is read as data only (tensors, numbers, strings, lists, dicts "
+            "and the RNG states), never run as code. Resume only from a checkpoint a run of nanoPO wrote."
+        ) from None
+
+
 def resume_problems(args, algo: str) -> list[str]:
     """What stops --resume_from, read before a model loads: no such directory, no trainer state in
     it, a checkpoint of another script (resuming it would overwrite that run's arguments and
@@ -2968,7 +3001,10 @@ def resume_problems(args, algo: str) -> list[str]:
         ]
     if not (checkpoint / TRAINER_STATE).exists():
         return [no_trainer_state(checkpoint)]
-    state = torch.load(checkpoint / TRAINER_STATE, map_location="cpu", weights_only=False, mmap=True)
+    try:
+        state = read_trainer_state(checkpoint, checkpoint / TRAINER_STATE, mmap=True)
+    except SystemExit as refused:  # not a trainer state: listed with the other problems, its code not run
+        return [str(refused)]
     saved = state.get("args", {})
     written_by = state.get("algo") or written_by_script(saved)
     if written_by != algo:
@@ -3022,7 +3058,7 @@ def load_trainer_state(
     path = Path(checkpoint) / filename
     if not path.exists():
         raise SystemExit(no_trainer_state(checkpoint))
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = read_trainer_state(checkpoint, path)
     saved = state.get("args", {})
     different = [f"--{k} {saved[k]!r} (now {args[k]!r})" for k in must_match if k in saved and saved[k] != args[k]]
     if different:
