@@ -205,6 +205,40 @@ def test_dual_clip_and_entropy_bonus_by_hand():
     assert torch.allclose(entropy.grad, torch.tensor([[-0.05, -0.05]]))
 
 
+def test_the_value_loss_counts_the_models_tokens_not_the_tools_answers():
+    # A mini-batch as a rollout with a tool turn lays it out (Rollout.tensors()): row 0 the model's
+    # tokens at columns 0, 1, 4, 5 and a tool's answer at 2, 3 (tool_mask: attended to, never
+    # trained); row 1 the model's tokens at 0-2, no answer. critic_backward's loss is
+    # Σ_model tokens ½·max(...) / 7, the 4 + 3 tokens of the model, not / 9 with the answer's 2 counted
+    # (nor do the answer's positions add a term: old_values and returns are 0 there, and so is the
+    # mask). The values are the critic's own, read with the answer in the sequence (critic_values).
+    torch.manual_seed(0)
+    model, tokenizer, _ = load_model("tiny", torch.device("cpu"))
+    critic = load_critic(ppo.Args(model="tiny"), torch.device("cpu"), torch.float32)
+    torch.nn.init.normal_(critic.value_head.weight, std=0.5)
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, [[{"role": "user", "content": "Say a digit."}]], 2, "cpu")
+    completion_mask = torch.tensor([[1, 1, 0, 0, 1, 1], [1, 1, 1, 0, 0, 0]])
+    tool_mask = torch.tensor([[0, 0, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0]])
+    completion_ids = torch.randint(3, 300, (2, 6)) * (completion_mask + tool_mask)
+    batch = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "tool_mask": tool_mask,
+        "old_values": 0.3 * torch.randn(2, 6) * completion_mask,
+        "returns": torch.randn(2, 6) * completion_mask,
+    }
+    totals = critic_backward(critic, batch, ppo.Args(model="tiny", micro_batch_size=1))  # a row a micro-batch
+    with torch.no_grad():
+        values = critic_values(critic, prompt_ids, prompt_mask, completion_ids, completion_mask, 2, tool_mask=tool_mask)
+    args = (values, batch["old_values"], batch["returns"], completion_mask, 0.2)
+    by_model_tokens, _ = value_loss(*args, num_tokens=7)
+    with_answers, _ = value_loss(*args, num_tokens=9)
+    assert totals["loss"] == pytest.approx(by_model_tokens.item(), rel=1e-5)
+    assert abs(by_model_tokens.item() - with_answers.item()) > 1e-3  # the two normalisers tell apart
+
+
 def test_clipped_value_loss_by_hand():
     # ½·max((V − R)², (clip(V, V_old ± 0.2) − R)²), mean over the 3 valid tokens:
     #   t0: V=0.5, V_old=0.4, R=1: V within the clip range, both errors 0.25     -> 0.125
