@@ -252,3 +252,11 @@ def varlen(monkeypatch):
     monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", counted)
     monkeypatch.setattr(common, "flash_varlen_serves", lambda values: True)
     return calls
+
+
+def trainer_state(path) -> dict:
+    """A trainer state as a resume reads it: as data only (common.read_trainer_state), so that a test
+    that reads one also proves that every state the scripts write loads without running code."""
+    import common
+
+    return common.read_trainer_state(Path(path).parent, Path(path))

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 import grpo
 import ppo
-from conftest import crash_and_resume
+from conftest import crash_and_resume, trainer_state
 
 
 def gpu_precision(monkeypatch, script):
@@ -40,7 +40,7 @@ def test_bf16_checkpoints_keep_fp32_masters_for_an_exact_resume(script, tmp_path
     assert not (resumed / "step-000002" / "trainer_state.pt").exists()
     assert not (resumed / "step-000002" / ppo.CRITIC_DIR).exists()
     assert (resumed / "final" / ppo.CRITIC_DIR).exists() == (script is ppo)
-    states = [torch.load(run / "final" / "trainer_state.pt", weights_only=False) for run in (straight, resumed)]
+    states = [trainer_state(run / "final" / "trainer_state.pt") for run in (straight, resumed)]
     masters = [state["master_weights"] for state in states]
     assert {v.dtype for v in masters[0].values()} == {torch.float32}
     # Resuming from step 2's bf16 weights plus its fp32 masters ends where the straight run ends, bit for bit;
@@ -57,7 +57,7 @@ def test_a_bf16_checkpoint_without_masters_stops_with_a_message(tmp_path, monkey
     gpu_precision(monkeypatch, grpo)
     settings = dict(model="tiny", task="digit", max_new_tokens=2, batch_size=2, group_size=2, max_steps=1)
     run = grpo.train(grpo.Args(output_dir=str(tmp_path), save_every=0, **settings))
-    state = torch.load(run / "final" / "trainer_state.pt", weights_only=False)
+    state = trainer_state(run / "final" / "trainer_state.pt")
     del state["master_weights"]
     torch.save(state, run / "final" / "trainer_state.pt")
     with pytest.raises(SystemExit, match="no fp32 master weights"):

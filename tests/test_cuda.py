@@ -21,7 +21,7 @@ import dapo
 import grpo
 import ppo
 from common import load_model, read_jsonl
-from conftest import CUDA, GPU_ENV, ROOT
+from conftest import CUDA, GPU_ENV, ROOT, trainer_state
 from families import FAMILIES, unbuildable
 
 # skipif too, not only conftest's fixture: the module-scoped fixtures below would build on CUDA first
@@ -367,7 +367,7 @@ def test_a_training_step_under_bf16_autocast_with_fp32_masters(script, tmp_path)
     assert [row["step"] for row in rows] == [1, 2]
     assert all(math.isfinite(v) for row in rows for v in row.values() if isinstance(v, float))
     assert json.loads((run_dir / "final" / "config.json").read_text())["dtype"] == "bfloat16"
-    state = torch.load(run_dir / "final" / "trainer_state.pt", weights_only=False)
+    state = trainer_state(run_dir / "final" / "trainer_state.pt")
     assert {v.dtype for v in state["master_weights"].values()} == {torch.float32}
 
 

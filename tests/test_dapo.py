@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 import dapo
 import grpo
 from common import FULL_LR, LORA_LR, build_tiny_model, load_model, parse_args, read_jsonl
-from conftest import ROOT, crash_and_resume
+from conftest import ROOT, crash_and_resume, trainer_state
 from dapo import (
     Args,
     Rollout,
@@ -432,7 +432,7 @@ def test_a_step_without_informative_groups_skips_the_update(tmp_path):
     after = AutoModelForCausalLM.from_pretrained(run_dir / "final")
     assert all(torch.equal(p, q) for p, q in zip(before.state_dict().values(), after.state_dict().values()))
     assert (run_dir / "step-000001" / "config.json").exists()
-    assert torch.load(run_dir / "final" / "trainer_state.pt", weights_only=False)["rounds"] == 6
+    assert trainer_state(run_dir / "final" / "trainer_state.pt")["rounds"] == 6
 
 
 def test_without_dynamic_sampling_a_step_is_grpos_batch(tmp_path):

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from common import TRAINER_STATE, read_jsonl
-from conftest import ROOT
+from conftest import ROOT, trainer_state
 
 TIMEOUT = 300  # seconds; a 2-process launch of the tiny model takes ~10-20 on 2 busy cores
 CASES = ["grpo-grpo", "grpo-dr_grpo", "grpo-gspo", "grpo-gpg", "grpo-sapo", "dapo-overlong_filter", "ppo-actor"]
@@ -204,9 +204,7 @@ def test_two_processes_train_save_and_resume(tmp_path, script):
     assert straight.returncode == 0, straight.stderr[-3000:]
     (run_a,) = (tmp_path / "a").iterdir()
     for state_file in (TRAINER_STATE, "trainer_state-rank1.pt"):
-        a, b = (
-            torch.load(run / "final" / state_file, weights_only=False)["master_weights"] for run in (run_a, run_dir)
-        )
+        a, b = (trainer_state(run / "final" / state_file)["master_weights"] for run in (run_a, run_dir))
         assert a.keys() == b.keys() and {v.dtype for v in a.values()} == {torch.float32}
         assert all(torch.equal(a[k], b[k]) for k in a), state_file
     rewards = [row["reward/mean"] for row in read_jsonl(run_a / "metrics.jsonl")]

@@ -18,7 +18,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 import ppo
 from common import load_model, read_jsonl, resolve_model_name, save_checkpoint
-from conftest import ROOT, crash_and_resume
+from conftest import ROOT, crash_and_resume, trainer_state
 from ppo import (
     CRITIC_DIR,
     VALUE_HEAD_FILE,
@@ -470,7 +470,7 @@ def test_a_crash_while_saving_the_critic_leaves_the_previous_checkpoint_whole(tm
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(tmp_path / "final", policy, tokenizer, {"step": 2}, extra=write_critic)
     assert (tmp_path / "final" / CRITIC_DIR / VALUE_HEAD_FILE).exists()
-    assert torch.load(tmp_path / "final" / "trainer_state.pt", weights_only=False)["step"] == 1
+    assert trainer_state(tmp_path / "final" / "trainer_state.pt")["step"] == 1
 
 
 # The learning run: PPO's actor at GRPO's toy learning rate; the critic learns faster (lr 1e-2,

@@ -13,7 +13,7 @@ import dapo
 import grpo
 import ppo
 from common import build_tiny_model, read_jsonl
-from conftest import ROOT, crash_and_resume
+from conftest import ROOT, crash_and_resume, trainer_state
 
 
 def assert_documented(rows: list[dict]) -> None:
@@ -295,8 +295,8 @@ def test_moving_reference_is_saved_and_resumes_exactly(tmp_path, monkeypatch):
         overlong_buffer=0, max_new_tokens=2, batch_size=8, group_size=4, max_steps=3,
     )  # fmt: skip
     straight, resumed = crash_and_resume(dapo, tmp_path, monkeypatch, **settings)
-    a = torch.load(straight / "final" / "trainer_state.pt", weights_only=False)["reference"]
-    b = torch.load(resumed / "final" / "trainer_state.pt", weights_only=False)["reference"]
+    a = trainer_state(straight / "final" / "trainer_state.pt")["reference"]
+    b = trainer_state(resumed / "final" / "trainer_state.pt")["reference"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     start = AutoModelForCausalLM.from_pretrained(build_tiny_model()).state_dict()
     policy = AutoModelForCausalLM.from_pretrained(straight / "final").state_dict()
@@ -332,7 +332,7 @@ def test_resuming_without_the_saved_reference_stops_with_a_message(tmp_path):
     settings = dict(model="tiny", task="digit", max_new_tokens=2, batch_size=2, group_size=2, output_dir=str(tmp_path))
     run_dir = grpo.train(grpo.Args(max_steps=1, **settings))
     state_file = run_dir / "final" / "trainer_state.pt"
-    state = torch.load(state_file, weights_only=False)
+    state = trainer_state(state_file)
     del state["args"]["ref_ema_decay"]
     torch.save(state, state_file)
     with pytest.raises(SystemExit, match="holds no saved reference: resume with the settings it was saved with"):
