@@ -51,7 +51,7 @@ from transformers import (
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.utils import logging as hf_logging
 
-from rewards import arg, check_tool_turns, too_few_tool_tokens, tool_turn_text
+from rewards import arg, check_tool_turns, plain_prompt_advice, too_few_tool_tokens, tool_turn_text
 
 hf_logging.disable_progress_bar()  # per-shard load/save bars would drown the training bar
 # CUDA memory in segments that grow instead of blocks of fixed sizes: the KV cache, the logits and
@@ -1065,6 +1065,8 @@ def resolve_model_name(name: str) -> str:
                 "pass the one to load as --model <directory>/<file>.gguf."
             )
         return str(ggufs[0] if ggufs else local)
+    if local.suffix == ".gguf":
+        raise SystemExit(f"--model {name!r}: no such file; give the path of an existing .gguf file.")
     if name in MODEL_ALIASES:
         return MODEL_ALIASES[name]
     if re.fullmatch(r"[\w.\-]+/[\w.\-]+", name):
@@ -1181,7 +1183,16 @@ def render_plain(tokenizer, messages: list[dict]) -> str:
     return (tokenizer.bos_token if bos else "") + "".join(parts) + "Answer:"
 
 
-def render_chat(tokenizer, messages: list[dict], tools: list[Callable] | None = None) -> str:
+TOOLS_NOT_SHOWN_FIX = "drop --tools/--tool (a task with tools of its own, such as --task secret, needs such a model)"
+
+
+def render_chat(
+    tokenizer,
+    messages: list[dict],
+    tools: list[Callable] | None = None,
+    *,
+    tools_fix: str = TOOLS_NOT_SHOWN_FIX,
+) -> str:
     """One conversation through the model's chat template, ending where the assistant's turn
     begins (or as plain text, render_plain, when the tokenizer's prompt format is plain). Some
     templates have no system role: Gemma's raises on one, others drop it without
@@ -1195,8 +1206,8 @@ def render_chat(tokenizer, messages: list[dict], tools: list[Callable] | None = 
     if getattr(tokenizer, "plain_prompt", False):
         if tools:
             raise SystemExit(
-                "Tools need a chat template, to show the model the tools and their answers, and these prompts "
-                "are plain text: drop --prompt_format plain, or use a chat model (tiny-tools among the tiny ones)."
+                "Tools need a chat template, to show the model the tools and their answers, and "
+                + plain_prompt_advice(tokenizer)
             )
         return render_plain(tokenizer, messages)
     shown = {"tools": tools} if tools else {}  # no tools: the template's own text, not an empty tools section
@@ -1214,8 +1225,7 @@ def render_chat(tokenizer, messages: list[dict], tools: list[Callable] | None = 
         raise SystemExit(
             f"The chat template of this model does not show the tools {[tool.__name__ for tool in tools]} in its "
             "prompts, so the model could not know it may call them. Use a model whose template takes `tools` "
-            "(Qwen2.5, Qwen3, Llama 3.1; tiny-tools among the tiny ones), or drop --tools/--tool (a task with tools "
-            "of its own, such as --task secret, needs such a model)."
+            f"(Qwen2.5, Qwen3, Llama 3.1; tiny-tools among the tiny ones), or {tools_fix}."
         )
     return text
 
@@ -1360,21 +1370,23 @@ def with_adapters(model, args, saved: Path | None = None):
     --lora_targets say (B = 0: the model is unchanged at first), or those saved in `saved`."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    if saved is not None:
-        return PeftModel.from_pretrained(model, saved, is_trainable=True)
-    names = [name.strip() for name in args.lora_targets.split(",") if name.strip()]
-    targets = "all-linear" if names == ["all-linear"] else names
-    config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=targets, lora_dropout=0.0)
-    try:
-        return get_peft_model(model, config)
-    except ValueError as error:  # peft's: a name that matches no layer of this model
-        linear = sorted(
-            {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-        )
-        raise SystemExit(
-            f"--lora_targets {args.lora_targets}: {error}. This model's linear layers are named {', '.join(linear)}; "
-            "give some of them, comma separated, or all-linear."
-        ) from error
+    with warnings.catch_warnings():  # peft reads model.is_gradient_checkpointing, which transformers deprecates
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        if saved is not None:
+            return PeftModel.from_pretrained(model, saved, is_trainable=True)
+        names = [name.strip() for name in args.lora_targets.split(",") if name.strip()]
+        targets = "all-linear" if names == ["all-linear"] else names
+        config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=targets, lora_dropout=0.0)
+        try:
+            return get_peft_model(model, config)
+        except ValueError as error:  # peft's: a name that matches no layer of this model
+            linear = sorted(
+                {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+            )
+            raise SystemExit(
+                f"--lora_targets {args.lora_targets}: {error}. This model's linear layers are named "
+                f"{', '.join(linear)}; give some of them, comma separated, or all-linear."
+            ) from error
 
 
 def load_reference(args, policy, device: torch.device, dtype: torch.dtype):

@@ -1225,7 +1225,7 @@ def main(args: Args) -> Path | None:
     model.eval().requires_grad_(False)
     for task in tasks.values():  # the template shows the tools and gives their answers, which fit: before any output
         if task.tools:
-            render_chat(tokenizer, task.messages(task.problems[0]), tools=task.tools)
+            render_chat(tokenizer, task.messages(task.problems[0]), tools=task.tools, tools_fix="drop --tools/--tool")
             tool_turns(tokenizer, task.tools, 1, args.max_turns, args.max_tool_tokens, args.tool_timeout)
     run_dir = make_run_dir(args, "eval", task="+".join(names))
     settings = {k: getattr(args, k) for k in ("model", "max_new_tokens", "num_samples", "temperature", "top_p")}

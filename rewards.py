@@ -1643,6 +1643,17 @@ def load_heldout_task(
 TOOL_TURN_MARK = "nanoPO: the assistant's turn"
 
 
+def plain_prompt_advice(tokenizer) -> str:
+    """The end of the message where tools meet plain prompts: drop --prompt_format plain only
+    where the user passed it (the model has a chat template), else use a chat model."""
+    if tokenizer.chat_template is not None:
+        return (
+            "these prompts are plain text: drop --prompt_format plain, or use a chat model "
+            "(tiny-tools among the tiny ones)."
+        )
+    return "this model has none, so its prompts are plain text: use a chat model (tiny-tools among the tiny ones)."
+
+
 def tool_turn_text(tokenizer, answers: list[tuple[str, str]]) -> str:
     """The text the chat template writes after an assistant turn that called tools, from the
     end-of-turn token the model wrote (tokenizer.eos_token, such as <|im_end|>) to where the
@@ -1659,8 +1670,7 @@ def tool_turn_text(tokenizer, answers: list[tuple[str, str]]) -> str:
     model wrote stay as they are. Stops where the template cannot write a tool message."""
     if getattr(tokenizer, "plain_prompt", False) or tokenizer.chat_template is None:
         raise SystemExit(
-            "Tools need a chat template, to give the model the tools' answers, and these prompts are plain "
-            "text: drop --prompt_format plain, or use a chat model (tiny-tools among the tiny ones)."
+            "Tools need a chat template, to give the model the tools' answers, and " + plain_prompt_advice(tokenizer)
         )
     messages = [
         {"role": "user", "content": "x"},
