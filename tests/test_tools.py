@@ -478,7 +478,7 @@ def test_the_prompt_shows_the_tools(tiny_tools):
 
 def test_tools_need_a_template_that_shows_them():
     _, plain, _ = load_model("tiny-base", torch.device("cpu"))
-    with pytest.raises(SystemExit, match="need a chat template.*--prompt_format plain"):
+    with pytest.raises(SystemExit, match="need a chat template.*this model has none.*use a chat model"):
         render_chat(plain, [{"role": "user", "content": "x"}], tools=[secret_digit])
     with pytest.raises(SystemExit, match="does not show the tools"):  # tiny's ChatML ignores `tools`
         render_chat(fresh_tokenizer("tiny"), [{"role": "user", "content": "x"}], tools=[secret_digit])
