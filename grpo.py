@@ -50,7 +50,6 @@ Shape letters in comments: B prompts per step · G completions per prompt · N =
 import contextlib
 import functools
 import math
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +73,7 @@ from common import (
     make_optimizer,
     my_share,
     parse_args,
+    prompt_indices,
     rank,
     rank_seed,
     render_chat,
@@ -251,7 +251,7 @@ def grpo_loss(
         per_token = per_token + args.kl_tau * squared_log_ratio(logp, sampler_logp(terms, old_logp), mask)
     loss = aggregate(per_token, mask, args, num_sequences, num_tokens)  # 1/N Σ_i 1/|o_i| Σ_t, sample-level
     cispo, is_weight = args.loss_type == "cispo", terms.get("is_weight")
-    stats = loss_stats(ratio, adv, loss_mask, *clip_range(args), dual_clipped, kl, is_weight, cispo, cut)
+    stats = common.loss_stats(ratio, adv, loss_mask, *clip_range(args), dual_clipped, kl, is_weight, cispo, cut)
     return loss, stats
 
 
@@ -271,43 +271,6 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, args: Args, num_seque
         return (per_token * mask).sum() / num_tokens
     lengths = mask.sum(-1).clamp(min=1)  # (n,) |o_i|
     return ((per_token * mask).sum(-1) / lengths).sum() / num_sequences
-
-
-@torch.no_grad()
-def loss_stats(
-    ratio: torch.Tensor,  # (n, T)
-    advantages: torch.Tensor,  # (n, 1) or (n, T)
-    loss_mask: torch.Tensor,  # (n, T)
-    eps_low: float,
-    eps_high: float,
-    dual_clipped: torch.Tensor,  # (n, T) bool, the tokens dual-clip bounded
-    kl: torch.Tensor | None = None,  # (n, T) the KL term's per-token estimate
-    is_weight: torch.Tensor | None = None,  # (n, T) truncated IS weights
-    clips_weight: bool = False,  # CISPO: the clip bounds its weight, whatever the sign of Â
-    cut: torch.Tensor | None = None,  # (n, T) bool, DPPO: the tokens its trust region dropped, in place of the clip's
-) -> dict:
-    """The loss's statistics over the tokens of loss_mask, as sums (and maxima, *_max) that
-    accumulate over micro-batches into update_metrics: tokens, the tokens the clip binds on each
-    side, those dual-clip bounds, Σ KL, the largest ratio, and the truncated IS weights. Each a 0-d
-    tensor where the loss is: no host sync per micro-batch (policy_backward reads them once)."""
-    valid = loss_mask.bool()
-    low, high = (ratio < 1 - eps_low), (ratio > 1 + eps_high)
-    if not clips_weight:  # the clipped surrogate binds only where it cuts the gradient
-        low, high = low & (advantages < 0), high & (advantages > 0)
-    if cut is not None:  # DPPO's region: a probability that fell (Â ≤ 0) or rose (Â > 0) too far
-        low, high = cut & (advantages <= 0), cut & (advantages > 0)
-    stats = {
-        "tokens": valid.sum(),
-        "clip_low": (valid & low).sum(),
-        "clip_high": (valid & high).sum(),
-        "clip_dual": (valid & dual_clipped).sum(),
-        "ratio_max": torch.where(valid.any(), ratio.masked_fill(~valid, -torch.inf).max(), 1.0),  # 1: no token
-    }
-    if kl is not None:
-        stats["kl"] = (kl * loss_mask.to(kl.dtype)).sum()
-    if is_weight is not None:
-        stats |= tis_stats(is_weight, valid)
-    return stats
 
 
 def scores_needed(args: Args) -> bool:
@@ -364,7 +327,7 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
                 policy_mask=policy_mask, cov_tokens=micro.get("cov_tokens"), sample_logp=micro["sample_logp"],
             )  # fmt: skip
         loss.backward()
-        accumulate(totals, {"loss": loss.detach(), **stats, **correction_stats})
+        common.accumulate(totals, {"loss": loss.detach(), **stats, **correction_stats})
         if record:
             recorded["old_logp"][rows], recorded["entropy"][rows] = logp.detach(), entropy.detach()
     return host_numbers(totals), recorded  # one host sync, after the last micro-batch
@@ -774,15 +737,6 @@ def tis_weights(old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_ma
     return torch.exp(log_ratio).clamp(max=cap).detach()
 
 
-def tis_stats(is_weight: torch.Tensor, valid: torch.Tensor) -> dict:
-    """Sums and the max of the truncated IS weights over the valid tokens, for update_metrics (0-d
-    tensors, as loss_stats')."""
-    return {
-        "tis_weight": (is_weight * valid).sum(),
-        "tis_weight_max": torch.where(valid.any(), is_weight.masked_fill(~valid, -torch.inf).max(), 1.0),  # C: capped
-    }
-
-
 def importance_mask(
     old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_mask: torch.Tensor, bounds: tuple, level: str
 ) -> torch.Tensor:
@@ -867,8 +821,8 @@ def train(args: Args) -> Path:
     vocab_size = len(tokenizer)  # ids the tokenizer has; the embedding may have more rows
     optimizer, scheduler = make_optimizer(policy, args.lr, args)  # AdamW, linear warm-up
     evaluate = functools.partial(  # run.end_step calls it every eval_every steps and at the end
-        evaluate_heldout, policy, tokenizer, eos_ids, heldout, max_new_tokens=args.max_new_tokens,
-        batch_size=args.eval_batch_size, amp=amp, **tool_limits(args),
+        common.evaluate_heldout, rollout, policy, tokenizer, eos_ids, heldout, max_new_tokens=args.max_new_tokens,
+        batch_size=args.eval_batch_size, amp=amp, **common.tool_limits(args),
     )  # fmt: skip
     resumable = {"optimizer": optimizer, "scheduler": scheduler}
     if args.ref_ema_decay:  # T1's reference moves with the policy: a resumed run needs where it was
@@ -889,7 +843,7 @@ def train(args: Args) -> Path:
                 batch = rollout(
                     policy, tokenizer, eos_ids, task, my_share(problems), group_size=args.group_size,
                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, amp=amp,
-                    **tool_limits(args),
+                    **common.tool_limits(args),
                 )  # fmt: skip
 
             # 4. Log-probs of the sampled tokens under π_θold and π_ref, no grad. On-policy (μ = 1, one
@@ -920,16 +874,16 @@ def train(args: Args) -> Path:
             update, grad_norms = {}, []
             for _ in range(args.num_iterations):
                 # A fresh random split into mini-batches each iteration, a group's rows in one (whole_groups).
-                order = whole_groups(torch.randperm(num_sequences, device=device), args.group_size)  # (N,)
+                order = common.whole_groups(torch.randperm(num_sequences, device=device), args.group_size)  # (N,)
                 for rows in order.tensor_split(args.num_mini_batches):
                     mini = {k: v[rows] if v is not None else None for k, v in tensors.items()}
                     totals, recorded = policy_backward(policy, mini, args, vocab_size, amp)
                     if recorded:  # on-policy: step 4's log-probs and entropy, in the batch's row order again
                         old_logp, entropy = (recorded[name][rows.argsort()] for name in ("old_logp", "entropy"))
                     none = not all_reduce(totals["tokens"])  # --is_mask left no token: no step, π_ref stays
-                    grad_norms.append(optimizer_step(policy, optimizer, args.max_grad_norm, skip=none))
+                    grad_norms.append(common.optimizer_step(policy, optimizer, args.max_grad_norm, skip=none))
                     ema_update(reference, policy, 0.0 if none else args.ref_ema_decay)  # T1; 0: none
-                    accumulate(update, totals)
+                    common.accumulate(update, totals)
             learning_rate = scheduler.get_last_lr()[0]  # the rate this step trained with
             scheduler.step()
             seconds = {**batch.seconds, "logprobs": seconds_logprobs, "update": time.perf_counter() - timer}
@@ -938,7 +892,7 @@ def train(args: Args) -> Path:
             #      Run.end_step: the held-out evaluation when due, the metrics row and samples, a
             #      checkpoint when due.
             metrics = {  # under torchrun, over every rank's share of the batch
-                **all_reduce_metrics(step_metrics(batch, entropy, old_logp, args.group_size)),
+                **all_reduce_metrics(common.step_metrics(batch, entropy, old_logp, args.group_size)),
                 **update_metrics(all_reduce_totals(update), grad_norms, learning_rate),
                 "throughput/tokens_per_s": all_reduce(batch.completion_mask.sum().item()) / seconds["generate"],
             }
@@ -966,7 +920,7 @@ def update_metrics(update: dict, grad_norms: list[float], learning_rate: float) 
         metrics |= {"tis/weight_mean": update["tis_weight"] / tokens, "tis/weight_max": update["tis_weight_max"]}
     metrics |= {"entropy/kept_fraction": update["entropy_kept"] / tokens} if "entropy_kept" in update else {}
     metrics |= {"cov/token_fraction": update["cov_tokens"] / tokens} if "cov_tokens" in update else {}
-    return metrics | is_mask_metrics(update) | opsm_metrics(update)
+    return metrics | common.is_mask_metrics(update) | common.opsm_metrics(update)
 
 
 def opsm_stats(keep: torch.Tensor | None, loss_mask: torch.Tensor) -> dict:
@@ -975,78 +929,6 @@ def opsm_stats(keep: torch.Tensor | None, loss_mask: torch.Tensor) -> dict:
         return {}
     judged = loss_mask.sum(-1) > 0  # (m,)
     return {"opsm_masked": (judged & (keep[:, 0] == 0)).sum(), "opsm_sequences": judged.sum()}
-
-
-def opsm_metrics(update: dict) -> dict:
-    """opsm/sequence_fraction (none without --off_policy_mask_threshold): the share of completions
-    DeepSeek-V3.2's masking took out of the policy term, over every update of the step."""
-    if "opsm_masked" not in update:
-        return {}
-    return {"opsm/sequence_fraction": update["opsm_masked"] / max(update["opsm_sequences"], 1)}
-
-
-def is_mask_metrics(update: dict) -> dict:
-    """is_mask/* from masked_importance's counts (none without --is_mask): the fractions of the valid
-    tokens and of the completions that masked IS took out of the loss, over every update of the step."""
-    if "masked_tokens" not in update:
-        return {}
-    return {
-        "is_mask/token_fraction": update["masked_tokens"] / max(update["tokens"] + update["masked_tokens"], 1),
-        "is_mask/sequence_fraction": update["masked_sequences"] / max(update["sequences"], 1),
-    }
-
-
-def step_metrics(batch: Rollout, entropy: torch.Tensor, old_logp: torch.Tensor, group_size: int) -> dict:
-    """Rollout statistics of the batch a step trains on, with the entropy and old_logp (N, T)
-    that step 4 computed for it (on-policy: the update's forward pass, see old_and_ref_logprobs)."""
-    mask = batch.completion_mask.bool()
-    lengths = batch.completion_mask.sum(-1).float()  # (N,)
-    rewards, scores = batch.rewards, batch.scores
-    grouped = rewards.view(-1, group_size)  # (B, G)
-    return {
-        "reward/mean": rewards.mean().item(),
-        "reward/std": rewards.std().item() if rewards.numel() > 1 else 0.0,
-        "reward/accuracy": sum(s.correct for s in scores) / len(scores),
-        "reward/format": sum(s.formatted for s in scores) / len(scores),
-        "reward/fn_failed": sum(s.failed for s in scores) / len(scores),  # --reward_fn raised, timed out, no number
-        "reward/zero_std_groups": (grouped.max(-1).values == grouped.min(-1).values).float().mean().item(),
-        "completion/length_mean": lengths.mean().item(),
-        "completion/length_max": lengths.max().item(),
-        "completion/truncated": batch.truncated.float().mean().item(),
-        "policy/entropy": entropy[mask].mean().item(),
-        # Sampler and scorer must agree, or every ratio is off before any update: ~1e-6 in fp32, more in bf16.
-        "policy/sample_logp_diff": (batch.sample_logp - old_logp)[mask].abs().mean().item(),
-        "policy/sample_logp_diff_max": (batch.sample_logp - old_logp)[mask].abs().max().item(),
-    } | tool_metrics(batch)
-
-
-def tool_metrics(batch: Rollout) -> dict:
-    """With tools: calls and answered turns per completion, the share of calls that failed (a
-    malformed call, an unknown tool, wrong arguments, an exception, a timeout) and the share of
-    the completions' tokens that the tools put in. Without: none."""
-    if batch.tool_counts is None:
-        return {}
-    calls, failed, turns = batch.tool_counts.float().sum(0).tolist()
-    environment = batch.tool_mask.sum().item()
-    return {
-        "tools/calls": calls / len(batch.tool_counts),
-        "tools/errors": failed / max(calls, 1),
-        "tools/turns": turns / len(batch.tool_counts),
-        "tools/env_share": environment / max(environment + batch.completion_mask.sum().item(), 1),
-    }
-
-
-def whole_groups(order: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Keeps the rows of a group in one mini-batch, so that its prompt is forwarded once
-    (forward_completions): the groups in the order in which their first row comes in `order`, a
-    uniformly random permutation of the rows, each group's rows after one another. That is a
-    uniformly random permutation of the groups (all of G rows, so by symmetry every order of them
-    is as likely), drawn from the same random numbers as before: the random stream is unchanged.
-    order (N,) -> (N,)."""
-    position = torch.empty_like(order)
-    position[order] = torch.arange(len(order), device=order.device)  # where each row comes in `order`
-    groups = position.view(-1, group_size).amin(dim=-1).argsort()  # (N/G,) by their first row
-    return (groups[:, None] * group_size + torch.arange(group_size, device=order.device)).flatten()
 
 
 def micro_batch_passes(policy, args: Args, vocab_size: int, amp) -> tuple:
@@ -1066,67 +948,6 @@ def micro_batch_passes(policy, args: Args, vocab_size: int, amp) -> tuple:
         policy.train()
 
     return update, score
-
-
-def optimizer_step(model, optimizer, max_grad_norm: float, skip: bool = False) -> float:
-    """Clips the gradient norm, steps, and frees the gradients (set to None, not zeros), so
-    that actor and critic gradients never exist at the same time, nor one step's during the
-    next generation. skip: no step, where a mini-batch had no token to learn from (momentum
-    alone must not move θ). Returns the norm before clipping."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item()
-    if not skip:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm
-
-
-def accumulate(totals: dict, stats: dict) -> None:
-    """Adds one micro-batch's statistics into running totals: sums, except the maxima (*_max).
-    Numbers or 0-d tensors: the update's stay on the device until host_numbers reads them once,
-    summed in float64 as the numbers are."""
-    for key, value in stats.items():
-        if torch.is_tensor(value) and value.is_floating_point():
-            value = value.double()
-        if not key.endswith("_max"):
-            totals[key] = totals.get(key, 0) + value
-        elif key not in totals:
-            totals[key] = value
-        elif torch.is_tensor(value) or torch.is_tensor(totals[key]):
-            totals[key] = torch.maximum(torch.as_tensor(totals[key]), torch.as_tensor(value))
-        else:
-            totals[key] = max(totals[key], value)
-
-
-def evaluate_heldout(
-    policy, tokenizer, eos_ids, task, max_new_tokens: int, batch_size: int, amp=contextlib.nullcontext, **tools
-):
-    """Greedy (temperature 0) accuracy on the held-out problems of `task` (rewards.py's
-    load_heldout_task: problems no training step samples), the same decoding evaluate.py
-    uses by default. Greedy decoding draws no random numbers, so evaluating does not change
-    what training samples next (a resumed run stays exact). amp() is the autocast context.
-    tools: rollout's tool limits (tool_limits); what tools draw from Python's random module is
-    undone after. Returns the eval/ metrics, means over the problems."""
-    start = time.perf_counter()
-    scores, lengths, truncations = [], [], []
-    python_random = random.getstate()  # a tool may draw from it (the secret task's): training's draws stay
-    for first in range(0, len(task.problems), batch_size):
-        problems = task.problems[first : first + batch_size]
-        batch = rollout(  # greedy: one completion per problem, temperature 0
-            policy, tokenizer, eos_ids, task, problems, group_size=1, max_new_tokens=max_new_tokens,
-            temperature=0.0, top_p=1.0, amp=amp, **tools,
-        )  # fmt: skip
-        scores += batch.scores
-        lengths += batch.completion_mask.sum(-1).tolist()
-        truncations += batch.truncated.tolist()
-    random.setstate(python_random)
-    return {
-        "eval/accuracy": sum(s.strict for s in scores) / len(scores),  # the answer where the prompt asks
-        "eval/reward": sum(s.reward for s in scores) / len(scores),
-        "eval/format": sum(s.formatted for s in scores) / len(scores),
-        "eval/length_mean": sum(lengths) / len(lengths),
-        "eval/truncated": sum(truncations) / len(truncations),
-        "eval/seconds": time.perf_counter() - start,
-    }
 
 
 # ----------------------------------------------------------------------------------------
@@ -1195,23 +1016,6 @@ def rollout(
         tool_mask=tool_mask,
         tool_counts=tool_counts.to(device) if tool_counts is not None else None,
     )
-
-
-def tool_limits(args) -> dict:
-    """rollout's limits on tool turns, from the flags (they matter only for a task with tools)."""
-    return {"max_turns": args.max_turns, "max_tool_tokens": args.max_tool_tokens, "tool_timeout": args.tool_timeout}
-
-
-def prompt_indices(step: int, batch_size: int, num_problems: int, seed: int) -> list[int]:
-    """The B problem indices of a step: consecutive slices of a fresh shuffle per epoch.
-    A pure function of (step, seed), so a resumed run draws exactly what it would have."""
-    indices, permutations = [], {}
-    for k in range(step * batch_size, (step + 1) * batch_size):
-        epoch, position = divmod(k, num_problems)
-        if epoch not in permutations:
-            permutations[epoch] = random.Random(seed * 1_000_003 + epoch).sample(range(num_problems), num_problems)
-        indices.append(permutations[epoch][position])
-    return indices
 
 
 def encode_prompts(tokenizer, conversations: list[list[dict]], group_size: int, device: torch.device, tools=()):

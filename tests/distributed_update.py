@@ -73,7 +73,7 @@ def one_step(model, batch: dict, backward, args, lr: float) -> dict:
         return adam_step(*a, **k)
 
     optimizer.step = step_recording_the_clipped_gradient
-    grad_norm = grpo.optimizer_step(model, optimizer, args.max_grad_norm)
+    grad_norm = common.optimizer_step(model, optimizer, args.max_grad_norm)
     weights = common.full_state_dict(model) if common.world_size() > 1 else model.state_dict()
     loss = common.all_reduce(totals["loss"])
     return {"gradient": gradient, "clipped": clipped, "weights": weights, "grad_norm": grad_norm, "loss": loss}

@@ -7,12 +7,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import common
 import dapo
 import grpo
 import ppo
 from common import load_model, parse_args, read_jsonl
 from conftest import ROOT
-from grpo import Args, evaluate_heldout, train
+from grpo import Args, rollout, train
 from rewards import load_heldout_task, load_task
 
 DATA = ROOT / "tests" / "fixtures" / "data"
@@ -51,7 +52,7 @@ def test_evaluate_heldout_by_hand():
     ]
     model = ScriptedModel(script, rows=len(tokenizer) + 8)
     task = load_task("digit")
-    metrics = evaluate_heldout(model, tokenizer, eos_ids, task, max_new_tokens=2, batch_size=4)
+    metrics = common.evaluate_heldout(rollout, model, tokenizer, eos_ids, task, max_new_tokens=2, batch_size=4)
     assert metrics["eval/accuracy"] == metrics["eval/reward"] == metrics["eval/format"] == 0.5
     assert metrics["eval/length_mean"] == 2.0 and metrics["eval/truncated"] == 0.25
     assert metrics["eval/seconds"] > 0
@@ -74,7 +75,7 @@ def test_evaluate_heldout_counts_only_the_asked_format_on_gsm8k():
     script = [ids + [eos] * (width - len(ids)) for ids in encoded[:2]]
     script.append((encoded[2] * width)[:width])  # no EOS within max_new_tokens = width
     model = ScriptedModel(script, rows=len(tokenizer) + 8)
-    metrics = evaluate_heldout(model, tokenizer, eos_ids, task, max_new_tokens=width, batch_size=3)
+    metrics = common.evaluate_heldout(rollout, model, tokenizer, eos_ids, task, max_new_tokens=width, batch_size=3)
     assert metrics["eval/truncated"] == pytest.approx(1 / 3)
     assert metrics["eval/accuracy"] == pytest.approx(2 / 3)
     assert metrics["eval/reward"] == pytest.approx(1 / 3)

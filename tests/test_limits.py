@@ -14,6 +14,7 @@ import torch
 from test_cli import no_model_load, tiny_args
 from transformers import AutoTokenizer
 
+import common
 import dapo
 import evaluate
 import grpo
@@ -203,7 +204,7 @@ def test_dapo_tool_errors_are_a_share_of_calls():
         truncated=torch.tensor([False, False]), sample_logp=torch.zeros(2, 7), rewards=torch.zeros(2),
         texts=["", ""], scores=[], tool_mask=tool_mask, tool_counts=torch.tensor([[3, 1, 2], [1, 1, 1]]),
     )  # fmt: skip
-    assert dapo.tool_metrics(batch) == pytest.approx(
+    assert common.tool_metrics(batch) == pytest.approx(
         {"tools/calls": 2.0, "tools/errors": 0.5, "tools/turns": 1.5, "tools/env_share": 3 / 10}
     )
 

@@ -23,7 +23,6 @@ SCRIPTS = {"grpo.py": grpo, "dapo.py": dapo, "ppo.py": ppo}
 # Every script defines these, identically: sampling, generation, scoring and held-out
 # evaluation are not where the algorithms differ.
 SHARED = [
-    "prompt_indices",
     "encode_prompts",
     "sample",
     "top_p_filter",
@@ -32,23 +31,18 @@ SHARED = [
     "generate",
     "Rollout",
     "rollout",
-    "whole_groups",
     "sequence_logprobs",
     "old_and_ref_logprobs",
     "kl_k3",
     "clipped_surrogate",
     "dual_clip",
-    "loss_stats",
     "micro_batches",
-    "step_metrics",
-    "evaluate_heldout",
     # truncated and masked importance sampling: the sampler-trainer gap is not the algorithm either
     "tis_weights",
     "check_is_mask",
     "is_mask_bounds",
     "importance_mask",
     "masked_importance",
-    "is_mask_metrics",
 ]
 # Shared by grpo.py and dapo.py only (ppo.py has neither CISPO nor T1's techniques).
 SHARED_GRPO_DAPO = [

@@ -8,6 +8,7 @@ import pytest
 import torch
 from test_techniques import assert_documented
 
+import common
 import dapo
 import grpo
 import ppo
@@ -70,14 +71,14 @@ def test_is_mask_bounds_and_metrics_by_hand():
     assert counts == {"masked_tokens": 4, "masked_sequences": 0, "sequences": 3}
     # is_mask/token_fraction = masked / (kept + masked) = 4 / (7 + 4); sequence_fraction 0 / 3
     update = {"tokens": keep.sum().item(), **counts}
-    assert grpo.is_mask_metrics(update) == pytest.approx(
+    assert common.is_mask_metrics(update) == pytest.approx(
         {"is_mask/token_fraction": 4 / 11, "is_mask/sequence_fraction": 0.0}
     )
     _, counts = grpo.masked_importance(batch, VALID, grpo.Args(is_mask="0.5,1.5", is_mask_level="sequence"))
     assert counts == {"masked_tokens": 4, "masked_sequences": 1, "sequences": 3}
     # Off: the loss mask is completion_mask itself and no is_mask/* key is logged.
     assert grpo.masked_importance(batch, VALID, grpo.Args()) == (VALID, {})
-    assert grpo.is_mask_metrics({"tokens": 11}) == {}
+    assert common.is_mask_metrics({"tokens": 11}) == {}
 
 
 # ----------------------------------------------------------------------------------------
@@ -314,7 +315,7 @@ def test_every_token_masked_gives_no_gradient_and_no_nan(sampled):
     grad, totals = gradient(grpo, model, tokenizer, batch, is_mask="0,1.0001", micro_batch_size=4)
     model.zero_grad(set_to_none=True)
     assert totals["tokens"] == 0 and totals["loss"] == 0 and grad.abs().max() == 0
-    assert grpo.is_mask_metrics(totals) == {"is_mask/token_fraction": 1.0, "is_mask/sequence_fraction": 1.0}
+    assert common.is_mask_metrics(totals) == {"is_mask/token_fraction": 1.0, "is_mask/sequence_fraction": 1.0}
 
 
 # ----------------------------------------------------------------------------------------

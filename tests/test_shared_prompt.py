@@ -244,13 +244,13 @@ def test_sliding_windows_reach_back_into_the_prompt_exactly(family, rounded, mon
 def test_whole_groups_is_a_uniform_shuffle_of_groups_from_the_same_random_numbers():
     # By hand: the permutation 5 2 0 3 1 4 of 6 rows in groups of 2 ({0,1}, {2,3}, {4,5}) meets group
     # 2 first (row 5), then group 1 (row 2), then group 0 (row 0): rows 4 5 2 3 0 1.
-    assert grpo.whole_groups(torch.tensor([5, 2, 0, 3, 1, 4]), 2).tolist() == [4, 5, 2, 3, 0, 1]
+    assert common.whole_groups(torch.tensor([5, 2, 0, 3, 1, 4]), 2).tolist() == [4, 5, 2, 3, 0, 1]
     # Every order of 3 groups equally often over 6000 permutations of their rows (1000 each expected,
     # a standard deviation of ~29: every count within 5 of them).
     generator = torch.Generator().manual_seed(0)
     counts = {}
     for _ in range(6000):
-        order = grpo.whole_groups(torch.randperm(6, generator=generator), 2)
+        order = common.whole_groups(torch.randperm(6, generator=generator), 2)
         key = tuple((order[::2] // 2).tolist())
         counts[key] = counts.get(key, 0) + 1
     assert len(counts) == 6 and all(abs(count - 1000) < 150 for count in counts.values()), counts

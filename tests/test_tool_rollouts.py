@@ -13,6 +13,7 @@ import shutil
 import pytest
 import torch
 
+import common
 import dapo
 import grpo
 import ppo
@@ -253,13 +254,13 @@ def test_tool_metrics_by_hand():
         truncated=torch.tensor([False, False]), sample_logp=torch.zeros(2, 11), rewards=torch.zeros(2),
         texts=["", ""], scores=[],
     )  # fmt: skip
-    metrics = grpo.tool_metrics(
+    metrics = common.tool_metrics(
         grpo.Rollout(**rollout, tool_mask=tool_mask, tool_counts=torch.tensor([[3, 1, 2], [0, 0, 0]]))
     )
     assert metrics == pytest.approx(
         {"tools/calls": 1.5, "tools/errors": 1 / 3, "tools/turns": 1.0, "tools/env_share": 4 / 15}
     )
-    assert grpo.tool_metrics(grpo.Rollout(**rollout)) == {}  # a task without tools: no tools/ metrics
+    assert common.tool_metrics(grpo.Rollout(**rollout)) == {}  # a task without tools: no tools/ metrics
 
 
 # ----------------------------------------------------------------------------------------
@@ -341,8 +342,8 @@ def test_held_out_evaluation_undoes_what_the_tools_draw(calling_model):
     task.tools = [secret_digit]
     random.seed(5)
     expected = random.Random(5).random()
-    grpo.evaluate_heldout(
-        model, tokenizer, eos_ids, task, max_new_tokens=6, batch_size=4, max_turns=1, max_tool_tokens=24,
+    common.evaluate_heldout(
+        grpo.rollout, model, tokenizer, eos_ids, task, max_new_tokens=6, batch_size=4, max_turns=1, max_tool_tokens=24,
         tool_timeout=10.0,
     )  # fmt: skip
     assert draws  # greedy, the taught model calls
