@@ -74,7 +74,6 @@ from common import (
     my_share,
     parse_args,
     prompt_indices,
-    rank,
     rank_seed,
     render_chat,
     resolve_device,
@@ -306,7 +305,7 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
     num_tokens = max(all_reduce(loss_mask.sum().item()), 1)
     batch = {**batch, "loss_mask": loss_mask}
     if args.top_entropy_quantile < 1:  # over the whole mini-batch (every rank's), before its micro-batches
-        batch["entropy_keep"] = top_share(batch["entropy"], loss_mask, args.top_entropy_quantile, all_reduce)
+        batch["entropy_keep"] = common.top_share(batch["entropy"], loss_mask, args.top_entropy_quantile, all_reduce)
     if args.loss_type in ("clip_cov", "kl_cov"):  # the same: Clip-Cov's and KL-Cov's tokens
         batch["cov_tokens"] = covariance_tokens(batch, loss_mask, args, all_reduce)
     record = batch["old_logp"] is None  # this forward pass stands in for step 4's
@@ -496,56 +495,6 @@ def corrections(micro: dict, logp: torch.Tensor, old_logp: torch.Tensor, args: A
     return is_weight, policy_mask, stats
 
 
-def top_share(
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    share: float,
-    reduce=lambda value, op="sum": value,
-    wanted: int = 0,
-    rank_index: int | None = None,
-):
-    """The tokens of `valid` whose value is among the top `share` of the mini-batch's valid tokens (under
-    torchrun every rank's, through reduce = common.all_reduce): exactly k = ⌈share·count⌉ of them, the k
-    largest (wanted > 0: that many instead). Of the tokens tied at the k-th value, the earliest in the
-    mini-batch's order are taken: row by row, position by position, rank 0's rows before rank 1's (the
-    prompts' order, my_share), so K ranks take the tokens one process takes. Ties are common: the G
-    completions of a prompt share its first token's entropy, and an all-0-advantage mini-batch (every
-    group's rewards equal) has Cov = 0 on every token, where keeping every tie would take all of them.
-    The values are ranked as fp32 numbers; the k-th is found by bisection over their order (the fp32 bit
-    pattern read as an integer, sign and magnitude), exact in at most 33 steps, each a count over every
-    rank. values, valid (n, T) -> (n, T) bool."""
-    valid = valid.bool()
-    bits = values[valid].float().view(torch.int32).long()  # (tokens,) sign bit, then magnitude
-    order = torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)  # (tokens,) ordered as the values; −0 = +0
-    count = reduce(order.numel())
-    wanted = wanted or share_of(share, count)
-    if wanted >= count:
-        return valid
-    low = reduce(order.min().item() if order.numel() else 2**31, "min")  # count(≥ low) ≥ wanted
-    high = reduce(order.max().item() if order.numel() else -(2**31), "max") + 1  # count(≥ high) < wanted
-    while high - low > 1:
-        middle = (low + high) // 2
-        if reduce(int((order >= middle).sum().item())) >= wanted:
-            low = middle
-        else:
-            high = middle
-    above, tied = order > low, order == low  # (tokens,) each; low is the k-th largest value's
-    ties_wanted = wanted - reduce(int(above.sum().item()))  # ≥ 1 of the tied tokens, the earliest
-    here = rank() if rank_index is None else rank_index
-    ties_by_rank = torch.zeros(reduce(1), dtype=torch.float64)  # (K,) each rank's tied tokens
-    ties_by_rank[here] = tied.sum().item()
-    earlier = int(reduce(ties_by_rank)[:here].sum().item())  # tied tokens on the ranks before this one
-    kept = torch.zeros_like(valid)
-    kept[valid] = above | (tied & (tied.cumsum(0) + earlier <= ties_wanted))
-    return kept
-
-
-def share_of(share: float, count: int) -> int:
-    """⌈share·count⌉, the product rounded to 9 places first: in floats 0.07·100 is 7.000000000000001
-    and 0.14·100 is 14.000000000000002, which a bare ceil makes 8 and 15 tokens."""
-    return math.ceil(round(share * count, 9))
-
-
 def off_policy_sequence_mask(
     sample_logp: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, threshold: float
 ) -> torch.Tensor:
@@ -628,11 +577,11 @@ def covariance_tokens(batch: dict, loss_mask: torch.Tensor, args: Args, total=la
     batch["old_logp"], batch["advantages"], loss_mask (n, T) -> (n, T) bool."""
     cov = token_covariance(batch["old_logp"], batch["advantages"], loss_mask, total)  # (n, T)
     if args.loss_type == "kl_cov":
-        return top_share(cov, loss_mask, args.kl_cov_ratio, total)
+        return common.top_share(cov, loss_mask, args.kl_cov_ratio, total)
     low, high = (float(bound) for bound in args.clip_cov_bounds.split(","))
     band = loss_mask.bool() & (cov >= low) & (cov <= high)  # (n, T)
-    wanted = share_of(args.clip_cov_ratio, total(int(loss_mask.sum().item())))  # ⌈r·N⌉ tokens, of the band's
-    return top_share(cov, band, 1.0, total, wanted=wanted)
+    wanted = common.share_of(args.clip_cov_ratio, total(int(loss_mask.sum().item())))  # ⌈r·N⌉ tokens, of the band's
+    return common.top_share(cov, band, 1.0, total, wanted=wanted)
 
 
 def kl_cov_objective(
@@ -763,7 +712,7 @@ def masked_importance(batch: dict, loss_mask: torch.Tensor, args) -> tuple[torch
     --is_mask is on (on-policy too). loss_mask (n, T): the tokens the loss would train on without
     it. Returns those less the masked ones (n, T), loss_mask itself when off, and the counts
     update_metrics turns into is_mask/* (empty when off)."""
-    bounds = is_mask_bounds(args.is_mask)
+    bounds = common.is_mask_bounds(args.is_mask)
     if bounds is None:
         return loss_mask, {}
     keep = importance_mask(batch["old_logp"], batch["sample_logp"], loss_mask, bounds, args.is_mask_level)
@@ -1424,7 +1373,7 @@ def check_args(args: Args) -> None:
             problems.append(f"--{name} must be >= 0 (got {getattr(args, name)}).")
     if args.dual_clip and args.dual_clip <= 1:
         problems.append("--dual_clip must be > 1 (e.g. 3), or 0 to disable it.")
-    problems += check_technique_args(args)
+    problems += common.check_technique_args(args)
     if args.eval_every < 0 or (args.eval_every and (args.eval_problems < 1 or args.eval_batch_size < 1)):
         problems.append("--eval_every must be >= 0, and with it --eval_problems and --eval_batch_size >= 1.")
     for name in ("micro_batch_size", "micro_batch_tokens", "logprob_chunk_size", "logprob_chunk_tokens"):
@@ -1437,91 +1386,6 @@ def check_args(args: Args) -> None:
         problems.append("--max_turns must be >= 0 and --max_tool_tokens >= 1.")
     if problems:
         raise SystemExit(said_once("Invalid arguments:\n  " + "\n  ".join(problems)))  # once a node
-
-
-def check_technique_args(args: Args) -> list[str]:
-    """The ranges of the entropy bonus, the moving reference, SAPO's gate, the unbiased KL, truncated and
-    masked IS (grpo.py, dapo.py)."""
-    problems = []
-    if args.sapo_tau_pos <= 0 or args.sapo_tau_neg <= 0:
-        problems.append(
-            f"--sapo_tau_pos and --sapo_tau_neg must be > 0 (got {args.sapo_tau_pos}, {args.sapo_tau_neg})."
-        )
-    if args.dppo_delta <= 0 or args.dppo_kl_delta <= 0 or args.dppo_ratio_cap < 1:
-        problems.append(
-            "--dppo_delta and --dppo_kl_delta must be > 0 and --dppo_ratio_cap >= 1 (got "
-            f"{args.dppo_delta}, {args.dppo_kl_delta}, {args.dppo_ratio_cap})."
-        )
-    if args.dppo_type not in ("binary_tv", "binary_kl"):
-        problems.append(f"--dppo_type must be one of binary_tv, binary_kl (got {args.dppo_type!r}).")
-    if args.kl_tau < 0:
-        problems.append(f"--kl_tau must be >= 0 (got {args.kl_tau}): τ of the squared log-ratio penalty.")
-    if args.loss_type == "dppo" and args.dual_clip:
-        problems.append(
-            "--loss_type dppo's objective sg(r)·Â·log π with Â < 0 never falls below c·Â: use --dual_clip 0."
-        )
-    if args.loss_type == "sapo" and args.dual_clip:
-        problems.append(
-            "--loss_type sapo gates the ratio softly, with no clip for dual-clip to bound: use --dual_clip 0."
-        )
-    if args.scale_rewards not in ("", "group", "batch", "mean", "none"):
-        problems.append(f"--scale_rewards {args.scale_rewards!r} is not one of: group, batch, mean, none.")
-    if args.scale_rewards and args.loss_type == "gpg":
-        problems.append("--loss_type gpg scales its advantage itself (α = B/(B − M)): leave --scale_rewards unset.")
-    if not 0 < args.clip_cov_ratio <= 1 or not 0 < args.kl_cov_ratio <= 1 or args.kl_cov_coef < 0:
-        problems.append("--clip_cov_ratio and --kl_cov_ratio must be in (0, 1], --kl_cov_coef >= 0 (2e-4, 2e-4, 1).")
-    try:
-        low, high = (float(bound) for bound in args.clip_cov_bounds.split(","))
-    except ValueError:
-        low, high = 1.0, 0.0  # not two numbers: reported as the band below
-    if not low < high:
-        problems.append(
-            f"--clip_cov_bounds takes ω_low,ω_high, ω_low < ω_high, e.g. 1,5 (got {args.clip_cov_bounds!r})."
-        )
-    if not 0 < args.top_entropy_quantile <= 1:
-        problems.append(
-            f"--top_entropy_quantile must be in (0, 1] (got {args.top_entropy_quantile}); the paper's 0.2, 1 = off."
-        )
-    if args.off_policy_mask_threshold < 0:
-        problems.append(f"--off_policy_mask_threshold must be >= 0 (got {args.off_policy_mask_threshold}); 0 = off.")
-    if args.unbiased_kl and args.beta == 0:
-        problems.append("--unbiased_kl weights the KL term, and --beta 0 has none: add --beta, e.g. 0.01.")
-    if args.entropy_coef < 0:
-        problems.append(f"--entropy_coef must be >= 0 (got {args.entropy_coef}); T1 adds a small bonus, e.g. 0.001.")
-    if not 0 <= args.ref_ema_decay < 1:
-        problems.append(f"--ref_ema_decay must be in [0, 1) (got {args.ref_ema_decay}), e.g. 0.99; 0 = frozen.")
-    elif args.ref_ema_decay and (args.beta == 0 or args.lora_rank):
-        problems.append("--ref_ema_decay moves the reference of the KL term: it needs --beta > 0 and --lora_rank 0.")
-    elif args.ref_ema_decay and args.dtype == "bfloat16":  # 8 significant bits: a step of (1−λ)·gap rounds away
-        problems.append("--ref_ema_decay needs fp32 weights: with --dtype bfloat16 the reference would never move.")
-    if args.tis_cap and args.tis_cap < 1:
-        problems.append(f"--tis_cap must be >= 1, or 0 to disable it (got {args.tis_cap}); Yao et al. use 2.")
-    return problems + check_is_mask(args)
-
-
-def check_is_mask(args) -> list[str]:
-    """The range of --is_mask α,β and --is_mask_level (all three scripts)."""
-    if args.is_mask_level not in ("token", "sequence"):
-        return [f"--is_mask_level {args.is_mask_level!r} is not one of: token, sequence."]
-    try:
-        is_mask_bounds(args.is_mask)
-    except ValueError as error:
-        return [str(error)]
-    return []
-
-
-def is_mask_bounds(text: str) -> tuple[float, float] | None:
-    """--is_mask "α,β" -> (α, β), with 0 <= α < 1 < β so that a token on which sampler and trainer
-    agree (ratio 1) always stays; "" -> None (off). A ValueError says what was wrong."""
-    if not text:
-        return None
-    try:
-        low, high = (float(part) for part in text.split(","))
-    except ValueError:
-        raise ValueError(f"--is_mask takes two numbers α,β, e.g. 0.5,5 (IcePop's), not {text!r}.") from None
-    if not 0 <= low < 1 < high:
-        raise ValueError(f"--is_mask α,β needs 0 <= α < 1 < β (got {text}): a ratio of 1 must stay, e.g. 0.5,5.")
-    return low, high
 
 
 if __name__ == "__main__":

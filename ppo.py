@@ -87,7 +87,6 @@ from common import (
     my_share,
     parse_args,
     prompt_indices,
-    rank,
     rank_seed,
     render_chat,
     resolve_device,
@@ -532,7 +531,7 @@ def masked_importance(batch: dict, loss_mask: torch.Tensor, args) -> tuple[torch
     --is_mask is on (on-policy too). loss_mask (n, T): the tokens the loss would train on without
     it. Returns those less the masked ones (n, T), loss_mask itself when off, and the counts
     update_metrics turns into is_mask/* (empty when off)."""
-    bounds = is_mask_bounds(args.is_mask)
+    bounds = common.is_mask_bounds(args.is_mask)
     if bounds is None:
         return loss_mask, {}
     keep = importance_mask(batch["old_logp"], batch["sample_logp"], loss_mask, bounds, args.is_mask_level)
@@ -848,7 +847,7 @@ def save_critic(critic: Critic, directory: Path) -> None:
     backbone_dir = Path(directory) / CRITIC_DIR / (ADAPTER_DIR if is_lora(critic.backbone) else "")
     if world_size() > 1:  # torchrun: every rank gathers, rank 0 writes the full weights
         state = full_state_dict(critic)
-        if rank() == 0:
+        if common.rank() == 0:
             backbone = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
             critic.backbone.save_pretrained(backbone_dir, state_dict=backbone, safe_serialization=True)
             head = {k.removeprefix("value_head."): v.contiguous() for k, v in state.items() if "value_head." in k}
@@ -1372,7 +1371,7 @@ def check_args(args: Args) -> None:
         problems.append(f"--pos_lm_coef must be >= 0 (got {args.pos_lm_coef}); VAPO uses 0.1.")
     if args.tis_cap and args.tis_cap < 1:
         problems.append(f"--tis_cap must be >= 1, or 0 to disable it (got {args.tis_cap}); Yao et al. use 2.")
-    problems += check_is_mask(args)
+    problems += common.check_is_mask(args)
     for name in ("eps_value", "lam_alpha", "whiten_eps"):
         if getattr(args, name) <= 0:
             problems.append(f"--{name} must be > 0.")
@@ -1397,31 +1396,6 @@ def check_args(args: Args) -> None:
         )
     if problems:
         raise SystemExit(said_once("Invalid arguments:\n  " + "\n  ".join(problems)))  # once a node
-
-
-def check_is_mask(args) -> list[str]:
-    """The range of --is_mask α,β and --is_mask_level (all three scripts)."""
-    if args.is_mask_level not in ("token", "sequence"):
-        return [f"--is_mask_level {args.is_mask_level!r} is not one of: token, sequence."]
-    try:
-        is_mask_bounds(args.is_mask)
-    except ValueError as error:
-        return [str(error)]
-    return []
-
-
-def is_mask_bounds(text: str) -> tuple[float, float] | None:
-    """--is_mask "α,β" -> (α, β), with 0 <= α < 1 < β so that a token on which sampler and trainer
-    agree (ratio 1) always stays; "" -> None (off). A ValueError says what was wrong."""
-    if not text:
-        return None
-    try:
-        low, high = (float(part) for part in text.split(","))
-    except ValueError:
-        raise ValueError(f"--is_mask takes two numbers α,β, e.g. 0.5,5 (IcePop's), not {text!r}.") from None
-    if not 0 <= low < 1 < high:
-        raise ValueError(f"--is_mask α,β needs 0 <= α < 1 < β (got {text}): a ratio of 1 must stay, e.g. 0.5,5.")
-    return low, high
 
 
 if __name__ == "__main__":

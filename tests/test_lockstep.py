@@ -39,14 +39,12 @@ SHARED = [
     "micro_batches",
     # truncated and masked importance sampling: the sampler-trainer gap is not the algorithm either
     "tis_weights",
-    "check_is_mask",
-    "is_mask_bounds",
     "importance_mask",
     "masked_importance",
 ]
 # Shared by grpo.py and dapo.py only (ppo.py has neither CISPO nor T1's techniques).
 SHARED_GRPO_DAPO = [
-    "check_technique_args", "cispo_objective", "on_policy", "micro_batch_passes", "corrected", "kl_estimate",
+    "cispo_objective", "on_policy", "micro_batch_passes", "corrected", "kl_estimate",
     "sampler_logp",
 ]  # fmt: skip
 # Same name, different body on purpose: the reason is the algorithm.

@@ -59,9 +59,9 @@ def test_sequence_mask_by_hand(script):
 
 
 def test_is_mask_bounds_and_metrics_by_hand():
-    assert grpo.is_mask_bounds("") is None
-    assert grpo.is_mask_bounds("0.5,5") == (0.5, 5.0)
-    assert grpo.is_mask_bounds("0,2") == (0.0, 2.0)  # α = 0: no lower bound
+    assert common.is_mask_bounds("") is None
+    assert common.is_mask_bounds("0.5,5") == (0.5, 5.0)
+    assert common.is_mask_bounds("0,2") == (0.0, 2.0)  # α = 0: no lower bound
     # masked_importance over RATIOS at the token level: 3 of the 11 valid tokens leave (row 0's
     # 2.0, row 1's 2.0, row 2's 0.45 and 1.55: 4), no row leaves whole; at the sequence level row
     # 1's 4 tokens and that row.

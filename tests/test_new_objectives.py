@@ -11,6 +11,7 @@ import threading
 import pytest
 import torch
 
+import common
 import dapo
 import grpo
 
@@ -310,20 +311,19 @@ def test_top_share_by_hand():
     #   share 0.4 -> k = ⌈2.0⌉ = 2: 5 and 4;   share 0.5 -> k = ⌈2.5⌉ = 3: 5, 4 and 3;   share 1: every valid token
     values = torch.tensor([[3.0, 1.0, 2.0, 9.0], [5.0, 4.0, 0.0, 0.0]])
     valid = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
-    assert grpo.top_share(values, valid, 0.4).int().tolist() == [[0, 0, 0, 0], [1, 1, 0, 0]]
-    assert grpo.top_share(values, valid, 0.5).int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0]]
-    assert grpo.top_share(values, valid, 1.0).int().tolist() == valid.tolist()
+    assert common.top_share(values, valid, 0.4).int().tolist() == [[0, 0, 0, 0], [1, 1, 0, 0]]
+    assert common.top_share(values, valid, 0.5).int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0]]
+    assert common.top_share(values, valid, 1.0).int().tolist() == valid.tolist()
     # [2, 2, 1] with share 0.34 -> k = ⌈1.02⌉ = 2: both 2s (and only them).
-    assert grpo.top_share(torch.tensor([[2.0, 2.0, 1.0]]), torch.ones(1, 3), 0.34).int().tolist() == [[1, 1, 0]]
+    assert common.top_share(torch.tensor([[2.0, 2.0, 1.0]]), torch.ones(1, 3), 0.34).int().tolist() == [[1, 1, 0]]
     # 100 distinct values, share 0.07: k = 7, the values 93…99, though 0.07·100 = 7.000000000000001 in
     # floats (a bare ceil: 8 tokens); wanted = 5 in place of the share: 95…99.
     values = torch.arange(100.0)[None]
-    assert grpo.top_share(values, torch.ones(1, 100), 0.07).nonzero()[:, 1].tolist() == list(range(93, 100))
-    assert grpo.top_share(values, torch.ones(1, 100), 1.0, wanted=5).nonzero()[:, 1].tolist() == list(range(95, 100))
+    assert common.top_share(values, torch.ones(1, 100), 0.07).nonzero()[:, 1].tolist() == list(range(93, 100))
+    assert common.top_share(values, torch.ones(1, 100), 1.0, wanted=5).nonzero()[:, 1].tolist() == list(range(95, 100))
 
 
-@pytest.mark.parametrize("script", [grpo, dapo])
-def test_top_share_takes_exactly_k_tokens_and_the_earliest_of_a_tie(script):
+def test_top_share_takes_exactly_k_tokens_and_the_earliest_of_a_tie():
     # k = ⌈share·count⌉ tokens exactly (issue 42: every token tied with the k-th was kept). Of the tokens
     # tied at the k-th value, the earliest in the mini-batch's order are taken: row by row, position by
     # position (padding skipped).
@@ -332,7 +332,7 @@ def test_top_share_takes_exactly_k_tokens_and_the_earliest_of_a_tie(script):
     #   share 0.4 -> k = 2 of the three 3s: (0, 1) and (1, 0), not (1, 1).
     #   All equal, 20 tokens, share 0.2 -> k = 4: the first four; share 0.01 -> k = 1: the first.
     #   -0.0 and 0.0 are one value: [[-0.0, 0.0]], share 0.5 -> the first.
-    take = script.top_share
+    take = common.top_share
     assert take(torch.tensor([[2.0, 2.0, 2.0, 1.0]]), torch.ones(1, 4), 0.5).int().tolist() == [[1, 1, 0, 0]]
     values, valid = torch.tensor([[1.0, 3.0, 9.0], [3.0, 3.0, 0.0]]), torch.tensor([[1, 1, 0], [1, 1, 1]])
     assert take(values, valid, 0.5).int().tolist() == [[0, 1, 0], [1, 1, 0]]
@@ -368,8 +368,7 @@ def two_ranks(function, *halves):
     return results
 
 
-@pytest.mark.parametrize("script", [grpo, dapo])
-def test_top_share_breaks_a_tie_over_two_ranks_as_one_process(script):
+def test_top_share_breaks_a_tie_over_two_ranks_as_one_process():
     # 6 rows of 5, every value 0.5 except a few 0.9, rows 0-2 on rank 0 and 3-5 on rank 1: the k-th
     # value is tied across both ranks, and together they take the tokens one process takes: the
     # earliest, rank 0's rows first (the prompts' order: rank r holds prompts r·B/K …).
@@ -378,9 +377,9 @@ def test_top_share_breaks_a_tie_over_two_ranks_as_one_process(script):
     valid = torch.ones(6, 5, dtype=torch.long)
     valid[0, 3:] = valid[3, :2] = 0
     for share in (0.2, 0.5, 0.9):  # k = 6, 13, 24 of 26: ties taken on rank 0 only, on both, on both
-        one = script.top_share(values, valid, share)
+        one = common.top_share(values, valid, share)
         kept = two_ranks(
-            lambda v, m, reduce, rank, share=share: script.top_share(v, m, share, reduce, rank_index=rank),
+            lambda v, m, reduce, rank, share=share: common.top_share(v, m, share, reduce, rank_index=rank),
             (values[:3], valid[:3]),
             (values[3:], valid[3:]),
         )
@@ -392,9 +391,9 @@ def test_top_share_over_two_ranks_is_one_process():
     # Random values, no ties: two "ranks" (two_ranks) together keep exactly the tokens one process keeps.
     torch.manual_seed(0)
     values, valid = torch.rand(6, 5), (torch.rand(6, 5) > 0.3).long()
-    one = dapo.top_share(values, valid, 0.2)
+    one = common.top_share(values, valid, 0.2)
     kept = two_ranks(
-        lambda v, m, reduce, rank: dapo.top_share(v, m, 0.2, reduce, rank_index=rank),
+        lambda v, m, reduce, rank: common.top_share(v, m, 0.2, reduce, rank_index=rank),
         (values[:3], valid[:3]),
         (values[3:], valid[3:]),
     )
