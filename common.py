@@ -414,6 +414,13 @@ def check_run_args(args, algo: str) -> list[str]:
         problems.append(f"--max_steps must be at least 1 (got {args.max_steps}): a run of no steps trains nothing.")
     if args.dtype not in ("auto", "bfloat16", "float32"):
         problems.append(f"--dtype {args.dtype!r} is not one of: auto, bfloat16, float32.")
+    if args.eval_every < 0 or (args.eval_every and (args.eval_problems < 1 or args.eval_batch_size < 1)):
+        problems.append("--eval_every must be >= 0, and with it --eval_problems and --eval_batch_size >= 1.")
+    for name in ("micro_batch_size", "micro_batch_tokens", "logprob_chunk_size", "logprob_chunk_tokens"):
+        if getattr(args, name) < 0:
+            problems.append(f"--{name} must be >= 0 (0: by tokens, or sized before step 1).")
+    if args.max_turns < 0 or args.max_tool_tokens < 1:
+        problems.append("--max_turns must be >= 0 and --max_tool_tokens >= 1.")
     problems += timeout_problems(args)
     if args.resume_from:
         problems += resume_problems(args, algo)
@@ -867,6 +874,26 @@ def size_micro_batches(args, task, tokenizer, trained: list, update, score) -> N
         seconds = time.perf_counter() - start
         print(f"preflight ({seconds:.1f} s): {', '.join(sized)}: the most that peak within {share}")
         print(f"preflight passes, {pass_speeds(timings, length)}")
+
+
+def logprob_passes(policy, sequence_logprobs, temperature: float, vocab_size: int, amp) -> tuple:
+    """What the preflight (size_micro_batches) measures for a policy scored by the script's
+    sequence_logprobs, as two passes over sequences (prompt_ids, prompt_mask, completion_ids,
+    completion_mask): step 6's forward and backward, and step 4's no-grad scoring pass, each as
+    one chunk of all the rows it is given."""
+
+    def update(sequences):
+        with amp():
+            logp, _ = sequence_logprobs(policy, *sequences, temperature, vocab_size, len(sequences[0]))
+        logp.sum().backward()
+
+    def score(sequences):
+        policy.eval()
+        with torch.no_grad(), amp():
+            sequence_logprobs(policy, *sequences, temperature, vocab_size, len(sequences[0]), with_entropy=True)
+        policy.train()
+
+    return update, score
 
 
 def pass_speeds(timings: dict, length: int) -> str:
@@ -2855,11 +2882,18 @@ def make_optimizer(model, lr: float | None, args) -> tuple[torch.optim.AdamW, to
     return optimizer, warmup
 
 
+# Settings a resumed run must share with the run it continues (the reference model, the prompt
+# order and the meaning of a step depend on them); a script adds its own (Run's same_on_resume).
+SAME_ON_RESUME = ("model", "task", "dataset", "num_problems", "seed", "batch_size", "group_size")
+SAME_ON_RESUME += ("lora_rank", "lora_alpha", "lora_targets")  # the adapters saved must fit the run
+SAME_ON_RESUME += ("data_file", "data_split", "prompt_key", "answer_key", "eval_data_file")  # --task file's rows
+
+
 class Run:
     """What a training loop does besides the algorithm: one run on disk, new or resumed.
 
         run = Run(args, "grpo", policy, tokenizer, resumable={"optimizer": optimizer, ...},
-                  same_on_resume=SAME_ON_RESUME, evaluate=evaluate)
+                  evaluate=evaluate)
         with run:                         # Ctrl-C: one line naming the newest checkpoint, exit 130
             for step in run.steps():      # start_step … max_steps-1, with a progress bar
                 ...                       # the algorithm: rollout, log-probs, advantages, update
@@ -2880,7 +2914,8 @@ class Run:
     When it is not the weights' own (fp32 masters under autocast), the newest checkpoint's
     trainer state also keeps the fp32 weights, so that a resumed run continues exactly.
 
-    same_on_resume: the Args fields a resumed run must share with the run it continues.
+    same_on_resume: the Args fields a resumed run must share with the run it continues, beyond
+    SAME_ON_RESUME.
     evaluate(): the held-out eval/ metrics, called every eval_every steps and at the end
     (never with --eval_every 0). state: more trainer state that the script updates as it goes
     (dapo.py's position in the prompt stream), saved with every checkpoint and restored on
@@ -2896,8 +2931,8 @@ class Run:
         tokenizer,
         *,
         resumable: dict,
-        same_on_resume: tuple[str, ...],
         evaluate,
+        same_on_resume: tuple[str, ...] = (),
         state: dict | None = None,
         write_extra=None,
         resume_only: tuple[str, ...] = (),
@@ -2922,7 +2957,7 @@ class Run:
                 shutil.rmtree(self.dir, ignore_errors=True)
                 raise
             return
-        saved = load_trainer_state(args.resume_from, vars(args), same_on_resume, trainer_state_file())
+        saved = load_trainer_state(args.resume_from, vars(args), SAME_ON_RESUME + same_on_resume, trainer_state_file())
         if saved.get("world_size", 1) != world_size():  # each rank's AdamW shard fits that many ranks only
             raise SystemExit(processes_differ(args.resume_from, saved.get("world_size", 1), world_size()))
         for name, thing in resumable.items():

@@ -10,40 +10,33 @@ The loop of train(), one numbered comment per step (the README draws the same bo
   2. generate o_i ~ π_θold(·|q) with the KV cache                  generate
   3. score R_i = reward(o_i, q) with the task's rule               rewards.py
   4. log π_θold(o_i,t) and log π_ref(o_i,t), no grad               old_and_ref_logprobs
-  5. Â_i = (R_i − mean(R_group)) / (std(R_group) + ε)              scaled_advantages
-  6. μ times over shuffled mini-batches of whole groups: the loss −J of DAPO Eq. 5
-     (grpo_loss), backward micro-batch by micro-batch, clip the gradient norm, AdamW   policy_backward
+  5. Â_i = (R_i − mean(R_group)) / (std(R_group) + ε)              group_advantages
+  6. μ times over shuffled mini-batches of whole groups: the loss −J of DAPO Eq. 5, backward
+     micro-batch by micro-batch, clip the gradient norm, AdamW       grpo_loss, policy_backward
   7-9. held-out accuracy when due, the metrics row, a checkpoint   common.Run.end_step
-Deliberate departures: the mean over the completions of the whole mini-batch (1/N, not 1/G per
-group: the same when every group is whole) so that gradient accumulation is exact; on-policy
-(μ = 1, one mini-batch) the ratio is exactly 1 and π_θold is not scored separately, unless
---is_mask needs it (on_policy).
+Deliberate departures: the mean over the whole mini-batch's completions (1/N, not 1/G per group:
+the same when every group is whole), so gradient accumulation is exact; on-policy (μ = 1, one
+mini-batch) the ratio is exactly 1 and π_θold is not scored separately (on_policy).
 
 Papers (equation numbers as cited in the code):
-  GRPO      Shao et al. 2024, DeepSeekMath, arXiv 2402.03300, Eq. 3 and 4; the objective as
-            restated in the DAPO paper (Yu et al. 2025, arXiv 2503.14476), Eq. 4-6.
+  GRPO      Shao et al. 2024, DeepSeekMath, arXiv 2402.03300, Eq. 3-4; as restated by DAPO
+            (Yu et al. 2025, arXiv 2503.14476), Eq. 4-6.
   Dr. GRPO  Liu et al. 2025, arXiv 2503.20783, Sec. 3.1 (no std, constant normaliser).
   GSPO      Zheng et al. 2025, arXiv 2507.18071, Eq. 5-7 (sequence-level ratio).
-  Dual-clip Ye et al. 2020, arXiv 1912.09729, Eq. 4.
-  GPG       Chu et al. 2025, arXiv 2504.02546: Â = α·(R − mean), α = B/(B − M), --loss_type gpg.
-  T1        Hou et al. 2025, arXiv 2501.11651: the entropy bonus and the moving (EMA)
-            reference of --entropy_coef and --ref_ema_decay.
-  TIS       Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"
-            (blog): truncated importance sampling, --tis_cap.
-  IcePop    Ling Team 2025, Ring-1T, arXiv 2510.18855: masked importance sampling, --is_mask.
-  CISPO     MiniMax 2025, MiniMax-M1, arXiv 2506.13585, Sec. 3.1, Eq. 4-5: the clipped IS weight,
-            --loss_type cispo (adopted by ScaleRL, arXiv 2510.13786).
-  Defaults  marked "seed study": the comparison of PPO, GRPO and DAPO on Countdown with
-            Qwen2.5-1.5B-Instruct, arXiv 2512.07611.
+  GPG       Chu et al. 2025, arXiv 2504.02546 (Â = α·(R − mean)).
+  CISPO     MiniMax-M1, arXiv 2506.13585, Eq. 4-5 (the clipped IS weight).
+  Others    dual-clip, T1's entropy bonus and moving reference, TIS, IcePop, SAPO, DPPO, Clip/KL-Cov,
+            OPSM: each cited at its function, after train(); docs/techniques.md compares them.
+  Defaults  marked "seed study": PPO, GRPO and DAPO on Countdown with Qwen2.5-1.5B-Instruct,
+            arXiv 2512.07611.
 
 Run:
   python grpo.py --model Qwen2.5-1.5B-Instruct                 # one GPU, Countdown
   python grpo.py --model tiny --max_steps 20                   # CPU smoke run, no download
   python grpo.py --model tiny --task digit --lr 3e-3 --max_new_tokens 8 --max_steps 40  # CPU, the reward rises
-  python grpo.py --model Qwen2.5-1.5B-Instruct --task gsm8k --eval_every 50   # GSM8K, held-out accuracy logged
   torchrun --nproc_per_node 8 grpo.py --model Qwen2.5-7B-Instruct             # 8 GPUs, FSDP2: docs/distributed.md
-Shape letters in comments: B prompts per step · G completions per prompt · N = B·G sequences · n sequences
-  of a micro-batch or of one rollout() · P prompt tokens (left padded) · T completion tokens (right padded) ·
+Shape letters in comments: B prompts per step · G completions per prompt · N = B·G sequences · n rows of a
+  micro-batch or of one rollout() · P prompt tokens (left padded) · T completion tokens (right padded) ·
   V vocabulary (the tokenizer's, not the embedding's padded size)
 """
 
@@ -285,18 +278,12 @@ def on_policy(args: Args) -> bool:
 
 
 def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contextlib.nullcontext) -> tuple[dict, dict]:
-    """Step 6's forward and backward over one mini-batch, micro_batch_size rows (or micro_batch_tokens) at a time;
-    gradients accumulate in .grad. batch holds (n, …) tensors: prompt_ids, prompt_mask,
-    completion_ids, completion_mask, sample_logp, old_logp (None: see below), ref_logp (or None),
-    advantages. amp() is the autocast context of the forward pass (backward runs outside it, as
-    PyTorch advises). Returns (totals, recorded): the summed loss and token statistics of the
-    mini-batch, and, when batch["old_logp"] is None, this pass's log π_θ and entropy (n, T), no
-    grad, in batch's row order, standing in for step 4's (on-policy, old_and_ref_logprobs);
-    otherwise {}.
-
-    On-policy π_θold is π_θ itself, so old = sg(log π_θ) sets the ratio to exactly 1, with the
-    gradient ∇log π_θ: the recorded old_logp come from other kernel shapes and in bf16 differ by
-    noise, which GSPO's ε ≈ 3e-4 would clip. The gradient is the same either way."""
+    """Step 6's forward and backward over one mini-batch, micro-batch by micro-batch; gradients
+    accumulate in .grad. batch holds (n, …) tensors (prompt_ids … advantages; old_logp None when
+    on-policy). amp() is the forward's autocast context. Returns (totals, recorded): the summed loss
+    and token statistics, and, on-policy, this pass's log π_θ and entropy (n, T), no grad, standing
+    in for step 4's. On-policy old = sg(log π_θ) makes the ratio exactly 1 with gradient ∇log π_θ,
+    where recorded log-probs would differ by bf16 noise that GSPO's ε ≈ 3e-4 clips."""
     loss_mask, totals = masked_importance(batch, batch["completion_mask"], args)  # (n, T): less what --is_mask drops
     # The whole mini-batch's sequences and tokens, for every micro-batch; under torchrun every
     # rank's (FSDP sums the ranks' gradients): the normalisers of one process's loss. A completion
@@ -343,10 +330,9 @@ CLIPPED = ("grpo", "dr_grpo", "clip_cov")  # the loss types whose objective is t
 
 
 def variant_objective(logp, old_logp, ratio, advantages, mask, args: Args, terms: dict):
-    """The per-token objective of a --loss_type that is not the clipped surrogate (CLIPPED), in its
-    place: the table from the loss type to its function of this section. logp, old_logp, ratio, mask
-    (n, T), advantages (n, 1) -> (the objective (n, T), the ratio its stats report (n, T), DPPO's
-    dropped tokens (n, T) bool or None)."""
+    """The per-token objective of a --loss_type outside CLIPPED: the table from the loss type
+    to its function. logp, old_logp, ratio, mask (n, T), advantages (n, 1) -> (objective (n, T), the
+    ratio its stats report (n, T), DPPO's dropped tokens (n, T) bool or None)."""
     eps_low, eps_high = clip_range(args)
     match args.loss_type:
         case "gspo":  # one ratio per completion, clipped with GSPO's own ε
@@ -369,12 +355,10 @@ def variant_objective(logp, old_logp, ratio, advantages, mask, args: Args, terms
 
 
 def corrected(objective: torch.Tensor, advantages: torch.Tensor, args, terms: dict):
-    """The policy-gradient term after dual-clip and the sampler/trainer corrections, each off unless
-    its flag is set or its tensor given, in this order: dual-clip's bound c·Â on Â < 0 tokens
-    (dual_clip), truncated IS's weight (terms["is_weight"], tis_weights), the policy mask of OPSM,
-    Clip-Cov and the top-ρ entropy share (terms["policy_mask"], corrections: the KL term stays), T1's
-    entropy bonus c_H·H_t (terms["entropy"]). objective (n, T), advantages (n, 1) -> the objective
-    (n, T) and the tokens dual-clip bounded (n, T) bool."""
+    """The policy-gradient term after, in this order, dual-clip's bound c·Â on Â < 0 tokens, truncated
+    IS's weight (terms["is_weight"]), the policy mask of OPSM, Clip-Cov and the entropy share
+    (terms["policy_mask"]; the KL term stays) and T1's entropy bonus c_H·H_t, each off unless set.
+    objective (n, T), advantages (n, 1) -> (objective (n, T), the tokens dual-clip bounded (n, T))."""
     objective, dual_clipped = dual_clip(objective, advantages, args.dual_clip)
     if terms.get("is_weight") is not None:
         objective = terms["is_weight"] * objective
@@ -400,11 +384,9 @@ def sampler_logp(terms: dict, old_logp: torch.Tensor) -> torch.Tensor:
 
 
 def sequence_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """GSPO's sequence-level ratio (Zheng et al. 2025, arXiv 2507.18071, Eq. 7):
+    """GSPO's sequence-level ratio (arXiv 2507.18071, Eq. 7), the unit the reward judges:
         s_i = (π_θ(o_i|q) / π_θold(o_i|q))^(1/|o_i|) = exp(1/|o_i| · Σ_t log r_it)
-    one ratio per completion, the unit the reward judges, clipped with GSPO's own tiny ε (Eq. 5)
-    and applied to every token of o_i; the length normalisation keeps it near 1 whatever |o_i|.
-    logp, old_logp, mask (n, T) -> (n, T), s_i repeated along row i."""
+    the length normalisation keeps it near 1 whatever |o_i|. (n, T) each -> (n, T), s_i along row i."""
     lengths = mask.sum(-1, keepdim=True).clamp(min=1)  # (n, 1) |o_i|
     log_ratio = (logp - old_logp) * mask  # (n, T)
     return torch.exp(log_ratio.sum(-1, keepdim=True) / lengths).expand_as(logp)
@@ -419,14 +401,11 @@ def variant_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
 
 
 def gpg_advantages(rewards: torch.Tensor, group_size: int, total=lambda count: count) -> torch.Tensor:
-    """GPG's corrected advantage (Chu et al. 2025, arXiv 2504.02546; the α and F_norm of its best ablation):
+    """GPG's advantage (arXiv 2504.02546; F_norm = 1, α over the whole batch):
         Â_i = α · (R_i − mean(R_1..R_G)),   α = B / (B − M)
-    with F_norm = 1 (no division by the std) and α over the whole batch: B completions, M of
-    them in groups whose rewards are all equal. Those groups have Â = 0 and add nothing to the
-    gradient, yet the token-mean loss still divides by their tokens; α scales the rest back up
-    so the gradient's size does not shrink as more groups become all-right or all-wrong.
-    total(count): the count over the whole batch (under torchrun common.all_reduce, as this
-    rank holds only its share). rewards (N,) with groups in consecutive rows -> advantages (N,)."""
+    M of the B completions are in groups whose rewards are all equal (Â = 0); α scales the rest up so
+    the gradient does not shrink as such groups grow. total(count): the count over every rank.
+    rewards (N,) with groups in consecutive rows -> advantages (N,)."""
     grouped = rewards.view(-1, group_size)  # (B/G groups, G)
     informative = grouped.max(-1).values != grouped.min(-1).values  # (groups,)
     # B / (B − M), groups being of equal size. Unbounded: one informative group of 32 gives α = 32 (then
@@ -444,33 +423,27 @@ def sapo_objective(
     tau_pos: float,
     tau_neg: float,
 ) -> torch.Tensor:
-    """SAPO's soft-gated objective per token (Soft Adaptive Policy Optimization, arXiv 2511.20347):
+    """SAPO's soft-gated objective per token (arXiv 2511.20347):
         f(r)·Â,   f(r) = σ(τ (r − 1)) · 4/τ,   τ = τ_pos where Â > 0, τ_neg where Â < 0
-    a smooth gate in place of the hard clip: ∂f/∂r = 4·σ(x)(1 − σ(x)) is 1 at r = 1, so on-policy
-    the gradient is the plain policy gradient, and it decays smoothly as r leaves 1: a token far
-    off-policy is damped, not cut. The log-ratio is clamped to ±20 before the exp, so an overflowing
-    ratio gets a zero gradient, not NaN. logp, old_logp, mask (n, T), advantages (n, 1) -> (n, T)."""
+    ∂f/∂r is 1 at r = 1 (on-policy: the plain policy gradient) and decays as r leaves 1: a token far
+    off-policy is damped, not cut. logp, old_logp, mask (n, T), advantages (n, 1) -> (n, T)."""
     ratio = torch.exp(((logp - old_logp) * mask).clamp(-20.0, 20.0))  # (n, T) r, finite
     tau = torch.where(advantages > 0, tau_pos, tau_neg)  # (n, 1) or (n, T)
     return torch.sigmoid(tau * (ratio - 1)) * (4 / tau) * advantages
 
 
 def unbiased_kl(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor):
-    """DeepSeek-V3.2's unbiased KL estimate (arXiv 2512.02556, Sec. 3.1): the k3 estimate of each
-    token weighted by its importance ratio, not detached,
-        D_t = (π_θ(o_t) / π_θold(o_t)) · k3_t
-    The tokens were sampled by π_θold, so k3 alone is biased once θ moves; the weight removes the
-    bias, and ∇D = r·(k3 + 1 − π_ref/π_θ)·∇log π_θ is the KL's own gradient. On-policy r = 1: k3's
-    value, not its gradient. logp, old_logp, ref_logp, mask (n, T) -> (n, T)."""
+    """DeepSeek-V3.2's unbiased KL estimate (arXiv 2512.02556, Sec. 3.1):
+        D_t = (π_θ(o_t) / π_θold(o_t)) · k3_t,   the ratio not detached
+    the tokens came from π_θold, so k3 alone is biased once θ moves; ∇D is the KL's own gradient.
+    logp, old_logp, ref_logp, mask (n, T) -> (n, T)."""
     return torch.exp(((logp - old_logp) * mask).clamp(-20.0, 20.0)) * kl_k3(logp, ref_logp)  # e^20: finite
 
 
 def corrections(micro: dict, logp: torch.Tensor, old_logp: torch.Tensor, args: Args):
-    """The sampler/trainer corrections of one micro-batch, each off unless its flag is set: the truncated
-    IS weights (tis_weights), and the policy mask, 0 where a token's policy-gradient term leaves the
-    loss: DeepSeek-V3.2's off-policy completions (off_policy_sequence_mask) and the tokens outside the
-    top-ρ entropy share (micro["entropy_keep"], chosen over the whole mini-batch by policy_backward).
-    Returns is_weight (m, T) or None, the policy mask (m, T) or None, and their counts for the metrics."""
+    """The sampler/trainer corrections of one micro-batch, each off unless its flag is set: truncated
+    IS weights (tis_weights) and the policy mask (OPSM's completions, Clip-Cov's tokens, the top-ρ
+    entropy share). Returns is_weight (m, T) or None, the policy mask (m, T) or None, their counts."""
     is_weight, policy_mask, stats = None, None, {}
     if args.tis_cap:
         is_weight = tis_weights(old_logp, micro["sample_logp"], micro["completion_mask"], args.tis_cap)
@@ -500,10 +473,8 @@ def off_policy_sequence_mask(
 ) -> torch.Tensor:
     """DeepSeek-V3.2's off-policy sequence masking (arXiv 2512.02556, Sec. 3.1), per completion:
         M_i = 0  if Â_i < 0 and 1/|o_i| Σ_t log(π_sampler(o_i,t) / π_θ(o_i,t)) > δ,  else 1
-    A negative completion the current policy has already moved far from would push π_θ down on tokens
-    it no longer samples: such completions leave the policy term, not the KL term, not the normaliser.
-    π_sampler is sample_logp (the behaviour policy), π_θ this update's, detached (docs/techniques.md).
-    sample_logp, logp, mask (n, T), advantages (n, 1) -> M (n, 1) in logp's dtype, no gradient."""
+    such a completion leaves the policy term (not the KL term, not the normaliser).
+    sample_logp, logp, mask (n, T), advantages (n, 1) -> M (n, 1), no gradient."""
     lengths = mask.sum(-1, keepdim=True).clamp(min=1)  # (n, 1) |o_i|
     divergence = ((sample_logp - logp.detach()) * mask).sum(-1, keepdim=True) / lengths  # (n, 1)
     return 1 - ((advantages < 0) & (divergence > threshold)).to(logp.dtype)
@@ -512,18 +483,12 @@ def off_policy_sequence_mask(
 def scaled_advantages(
     rewards: torch.Tensor, group_size: int, scale: str, eps: float, total=lambda sum_: sum_, success=None
 ) -> torch.Tensor:
-    """Â_i = (R_i − mean of its group) / s, the scale s as --scale_rewards chooses:
+    """Â_i = (R_i − mean of its group) / s, with s as --scale_rewards chooses:
       group  the group's std (GRPO, DAPO Eq. 6: group_advantages)
-      none   1 (Dr. GRPO Sec. 3.1: no std, which up-weights nearly solved and nearly failed groups)
-      batch  the std of every reward of the batch (Lite PPO, arXiv 2508.08221): the group's
-             baseline, the batch's scale, so a group whose rewards hardly differ is not blown up
-      mean   the group's mean reward (MaxRL, arXiv 2602.02710): a group that is rarely right gets
-             large advantages, one nearly always right small ones
-    batch's std is the unbiased one over the whole batch, every rank's under torchrun (total); mean
-    divides by the group mean of `success` (the task's reward; dapo.py's length penalty shapes the
-    advantage, not the scale), a group whose mean is 0 gets Â = 0, and a negative reward stops the
-    run (docs/techniques.md). eps is added to s (not for none).
-    rewards (N,) with groups in consecutive rows -> advantages (N,)."""
+      none   1 (Dr. GRPO Sec. 3.1)
+      batch  the unbiased std of the whole batch's rewards, every rank's (Lite PPO, arXiv 2508.08221)
+      mean   the group's mean of `success` (MaxRL, arXiv 2602.02710); a group of mean 0 gets Â = 0
+    eps is added to s (not for none). rewards (N,) with groups in consecutive rows -> advantages (N,)."""
     if scale in ("group", "none"):
         return group_advantages(rewards, group_size, scale_by_std=scale == "group", eps=eps)
     grouped = rewards.view(-1, group_size)  # (B, G)
@@ -548,14 +513,10 @@ def reward_scale(args: Args) -> str:
 
 
 def token_covariance(old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, total=lambda sum_: sum_):
-    """The centred cross term of each token whose covariance drives the entropy's change (Cui et al.
-    2025, arXiv 2505.22617, Sec. 4.1):
+    """Each token's centred cross term (arXiv 2505.22617, Sec. 4.1), the means over the mini-batch:
         Cov_t = (log π(o_t) − mean log π) · (Â_t − mean Â)
-    the means over every valid token of the mini-batch (under torchrun every rank's, through total).
-    Tokens of large Cov, likely and rewarded, are those whose training collapses the entropy. Choice:
-    log π is π_θold's (step 4's), so the tokens are chosen once, before the micro-batches, and gradient
-    accumulation stays exact (verl takes the current policy's, per micro-batch). old_logp, mask (n, T),
-    advantages (n,) -> (n, T), 0 on padding. No gradient."""
+    log π is π_θold's, so the tokens are chosen once, before the micro-batches (verl: per micro-batch).
+    old_logp, mask (n, T), advantages (n,) -> (n, T), 0 on padding, no gradient."""
     weight = mask.to(old_logp.dtype)  # (n, T)
     adv = advantages[:, None].expand_as(old_logp)  # (n, T) Â_i on every token of o_i
     count = max(total(weight.sum().item()), 1)
@@ -564,17 +525,11 @@ def token_covariance(old_logp: torch.Tensor, advantages: torch.Tensor, mask: tor
 
 
 def covariance_tokens(batch: dict, loss_mask: torch.Tensor, args: Args, total=lambda value, op="sum": value):
-    """The tokens Clip-Cov and KL-Cov act on (arXiv 2505.22617, Sec. 4.2), over the whole mini-batch of
-    N valid tokens:
-      kl_cov    exactly ⌈kl_cov_ratio·N⌉ tokens, those of largest Cov (they get KL-Cov's penalty), as the
-                paper's and verl's topk take k
-      clip_cov  ⌈clip_cov_ratio·N⌉ tokens among those with Cov in [ω_low, ω_high], the whole band when it
-                holds fewer (their policy gradient is cut). The paper draws them at random; here the band's
-                highest Cov are taken, so a run is reproducible and K ranks choose what one process chooses.
-    Tokens tied at the last place taken go by top_share's rule, the earliest first: a mini-batch whose
-    advantages are all 0 (every group's rewards equal) has Cov = 0 everywhere, and KL-Cov takes ⌈r·N⌉ of
-    its tokens (1 at the default r while N ≤ 5000), not all N.
-    batch["old_logp"], batch["advantages"], loss_mask (n, T) -> (n, T) bool."""
+    """The tokens Clip-Cov and KL-Cov act on (arXiv 2505.22617, Sec. 4.2), of the mini-batch's N:
+      kl_cov    the ⌈kl_cov_ratio·N⌉ of largest Cov
+      clip_cov  ⌈clip_cov_ratio·N⌉ of those with Cov in [ω_low, ω_high], the band's highest (the paper
+                draws them at random: this way a run is reproducible)
+    ties at the cut go by top_share's rule. -> (n, T) bool."""
     cov = token_covariance(batch["old_logp"], batch["advantages"], loss_mask, total)  # (n, T)
     if args.loss_type == "kl_cov":
         return common.top_share(cov, loss_mask, args.kl_cov_ratio, total)
@@ -587,13 +542,9 @@ def covariance_tokens(batch: dict, loss_mask: torch.Tensor, args: Args, total=la
 def kl_cov_objective(
     logp: torch.Tensor, old_logp: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, tokens, coef: float
 ):
-    """KL-Cov's per-token objective (arXiv 2505.22617, Sec. 4.2): the unclipped r·Â on every token,
-    less a penalty on the tokens of largest covariance (covariance_tokens), which keeps them close to
-    π_θold instead of clipping:
+    """KL-Cov's per-token objective (arXiv 2505.22617, Sec. 4.2):
         r_t·Â − β·|log π_θ(o_t) − log π_θold(o_t)|·[t chosen]
-    On-policy log π_θ = log π_θold, |·| has gradient 0 there, and KL-Cov is the plain policy
-    gradient; it acts once θ moves (μ > 1 or several mini-batches). logp, old_logp, ratio (n, T),
-    advantages (n, 1), tokens (n, T) bool -> (n, T)."""
+    on-policy the penalty's gradient is 0; it acts once θ moves. tokens (n, T) bool -> (n, T)."""
     return ratio * advantages - coef * (logp - old_logp).abs() * tokens
 
 
@@ -607,19 +558,11 @@ def dppo_objective(
     delta: float,
     cap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DPPO's per-token objective (Divergence PPO, arXiv 2602.04879, Eq. 13-14): a token leaves when
-    its probability, not its ratio, moved too far from the sampler's in the direction Â pushes it
-    (p = π_θ(o_t), μ = π_sampler(o_t), r = p/μ):
-        binary_tv:  p − μ > δ where Â > 0,  p − μ < −δ where Â ≤ 0
-        binary_kl:  D > δ and p moved Â's way (p > μ where Â > 0, p < μ where Â ≤ 0), with
-                    D = μ·log(μ/p) + (1 − μ)·log((1 − μ)/(1 − p)), the KL between the Bernoulli
-                    "this token or another" of the sampler and of π_θ
-        sg(min(r_t, C)) · Â · log π_θ(o_t) · kept_t
-    A kept token's gradient is min(r, C)·Â·∇log π_θ, PPO's unclipped one below the cap. As the paper
-    does (Sec. 5.2), the region and r are measured from the sampler's log-probs (sample_logp), not
-    π_θold's. Choices where the peers differ (docs/techniques.md): the ratio detached and capped at
-    C = 20; 1 − p floored at 1e-6, so a token that was certain (μ = 1) and fell has D ≈ −log p, not NaN.
-    logp, sample_logp, mask (n, T), advantages (n, 1) -> the objective (n, T), the dropped tokens (n, T) bool."""
+    """DPPO's per-token objective (arXiv 2602.04879, Eq. 13-14), p = π_θ(o_t), μ = π_sampler(o_t):
+        sg(min(p/μ, C)) · Â · log π_θ(o_t) · kept_t
+    a token leaves when p moved too far from μ the way Â pushes it: binary_tv p − μ > δ (Â > 0) or
+    < −δ (Â ≤ 0); binary_kl the Bernoulli KL of "this token or another" > δ and p moved Â's way
+    (1 − p floored at 1e-6). -> (objective (n, T), dropped tokens (n, T) bool)."""
     p, q = logp.detach().exp(), sample_logp.exp()  # (n, T)
     gap = p - q  # (n, T)
     if divergence == "binary_kl":
@@ -639,34 +582,27 @@ def dppo_region(args: Args) -> dict:
 
 
 def squared_log_ratio(logp: torch.Tensor, sample_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Kimi K2.5's penalty per token (arXiv 2602.02276), τ·(log π_θ − log μ)² on every valid token, the
-    ones a trust region dropped included: it pulls a token DPPO's mask stopped back toward the sampler
-    μ (sample_logp), with gradient 2τ·log(π_θ/μ)·∇log π_θ; prime-rl's default loss with DPPO.
-    logp, sample_logp, mask (n, T) -> (n, T)."""
+    """Kimi K2.5's penalty per valid token (arXiv 2602.02276): (log π_θ − log μ)², μ the sampler's,
+    dropped tokens included. (n, T) each -> (n, T)."""
     return ((logp - sample_logp) * mask) ** 2
 
 
 def cispo_objective(
     logp: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float
 ) -> torch.Tensor:
-    """CISPO's per-token objective (MiniMax 2025, MiniMax-M1, arXiv 2506.13585, Sec. 3.1, Eq. 4-5):
+    """CISPO's per-token objective (MiniMax-M1, arXiv 2506.13585, Eq. 4-5):
         sg(r̂_t) · Â · log π_θ(o_t),   r̂_t = clip(r_t, 1 − ε_low^IS, 1 + ε_high^IS)
-    The IS weight is clipped and carries no gradient, so ∇ = r̂_t·Â·∇log π_θ for every token: no
-    token loses its gradient to the clip, as a PPO-clipped token does. At r = 1 (on-policy) it is the
-    plain policy gradient. Eq. 4 exactly, with its token-level normaliser (the caller's num_tokens);
-    the default cap 1 + ε_high^IS = 4 is ours (M1 does not publish its own).
+    the weight is clipped and detached, so no token loses its gradient to the clip.
     logp, ratio (n, T), advantages (n, 1) -> (n, T)."""
     weight = ratio.clamp(1 - eps_low, 1 + eps_high).detach()  # (n, T) sg(r̂_t)
     return weight * advantages * logp
 
 
 def dual_clip(objective: torch.Tensor, advantages: torch.Tensor, c: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dual-clip PPO (Ye et al. 2020, arXiv 1912.09729, Eq. 4): the objective of a token with Â < 0
-    is bounded below by c·Â, c > 1,
-        max(min(r·Â, clip(r, 1−ε_low, 1+ε_high)·Â), c·Â)   where Â < 0
-    since min(·) there is r·Â, unbounded as r grows: a token whose ratio exploded cannot dominate
-    the batch, and a bounded token gets no gradient. Â ≥ 0 tokens are left as they are. c = 0: off.
-    objective (n, T), advantages (n, 1) or (n, T) -> the objective (n, T) and the bounded tokens (n, T)."""
+    """Dual-clip PPO (Ye et al. 2020, Eq. 4): where Â < 0 the objective is bounded below by c·Â, c > 1,
+        max(min(r·Â, clip(r)·Â), c·Â)
+    so a token whose ratio exploded cannot dominate the batch. c = 0: off.
+    -> (objective (n, T), the bounded tokens (n, T) bool)."""
     if c <= 0:
         return objective, torch.zeros_like(objective, dtype=torch.bool)
     bound = c * advantages.expand_as(objective)  # (n, T)
@@ -675,13 +611,10 @@ def dual_clip(objective: torch.Tensor, advantages: torch.Tensor, c: float) -> tu
 
 
 def tis_weights(old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_mask: torch.Tensor, cap: float):
-    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you
-    off-policy RL training"): the sampler and the trainer give a token different probabilities, so a
-    batch sampled from π_sampler is slightly off-policy for π_θold. Each token's policy-gradient term
-    is weighted by
+    """Truncated importance sampling (Yao et al. 2025): sampler and trainer score a token differently,
+    so each policy-gradient term is weighted by
         w_t = min(π_θold(y_t) / π_sampler(y_t), C)
-    truncated at C to bound its variance. A constant, no gradient. π_sampler is sample_logp, recorded
-    before top-p. old_logp, sample_logp, completion_mask (n, T) -> w (n, T), 1 where masked."""
+    a constant, no gradient. (n, T) each -> w (n, T), 1 where masked."""
     log_ratio = ((old_logp - sample_logp) * completion_mask).clamp(max=20.0)  # e^20: finite, as in kl_k3
     return torch.exp(log_ratio).clamp(max=cap).detach()
 
@@ -689,14 +622,9 @@ def tis_weights(old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_ma
 def importance_mask(
     old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_mask: torch.Tensor, bounds: tuple, level: str
 ) -> torch.Tensor:
-    """Masked importance sampling (IcePop, Ling Team 2025, Ring-1T, arXiv 2510.18855): a token keeps its
-    policy-gradient term only while k_t = π_θold(y_t) / π_sampler(y_t) lies in [α, β] (its M(k; α, β));
-    where truncated IS (tis_weights) reweights a token the sampler and the trainer score differently,
-    this drops it. level "sequence" keeps or drops a completion's tokens together, by the geometric
-    mean of its ratios exp(mean_t log k_t) (not IcePop's: docs/techniques.md). IcePop's M also weights
-    a kept token by k_t: --tis_cap C with C ≥ β.
-    old_logp, sample_logp, completion_mask (n, T), bounds (α, β) -> keep (n, T) in completion_mask's
-    dtype: 1 for a valid token that stays, 0 for one masked out and for padding. No gradient."""
+    """Masked importance sampling (IcePop, arXiv 2510.18855): a token keeps its policy-gradient term
+    only while k_t = π_θold(y_t) / π_sampler(y_t) lies in [α, β]; level "sequence" judges a completion
+    by the geometric mean of its k_t. -> keep (n, T): 1 for a valid token that stays, else 0."""
     low, high = bounds
     log_ratio = ((old_logp - sample_logp) * completion_mask).detach()  # (n, T) log k_t, 0 on padding
     if level == "sequence":
@@ -708,10 +636,7 @@ def importance_mask(
 
 def masked_importance(batch: dict, loss_mask: torch.Tensor, args) -> tuple[torch.Tensor, dict]:
     """--is_mask over a whole mini-batch (importance_mask), before its micro-batches, so the loss's
-    normalisers can count what stays: batch["old_logp"] is π_θold, which step 4 scores whenever
-    --is_mask is on (on-policy too). loss_mask (n, T): the tokens the loss would train on without
-    it. Returns those less the masked ones (n, T), loss_mask itself when off, and the counts
-    update_metrics turns into is_mask/* (empty when off)."""
+    normalisers count what stays. Returns loss_mask less the masked tokens (n, T), and their counts."""
     bounds = common.is_mask_bounds(args.is_mask)
     if bounds is None:
         return loss_mask, {}
@@ -726,12 +651,9 @@ def masked_importance(batch: dict, loss_mask: torch.Tensor, args) -> tuple[torch
 
 @torch.no_grad()
 def ema_update(reference, policy, decay: float) -> None:
-    """T1's moving reference (Hou et al. 2025, arXiv 2501.11651), after each optimizer step:
+    """T1's moving reference (arXiv 2501.11651), after each optimizer step:
         θ_ref ← λ·θ_ref + (1 − λ)·θ
-    parameter by parameter, so the KL term anchors the policy to an average of its recent
-    weights (over about 1/(1 − λ) steps) rather than to the start, and stops holding back
-    progress once the policy has moved far. The copy is the reference model β > 0 already
-    loads, on the policy's device and in its weight dtype: no extra memory. decay 0: frozen."""
+    the KL then anchors the policy to its recent weights, not to the start. decay 0: frozen."""
     if not decay:
         return
     weights = dict(policy.named_parameters())
@@ -741,14 +663,6 @@ def ema_update(reference, policy, decay: float) -> None:
 
 # ----------------------------------------------------------------------------------------
 # Training: train() runs the numbered steps of the docstring; its metrics and helpers follow.
-
-
-# Settings a resumed run must share with the run it continues (the reference model, the
-# prompt order and the meaning of a step depend on them).
-SAME_ON_RESUME = ("model", "task", "dataset", "num_problems", "seed", "batch_size", "group_size")
-SAME_ON_RESUME += ("lora_rank", "lora_alpha", "lora_targets")  # the adapters saved must fit the run
-SAME_ON_RESUME += ("ref_ema_decay",)  # with it, the trainer state holds the moving reference
-SAME_ON_RESUME += ("data_file", "data_split", "prompt_key", "answer_key", "eval_data_file")  # --task file's rows
 
 
 def train(args: Args) -> Path:
@@ -777,10 +691,10 @@ def train(args: Args) -> Path:
     if args.ref_ema_decay:  # T1's reference moves with the policy: a resumed run needs where it was
         resumable["reference"] = reference
     run = Run(
-        args, "grpo", policy, tokenizer, resumable=resumable, same_on_resume=SAME_ON_RESUME, evaluate=evaluate,
+        args, "grpo", policy, tokenizer, resumable=resumable, same_on_resume=("ref_ema_decay",), evaluate=evaluate,
         compute_dtype=compute_dtype,  # checkpoints in bf16 on a GPU, the fp32 masters in the newest's trainer state
     )  # fmt: skip
-    passes = micro_batch_passes(policy, args, vocab_size, amp)  # the preflight's, on a GPU
+    passes = common.logprob_passes(policy, sequence_logprobs, args.temperature, vocab_size, amp)  # preflight's
     size_micro_batches(args, task, tokenizer, [policy], *passes)  # per pass; args.json keeps the flags given
     num_sequences = args.batch_size * args.group_size // world_size()  # N, or this rank's N/K under torchrun
 
@@ -799,15 +713,10 @@ def train(args: Args) -> Path:
             #    mini-batch) the update's forward pass gives π_θold's: only π_ref is scored here, unless
             #    --is_mask must know which tokens stay before the update counts its normalisers.
             timer = time.perf_counter()
+            score_old = not on_policy(args) or scores_needed(args)  # else step 6 records π_θold's
             old_logp, entropy, ref_logp = old_and_ref_logprobs(
-                policy,
-                reference,
-                batch,
-                args,
-                vocab_size=vocab_size,
-                amp=amp,
-                score_policy=not on_policy(args) or scores_needed(args),
-            )  # (N, T) each; None until step 6 when on-policy and no correction needs them (scores_needed)
+                policy, reference, batch, args, vocab_size, amp, score_old
+            )
             seconds_logprobs = time.perf_counter() - timer
 
             # 5. Group-relative advantages: one number per completion, shared by its tokens.
@@ -880,25 +789,6 @@ def opsm_stats(keep: torch.Tensor | None, loss_mask: torch.Tensor) -> dict:
     return {"opsm_masked": (judged & (keep[:, 0] == 0)).sum(), "opsm_sequences": judged.sum()}
 
 
-def micro_batch_passes(policy, args: Args, vocab_size: int, amp) -> tuple:
-    """What the preflight (common.size_micro_batches) measures, as two passes over sequences
-    (prompt_ids, prompt_mask, completion_ids, completion_mask): step 6's forward and backward of
-    the policy, and step 4's no-grad scoring pass, each as one chunk of all the rows it is given."""
-
-    def update(sequences):
-        with amp():
-            logp, _ = sequence_logprobs(policy, *sequences, args.temperature, vocab_size, len(sequences[0]))
-        logp.sum().backward()
-
-    def score(sequences):
-        policy.eval()
-        with torch.no_grad(), amp():
-            sequence_logprobs(policy, *sequences, args.temperature, vocab_size, len(sequences[0]), with_entropy=True)
-        policy.train()
-
-    return update, score
-
-
 # ----------------------------------------------------------------------------------------
 # TRY NOT TO MODIFY: the sampler and scorer, steps 1-4's machinery and step 6's micro-batches. A
 # reader may skip it: rollout() returns the Rollout above, sequence_logprobs() the log-probs the
@@ -920,12 +810,10 @@ def rollout(
     max_tool_tokens: int = 0,
     tool_timeout: float = 0.0,
 ) -> Rollout:
-    """Steps 1-3 for a list of problems: 1. each problem's prompt through the chat template,
-    repeated G times; 2. G completions of each from the policy as it is now (π_θold), sampled
-    with the KV cache; 3. every completion decoded and scored with the task's rule-based reward.
-    temperature 0 is greedy decoding (held-out evaluation). amp() is the autocast context.
-    With task.tools a completion may call them, up to max_turns times (tool_turns); each turn's
-    answers, at most max_tool_tokens, go into it as the environment's tokens (Rollout.tool_mask)."""
+    """Steps 1-3 for a list of problems: each prompt through the chat template, G times; G completions
+    of each from π_θold with the KV cache; each decoded and scored by the task's reward. temperature
+    0 is greedy. With task.tools a completion may call them, up to max_turns times, their answers
+    (at most max_tool_tokens a turn) in it as the environment's tokens (Rollout.tool_mask)."""
     device = next(policy.parameters()).device
     timer = time.perf_counter()
     conversations = [task.messages(problem) for problem in problems]
@@ -996,27 +884,15 @@ def generate(
     max_tool_tokens: int = 0,
 ):
     """Autoregressive sampling with a KV cache: one forward pass over the prompts, then one
-    single-token pass per new token that reuses every earlier key and value. temperature 0 means
-    greedy. Only ids below vocab_size are ever sampled (Qwen's embedding has ~270 more rows than its
-    tokenizer has tokens). A completion ends with the first EOS id it samples; that EOS is part of
-    the completion (it teaches the model to stop), and later positions hold pad_id with mask 0. Returns
-      completion_ids  (N, T) T ≤ max_new_tokens (with tools, + their answers): the longest, right padded
+    single-token pass per new token. temperature 0 is greedy; only ids below vocab_size are sampled.
+    A completion ends with its first EOS, which is part of it (it teaches the model to stop). Returns
+      completion_ids  (N, T) T ≤ max_new_tokens (with tools, + their answers), right padded with pad_id
       completion_mask (N, T) 1 at the model's own tokens, up to and including the EOS
       truncated       (N,)   True where no EOS came within max_new_tokens
-      sample_logp     (N, T) log π(token) under the sampling distribution, before top-p
-                             (the one sequence_logprobs scores), 0 where masked
-      tool_mask       (N, T) 1 at the tokens a tool turn put in (below), which completion_mask leaves out
-
-    Tools (tool_turn, multi-turn rollouts): a row whose model ends its turn (samples an EOS)
-    hands that turn's token ids to tool_turn(row, ids); when the turn called a tool it returns the
-    environment's tokens (the tools' answers and the next assistant header, at most max_tool_tokens),
-    which the row then takes one a step as forced tokens, in place of the ones it samples, while
-    every other row goes on sampling; then the row samples again. None ends the row. max_new_tokens
-    bounds the model's own tokens; T may reach max_new_tokens + max_turns · max_tool_tokens.
-    Phases: 1. prefill each distinct prompt once; 2. the one-token step (common.DecodeStep);
-    3. decode: sample, record, check for the end every check_every tokens (compacting finished rows
-    away once at most compact_below of them are live), step; 4. cut, and rewind the random generator.
-    """
+      sample_logp     (N, T) log π(token) under the sampling distribution, before top-p, 0 where masked
+      tool_mask       (N, T) 1 at the tokens a tool turn put in
+    Tools: a row whose turn ends hands its ids to tool_turn(row, ids), which returns the environment's
+    tokens (or None: the row ends); the row takes them one a step, forced, while the others sample."""
     was_training = model.training
     model.eval()  # no dropout, and gradient checkpointing (train-mode only) keeps the cache
     device = prompt_ids.device
@@ -1121,14 +997,10 @@ def generate(
 
 
 def sample(scaled: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row from softmax(scaled) (top-p: from its nucleus), and its log-prob before top-p,
-    logit − logsumexp as sequence_logprobs scores it. scaled (n, V) -> token (n,), log-prob (n,).
-    By the exponential race (Gumbel-max): with E ~ Exp(1) drawn for every id, argmax(log π − log E)
-    is distributed as π. torch.multinomial draws one sample the same way, argmax(π / E) with E from
-    one exponential_ over the (n, V) tensor, so this takes the same random numbers and gives the same
-    tokens for a seed (bar a near-tie that float rounding breaks the other way); it saves what
-    multinomial adds: its checks of π (max, min, row sums), the division, and the exp where top-p is 1.
-    A row whose logits are not numbers (NaN, +inf, all −inf) stops the run, as multinomial did."""
+    """One token per row from softmax(scaled) (top-p: from its nucleus), and its log-prob before top-p.
+    The exponential race: with E ~ Exp(1) per id, argmax(log π − log E) is distributed as π; it takes
+    the random numbers torch.multinomial takes, without its checks. Non-finite logits stop the run.
+    scaled (n, V) -> token (n,), log-prob (n,)."""
     lse = torch.logsumexp(scaled, dim=-1, keepdim=True)  # (n, 1)
     torch._assert_async(lse.isfinite().all(), "generate: a row's logits are NaN or infinite (diverged weights?)")
     logp = scaled - lse  # (n, V)
@@ -1150,14 +1022,10 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 class KVCache:
-    """The keys and values of every layer for N rows and S = P + max_new_tokens positions (with
-    tools, + max_turns · max_tool_tokens), in buffers allocated once and written in place: the
-    model's attention layers call update() with the keys and values of the tokens they just
-    computed and attend over what it returns; generate sets the columns they go to (slots) and how
-    many they read (width). Keys are stored in the values' dtype, the compute dtype (under bf16
-    autocast the rotary cos/sin promote keys to fp32, which attention casts back to bf16 anyway).
-    Left-aligned (align_left, on a GPU in bf16: common.DecodeStep): each row's prompt in columns
-    0 … len-1 of (N, S, kv heads, head dim) buffers, each row writing at a column of its own."""
+    """The keys and values of every layer for N rows and S = P + max_new_tokens columns, allocated
+    once and written in place: attention calls update() with the new tokens' keys and values and
+    attends over what it returns; generate sets the columns they go to (slots) and how many it reads
+    (width). Left-aligned on a GPU (align_left): row i's prompt in its first columns, then its tokens."""
 
     def __init__(self, rows: int, length: int):
         self.rows, self.length = rows, length  # N, S
@@ -1241,35 +1109,21 @@ def token_logprobs(logits, tokens, scale: float, vocab_size: int, with_entropy: 
 
 
 def old_and_ref_logprobs(policy, reference, batch: Rollout, args, vocab_size: int, amp, score_policy: bool):
-    """Step 4, no grad: log π_θold and log π_ref of every sampled token, from logits / temperature
-    (sequence_logprobs), and π_θold's entropy. Returns old_logp, entropy, ref_logp, (N, T) each;
-    ref_logp is None without a reference. score_policy False skips the policy's pass (None, None):
-    exact on-policy (μ = 1, one mini-batch), where π_θold is the π_θ of the update's own forward
-    pass, which policy_backward records instead (the ratio is exp(logp − logp.detach()) = 1)."""
+    """Step 4, no grad: log π_θold, its entropy and log π_ref of every sampled token (N, T) each; None
+    for a missing reference, and for π_θold when score_policy is False (on-policy: policy_backward
+    records them)."""
     sequences = batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
     old_logp, entropy, ref_logp = None, None, None
     policy.eval()  # same mode as sampling (matters for models with dropout)
+    chunking = {"chunk_tokens": args.logprob_chunk_tokens, "tool_mask": batch.tool_mask}
     with torch.no_grad(), amp():
         if score_policy:
             old_logp, entropy = sequence_logprobs(
-                policy,
-                *sequences,
-                args.temperature,
-                vocab_size,
-                args.logprob_chunk_size,
-                with_entropy=True,
-                chunk_tokens=args.logprob_chunk_tokens,
-                tool_mask=batch.tool_mask,
+                policy, *sequences, args.temperature, vocab_size, args.logprob_chunk_size, with_entropy=True, **chunking
             )  # (N, T), (N, T)
         if reference is not None:
             ref_logp, _ = sequence_logprobs(
-                reference,
-                *sequences,
-                args.temperature,
-                vocab_size,
-                args.logprob_chunk_size,
-                chunk_tokens=args.logprob_chunk_tokens,
-                tool_mask=batch.tool_mask,
+                reference, *sequences, args.temperature, vocab_size, args.logprob_chunk_size, **chunking
             )  # (N, T)
     policy.train()
     return old_logp, entropy, ref_logp
@@ -1290,14 +1144,11 @@ def sequence_logprobs(
     tool_mask: torch.Tensor | None = None,  # (N, T) the tools' answers: in the sequence, not scored
     layout: "common.Layout | None" = None,  # the rows as one chunk, its Layout read by the caller (micro_batches)
 ):
-    """log π(o_t | q, o_<t) of every completion token, from logits / temperature restricted to the
-    tokenizer's vocabulary, exactly as `generate` sampled them (token_logprobs). The runtime runs the
-    passes: rows chunk_size (or chunk_tokens) at a time in order of length, each chunk cut to its
-    own longest prompt and completion, each prompt once per group (common.forward_completions), the
-    head's log-probs a few hundred positions at a time (common.logprob_head); the rows come back in
-    the order they came in. Returns logp (N, T) and, with with_entropy, the entropy (N, T), both 0
-    where completion_mask is 0 (tool_mask's answers are attended to, not scored). logp carries
-    grad when grad is enabled; the entropy only with entropy_grad too (PPO's and T1's bonus)."""
+    """log π(o_t | q, o_<t) of every completion token from logits / temperature, as `generate` sampled
+    them (token_logprobs). The runtime lays out the passes (common.chunks_of, forward_completions:
+    each prompt once per group) and reads the head a chunk at a time (common.logprob_head); rows come
+    back in their order. Returns logp (N, T) and the entropy (N, T) or None, 0 where completion_mask
+    is 0; the entropy has a gradient only with entropy_grad."""
     num_tokens = completion_ids.shape[1]  # T
     scale = temperature if temperature > 0 else 1.0
     in_sequence = completion_mask if tool_mask is None else completion_mask + tool_mask  # (N, T) attended
@@ -1374,16 +1225,9 @@ def check_args(args: Args) -> None:
     if args.dual_clip and args.dual_clip <= 1:
         problems.append("--dual_clip must be > 1 (e.g. 3), or 0 to disable it.")
     problems += common.check_technique_args(args)
-    if args.eval_every < 0 or (args.eval_every and (args.eval_problems < 1 or args.eval_batch_size < 1)):
-        problems.append("--eval_every must be >= 0, and with it --eval_problems and --eval_batch_size >= 1.")
-    for name in ("micro_batch_size", "micro_batch_tokens", "logprob_chunk_size", "logprob_chunk_tokens"):
-        if getattr(args, name) < 0:
-            problems.append(f"--{name} must be >= 0 (0: by tokens, or sized before step 1).")
     for name in ("batch_size", "max_new_tokens", "num_iterations"):
         if getattr(args, name) < 1:
             problems.append(f"--{name} must be at least 1.")
-    if args.max_turns < 0 or args.max_tool_tokens < 1:
-        problems.append("--max_turns must be >= 0 and --max_tool_tokens >= 1.")
     if problems:
         raise SystemExit(said_once("Invalid arguments:\n  " + "\n  ".join(problems)))  # once a node
 

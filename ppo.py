@@ -153,13 +153,8 @@ class Args(RunArgs, TaskArgs):
     max_steps: int = arg(500, "training steps (one batch of B·G completions each)")
 
 
-# Settings a resumed run must share with the run it continues (the reference model, the
-# prompt order and the meaning of a step depend on them).
-SAME_ON_RESUME = ("model", "task", "dataset", "num_problems", "seed", "batch_size", "group_size")
-SAME_ON_RESUME += ("lora_rank", "lora_alpha", "lora_targets")  # the adapters saved must fit the run
 CRITIC_DIR = "critic"  # each checkpoint keeps the critic in this subfolder
 VALUE_HEAD_FILE = "value_head.safetensors"  # the critic's scalar head, beside its backbone
-SAME_ON_RESUME += ("data_file", "data_split", "prompt_key", "answer_key", "eval_data_file")  # --task file's rows
 
 
 @dataclass
@@ -480,12 +475,10 @@ def positive_lm_loss(
 
 
 def dual_clip(objective: torch.Tensor, advantages: torch.Tensor, c: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dual-clip PPO (Ye et al. 2020, arXiv 1912.09729, Eq. 4): the objective of a token with Â < 0
-    is bounded below by c·Â, c > 1,
-        max(min(r·Â, clip(r, 1−ε_low, 1+ε_high)·Â), c·Â)   where Â < 0
-    since min(·) there is r·Â, unbounded as r grows: a token whose ratio exploded cannot dominate
-    the batch, and a bounded token gets no gradient. Â ≥ 0 tokens are left as they are. c = 0: off.
-    objective (n, T), advantages (n, 1) or (n, T) -> the objective (n, T) and the bounded tokens (n, T)."""
+    """Dual-clip PPO (Ye et al. 2020, Eq. 4): where Â < 0 the objective is bounded below by c·Â, c > 1,
+        max(min(r·Â, clip(r)·Â), c·Â)
+    so a token whose ratio exploded cannot dominate the batch. c = 0: off.
+    -> (objective (n, T), the bounded tokens (n, T) bool)."""
     if c <= 0:
         return objective, torch.zeros_like(objective, dtype=torch.bool)
     bound = c * advantages.expand_as(objective)  # (n, T)
@@ -494,13 +487,10 @@ def dual_clip(objective: torch.Tensor, advantages: torch.Tensor, c: float) -> tu
 
 
 def tis_weights(old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_mask: torch.Tensor, cap: float):
-    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you
-    off-policy RL training"): the sampler and the trainer give a token different probabilities, so a
-    batch sampled from π_sampler is slightly off-policy for π_θold. Each token's policy-gradient term
-    is weighted by
+    """Truncated importance sampling (Yao et al. 2025): sampler and trainer score a token differently,
+    so each policy-gradient term is weighted by
         w_t = min(π_θold(y_t) / π_sampler(y_t), C)
-    truncated at C to bound its variance. A constant, no gradient. π_sampler is sample_logp, recorded
-    before top-p. old_logp, sample_logp, completion_mask (n, T) -> w (n, T), 1 where masked."""
+    a constant, no gradient. (n, T) each -> w (n, T), 1 where masked."""
     log_ratio = ((old_logp - sample_logp) * completion_mask).clamp(max=20.0)  # e^20: finite, as in kl_k3
     return torch.exp(log_ratio).clamp(max=cap).detach()
 
@@ -508,14 +498,9 @@ def tis_weights(old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_ma
 def importance_mask(
     old_logp: torch.Tensor, sample_logp: torch.Tensor, completion_mask: torch.Tensor, bounds: tuple, level: str
 ) -> torch.Tensor:
-    """Masked importance sampling (IcePop, Ling Team 2025, Ring-1T, arXiv 2510.18855): a token keeps its
-    policy-gradient term only while k_t = π_θold(y_t) / π_sampler(y_t) lies in [α, β] (its M(k; α, β));
-    where truncated IS (tis_weights) reweights a token the sampler and the trainer score differently,
-    this drops it. level "sequence" keeps or drops a completion's tokens together, by the geometric
-    mean of its ratios exp(mean_t log k_t) (not IcePop's: docs/techniques.md). IcePop's M also weights
-    a kept token by k_t: --tis_cap C with C ≥ β.
-    old_logp, sample_logp, completion_mask (n, T), bounds (α, β) -> keep (n, T) in completion_mask's
-    dtype: 1 for a valid token that stays, 0 for one masked out and for padding. No gradient."""
+    """Masked importance sampling (IcePop, arXiv 2510.18855): a token keeps its policy-gradient term
+    only while k_t = π_θold(y_t) / π_sampler(y_t) lies in [α, β]; level "sequence" judges a completion
+    by the geometric mean of its k_t. -> keep (n, T): 1 for a valid token that stays, else 0."""
     low, high = bounds
     log_ratio = ((old_logp - sample_logp) * completion_mask).detach()  # (n, T) log k_t, 0 on padding
     if level == "sequence":
@@ -527,10 +512,7 @@ def importance_mask(
 
 def masked_importance(batch: dict, loss_mask: torch.Tensor, args) -> tuple[torch.Tensor, dict]:
     """--is_mask over a whole mini-batch (importance_mask), before its micro-batches, so the loss's
-    normalisers can count what stays: batch["old_logp"] is π_θold, which step 4 scores whenever
-    --is_mask is on (on-policy too). loss_mask (n, T): the tokens the loss would train on without
-    it. Returns those less the masked ones (n, T), loss_mask itself when off, and the counts
-    update_metrics turns into is_mask/* (empty when off)."""
+    normalisers count what stays. Returns loss_mask less the masked tokens (n, T), and their counts."""
     bounds = common.is_mask_bounds(args.is_mask)
     if bounds is None:
         return loss_mask, {}
@@ -577,7 +559,7 @@ def train(args: Args) -> Path:
     resumable |= {"critic_optimizer": critic_optimizer, "critic_scheduler": critic_scheduler}
     write_critic = functools.partial(save_critic, critic)  # into every checkpoint's critic/ folder
     run = Run(
-        args, "ppo", policy, tokenizer, resumable=resumable, same_on_resume=SAME_ON_RESUME, evaluate=evaluate,
+        args, "ppo", policy, tokenizer, resumable=resumable, evaluate=evaluate,
         write_extra=write_critic, resume_only=(CRITIC_DIR,),  # the critic only resumes: the newest checkpoint keeps it
         compute_dtype=compute_dtype,  # checkpoints in bf16 on a GPU, the fp32 masters in the newest's trainer state
     )  # fmt: skip
@@ -752,7 +734,7 @@ def actor_critic_passes(policy, critic, args: Args, vocab_size: int, amp) -> tup
     (prompt_ids, prompt_mask, completion_ids, completion_mask): step 6's forward and backward of
     the policy, then of the critic (their micro-batches are the same; the policy's gradients are
     gone by then, as optimizer_step leaves them), and step 4's no-grad passes of both, each as one
-    chunk of all the rows it is given. grpo.py's micro_batch_passes, with the critic."""
+    chunk of all the rows it is given. common.logprob_passes, with the critic."""
 
     def update(sequences):
         with amp():
@@ -926,12 +908,10 @@ def rollout(
     max_tool_tokens: int = 0,
     tool_timeout: float = 0.0,
 ) -> Rollout:
-    """Steps 1-3 for a list of problems: 1. each problem's prompt through the chat template,
-    repeated G times; 2. G completions of each from the policy as it is now (π_θold), sampled
-    with the KV cache; 3. every completion decoded and scored with the task's rule-based reward.
-    temperature 0 is greedy decoding (held-out evaluation). amp() is the autocast context.
-    With task.tools a completion may call them, up to max_turns times (tool_turns); each turn's
-    answers, at most max_tool_tokens, go into it as the environment's tokens (Rollout.tool_mask)."""
+    """Steps 1-3 for a list of problems: each prompt through the chat template, G times; G completions
+    of each from π_θold with the KV cache; each decoded and scored by the task's reward. temperature
+    0 is greedy. With task.tools a completion may call them, up to max_turns times, their answers
+    (at most max_tool_tokens a turn) in it as the environment's tokens (Rollout.tool_mask)."""
     device = next(policy.parameters()).device
     timer = time.perf_counter()
     conversations = [task.messages(problem) for problem in problems]
@@ -1002,27 +982,15 @@ def generate(
     max_tool_tokens: int = 0,
 ):
     """Autoregressive sampling with a KV cache: one forward pass over the prompts, then one
-    single-token pass per new token that reuses every earlier key and value. temperature 0 means
-    greedy. Only ids below vocab_size are ever sampled (Qwen's embedding has ~270 more rows than its
-    tokenizer has tokens). A completion ends with the first EOS id it samples; that EOS is part of
-    the completion (it teaches the model to stop), and later positions hold pad_id with mask 0. Returns
-      completion_ids  (N, T) T ≤ max_new_tokens (with tools, + their answers): the longest, right padded
+    single-token pass per new token. temperature 0 is greedy; only ids below vocab_size are sampled.
+    A completion ends with its first EOS, which is part of it (it teaches the model to stop). Returns
+      completion_ids  (N, T) T ≤ max_new_tokens (with tools, + their answers), right padded with pad_id
       completion_mask (N, T) 1 at the model's own tokens, up to and including the EOS
       truncated       (N,)   True where no EOS came within max_new_tokens
-      sample_logp     (N, T) log π(token) under the sampling distribution, before top-p
-                             (the one sequence_logprobs scores), 0 where masked
-      tool_mask       (N, T) 1 at the tokens a tool turn put in (below), which completion_mask leaves out
-
-    Tools (tool_turn, multi-turn rollouts): a row whose model ends its turn (samples an EOS)
-    hands that turn's token ids to tool_turn(row, ids); when the turn called a tool it returns the
-    environment's tokens (the tools' answers and the next assistant header, at most max_tool_tokens),
-    which the row then takes one a step as forced tokens, in place of the ones it samples, while
-    every other row goes on sampling; then the row samples again. None ends the row. max_new_tokens
-    bounds the model's own tokens; T may reach max_new_tokens + max_turns · max_tool_tokens.
-    Phases: 1. prefill each distinct prompt once; 2. the one-token step (common.DecodeStep);
-    3. decode: sample, record, check for the end every check_every tokens (compacting finished rows
-    away once at most compact_below of them are live), step; 4. cut, and rewind the random generator.
-    """
+      sample_logp     (N, T) log π(token) under the sampling distribution, before top-p, 0 where masked
+      tool_mask       (N, T) 1 at the tokens a tool turn put in
+    Tools: a row whose turn ends hands its ids to tool_turn(row, ids), which returns the environment's
+    tokens (or None: the row ends); the row takes them one a step, forced, while the others sample."""
     was_training = model.training
     model.eval()  # no dropout, and gradient checkpointing (train-mode only) keeps the cache
     device = prompt_ids.device
@@ -1127,14 +1095,10 @@ def generate(
 
 
 def sample(scaled: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row from softmax(scaled) (top-p: from its nucleus), and its log-prob before top-p,
-    logit − logsumexp as sequence_logprobs scores it. scaled (n, V) -> token (n,), log-prob (n,).
-    By the exponential race (Gumbel-max): with E ~ Exp(1) drawn for every id, argmax(log π − log E)
-    is distributed as π. torch.multinomial draws one sample the same way, argmax(π / E) with E from
-    one exponential_ over the (n, V) tensor, so this takes the same random numbers and gives the same
-    tokens for a seed (bar a near-tie that float rounding breaks the other way); it saves what
-    multinomial adds: its checks of π (max, min, row sums), the division, and the exp where top-p is 1.
-    A row whose logits are not numbers (NaN, +inf, all −inf) stops the run, as multinomial did."""
+    """One token per row from softmax(scaled) (top-p: from its nucleus), and its log-prob before top-p.
+    The exponential race: with E ~ Exp(1) per id, argmax(log π − log E) is distributed as π; it takes
+    the random numbers torch.multinomial takes, without its checks. Non-finite logits stop the run.
+    scaled (n, V) -> token (n,), log-prob (n,)."""
     lse = torch.logsumexp(scaled, dim=-1, keepdim=True)  # (n, 1)
     torch._assert_async(lse.isfinite().all(), "generate: a row's logits are NaN or infinite (diverged weights?)")
     logp = scaled - lse  # (n, V)
@@ -1156,14 +1120,10 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 class KVCache:
-    """The keys and values of every layer for N rows and S = P + max_new_tokens positions (with
-    tools, + max_turns · max_tool_tokens), in buffers allocated once and written in place: the
-    model's attention layers call update() with the keys and values of the tokens they just
-    computed and attend over what it returns; generate sets the columns they go to (slots) and how
-    many they read (width). Keys are stored in the values' dtype, the compute dtype (under bf16
-    autocast the rotary cos/sin promote keys to fp32, which attention casts back to bf16 anyway).
-    Left-aligned (align_left, on a GPU in bf16: common.DecodeStep): each row's prompt in columns
-    0 … len-1 of (N, S, kv heads, head dim) buffers, each row writing at a column of its own."""
+    """The keys and values of every layer for N rows and S = P + max_new_tokens columns, allocated
+    once and written in place: attention calls update() with the new tokens' keys and values and
+    attends over what it returns; generate sets the columns they go to (slots) and how many it reads
+    (width). Left-aligned on a GPU (align_left): row i's prompt in its first columns, then its tokens."""
 
     def __init__(self, rows: int, length: int):
         self.rows, self.length = rows, length  # N, S
@@ -1247,35 +1207,21 @@ def token_logprobs(logits, tokens, scale: float, vocab_size: int, with_entropy: 
 
 
 def old_and_ref_logprobs(policy, reference, batch: Rollout, args, vocab_size: int, amp, score_policy: bool):
-    """Step 4, no grad: log π_θold and log π_ref of every sampled token, from logits / temperature
-    (sequence_logprobs), and π_θold's entropy. Returns old_logp, entropy, ref_logp, (N, T) each;
-    ref_logp is None without a reference. score_policy False skips the policy's pass (None, None):
-    exact on-policy (μ = 1, one mini-batch), where π_θold is the π_θ of the update's own forward
-    pass, which policy_backward records instead (the ratio is exp(logp − logp.detach()) = 1)."""
+    """Step 4, no grad: log π_θold, its entropy and log π_ref of every sampled token (N, T) each; None
+    for a missing reference, and for π_θold when score_policy is False (on-policy: policy_backward
+    records them)."""
     sequences = batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
     old_logp, entropy, ref_logp = None, None, None
     policy.eval()  # same mode as sampling (matters for models with dropout)
+    chunking = {"chunk_tokens": args.logprob_chunk_tokens, "tool_mask": batch.tool_mask}
     with torch.no_grad(), amp():
         if score_policy:
             old_logp, entropy = sequence_logprobs(
-                policy,
-                *sequences,
-                args.temperature,
-                vocab_size,
-                args.logprob_chunk_size,
-                with_entropy=True,
-                chunk_tokens=args.logprob_chunk_tokens,
-                tool_mask=batch.tool_mask,
+                policy, *sequences, args.temperature, vocab_size, args.logprob_chunk_size, with_entropy=True, **chunking
             )  # (N, T), (N, T)
         if reference is not None:
             ref_logp, _ = sequence_logprobs(
-                reference,
-                *sequences,
-                args.temperature,
-                vocab_size,
-                args.logprob_chunk_size,
-                chunk_tokens=args.logprob_chunk_tokens,
-                tool_mask=batch.tool_mask,
+                reference, *sequences, args.temperature, vocab_size, args.logprob_chunk_size, **chunking
             )  # (N, T)
     policy.train()
     return old_logp, entropy, ref_logp
@@ -1296,14 +1242,11 @@ def sequence_logprobs(
     tool_mask: torch.Tensor | None = None,  # (N, T) the tools' answers: in the sequence, not scored
     layout: "common.Layout | None" = None,  # the rows as one chunk, its Layout read by the caller (micro_batches)
 ):
-    """log π(o_t | q, o_<t) of every completion token, from logits / temperature restricted to the
-    tokenizer's vocabulary, exactly as `generate` sampled them (token_logprobs). The runtime runs the
-    passes: rows chunk_size (or chunk_tokens) at a time in order of length, each chunk cut to its
-    own longest prompt and completion, each prompt once per group (common.forward_completions), the
-    head's log-probs a few hundred positions at a time (common.logprob_head); the rows come back in
-    the order they came in. Returns logp (N, T) and, with with_entropy, the entropy (N, T), both 0
-    where completion_mask is 0 (tool_mask's answers are attended to, not scored). logp carries
-    grad when grad is enabled; the entropy only with entropy_grad too (PPO's and T1's bonus)."""
+    """log π(o_t | q, o_<t) of every completion token from logits / temperature, as `generate` sampled
+    them (token_logprobs). The runtime lays out the passes (common.chunks_of, forward_completions:
+    each prompt once per group) and reads the head a chunk at a time (common.logprob_head); rows come
+    back in their order. Returns logp (N, T) and the entropy (N, T) or None, 0 where completion_mask
+    is 0; the entropy has a gradient only with entropy_grad."""
     num_tokens = completion_ids.shape[1]  # T
     scale = temperature if temperature > 0 else 1.0
     in_sequence = completion_mask if tool_mask is None else completion_mask + tool_mask  # (N, T) attended
@@ -1380,16 +1323,9 @@ def check_args(args: Args) -> None:
             problems.append(f"--{name} must be >= 0.")
     if args.value_warmup_steps >= args.max_steps > 0:
         problems.append("--value_warmup_steps must be below --max_steps, or the policy never learns.")
-    if args.eval_every < 0 or (args.eval_every and (args.eval_problems < 1 or args.eval_batch_size < 1)):
-        problems.append("--eval_every must be >= 0, and with it --eval_problems and --eval_batch_size >= 1.")
-    for name in ("micro_batch_size", "micro_batch_tokens", "logprob_chunk_size", "logprob_chunk_tokens"):
-        if getattr(args, name) < 0:
-            problems.append(f"--{name} must be >= 0 (0: by tokens, or sized before step 1).")
     for name in ("batch_size", "group_size", "max_new_tokens", "ppo_epochs"):
         if getattr(args, name) < 1:
             problems.append(f"--{name} must be at least 1.")
-    if args.max_turns < 0 or args.max_tool_tokens < 1:
-        problems.append("--max_turns must be >= 0 and --max_tool_tokens >= 1.")
     if args.resume_from and not (Path(args.resume_from) / CRITIC_DIR / VALUE_HEAD_FILE).exists():
         problems.append(
             f"--resume_from {args.resume_from} has no {CRITIC_DIR}/{VALUE_HEAD_FILE}: not a ppo.py checkpoint."

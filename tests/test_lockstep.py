@@ -44,7 +44,7 @@ SHARED = [
 ]
 # Shared by grpo.py and dapo.py only (ppo.py has neither CISPO nor T1's techniques).
 SHARED_GRPO_DAPO = [
-    "cispo_objective", "on_policy", "micro_batch_passes", "corrected", "kl_estimate",
+    "cispo_objective", "on_policy", "corrected", "kl_estimate",
     "sampler_logp",
 ]  # fmt: skip
 # Same name, different body on purpose: the reason is the algorithm.
