@@ -32,19 +32,12 @@ on-policy the ratio is exactly 1 and π_θold is not scored separately, unless -
 Papers (equation numbers as cited in the code):
   DAPO      Yu et al. 2025, arXiv 2503.14476: Eq. 8 (objective), 10 (clip-higher), 11 (dynamic
             sampling), 12 (token-level loss), 13 (overlong shaping), Sec. 3.4 (filtering).
-  GRPO      Shao et al. 2024, DeepSeekMath, arXiv 2402.03300, Eq. 3 and 4; the objective as
-            restated in the DAPO paper (Yu et al. 2025, arXiv 2503.14476), Eq. 4-6.
-  Dual-clip Ye et al. 2020, arXiv 1912.09729, Eq. 4.
-  T1        Hou et al. 2025, arXiv 2501.11651: the entropy bonus and the moving (EMA)
-            reference of --entropy_coef and --ref_ema_decay.
-  TIS       Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
-            training" (blog; in verl, TRL, OpenRLHF): truncated importance sampling, --tis_cap.
-  IcePop    Ling Team 2025, Ring-1T, arXiv 2510.18855: masked importance sampling, --is_mask (its
-            token mask M(k; α, β); with --tis_cap ≥ β the whole of M: the ratio inside [α, β]).
-  CISPO     MiniMax 2025, MiniMax-M1, arXiv 2506.13585, Sec. 3.1, Eq. 4-5: the clipped IS weight,
-            --loss_type cispo (adopted by ScaleRL, arXiv 2510.13786).
-  Defaults  marked "seed study": the comparison of PPO, GRPO and DAPO on Countdown with
-            Qwen2.5-1.5B-Instruct, arXiv 2512.07611.
+  GRPO      Shao et al. 2024, DeepSeekMath, arXiv 2402.03300, Eq. 3-4; DAPO's Eq. 4-6.
+  CISPO     MiniMax-M1, arXiv 2506.13585, Eq. 4-5 (the clipped IS weight).
+  Others    dual-clip, T1's entropy bonus and moving reference, TIS, IcePop, SAPO, DPPO, Clip/KL-Cov,
+            OPSM: each cited at its function, after train(); docs/techniques.md compares them.
+  Defaults  marked "seed study": PPO, GRPO and DAPO on Countdown with Qwen2.5-1.5B-Instruct,
+            arXiv 2512.07611.
 
 Run:
   python dapo.py --model Qwen2.5-1.5B-Instruct                            # one GPU, Countdown
@@ -54,11 +47,9 @@ Run:
   torchrun --nproc_per_node 8 dapo.py --model Qwen2.5-7B-Instruct         # 8 GPUs, FSDP2: docs/distributed.md
 (The tiny model scores 0 on Countdown: with dynamic sampling every step would be skipped. The digit
 run on the CPU: watch the reward rise.)
-Shape letters in comments:
-  B prompts per step · G completions per prompt · N = B·G sequences (fewer when dynamic
-  sampling ran out of rounds) · n sequences of a micro-batch or of one rollout() ·
-  P prompt tokens (left padded) · T completion tokens (right padded) ·
-  V vocabulary (the tokenizer's, not the embedding's padded size)
+Shape letters in comments: B prompts per step · G completions per prompt · N = B·G sequences (fewer
+  when dynamic sampling ran out of rounds) · n rows of a micro-batch or of one rollout() · P prompt
+  tokens (left padded) · T completion tokens (right padded) · V vocabulary (the tokenizer's)
 """
 
 import contextlib
@@ -197,11 +188,8 @@ class Rollout:
 
 def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """DAPO Eq. 11's constraint 0 < |{o_i correct}| < G, read as "the G task rewards are not all
-    equal": with DAPO's ±1 reward the two are the same; with Countdown's 1 / 0.1 / 0 a group of
-    well-formed wrong answers and malformed ones (0.1 vs 0) is kept too.
-    A group whose task rewards are all equal has no right-versus-wrong signal; only the length
-    penalty, if any, still separates its completions (see shaped_advantages).
-    rewards (n,) with groups in consecutive rows -> (n / G,) bool, True for a group to keep."""
+    equal" (the same with DAPO's ±1 reward; with Countdown's 1 / 0.1 / 0 a group of wrong and malformed
+    answers is kept too). rewards (n,), groups in consecutive rows -> (n / G,) bool, True: keep."""
     grouped = rewards.view(-1, group_size)  # (groups, G)
     return grouped.max(dim=-1).values > grouped.min(dim=-1).values
 
@@ -252,13 +240,11 @@ def first_groups(kept: list[list[int]], limit: int) -> list[list[int]]:
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int) -> torch.Tensor:
     """DAPO's soft overlong punishment, Eq. 13, with L_max = max_length, L_cache = buffer:
-        R_length(o) = 0                              if |o| ≤ L_max − L_cache
+        R_length(o) = 0                                     if |o| ≤ L_max − L_cache
                       ((L_max − L_cache) − |o|) / L_cache   if L_max − L_cache < |o| ≤ L_max
-                      −1                             if |o| > L_max
-    a ramp from 0 to −1 over the last L_cache tokens, added to the task reward, so the model
-    learns to finish before the cap instead of being told its cut-off answer is simply wrong.
-    generate stops at L_max, so a truncated completion has |o| = L_max and gets −1.
-    buffer 0 turns the penalty off. lengths (N,) in tokens, EOS included -> (N,)."""
+                      −1                                    if |o| > L_max
+    a ramp to −1 over the last L_cache tokens, so the model learns to finish before the cap. buffer 0:
+    off. lengths (N,) in tokens, EOS included -> (N,)."""
     if buffer == 0:
         return torch.zeros(lengths.shape, dtype=torch.float32, device=lengths.device)
     return ((max_length - buffer - lengths.float()) / buffer).clamp(min=-1.0, max=0.0)
@@ -274,12 +260,9 @@ def shaped_advantages(
     scale: str = "group",  # --scale_rewards (scaled_advantages)
     total=lambda sum_: sum_,  # under torchrun common.all_reduce: the batch scale over every rank
 ):
-    """Step 5: Â_i = group-normalise(R_i + R_length(|o_i|)), the length penalty added to the task
-    reward before the group's mean and std are taken (DAPO Eq. 13 shapes the reward). So a
-    group with equal task rewards is not necessarily silent: its completions that ran into
-    the buffer get Â < 0, and the std scales even a small length difference to full size
-    (rewards 0, 0 with penalties −1/256, 0 give Â ≈ ∓0.71). rewards, lengths (N,) -> Â (N,)
-    and the penalties (N,)."""
+    """Step 5: Â_i = group-normalise(R_i + R_length(|o_i|)): the length penalty shapes the reward
+    before the group's mean and std (Eq. 13), so a group of equal task rewards still ranks its
+    completions by length. rewards, lengths (N,) -> Â (N,) and the penalties (N,)."""
     length_penalty = overlong_penalty(lengths, max_length, buffer)  # (N,)
     shaped = scaled_advantages(rewards + length_penalty, group_size, scale, eps, total, success=rewards)
     return shaped, length_penalty
@@ -337,22 +320,13 @@ def dapo_loss(
     num_tokens: int,  # Σ_i |o_i| over the whole mini-batch (Eq. 12's normaliser)
     **terms,  # (n, T) each, or None: entropy, is_weight, policy_mask, cov_tokens, sample_logp (corrected)
 ):
-    """The negative DAPO objective of one micro-batch, DAPO Eq. 8 with the token-level sum of Eq. 12:
+    """The negative DAPO objective of one micro-batch, Eq. 8 with the token-level sum of Eq. 12:
         J = 1/Σ_i|o_i| Σ_i Σ_t [ min(r_it Â_i, clip(r_it, 1−ε_low, 1+ε_high) Â_i) − β D_KL,it ]
-    num_tokens is Σ_i |o_i| over the whole mini-batch, not over this micro-batch: every valid
-    token weighs 1/num_tokens, whatever its completion's length and its micro-batch, so the
-    losses of the micro-batches add up to the mini-batch loss and gradient accumulation gives
-    exactly the big-batch gradient. GRPO weighs a token of o_i 1/(N·|o_i|)
-    instead: the tokens of a long completion count less each, so a long, wrong, repetitive
-    answer is penalised less per token than a short one (DAPO Sec. 3.3).
-
-    Clip-higher (Eq. 10): ε_high > ε_low leaves a low-probability token with Â > 0 room to
-    grow, which a symmetric ε caps early (DAPO Sec. 3.1: against entropy collapse); ε_low
-    stays small, since pushing a token's probability towards 0 collapses the space it samples.
-    β > 0 adds GRPO's k3 KL per token; DAPO drops it (β = 0), as the policy is meant to move far
-    from the initial model. The variants come in through one function each, after train():
-    another --loss_type's objective (variant_objective), the corrections (corrected), the KL's
-    estimate (kl_estimate). Returns (loss, stats): stats are sums over the tokens of loss_mask."""
+    num_tokens counts the whole mini-batch, so every token weighs the same and the micro-batches'
+    losses add up to the mini-batch's (GRPO weighs a token of o_i 1/(N·|o_i|): long answers count
+    less per token, Sec. 3.3). Clip-higher, ε_high > ε_low, lets a rare token with Â > 0 grow
+    (Sec. 3.1). β = 0 by default: no KL. The variants enter through variant_objective, corrected and
+    kl_estimate, after train(). Returns (loss, stats over loss_mask's tokens)."""
     mask = loss_mask.to(logp.dtype)  # (n, T)
     adv = advantages[:, None]  # (n, 1) Â_i, the same for every token of o_i
     ratio = torch.exp((logp - old_logp) * mask)  # (n, T) r_it
@@ -384,23 +358,12 @@ def on_policy(args: Args) -> bool:
 
 
 def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contextlib.nullcontext) -> tuple[dict, dict]:
-    """Step 6's forward and backward over one mini-batch, micro_batch_size rows (or micro_batch_tokens) at a time;
-    gradients accumulate in .grad. batch holds (n, …) tensors: prompt_ids, prompt_mask,
-    completion_ids, completion_mask, truncated, sample_logp, old_logp (None: see below), ref_logp
-    (or None), advantages. amp() is the autocast context of the forward pass (backward runs outside
-    it, as PyTorch advises). Returns (totals, recorded): the summed loss and token statistics of the
-    mini-batch, and, when batch["old_logp"] is None, this pass's log π_θ and entropy (n, T), no
-    grad, in batch's row order, standing in for step 4's (on-policy, old_and_ref_logprobs);
-    otherwise {}.
-
-    The token-level loss divides by the valid tokens of the whole mini-batch (DAPO Eq. 12),
-    counted here, once, before the micro-batches. With overlong_filter a truncated completion
-    leaves the loss and that count alike (DAPO Sec. 3.4): a cut-off answer is scored wrong
-    whatever its reasoning was worth, which is noise, not signal.
-
-    On-policy π_θold is π_θ itself, so old = sg(log π_θ) sets the ratio to exactly 1, with the
-    gradient ∇log π_θ: the recorded old_logp come from other kernel shapes and in bf16 differ by
-    noise, which would show as clipped tokens. The gradient is the same either way."""
+    """Step 6's forward and backward over one mini-batch, micro-batch by micro-batch; gradients
+    accumulate in .grad. The token-level loss divides by the whole mini-batch's valid tokens (Eq. 12),
+    counted once here; with overlong_filter a truncated completion leaves the loss and that count
+    (Sec. 3.4). amp() is the forward's autocast context. Returns (totals, recorded): the summed loss
+    and token statistics, and, on-policy (batch["old_logp"] None), this pass's log π_θ and entropy
+    (n, T), no grad, standing in for step 4's; old = sg(log π_θ) makes the ratio exactly 1."""
     loss_mask = batch["completion_mask"]  # (n, T)
     if args.overlong_filter:
         loss_mask = loss_mask * ~batch["truncated"][:, None]

@@ -27,13 +27,9 @@ Papers (equation numbers as cited in the code):
   VAPO       Yue et al. 2025, arXiv 2504.05118, Sec. 3 (value pretraining, decoupled GAE,
              length-adaptive GAE, the token-level loss, clip-higher as DAPO Eq. 10, the
              positive-example LM loss); the background equations as in the DAPO paper, Eq. 2-3.
-  Dual-clip  Ye et al. 2020, arXiv 1912.09729, Eq. 4.
-  TIS        Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
-             training" (blog; in verl, TRL, OpenRLHF): truncated importance sampling, --tis_cap.
-  IcePop     Ling Team 2025, Ring-1T, arXiv 2510.18855: masked importance sampling, --is_mask (its
-             token mask M(k; α, β); with --tis_cap ≥ β the whole of M: the ratio inside [α, β]).
-  Defaults   marked "seed study": the comparison of PPO, GRPO and DAPO on Countdown with
-             Qwen2.5-1.5B-Instruct, arXiv 2512.07611.
+  Others     dual-clip, TIS, IcePop: each cited at its function, after train() (docs/techniques.md).
+  Defaults   marked "seed study": PPO, GRPO and DAPO on Countdown with Qwen2.5-1.5B-Instruct,
+             arXiv 2512.07611.
 
 Run:
   python ppo.py --model Qwen2.5-1.5B-Instruct --gradient_checkpointing true
@@ -43,10 +39,9 @@ Run:
                                                                # CPU, watch the reward rise
   torchrun --nproc_per_node 8 ppo.py --model Qwen2.5-7B-Instruct --gradient_checkpointing true
                                                                # 8 GPUs, FSDP2: docs/distributed.md
-Shape letters in comments:
-  B prompts per step · G completions per prompt · N = B·G sequences · n sequences of a
-  micro-batch or of one rollout() · P prompt tokens (left padded) · T completion tokens (right padded) ·
-  V vocabulary (the tokenizer's, not the embedding's padded size) · H hidden size
+Shape letters in comments: B prompts per step · G completions per prompt · N = B·G sequences · n rows of
+  a micro-batch or of one rollout() · P prompt tokens (left padded) · T completion tokens (right padded) ·
+  V vocabulary (the tokenizer's) · H hidden size
 """
 
 import contextlib
@@ -194,10 +189,8 @@ def token_rewards(
 ) -> torch.Tensor:
     """The reward of every completion token (InstructGPT Eq. 2, spread over tokens):
         r_t = −β · (log π_θold(o_t) − log π_ref(o_t))  +  R_i if t is the last token of o_i
-    The KL term is the k1 estimate, whose sum over a completion is an unbiased estimate of
-    KL(π_θold ‖ π_ref) for it. The last token is the EOS, or the last token of a truncated
-    completion (generate emits at least one token, so every row has one). Returns (N, T),
-    0 where completion_mask is 0."""
+    the k1 estimate, whose sum over a completion estimates KL(π_θold ‖ π_ref) without bias. The last
+    token is the EOS, or a truncated completion's last. Returns (N, T), 0 where completion_mask is 0."""
     mask = completion_mask.to(rewards.dtype)
     kl = old_logp - ref_logp if ref_logp is not None else torch.zeros_like(mask)  # (N, T) k1
     per_token = -beta * kl * mask  # (N, T)
@@ -252,16 +245,12 @@ def advantages_and_returns(
     completion_mask: torch.Tensor,  # (N, T)
     args: Args,
 ):
-    """Step 5: the per-token rewards (token_rewards), then GAE twice over them with the critic's
-    values: with λ_actor (VAPO: length-adaptive) for the policy's advantages, with λ_critic for the
-    critic's return targets (VAPO's decoupled GAE). Returns the raw advantages, the advantages the
-    policy trains on (whitened over the batch's valid tokens unless --whiten_advantages false) and
-    the returns, (N, T) each.
-
-    With tools, the tools' answers sit between the model's tokens (completion_mask 0 there): every
-    tensor's model tokens are first gathered to the front of their row, in order (model_tokens_first),
-    so that GAE steps across an answer in one step, from the model's last token before it to its
-    first after it (the answer is part of the next state, not a state of its own), and go back after."""
+    """Step 5: the per-token rewards (token_rewards), then GAE with λ_actor (VAPO: length-adaptive)
+    for the policy's advantages and with λ_critic for the critic's return targets (VAPO's decoupled
+    GAE). Returns the raw advantages, those the policy trains on (whitened over the batch's valid
+    tokens unless --whiten_advantages false) and the returns, (N, T) each. With tools, the model's
+    tokens go to the front of each row first (model_tokens_first), so GAE steps across a tool's
+    answer in one step (the answer is part of the next state), and back after."""
     order = model_tokens_first(completion_mask)  # (N, T) the identity without tools
     old_logp, ref_logp, old_values, completion_mask = (
         x.gather(1, order) if x is not None else None for x in (old_logp, ref_logp, old_values, completion_mask)
@@ -310,15 +299,10 @@ def ppo_loss(
 ):
     """The negative PPO objective of one micro-batch, PPO Eq. 7 (plus Eq. 9's entropy bonus):
         J = 1/|tokens| Σ_i Σ_t [ min(r_t Â_t, clip(r_t, 1−ε_low, 1+ε_high) Â_t) + c_2 H_t ]
-    a mean over the valid tokens of the whole mini-batch (VAPO's token-level loss, as DAPO
-    Eq. 12): num_tokens counts them all, so the micro-batch losses add up to the mini-batch
-    loss and gradient accumulation gives exactly the big-batch gradient. The value loss is a
-    separate function: actor and critic are separate networks with separate optimizers, so
-    nothing is gained by summing.
-    ε_low = ε_high is PPO's symmetric clip; ε_high > ε_low is clip-higher (DAPO Eq. 10, which
-    VAPO adopts with 0.2 and 0.28): a low-probability token with Â > 0 keeps room to grow.
-    Dual-clip and truncated IS (is_weight) enter as one named function each, defined in the
-    section on variants below. Returns (loss, stats): stats are sums over the tokens of loss_mask."""
+    a mean over the whole mini-batch's valid tokens (VAPO's token-level loss, DAPO Eq. 12), so the
+    micro-batches' losses add up to the mini-batch's. ε_high > ε_low is clip-higher (DAPO Eq. 10; VAPO:
+    0.2, 0.28). The value loss is separate: separate networks, separate optimizers. Dual-clip and
+    truncated IS enter as one function each, after train(). Returns (loss, stats over loss_mask)."""
     mask = loss_mask.to(logp.dtype)  # (n, T)
     ratio = torch.exp((logp - old_logp) * mask)  # (n, T) r_t
     objective = clipped_surrogate(ratio, advantages, args.eps_low, args.eps_high)  # (n, T)
@@ -343,11 +327,10 @@ def value_loss(
     eps_value: float,
     num_tokens: int,
 ):
-    """The clipped value loss (PPO Eq. 9's L^VF with the clipping of OpenAI baselines' PPO2):
+    """The clipped value loss (PPO Eq. 9's L^VF with OpenAI baselines' PPO2 clipping):
         L = 1/|tokens| Σ ½ · max((V − R_t)², (clip(V, V_old − ε_v, V_old + ε_v) − R_t)²)
-    The max makes it pessimistic: a value that moved more than ε_v from V_old gets no gradient
-    toward the target once the clipped error is the larger. Normalised by the mini-batch's
-    token count, as ppo_loss. Returns (loss, stats): stats are sums over valid tokens."""
+    pessimistic: a value that moved more than ε_v from V_old gets no gradient once the clipped error
+    is the larger. Returns (loss, stats): sums over valid tokens."""
     mask = completion_mask.to(values.dtype)
     clipped = old_values + (values - old_values).clamp(-eps_value, eps_value)  # (n, T)
     unclipped_error = (values - returns) ** 2
@@ -369,20 +352,11 @@ def on_policy(args: Args) -> bool:
 
 
 def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contextlib.nullcontext) -> tuple[dict, dict]:
-    """Step 6's forward and backward of the policy over one mini-batch, in micro-batches of
-    micro_batch_size rows or micro_batch_tokens tokens (micro_batches); gradients accumulate in
-    .grad. batch holds (n, …) tensors: prompt_ids, prompt_mask, completion_ids, completion_mask,
-    sample_logp, old_logp (None: see below), advantages, positive
-    (and the critic's old_values and returns, unused here). amp() is the autocast context of the
-    forward pass. Returns (totals, recorded): the summed loss and token statistics of the
-    mini-batch, and, when batch["old_logp"] is None, this pass's log π_θ and entropy (n, T), no
-    grad, in batch's row order, standing in for step 4's (on-policy with β = 0, see train);
-    otherwise {}.
-
-    On-policy π_θold is π_θ itself, so old = sg(log π_θ) sets the ratio to exactly 1, with the
-    gradient ∇log π_θ, as in grpo.py: the gradient is the same, kernel noise is gone.
-    A token --is_mask drops leaves ppo_loss and its token count; VAPO's NLL term, a supervised loss
-    on the correct completions that no importance ratio enters, keeps it."""
+    """Step 6's forward and backward of the policy over one mini-batch, micro-batch by micro-batch;
+    gradients accumulate in .grad. amp() is the forward's autocast context. Returns (totals, recorded):
+    the summed loss and token statistics, and, on-policy (batch["old_logp"] None), this pass's log π_θ
+    and entropy (n, T), no grad, standing in for step 4's; old = sg(log π_θ) makes the ratio exactly 1.
+    A token --is_mask drops leaves ppo_loss; VAPO's NLL term, with no ratio in it, keeps it."""
     loss_mask, totals = masked_importance(batch, batch["completion_mask"], args)  # (n, T): less what --is_mask drops
     # The whole mini-batch's tokens, for every micro-batch; under torchrun every rank's (FSDP sums
     # the ranks' gradients): the normalisers of one process's loss. max(…, 1): all masked, loss 0.
@@ -450,9 +424,8 @@ def critic_backward(critic: "Critic", batch: dict, args: Args, amp=contextlib.nu
 
 def adaptive_lambda(lengths: torch.Tensor, alpha: float) -> torch.Tensor:
     """VAPO's length-adaptive GAE (Sec. 3): λ_actor = 1 − 1/(α·|o_i|) per completion, so that
-    Σ_t λ^t ≈ 1/(1 − λ) = α·|o_i| grows with the length and a long answer's final reward still
-    reaches its first tokens. The formula is negative for |o_i| < 1/α: clamped at 0 (plain
-    one-step TD). lengths (N,) -> λ (N,)."""
+    Σ_t λ^t ≈ α·|o_i| grows with the length and a long answer's reward reaches its first tokens;
+    clamped at 0 for |o_i| < 1/α. lengths (N,) -> λ (N,)."""
     return (1 - 1 / (alpha * lengths.to(torch.float32))).clamp(min=0.0)
 
 
@@ -462,14 +435,10 @@ def positive_lm_loss(
     positive: torch.Tensor,  # (n,) True for a completion the task scored correct
     num_positive_tokens: int,
 ):
-    """VAPO's positive-example LM loss (Yue et al. 2025, arXiv 2504.05118, Sec. 3): the negative
-    log-likelihood of the correct completions of the batch, T,
+    """VAPO's positive-example LM loss (arXiv 2504.05118, Sec. 3), the NLL of the batch's correct
+    completions T (Score.correct; on Countdown not the 0.1 format-only reward):
         L_NLL = −1/Σ_{o_i∈T} |o_i| · Σ_{o_i∈T} Σ_t log π_θ(o_i,t)
-    added to the policy loss with weight μ. Imitating its own correct answers extracts more
-    from each rare success than the policy gradient alone does, where rewards are sparse.
-    "Correct" is the task's verdict (Score.correct), VAPO's choice on its 0/1-reward math data;
-    on Countdown that leaves out the 0.1 format-only reward. num_positive_tokens counts the
-    whole mini-batch, as ppo_loss's num_tokens; none (no correct completion): 0."""
+    added to the policy loss with weight μ: imitating its rare successes. No correct completion: 0."""
     positive_mask = completion_mask.to(logp.dtype) * positive[:, None]  # (n, T)
     return -(logp * positive_mask).sum() / max(num_positive_tokens, 1)
 
