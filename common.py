@@ -2764,7 +2764,7 @@ def top_share(
     values: torch.Tensor,
     valid: torch.Tensor,
     share: float,
-    reduce=lambda value, op="sum": value,
+    reduce=all_reduce,
     wanted: int = 0,
     rank_index: int | None = None,
 ):

@@ -50,43 +50,8 @@ from pathlib import Path
 import torch
 
 import common
-from common import (
-    Run,
-    RunArgs,
-    all_reduce,
-    all_reduce_metrics,
-    all_reduce_totals,
-    arg,
-    check_distributed,
-    check_run_args,
-    host_numbers,
-    init_distributed,
-    load_policy,
-    load_reference,
-    make_optimizer,
-    my_share,
-    parse_args,
-    prompt_indices,
-    rank_seed,
-    render_chat,
-    resolve_device,
-    resolve_precision,
-    said_once,
-    seed_everything,
-    shard_model,
-    size_micro_batches,
-    unsharded,
-    world_size,
-)
-from rewards import (
-    Score,
-    TaskArgs,
-    ToolQueue,
-    heldout_task,
-    tool_turns,
-    tool_turns_due,
-    training_task,
-)
+from common import RunArgs, arg
+from rewards import Score, TaskArgs, ToolQueue, heldout_task, tool_turns, tool_turns_due, training_task
 
 
 @dataclass
@@ -288,13 +253,13 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
     # The whole mini-batch's sequences and tokens, for every micro-batch; under torchrun every
     # rank's (FSDP sums the ranks' gradients): the normalisers of one process's loss. A completion
     # masked out entirely leaves the sequence count too; max(…, 1): all masked gives loss 0, not NaN.
-    num_sequences = max(all_reduce((loss_mask.sum(-1) > 0).sum().item()), 1)
-    num_tokens = max(all_reduce(loss_mask.sum().item()), 1)
+    num_sequences = max(common.all_reduce((loss_mask.sum(-1) > 0).sum().item()), 1)
+    num_tokens = max(common.all_reduce(loss_mask.sum().item()), 1)
     batch = {**batch, "loss_mask": loss_mask}
     if args.top_entropy_quantile < 1:  # over the whole mini-batch (every rank's), before its micro-batches
-        batch["entropy_keep"] = common.top_share(batch["entropy"], loss_mask, args.top_entropy_quantile, all_reduce)
+        batch["entropy_keep"] = common.top_share(batch["entropy"], loss_mask, args.top_entropy_quantile)
     if args.loss_type in ("clip_cov", "kl_cov"):  # the same: Clip-Cov's and KL-Cov's tokens
-        batch["cov_tokens"] = covariance_tokens(batch, loss_mask, args, all_reduce)
+        batch["cov_tokens"] = covariance_tokens(batch, loss_mask, args, common.all_reduce)
     record = batch["old_logp"] is None  # this forward pass stands in for step 4's
     recorded = {name: torch.zeros_like(loss_mask, dtype=torch.float32) for name in ("old_logp", "entropy") if record}
     for rows, micro in micro_batches(batch, args.micro_batch_size, args.micro_batch_tokens):
@@ -316,7 +281,7 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
         common.accumulate(totals, {"loss": loss.detach(), **stats, **correction_stats})
         if record:
             recorded["old_logp"][rows], recorded["entropy"][rows] = logp.detach(), entropy.detach()
-    return host_numbers(totals), recorded  # one host sync, after the last micro-batch
+    return common.host_numbers(totals), recorded  # one host sync, after the last micro-batch
 
 
 # ----------------------------------------------------------------------------------------
@@ -396,8 +361,8 @@ def variant_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
     """Â of a variant, in place of group_advantages: GPG's (gpg_advantages), or the scale
     --scale_rewards names (scaled_advantages). rewards (N,) -> (N,)."""
     if args.loss_type == "gpg":
-        return gpg_advantages(rewards, args.group_size, total=all_reduce)
-    return scaled_advantages(rewards, args.group_size, reward_scale(args), eps=args.adv_eps, total=all_reduce)
+        return gpg_advantages(rewards, args.group_size, total=common.all_reduce)
+    return scaled_advantages(rewards, args.group_size, reward_scale(args), eps=args.adv_eps, total=common.all_reduce)
 
 
 def gpg_advantages(rewards: torch.Tensor, group_size: int, total=lambda count: count) -> torch.Tensor:
@@ -668,21 +633,21 @@ def ema_update(reference, policy, decay: float) -> None:
 def train(args: Args) -> Path:
     """Runs GRPO and returns the run directory."""
     check_args(args)
-    device = init_distributed(resolve_device(args.device))  # under torchrun: this rank's device
-    check_distributed(args, args.batch_size)  # B prompts split over K ranks, a group never spans two
-    weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
+    device = common.init_distributed(common.resolve_device(args.device))  # under torchrun: this rank's device
+    common.check_distributed(args, args.batch_size)  # B prompts split over K ranks, a group never spans two
+    weight_dtype, compute_dtype = common.resolve_precision(args.dtype, device)
     amp = functools.partial(common.autocast, device, compute_dtype)  # bf16 on a GPU; CPU: nothing
-    seed_everything(rank_seed(args.seed))  # --seed itself in one process
+    common.seed_everything(common.rank_seed(args.seed))  # --seed itself in one process
     # The task first: a wrong --task or --data_dir stops before any model loads.
     task = training_task(args)  # --task, its data and --reward_fn
     heldout = heldout_task(args) if args.eval_every else None
-    policy, tokenizer, eos_ids = load_policy(args, device, weight_dtype, compute_dtype, task)  # --lora_rank: LoRA
-    shard_model(policy, compute_dtype).train()  # FSDP2 under torchrun, one unit per decoder layer; else unchanged
-    reference = (
-        shard_model(load_reference(args, policy, device, weight_dtype), compute_dtype) if args.beta > 0 else None
-    )
+    policy, tokenizer, eos_ids = common.load_policy(args, device, weight_dtype, compute_dtype, task)  # --lora_rank
+    common.shard_model(policy, compute_dtype).train()  # FSDP2 under torchrun, a unit per decoder layer; else as is
+    reference = None  # π_ref, only for a KL term
+    if args.beta > 0:
+        reference = common.shard_model(common.load_reference(args, policy, device, weight_dtype), compute_dtype)
     vocab_size = len(tokenizer)  # ids the tokenizer has; the embedding may have more rows
-    optimizer, scheduler = make_optimizer(policy, args.lr, args)  # AdamW, linear warm-up
+    optimizer, scheduler = common.make_optimizer(policy, args.lr, args)  # AdamW, linear warm-up
     evaluate = functools.partial(  # run.end_step calls it every eval_every steps and at the end
         common.evaluate_heldout, rollout, policy, tokenizer, eos_ids, heldout, max_new_tokens=args.max_new_tokens,
         batch_size=args.eval_batch_size, amp=amp, **common.tool_limits(args),
@@ -690,21 +655,22 @@ def train(args: Args) -> Path:
     resumable = {"optimizer": optimizer, "scheduler": scheduler}
     if args.ref_ema_decay:  # T1's reference moves with the policy: a resumed run needs where it was
         resumable["reference"] = reference
-    run = Run(
+    run = common.Run(
         args, "grpo", policy, tokenizer, resumable=resumable, same_on_resume=("ref_ema_decay",), evaluate=evaluate,
         compute_dtype=compute_dtype,  # checkpoints in bf16 on a GPU, the fp32 masters in the newest's trainer state
     )  # fmt: skip
     passes = common.logprob_passes(policy, sequence_logprobs, args.temperature, vocab_size, amp)  # preflight's
-    size_micro_batches(args, task, tokenizer, [policy], *passes)  # per pass; args.json keeps the flags given
-    num_sequences = args.batch_size * args.group_size // world_size()  # N, or this rank's N/K under torchrun
+    common.size_micro_batches(args, task, tokenizer, [policy], *passes)  # per pass; args.json keeps the flags given
+    num_sequences = args.batch_size * args.group_size // common.world_size()  # N, or this rank's N/K under torchrun
 
     with run:  # Ctrl-C stops with one line naming the newest checkpoint
         for step in run.steps():
             # 1-3. Sample B prompts, G completions of each from π_θold, every completion scored.
-            problems = [task.problems[i] for i in prompt_indices(step, args.batch_size, len(task.problems), args.seed)]
-            with unsharded(policy):  # under torchrun: full weights for the decode loop, B/K prompts a rank
+            indices = common.prompt_indices(step, args.batch_size, len(task.problems), args.seed)
+            problems = [task.problems[i] for i in indices]
+            with common.unsharded(policy):  # under torchrun: full weights for the decode loop, B/K prompts a rank
                 batch = rollout(
-                    policy, tokenizer, eos_ids, task, my_share(problems), group_size=args.group_size,
+                    policy, tokenizer, eos_ids, task, common.my_share(problems), group_size=args.group_size,
                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, amp=amp,
                     **common.tool_limits(args),
                 )  # fmt: skip
@@ -738,7 +704,7 @@ def train(args: Args) -> Path:
                     totals, recorded = policy_backward(policy, mini, args, vocab_size, amp)
                     if recorded:  # on-policy: step 4's log-probs and entropy, in the batch's row order again
                         old_logp, entropy = (recorded[name][rows.argsort()] for name in ("old_logp", "entropy"))
-                    none = not all_reduce(totals["tokens"])  # --is_mask left no token: no step, π_ref stays
+                    none = not common.all_reduce(totals["tokens"])  # --is_mask left no token: no step, π_ref stays
                     grad_norms.append(common.optimizer_step(policy, optimizer, args.max_grad_norm, skip=none))
                     ema_update(reference, policy, 0.0 if none else args.ref_ema_decay)  # T1; 0: none
                     common.accumulate(update, totals)
@@ -750,9 +716,9 @@ def train(args: Args) -> Path:
             #      Run.end_step: the held-out evaluation when due, the metrics row and samples, a
             #      checkpoint when due.
             metrics = {  # under torchrun, over every rank's share of the batch
-                **all_reduce_metrics(common.step_metrics(batch, entropy, old_logp, args.group_size)),
-                **update_metrics(all_reduce_totals(update), grad_norms, learning_rate),
-                "throughput/tokens_per_s": all_reduce(batch.completion_mask.sum().item()) / seconds["generate"],
+                **common.all_reduce_metrics(common.step_metrics(batch, entropy, old_logp, args.group_size)),
+                **update_metrics(common.all_reduce_totals(update), grad_norms, learning_rate),
+                "throughput/tokens_per_s": common.all_reduce(batch.completion_mask.sum().item()) / seconds["generate"],
             }
             run.end_step(step, metrics, seconds, batch)
         run.save_final()
@@ -859,7 +825,7 @@ def encode_prompts(tokenizer, conversations: list[list[dict]], group_size: int, 
     """Chat-templated prompts (common.render_chat; the tools' schemas in them as the template writes
     them), left padded, each repeated G times in a row, so that rows i·G … i·G+G-1 are the group of
     prompt i. Returns prompt_ids, prompt_mask (N, P)."""
-    texts = [render_chat(tokenizer, c, tools=list(tools) or None) for c in conversations]
+    texts = [common.render_chat(tokenizer, c, tools=list(tools) or None) for c in conversations]
     encoded = tokenizer(texts, padding=True, add_special_tokens=False, return_tensors="pt")
     prompt_ids = encoded["input_ids"].repeat_interleave(group_size, dim=0).to(device)  # (N, P)
     prompt_mask = encoded["attention_mask"].repeat_interleave(group_size, dim=0).to(device)  # (N, P)
@@ -1192,7 +1158,7 @@ def micro_batches(batch: dict, size: int, tokens: int = 0):
 
 def check_args(args: Args) -> None:
     """Stops with a message on settings that cannot work, before anything is loaded."""
-    problems = check_run_args(args, "grpo")
+    problems = common.check_run_args(args, "grpo")
     if args.group_size < 2:
         problems.append("--group_size must be at least 2: a group of one has no relative advantage.")
     loss_types = ("grpo", "dr_grpo", "gspo", "gpg", "cispo", "sapo", "clip_cov", "kl_cov", "dppo")
@@ -1229,11 +1195,11 @@ def check_args(args: Args) -> None:
         if getattr(args, name) < 1:
             problems.append(f"--{name} must be at least 1.")
     if problems:
-        raise SystemExit(said_once("Invalid arguments:\n  " + "\n  ".join(problems)))  # once a node
+        raise SystemExit(common.said_once("Invalid arguments:\n  " + "\n  ".join(problems)))  # once a node
 
 
 if __name__ == "__main__":
     try:
-        train(parse_args(Args))
+        train(common.parse_args(Args))
     except KeyboardInterrupt:  # during set-up, before the first step
         raise SystemExit("Interrupted before the first training step: nothing to resume.") from None

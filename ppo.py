@@ -55,55 +55,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModel
 
 import common
-from common import (
-    ADAPTER_DIR,
-    FULL_LR,
-    LORA_LR,
-    Run,
-    RunArgs,
-    all_reduce,
-    all_reduce_metrics,
-    all_reduce_totals,
-    arg,
-    check_distributed,
-    check_run_args,
-    compile_blocks,
-    dequantised,
-    enable_activation_checkpointing,
-    frozen_dtype,
-    full_state_dict,
-    host_numbers,
-    init_distributed,
-    is_lora,
-    load_policy,
-    load_reference,
-    make_optimizer,
-    model_source,
-    my_share,
-    parse_args,
-    prompt_indices,
-    rank_seed,
-    render_chat,
-    resolve_device,
-    resolve_model_name,
-    resolve_precision,
-    said_once,
-    seed_everything,
-    shard_model,
-    size_micro_batches,
-    unsharded,
-    with_adapters,
-    world_size,
-)
-from rewards import (
-    Score,
-    TaskArgs,
-    ToolQueue,
-    heldout_task,
-    tool_turns,
-    tool_turns_due,
-    training_task,
-)
+from common import RunArgs, arg
+from rewards import Score, TaskArgs, ToolQueue, heldout_task, tool_turns, tool_turns_due, training_task
 
 
 @dataclass
@@ -264,7 +217,7 @@ def advantages_and_returns(
     # 0.1): the critic's noise then pushes the policy as hard as a right answer would.
     advantages = raw_advantages  # (N, T)
     if args.whiten_advantages:
-        advantages = masked_whiten(raw_advantages, completion_mask, args.whiten_eps, all_reduce)
+        advantages = masked_whiten(raw_advantages, completion_mask, args.whiten_eps, common.all_reduce)
     return tuple(torch.zeros_like(x).scatter(1, order, x) for x in (raw_advantages, advantages, returns))
 
 
@@ -360,10 +313,10 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
     loss_mask, totals = masked_importance(batch, batch["completion_mask"], args)  # (n, T): less what --is_mask drops
     # The whole mini-batch's tokens, for every micro-batch; under torchrun every rank's (FSDP sums
     # the ranks' gradients): the normalisers of one process's loss. max(…, 1): all masked, loss 0.
-    num_tokens = max(all_reduce(loss_mask.sum().item()), 1)
+    num_tokens = max(common.all_reduce(loss_mask.sum().item()), 1)
     batch = {**batch, "loss_mask": loss_mask}
     if args.pos_lm_coef > 0:  # VAPO's Σ_{o_i∈T} |o_i| over the whole mini-batch
-        num_positive_tokens = all_reduce((batch["completion_mask"] * batch["positive"][:, None]).sum().item())
+        num_positive_tokens = common.all_reduce((batch["completion_mask"] * batch["positive"][:, None]).sum().item())
     record = batch["old_logp"] is None  # this forward pass stands in for step 4's
     recorded = {name: torch.zeros_like(loss_mask, dtype=torch.float32) for name in ("old_logp", "entropy") if record}
     for rows, micro in micro_batches(batch, args.micro_batch_size, args.micro_batch_tokens):
@@ -393,14 +346,14 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
         common.accumulate(totals, {"loss": loss.detach(), **stats})
         if record:
             recorded["old_logp"][rows], recorded["entropy"][rows] = logp.detach(), entropy.detach()
-    return host_numbers(totals), recorded  # one host sync, after the last micro-batch
+    return common.host_numbers(totals), recorded  # one host sync, after the last micro-batch
 
 
 def critic_backward(critic: "Critic", batch: dict, args: Args, amp=contextlib.nullcontext) -> dict:
     """Step 6's forward and backward of the critic over one mini-batch (the same rows the policy
     just trained on), in the policy's micro-batches (micro_batches), the value loss normalised by the
     mini-batch's token count. Returns the summed loss and statistics of the whole mini-batch."""
-    num_tokens = all_reduce(batch["completion_mask"].sum().item())  # under torchrun every rank's
+    num_tokens = common.all_reduce(batch["completion_mask"].sum().item())  # under torchrun every rank's
     totals = {}
     for rows, micro in micro_batches(batch, args.micro_batch_size, args.micro_batch_tokens):
         with amp():
@@ -414,7 +367,7 @@ def critic_backward(critic: "Critic", batch: dict, args: Args, amp=contextlib.nu
             )  # fmt: skip
         loss.backward()
         common.accumulate(totals, {"loss": loss.detach(), **stats})
-    return host_numbers(totals)
+    return common.host_numbers(totals)
 
 
 # ----------------------------------------------------------------------------------------
@@ -501,25 +454,25 @@ def masked_importance(batch: dict, loss_mask: torch.Tensor, args) -> tuple[torch
 def train(args: Args) -> Path:
     """Runs PPO and returns the run directory."""
     check_args(args)
-    device = init_distributed(resolve_device(args.device))  # under torchrun: this rank's device
-    check_distributed(args, args.batch_size)  # B prompts split over K ranks, a group never spans two
-    weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
+    device = common.init_distributed(common.resolve_device(args.device))  # under torchrun: this rank's device
+    common.check_distributed(args, args.batch_size)  # B prompts split over K ranks, a group never spans two
+    weight_dtype, compute_dtype = common.resolve_precision(args.dtype, device)
     amp = functools.partial(common.autocast, device, compute_dtype)  # bf16 on a GPU; CPU: nothing
-    seed_everything(rank_seed(args.seed))  # --seed itself in one process
+    common.seed_everything(common.rank_seed(args.seed))  # --seed itself in one process
     # The task first: a wrong --task or --data_dir stops before any model loads.
     task = training_task(args)  # --task, its data and --reward_fn
     heldout = heldout_task(args) if args.eval_every else None
-    policy, tokenizer, eos_ids = load_policy(args, device, weight_dtype, compute_dtype, task)  # --lora_rank: LoRA
-    shard_model(policy, compute_dtype).train()  # FSDP2 under torchrun, one unit per decoder layer; else unchanged
+    policy, tokenizer, eos_ids = common.load_policy(args, device, weight_dtype, compute_dtype, task)  # --lora_rank
+    common.shard_model(policy, compute_dtype).train()  # FSDP2 under torchrun, a unit per decoder layer; else as is
     critic = load_critic(args, device, weight_dtype, compute_dtype)
-    shard_model(critic, compute_dtype, fp32_modules=("value_head",))
-    reference = (
-        shard_model(load_reference(args, policy, device, weight_dtype), compute_dtype) if args.beta > 0 else None
-    )
+    common.shard_model(critic, compute_dtype, fp32_modules=("value_head",))
+    reference = None  # π_ref, only for a KL term
+    if args.beta > 0:
+        reference = common.shard_model(common.load_reference(args, policy, device, weight_dtype), compute_dtype)
     vocab_size = len(tokenizer)  # ids the tokenizer has; the embedding may have more rows
-    optimizer, scheduler = make_optimizer(policy, args.lr, args)  # AdamW, linear warm-up
-    critic_lr = args.critic_lr or 10 * (LORA_LR if args.lora_rank else FULL_LR)  # unset: 10× the actor's default
-    critic_optimizer, critic_scheduler = make_optimizer(critic, critic_lr, args)
+    optimizer, scheduler = common.make_optimizer(policy, args.lr, args)  # AdamW, linear warm-up
+    critic_lr = args.critic_lr or 10 * (common.LORA_LR if args.lora_rank else common.FULL_LR)  # 10× the actor's
+    critic_optimizer, critic_scheduler = common.make_optimizer(critic, critic_lr, args)
     evaluate = functools.partial(  # run.end_step calls it every eval_every steps and at the end
         common.evaluate_heldout, rollout, policy, tokenizer, eos_ids, heldout, max_new_tokens=args.max_new_tokens,
         batch_size=args.eval_batch_size, amp=amp, **common.tool_limits(args),
@@ -527,22 +480,23 @@ def train(args: Args) -> Path:
     resumable = {"optimizer": optimizer, "scheduler": scheduler}
     resumable |= {"critic_optimizer": critic_optimizer, "critic_scheduler": critic_scheduler}
     write_critic = functools.partial(save_critic, critic)  # into every checkpoint's critic/ folder
-    run = Run(
+    run = common.Run(
         args, "ppo", policy, tokenizer, resumable=resumable, evaluate=evaluate,
         write_extra=write_critic, resume_only=(CRITIC_DIR,),  # the critic only resumes: the newest checkpoint keeps it
         compute_dtype=compute_dtype,  # checkpoints in bf16 on a GPU, the fp32 masters in the newest's trainer state
     )  # fmt: skip
     passes = actor_critic_passes(policy, critic, args, vocab_size, amp)  # the preflight's, on a GPU
-    size_micro_batches(args, task, tokenizer, [policy, critic], *passes)  # per pass; args.json keeps the flags
-    num_sequences = args.batch_size * args.group_size // world_size()  # N, or this rank's N/K under torchrun
+    common.size_micro_batches(args, task, tokenizer, [policy, critic], *passes)  # per pass; args.json keeps the flags
+    num_sequences = args.batch_size * args.group_size // common.world_size()  # N, or this rank's N/K under torchrun
 
     with run:  # Ctrl-C stops with one line naming the newest checkpoint
         for step in run.steps():
             # 1-3. Sample B prompts, G completions of each from π_θold, every completion scored.
-            problems = [task.problems[i] for i in prompt_indices(step, args.batch_size, len(task.problems), args.seed)]
-            with unsharded(policy):  # under torchrun: full weights for the decode loop, B/K prompts a rank
+            indices = common.prompt_indices(step, args.batch_size, len(task.problems), args.seed)
+            problems = [task.problems[i] for i in indices]
+            with common.unsharded(policy):  # under torchrun: full weights for the decode loop, B/K prompts a rank
                 batch = rollout(
-                    policy, tokenizer, eos_ids, task, my_share(problems), group_size=args.group_size,
+                    policy, tokenizer, eos_ids, task, common.my_share(problems), group_size=args.group_size,
                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, amp=amp,
                     **common.tool_limits(args),
                 )  # fmt: skip
@@ -582,7 +536,7 @@ def train(args: Args) -> Path:
                         if recorded:  # on-policy: step 4's log-probs and entropy, in the batch's row order again
                             old_logp, entropy = (recorded[name][rows.argsort()] for name in ("old_logp", "entropy"))
                         common.accumulate(update, totals)
-                        none = not all_reduce(totals["tokens"] + totals.get("pos_tokens", 0))  # all masked: no step
+                        none = not common.all_reduce(totals["tokens"] + totals.get("pos_tokens", 0))  # all masked
                         grad_norms.append(common.optimizer_step(policy, optimizer, args.max_grad_norm, skip=none))
                     common.accumulate(critic_update, critic_backward(critic, mini, args, amp))
                     critic_grad_norms.append(common.optimizer_step(critic, critic_optimizer, args.max_grad_norm))
@@ -595,7 +549,7 @@ def train(args: Args) -> Path:
             # 7-9. Every metric from the tensors the losses used, masked, over the whole batch; then
             #      Run.end_step: the held-out evaluation when due, the metrics row and samples, a
             #      checkpoint when due.
-            metrics = all_reduce_metrics(  # under torchrun, over every rank's share of the batch
+            metrics = common.all_reduce_metrics(  # under torchrun, over every rank's share of the batch
                 common.step_metrics(batch, entropy, old_logp, args.group_size)
                 | rollout_value_metrics(
                     old_logp,
@@ -607,10 +561,10 @@ def train(args: Args) -> Path:
                     old_values=old_values,
                 )
             )
-            update, critic_update = all_reduce_totals(update), all_reduce_totals(critic_update)
+            update, critic_update = common.all_reduce_totals(update), common.all_reduce_totals(critic_update)
             metrics |= {
                 **update_metrics(update, grad_norms, critic_update, critic_grad_norms, learning_rates),
-                "throughput/tokens_per_s": all_reduce(batch.completion_mask.sum().item()) / seconds["generate"],
+                "throughput/tokens_per_s": common.all_reduce(batch.completion_mask.sum().item()) / seconds["generate"],
             }
             run.end_step(step, metrics, seconds, batch)
         run.save_final()
@@ -764,25 +718,25 @@ def load_critic(args, device: torch.device, dtype: torch.dtype, compute_dtype: t
     backbone is --model's, frozen (in compute_dtype: common.frozen_dtype), under LoRA adapters
     of its own (new, or the checkpoint's critic/adapter/), and the head trains in full."""
     if args.lora_rank:
-        dtype = frozen_dtype(dtype, compute_dtype)
+        dtype = common.frozen_dtype(dtype, compute_dtype)
     saved = Path(args.resume_from) / CRITIC_DIR if args.resume_from else None
     name = str(saved) if saved and not args.lora_rank else args.model
-    path = resolve_model_name(name)
-    source, gguf = model_source(path)  # a GGUF file: from_pretrained(directory, gguf_file=name)
+    path = common.resolve_model_name(name)
+    source, gguf = common.model_source(path)  # a GGUF file: from_pretrained(directory, gguf_file=name)
     try:
         backbone = AutoModel.from_pretrained(source, dtype=dtype, **gguf)  # drops the LM head's weights
         if gguf:
-            dequantised(backbone)
+            common.dequantised(backbone)
     except (OSError, ValueError, RuntimeError) as error:
         raise SystemExit(
             f"Could not load the critic's backbone from {name!r} (resolved to {path!r}): {error}"
         ) from error
     if args.gradient_checkpointing:
-        enable_activation_checkpointing(backbone)
+        common.enable_activation_checkpointing(backbone)
     backbone.to(device=device, dtype=dtype)
     if args.lora_rank:  # after the cast: peft keeps the adapters of a bf16 backbone in fp32
-        backbone = with_adapters(backbone, args, saved / ADAPTER_DIR if saved else None)
-    critic = Critic(compile_blocks(backbone, args.compile))  # --compile: as the policy's
+        backbone = common.with_adapters(backbone, args, saved / common.ADAPTER_DIR if saved else None)
+    critic = Critic(common.compile_blocks(backbone, args.compile))  # --compile: as the policy's
     critic.value_head.to(device=device, dtype=torch.float32)  # fp32 always (see Critic.forward)
     if saved:
         critic.value_head.load_state_dict(load_file(saved / VALUE_HEAD_FILE, device=str(device)))
@@ -795,9 +749,9 @@ def save_critic(critic: Critic, directory: Path) -> None:
     value_head.safetensors. common.Run calls it on the checkpoint's staging directory, so
     policy and critic are renamed into place together: a crash mid-save leaves the previous
     checkpoint whole, never a policy without its critic."""
-    backbone_dir = Path(directory) / CRITIC_DIR / (ADAPTER_DIR if is_lora(critic.backbone) else "")
-    if world_size() > 1:  # torchrun: every rank gathers, rank 0 writes the full weights
-        state = full_state_dict(critic)
+    backbone_dir = Path(directory) / CRITIC_DIR / (common.ADAPTER_DIR if common.is_lora(critic.backbone) else "")
+    if common.world_size() > 1:  # torchrun: every rank gathers, rank 0 writes the full weights
+        state = common.full_state_dict(critic)
         if common.rank() == 0:
             backbone = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
             critic.backbone.save_pretrained(backbone_dir, state_dict=backbone, safe_serialization=True)
@@ -926,7 +880,7 @@ def encode_prompts(tokenizer, conversations: list[list[dict]], group_size: int, 
     """Chat-templated prompts (common.render_chat; the tools' schemas in them as the template writes
     them), left padded, each repeated G times in a row, so that rows i·G … i·G+G-1 are the group of
     prompt i. Returns prompt_ids, prompt_mask (N, P)."""
-    texts = [render_chat(tokenizer, c, tools=list(tools) or None) for c in conversations]
+    texts = [common.render_chat(tokenizer, c, tools=list(tools) or None) for c in conversations]
     encoded = tokenizer(texts, padding=True, add_special_tokens=False, return_tensors="pt")
     prompt_ids = encoded["input_ids"].repeat_interleave(group_size, dim=0).to(device)  # (N, P)
     prompt_mask = encoded["attention_mask"].repeat_interleave(group_size, dim=0).to(device)  # (N, P)
@@ -1259,7 +1213,7 @@ def micro_batches(batch: dict, size: int, tokens: int = 0):
 
 def check_args(args: Args) -> None:
     """Stops with a message on settings that cannot work, before anything is loaded."""
-    problems = check_run_args(args, "ppo")
+    problems = common.check_run_args(args, "ppo")
     if args.num_mini_batches < 1 or (args.batch_size * args.group_size) % args.num_mini_batches:
         rows = args.batch_size * args.group_size
         problems.append(
@@ -1300,11 +1254,11 @@ def check_args(args: Args) -> None:
             f"--resume_from {args.resume_from} has no {CRITIC_DIR}/{VALUE_HEAD_FILE}: not a ppo.py checkpoint."
         )
     if problems:
-        raise SystemExit(said_once("Invalid arguments:\n  " + "\n  ".join(problems)))  # once a node
+        raise SystemExit(common.said_once("Invalid arguments:\n  " + "\n  ".join(problems)))  # once a node
 
 
 if __name__ == "__main__":
     try:
-        train(parse_args(Args))
+        train(common.parse_args(Args))
     except KeyboardInterrupt:  # during set-up, before the first step
         raise SystemExit("Interrupted before the first training step: nothing to resume.") from None

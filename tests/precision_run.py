@@ -12,7 +12,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import dapo  # noqa: E402  (after the path)
+import common  # noqa: E402  (after the path)
+import dapo  # noqa: E402
 import grpo  # noqa: E402
 import ppo  # noqa: E402
 from common import parse_args  # noqa: E402
@@ -20,5 +21,5 @@ from common import parse_args  # noqa: E402
 if __name__ == "__main__":
     name, *flags = sys.argv[1:]
     script = {"grpo": grpo, "dapo": dapo, "ppo": ppo}[name]
-    script.resolve_precision = lambda dtype, device: (torch.float32, torch.bfloat16)
+    common.resolve_precision = lambda dtype, device: (torch.float32, torch.bfloat16)
     script.train(parse_args(script.Args, flags))

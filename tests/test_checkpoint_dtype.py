@@ -11,13 +11,14 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
+import common
 import grpo
 import ppo
 from conftest import crash_and_resume, trainer_state
 
 
 def gpu_precision(monkeypatch, script):
-    monkeypatch.setattr(script, "resolve_precision", lambda dtype, device: (torch.float32, torch.bfloat16))
+    monkeypatch.setattr(common, "resolve_precision", lambda dtype, device: (torch.float32, torch.bfloat16))
 
 
 def stored_dtypes(checkpoint) -> set:
@@ -73,14 +74,14 @@ def test_lora_keeps_its_frozen_weights_in_the_compute_dtype(script, tmp_path, mo
 
     gpu_precision(monkeypatch, script)
     seen = {}
-    real_load_policy = script.load_policy
+    real_load_policy = common.load_policy
 
     def spy_policy(*args, **kwargs):
         loaded = real_load_policy(*args, **kwargs)  # (policy, tokenizer, eos_ids)
         seen["policy"] = loaded[0]
         return loaded
 
-    monkeypatch.setattr(script, "load_policy", spy_policy)
+    monkeypatch.setattr(common, "load_policy", spy_policy)
     settings = dict(model="tiny", task="digit", lr=3e-3, max_new_tokens=2, batch_size=4, group_size=4, max_steps=3)
     settings |= dict(lora_rank=4, beta=0.0) | ({"critic_lr": 3e-3, "num_mini_batches": 1} if script is ppo else {})
     if script is ppo:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import common
 import dapo
 import grpo
 import ppo
@@ -132,8 +133,8 @@ def no_model_load(*args, **kwargs):
     ids=lambda v: next(iter(v)) if isinstance(v, dict) else "",
 )
 def test_bad_values_stop_before_any_model_loads(script, bad, message, monkeypatch, tmp_path):
-    monkeypatch.setattr(script, "load_policy", no_model_load)
-    monkeypatch.setattr(script, "load_reference", no_model_load)
+    monkeypatch.setattr(common, "load_policy", no_model_load)
+    monkeypatch.setattr(common, "load_reference", no_model_load)
     with pytest.raises(SystemExit) as stop:
         script.train(tiny_args(script, **bad, output_dir=str(tmp_path)))
     assert message in str(stop.value)
@@ -152,7 +153,7 @@ def test_an_output_dir_where_a_file_is_stops_before_any_model_loads(script, monk
                 evaluate.main, evaluate.Args(model="tiny", benchmarks="digit", output_dir=str(given))
             )
         else:
-            monkeypatch.setattr(script, "load_policy", no_model_load)
+            monkeypatch.setattr(common, "load_policy", no_model_load)
             run = functools.partial(script.train, tiny_args(script, output_dir=str(given)))
         with pytest.raises(SystemExit, match=f"{tmp_path / 'a-file'} is a file, not a directory"):
             run()
@@ -160,7 +161,7 @@ def test_an_output_dir_where_a_file_is_stops_before_any_model_loads(script, monk
 
 
 def test_ppo_checks_the_critic_learning_rate(monkeypatch, tmp_path):
-    monkeypatch.setattr(ppo, "load_policy", no_model_load)
+    monkeypatch.setattr(common, "load_policy", no_model_load)
     with pytest.raises(SystemExit, match=r"--critic_lr must be > 0 \(got -1e-05\)"):
         ppo.train(tiny_args(ppo, critic_lr=-1e-5, output_dir=str(tmp_path)))
 
@@ -189,7 +190,7 @@ def test_a_resumed_run_records_the_arguments_it_went_on_with(script, tmp_path, m
     # reading them. Each stops before a model loads, every file of the run as it was.
     kept = files_of(first)
     for other in SCRIPTS:
-        monkeypatch.setattr(other, "load_policy", no_model_load)
+        monkeypatch.setattr(common, "load_policy", no_model_load)
         settings = dict(output_dir=str(tmp_path), resume_from=str(first / "final"))
         if other is script:
             with pytest.raises(
@@ -219,7 +220,7 @@ def test_a_final_checkpoint_without_its_trainer_state_says_it_cannot_resume(tmp_
     # evaluate.py --study_prune deletes a finished run's resume state: "point it at the newest
     # checkpoint" would send the user in a circle; final/ is that one.
     (tmp_path / "final").mkdir()
-    monkeypatch.setattr(grpo, "load_policy", no_model_load)
+    monkeypatch.setattr(common, "load_policy", no_model_load)
     with pytest.raises(SystemExit, match=r"so it cannot resume\. Start a new run from its weights: --model .*final"):
         grpo.train(tiny_args(grpo, resume_from=str(tmp_path / "final"), output_dir=str(tmp_path)))
 
@@ -232,7 +233,7 @@ def test_a_checkpoint_saved_before_the_script_s_name_is_known_by_its_arguments(t
     for name, saved in (("ppo", ppo.Args()), ("dapo", dapo.Args()), ("grpo", grpo.Args())):
         torch.save({"step": 1, "args": vars(saved)}, tmp_path / "trainer_state.pt")
         for script in SCRIPTS:
-            monkeypatch.setattr(script, "load_policy", no_model_load)
+            monkeypatch.setattr(common, "load_policy", no_model_load)
             settings = tiny_args(script, max_steps=3, resume_from=str(tmp_path), output_dir=str(tmp_path / "runs"))
             if script.__name__ == name:  # past the check: the model loads
                 with pytest.raises(AssertionError, match="a model was loaded"):

@@ -308,7 +308,7 @@ def test_two_steps_with_compile_equal_two_without(traced, script, tmp_path, monk
         return compile_blocks(model, on)
 
     monkeypatch.setattr(common, "compile_blocks", spy)
-    monkeypatch.setattr(ppo, "compile_blocks", spy)
+    monkeypatch.setattr(common, "compile_blocks", spy)
     for on in (False, True):
         run_dir = script.train(script.Args(**settings, compile=on, output_dir=str(tmp_path / str(on))))
         rows[on] = read_jsonl(run_dir / "metrics.jsonl")[-1]

@@ -332,8 +332,8 @@ def test_the_coef_flags_are_the_ones_listed():
     "value, message", [(float("inf"), "is inf: give it a finite number"), (float("nan"), "is NaN: give it a number")]
 )
 def test_an_infinite_or_nan_coef_stops_before_any_model_loads(script, name, value, message, monkeypatch, tmp_path):
-    monkeypatch.setattr(script, "load_policy", no_model_load)
-    monkeypatch.setattr(script, "load_reference", no_model_load, raising=False)
+    monkeypatch.setattr(common, "load_policy", no_model_load)
+    monkeypatch.setattr(common, "load_reference", no_model_load, raising=False)
     with pytest.raises(SystemExit) as stop:
         script.train(tiny_args(script, **{name: value}, output_dir=str(tmp_path)))
     assert f"--{name} {message}" in str(stop.value)

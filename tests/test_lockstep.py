@@ -135,21 +135,32 @@ def test_every_difference_by_design_is_a_real_difference():
         assert len(texts) > 1, f"{name} is now the same in every script: drop it from DIFFERS_BY_DESIGN"
 
 
-def test_the_scripts_share_their_imports_from_common():
-    # What a script takes from common.py is the same list in all three, less what PPO's critic
-    # loads and saves with: the run harness, model loading and seeding are not the algorithm.
-    imported = {}
+def test_the_scripts_take_the_same_names_from_common():
+    # What a script takes from common.py (common.X, or imported) is the same in all three, less what
+    # PPO's critic loads and saves with, and GRPO's and DAPO's techniques that PPO lacks: the run
+    # harness, the model's runtime, loading and seeding are not the algorithm.
+    used = {}
     for script in SCRIPTS:
         tree = ast.parse((ROOT / script).read_text())
-        (node,) = [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == "common"]
-        imported[script] = {alias.name for alias in node.names}
+        used[script] = {
+            node.attr
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "common"
+        }
+        used[script] |= {
+            alias.name for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == "common" for alias in n.names
+        }
     ppo_only = {"enable_activation_checkpointing", "resolve_model_name", "with_adapters", "is_lora", "ADAPTER_DIR"}
     ppo_only |= {"FULL_LR", "LORA_LR"}  # the critic's default learning rate is 10× the actor's
-    ppo_only |= {"full_state_dict"}  # under torchrun the critic's weights are gathered to rank 0
+    ppo_only |= {"full_state_dict", "rank"}  # under torchrun the critic's weights are gathered to rank 0
     ppo_only |= {"model_source", "dequantised"}  # the critic's backbone from a GGUF file
     ppo_only |= {"frozen_dtype"}  # a LoRA critic's frozen backbone in the compute dtype, as the policy's
     ppo_only |= {"compile_blocks"}  # --compile: the critic's backbone, as the policy's (load_policy)
-    assert imported["grpo.py"] == imported["dapo.py"] == imported["ppo.py"] - ppo_only
+    ppo_only |= {"check_is_mask"}  # GRPO and DAPO check it inside check_technique_args
+    grpo_dapo_only = {"check_technique_args", "top_share", "share_of", "opsm_metrics"}  # their techniques
+    grpo_dapo_only |= {"logprob_passes"}  # the preflight's passes; PPO's add the critic's (actor_critic_passes)
+    assert used["grpo.py"] == used["dapo.py"]
+    assert used["grpo.py"] - grpo_dapo_only == used["ppo.py"] - ppo_only
 
 
 def test_evaluate_takes_the_tools_flags_as_the_scripts_do():

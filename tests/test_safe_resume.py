@@ -75,7 +75,7 @@ def test_a_planted_trainer_state_is_refused_and_its_code_never_runs(payload, run
     real = common.load_trainer_state(str(run_dir / "final"))
     torch.save(real | {"rng": {"python": payload(proof)}}, state_file)
 
-    monkeypatch.setattr(grpo, "load_policy", no_model_load)
+    monkeypatch.setattr(common, "load_policy", no_model_load)
     resume_from = str(run_dir / "final")
     check = outcome(  # the --resume_from check, before the model loads
         lambda: grpo.train(grpo.Args(**TINY, max_steps=2, output_dir=str(tmp_path), resume_from=resume_from))
