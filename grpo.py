@@ -151,8 +151,7 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k3 estimator of KL(π_θ ‖ π_ref) per token (Schulman 2020; DeepSeekMath Eq. 4):
         π_ref/π_θ − log(π_ref/π_θ) − 1, unbiased under samples of π_θ and never negative.
     logp, ref_logp (…, T) -> (…, T)."""
-    # e^20 ≈ 5e8: finite. verl clamps the log-ratio at ±20 too, and then caps k3 itself at 10 (its
-    # low_var_kl); here k3 is not capped, so a token far from π_ref keeps its whole gradient.
+    # e^20 ≈ 5e8: finite. verl clamps at ±20 too, then caps k3 at 10; uncapped here: the whole gradient.
     log_ratio = (ref_logp - logp).clamp(-20.0, 20.0)
     return torch.exp(log_ratio) - log_ratio - 1
 
@@ -285,10 +284,8 @@ def policy_backward(policy, batch: dict, args: Args, vocab_size: int, amp=contex
 
 
 # ----------------------------------------------------------------------------------------
-# Variants and sampler/trainer corrections, each one function the loss or train() reads: GRPO's
-# own (GSPO's ratio, GPG's advantage; Dr. GRPO's normaliser is in aggregate, each one's ε in
-# clip_range), then CISPO, dual-clip, truncated and masked importance sampling, T1's moving
-# reference (shared with dapo.py).
+# Variants and sampler/trainer corrections, each one function the loss or train() reads: GRPO's own
+# (GSPO, GPG; Dr. GRPO's normaliser is in aggregate), then those shared with dapo.py.
 
 
 CLIPPED = ("grpo", "dr_grpo", "clip_cov")  # the loss types whose objective is the clipped surrogate itself
@@ -373,9 +370,7 @@ def gpg_advantages(rewards: torch.Tensor, group_size: int, total=lambda count: c
     rewards (N,) with groups in consecutive rows -> advantages (N,)."""
     grouped = rewards.view(-1, group_size)  # (B/G groups, G)
     informative = grouped.max(-1).values != grouped.min(-1).values  # (groups,)
-    # B / (B − M), groups being of equal size. Unbounded: one informative group of 32 gives α = 32 (then
-    # gradient clipping bounds the step). The authors' code resampled until half the groups carried
-    # signal (α ≤ 2); dapo.py's dynamic sampling is that idea.
+    # B / (B − M), unbounded (gradient clipping bounds the step); the authors resampled until α ≤ 2.
     alpha = total(len(informative)) / max(total(informative.sum().item()), 1)
     return (alpha * (grouped - grouped.mean(dim=-1, keepdim=True))).flatten()
 

@@ -646,8 +646,7 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k3 estimator of KL(π_θ ‖ π_ref) per token (Schulman 2020; DeepSeekMath Eq. 4):
         π_ref/π_θ − log(π_ref/π_θ) − 1, unbiased under samples of π_θ and never negative.
     logp, ref_logp (…, T) -> (…, T)."""
-    # e^20 ≈ 5e8: finite. verl clamps the log-ratio at ±20 too, and then caps k3 itself at 10 (its
-    # low_var_kl); here k3 is not capped, so a token far from π_ref keeps its whole gradient.
+    # e^20 ≈ 5e8: finite. verl clamps at ±20 too, then caps k3 at 10; uncapped here: the whole gradient.
     log_ratio = (ref_logp - logp).clamp(-20.0, 20.0)
     return torch.exp(log_ratio) - log_ratio - 1
 
