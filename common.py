@@ -419,8 +419,10 @@ def check_run_args(args, algo: str) -> list[str]:
     for name in ("micro_batch_size", "micro_batch_tokens", "logprob_chunk_size", "logprob_chunk_tokens"):
         if getattr(args, name) < 0:
             problems.append(f"--{name} must be >= 0 (0: by tokens, or sized before step 1).")
-    if args.max_turns < 0 or args.max_tool_tokens < 1:
-        problems.append("--max_turns must be >= 0 and --max_tool_tokens >= 1.")
+    if args.max_turns < 0:
+        problems.append(f"--max_turns must be >= 0 (got {args.max_turns}): the tool turns a completion may take.")
+    if args.max_tool_tokens < 1:
+        problems.append(f"--max_tool_tokens must be >= 1 (got {args.max_tool_tokens}): the tokens of one tool answer.")
     problems += timeout_problems(args)
     if args.resume_from:
         problems += resume_problems(args, algo)
@@ -1458,6 +1460,12 @@ def load_policy(args, device: torch.device, dtype: torch.dtype, compute_dtype: t
     adapter/ folder and the frozen weights again from --model. The frozen weights are kept in
     compute_dtype (bf16 on a GPU, frozen_dtype): peft keeps the adapters in fp32. --compile:
     its blocks compiled (compile_blocks)."""
+    if task is not None and task.tools and args.max_turns == 0:  # before any weight loads
+        names = ", ".join(tool.__name__ for tool in task.tools)
+        raise SystemExit(
+            f"--max_turns 0 gives the task's tools ({names}) no turn: a call would end its completion unanswered. "
+            "Give --max_turns 1 or more (default 4)."
+        )
     if not args.lora_rank:
         policy, tokenizer, eos_ids = load_model(
             args.resume_from or args.model, device, dtype, args.gradient_checkpointing, args.prompt_format
@@ -2725,19 +2733,22 @@ def step_metrics(batch, entropy: torch.Tensor, old_logp: torch.Tensor, group_siz
     } | tool_metrics(batch)
 
 
-def tool_metrics(batch) -> dict:
-    """With tools: calls and answered turns per completion, the share of calls that failed (a
-    malformed call, an unknown tool, wrong arguments, an exception, a timeout) and the share of
-    the completions' tokens that the tools put in. Without: none."""
-    if batch.tool_counts is None:
+def tool_metrics(*batches) -> dict:
+    """With tools, over the completions of every batch (a script's Rollouts): calls and answered
+    turns per completion, the share of calls that failed (a malformed call, an unknown tool, wrong
+    arguments, an exception, a timeout) and the share of the completions' tokens that the tools put
+    in. Without: none."""
+    if batches[0].tool_counts is None:
         return {}
-    calls, failed, turns = batch.tool_counts.float().sum(0).tolist()
-    environment = batch.tool_mask.sum().item()
+    counts = torch.cat([batch.tool_counts for batch in batches]).float()  # (completions, 3)
+    calls, failed, turns = counts.sum(0).tolist()
+    environment = sum(batch.tool_mask.sum().item() for batch in batches)
+    model = sum(batch.completion_mask.sum().item() for batch in batches)
     return {
-        "tools/calls": calls / len(batch.tool_counts),
+        "tools/calls": calls / len(counts),
         "tools/errors": failed / max(calls, 1),
-        "tools/turns": turns / len(batch.tool_counts),
-        "tools/env_share": environment / max(environment + batch.completion_mask.sum().item(), 1),
+        "tools/turns": turns / len(counts),
+        "tools/env_share": environment / max(environment + model, 1),
     }
 
 
@@ -2988,6 +2999,9 @@ class Run:
         """The steps still to run, 0-based, as a progress bar over all max_steps."""
         total = self.args.max_steps
         steps = range(self.start_step, total)
+        if rank() == 0:  # where to look while it runs, not only after a Ctrl-C
+            resumed = f", resumed at step {self.start_step}" if self.args.resume_from else ""
+            print(f"{self.algo}: run directory {self.dir}{resumed}", flush=True)
         self.progress = tqdm(steps, initial=self.start_step, total=total, desc=self.algo, disable=rank() > 0)
         return self.progress
 

@@ -826,7 +826,7 @@ def sampling_metrics(rounds: list[Rollout], groups_kept: int, group_size: int, r
     """Dynamic sampling's record of one step, over every completion generated, kept or not:
     the mean reward is the policy's own score (the kept groups, chosen for having mixed
     rewards, would bias it), and a step whose completions all hit the length cap keeps no
-    group (all rewards 0) yet must still show its lengths and truncations. The counts are of all
+    group (all rewards 0) yet must still show its lengths, truncations and tool calls. The counts are of all
     `ranks` ranks (under torchrun each generates and keeps as many groups)."""
     rewards = torch.cat([batch.rewards for batch in rounds])  # (every completion,)
     lengths = torch.cat([batch.completion_mask.sum(-1) for batch in rounds]).float()
@@ -839,7 +839,7 @@ def sampling_metrics(rounds: list[Rollout], groups_kept: int, group_size: int, r
         "sampling/truncated": torch.cat([batch.truncated for batch in rounds]).float().mean().item(),
         # over every completion too (a step that keeps no group still shows its failed rewards)
         "reward/fn_failed": sum(s.failed for batch in rounds for s in batch.scores) / rewards.numel(),
-    }
+    } | common.tool_metrics(*rounds)  # tools/*: every completion sampled, as sampling/*
 
 
 # ----------------------------------------------------------------------------------------
