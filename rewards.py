@@ -20,13 +20,20 @@ with exact fractions, and never passed to `eval`.
 """
 
 import ast
+import csv
 import functools
 import hashlib
+import importlib
+import importlib.util
 import inspect
+import io
 import json
+import operator
 import random
 import re
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
@@ -119,16 +126,11 @@ class Task:
 
 
 # Exact arithmetic, the generator's and the verifier's: an operator's AST node -> its operation on fractions
-OPERATIONS = {
-    ast.Add: Fraction.__add__,
-    ast.Sub: Fraction.__sub__,
-    ast.Mult: Fraction.__mul__,
-    ast.Div: Fraction.__truediv__,
-}
+OPERATIONS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 OPERATORS = dict(zip("+-*/", OPERATIONS))  # written -> node
 
 
-def _random_expression(numbers: list[int], rng: random.Random) -> tuple[str, Fraction] | None:
+def random_expression(numbers: list[int], rng: random.Random) -> tuple[str, Fraction] | None:
     """The numbers in random order joined by random operators: (text, exact value); None on a division by 0."""
     pool = [(str(n), Fraction(n)) for n in numbers]
     rng.shuffle(pool)
@@ -164,13 +166,9 @@ def generate_countdown(n: int, seed: int, min_numbers: int = 3, max_numbers: int
     problems = []
     while len(problems) < n:
         numbers = [rng.randint(1, COUNTDOWN_MAX_NUMBER) for _ in range(rng.randint(min_numbers, max_numbers))]
-        witness = _random_expression(numbers, rng)
-        if witness is None:
-            continue
-        solution, value = witness
+        solution, value = random_expression(numbers, rng) or ("", Fraction(0))  # a division by 0: a new draw
         if value.denominator != 1 or not 1 <= value <= COUNTDOWN_MAX_TARGET:
             continue
-
         if is_heldout_countdown(numbers, int(value)) == heldout:
             problems.append({"nums": numbers, "target": int(value), "solution": solution})
     return problems
@@ -393,7 +391,6 @@ def secret_score(completion: str, problem: dict, truncated: bool = False) -> Sco
     digit). The completion is the decoded rollout, the answers as a Qwen-shaped template writes them
     (<tool_response>…</tool_response>). A call alone earns nothing: a model paid for calling settles on
     calling and stopping (docs/tools.md). Truncation is ignored, as in digit_score."""
-
     close = completion.rfind(TOOL_RESPONSE_CLOSE)
     start = completion.rfind(TOOL_RESPONSE_OPEN, 0, close) if close >= 0 else -1
     if start < 0:
@@ -521,7 +518,6 @@ def load_mmlu_pro(data_dir: str = "") -> list[dict]:
     columns = {"question", "options", "answer", "category"}
     rows = benchmark_rows(data_dir, "mmlu_pro/sample.jsonl", "TIGER-Lab/MMLU-Pro", None, "test", columns)
     problems = []
-
     for number, row in enumerate(rows, start=1):
         options = list(row["options"])
         while options and options[-1] == "N/A":
@@ -697,7 +693,6 @@ def bbh_correct(answer: str | None, gold: str) -> bool:
 
 def extract_choice_letter(text: str) -> str | None:
     """The option letter A-J: the last 'answer is (X)', else 'Answer: X', else \\boxed{X}; else None."""
-
     for pattern in LETTER_PATTERNS:
         letters = pattern.findall(text)
         if letters:
@@ -863,9 +858,6 @@ def read_rows(source: str, split: str) -> list[dict]:
             if not isinstance(rows, list):
                 raise SystemExit(f"{source}: a JSON file holds a list of rows, or {{{split!r}: [rows]}}.")
         elif path.suffix == ".csv":
-            import csv
-            import io
-
             rows = list(csv.DictReader(io.StringIO(data_text(path), newline="")))
         elif path.suffix == ".parquet":
             import pyarrow.parquet  # datasets' own dependency
@@ -964,13 +956,6 @@ def file_prompt_text(problem: dict, spec: FileTaskSpec) -> str:
     return json.dumps(problem[spec.prompt_key], sort_keys=True)
 
 
-def is_heldout_row(problem: dict, spec: FileTaskSpec) -> bool:
-    """The hash share held out of a file's rows (Countdown's own rule for the countdown grader)."""
-    if spec.grader == "countdown":
-        return is_heldout_countdown(problem["nums"], problem["target"])
-    return is_heldout(file_prompt_text(problem, spec))
-
-
 def file_messages(spec: FileTaskSpec) -> Callable[[dict], list[dict]]:
     """problem -> chat: the row's own chat as it is; else [system,] the prompt and the instruction;
     Countdown's prompt for the countdown grader on rows without a prompt column."""
@@ -1039,9 +1024,13 @@ def load_file_task(spec: FileTaskSpec, split: str, shots: int = 0) -> Task:
                 f"--eval_data_file {spec.eval_data_file}: {len(overlap)} of its {len(heldout)} problems are also in "
                 f"--data_file (the first: {file_prompt_text(overlap[0], spec)[:80]}). Held-out problems must be unseen."
             )
-    else:
-        train = [p for p in rows if not is_heldout_row(p, spec)]
-        heldout = [p for p in rows if is_heldout_row(p, spec)]
+    else:  # the hash share (Countdown's own rule for the countdown grader)
+        countdown = spec.grader == "countdown"
+        held = [
+            is_heldout_countdown(p["nums"], p["target"]) if countdown else is_heldout(file_prompt_text(p, spec))
+            for p in rows
+        ]
+        train, heldout = [p for p, h in zip(rows, held) if not h], [p for p, h in zip(rows, held) if h]
     if shots < 0 or shots >= len(train):
         raise SystemExit(f"--shots {shots}: between 0 and the {len(train)} training rows less one.")
     examples, train = train[:shots], train[shots:]
@@ -1052,7 +1041,6 @@ def load_file_task(spec: FileTaskSpec, split: str, shots: int = 0) -> Task:
     problems = train if split == "train" else heldout
     if not problems:
         raise SystemExit(f"--data_file {spec.data_file}: no {split} rows (held out: 1 in {HELDOUT_SHARE}).")
-
     return Task("file", problems, with_examples(file_messages(spec), worked), FILE_GRADERS[spec.grader])
 
 
@@ -1063,9 +1051,6 @@ def load_file_task(spec: FileTaskSpec, split: str, shots: int = 0) -> Task:
 def import_function(path: str, flag: str) -> Callable:
     """The function a flag (--reward_fn, --tool) names as module:function or path/to/file.py:function;
     stops with a message naming the flag when it cannot."""
-    import importlib
-    import importlib.util
-
     module_name, _, function_name = path.rpartition(":")
     if not module_name or not function_name:
         raise SystemExit(f"{flag} {path!r}: write module:function or path/to/file.py:function.")
@@ -1108,9 +1093,6 @@ class RewardTimeout(BaseException):
 
 def call_with_time_limit(function: Callable, seconds: float, *args):
     """function(*args), interrupted by a SIGALRM after `seconds` (main thread; elsewhere unbounded)."""
-    import signal
-    import threading
-
     if seconds <= 0 or threading.current_thread() is not threading.main_thread():
         return function(*args)
 
@@ -1127,9 +1109,11 @@ def call_with_time_limit(function: Callable, seconds: float, *args):
 
 
 def with_reward_fn(task: Task, path: str, timeout_s: float) -> Task:
-    """The task with its reward from --reward_fn: function(completion, problem, truncated) returns a
-    number, or (number, formatted); correct: at least REWARD_CORRECT. A call that raises, runs past
-    timeout_s, or returns NaN or no number scores REWARD_NONE, failed=True; the run goes on."""
+    """The task with its reward from --reward_fn (the task itself for ''): function(completion, problem,
+    truncated) returns a number, or (number, formatted); correct: at least REWARD_CORRECT. A call that
+    raises, runs past timeout_s, or returns NaN or no number scores REWARD_NONE, failed=True."""
+    if not path:
+        return task
     function = import_reward_fn(path)
     warned = []  # the first failure is shown, once
 
@@ -1190,15 +1174,11 @@ def calculator(expression: str) -> str:
         raise ValueError("division by zero") from error
     if value.denominator == 1:
         return str(value.numerator)
-    rounded = round(value, DECIMAL_PLACES)
-    return f"{value} {'=' if rounded == value else '≈'} {decimal_text(rounded)}"
-
-
-def decimal_text(value: Fraction) -> str:
-    """A fraction whose denominator divides 10^DECIMAL_PLACES written as a decimal: 7/2 -> '3.5'."""
-    whole, part = divmod(int(abs(value) * 10**DECIMAL_PLACES), 10**DECIMAL_PLACES)
+    rounded = round(value, DECIMAL_PLACES)  # half to even; "=" when that is exact, else "≈"
+    whole, part = divmod(int(abs(rounded) * 10**DECIMAL_PLACES), 10**DECIMAL_PLACES)
     digits = f"{part:0{DECIMAL_PLACES}d}".rstrip("0")
-    return ("-" if value < 0 else "") + str(whole) + (f".{digits}" if digits else "")
+    decimal = ("-" if rounded < 0 else "") + str(whole) + (f".{digits}" if digits else "")
+    return f"{value} {'=' if rounded == value else '≈'} {decimal}"
 
 
 BUILTIN_TOOLS = {"calculator": calculator}  # what --tools may name
@@ -1208,7 +1188,10 @@ def load_tools(builtin: str, user: str) -> list[Callable]:
     """The tools --tools (comma-separated BUILTIN_TOOLS) and --tool (comma-separated import paths)
     name, in that order. Stops on an unknown name, a function the template cannot describe, or two
     tools of one name."""
+    from transformers.utils import get_json_schema
+
     tools = []
+
     for name in [part.strip() for part in builtin.split(",") if part.strip()]:
         if name not in BUILTIN_TOOLS:
             raise SystemExit(
@@ -1218,24 +1201,17 @@ def load_tools(builtin: str, user: str) -> list[Callable]:
         tools.append(BUILTIN_TOOLS[name])
     for path in [part.strip() for part in user.split(",") if part.strip()]:
         function = import_function(path, "--tool")
-        check_tool_schema(function, f"--tool {path!r}")
+        try:  # the schema is all the chat template shows the model of a tool
+            get_json_schema(function)
+        except Exception as error:  # its own DocstringParsingException, TypeHintParsingException; a partial's, …
+            raise SystemExit(
+                f"--tool {path!r}: the model cannot be shown {getattr(function, '__name__', function)!r}: {error}. "
+                "A tool needs a type hint on every argument and a Google-style docstring: a description, then an "
+                "'Args:' section with one line 'name: what it is' for each argument."
+            ) from error
         tools.append(function)
     check_tool_names(tools)
     return tools
-
-
-def check_tool_schema(function: Callable, where: str) -> None:
-    """Stops, naming where the tool came from, when get_json_schema cannot describe it to the model."""
-    from transformers.utils import get_json_schema
-
-    try:
-        get_json_schema(function)
-    except Exception as error:  # its own DocstringParsingException, TypeHintParsingException; a partial's, …
-        raise SystemExit(
-            f"{where}: the model cannot be shown {getattr(function, '__name__', function)!r}: {error}. A tool needs a "
-            "type hint on every argument and a Google-style docstring: a description, then an 'Args:' section "
-            "with one line 'name: what it is' for each argument."
-        ) from error
 
 
 def check_tool_names(tools: list[Callable]) -> None:
@@ -1333,7 +1309,6 @@ def run_tool_call(call: dict, tools: dict[str, Callable], timeout_s: float) -> t
     """Runs a call of parse_tool_calls: (the answer the model is given, failed). The answer is the
     result (as JSON, or str(), when not a string), or "error: ..." with failed=True for a malformed
     call, an unknown tool, wrong arguments, a raise or a timeout. Never raises: failures end a call."""
-
     if "error" in call:
         return f"error: {call['error']}", True
     name, arguments = call["name"], call["arguments"]
@@ -1418,8 +1393,7 @@ def training_task(args) -> Task:
             args.task, args.seed, args.num_problems, args.dataset, "train", args.data_dir, args.shots,
             args.countdown_numbers,
         )  # fmt: skip
-    task = with_reward_fn(task, args.reward_fn, args.reward_fn_timeout) if args.reward_fn else task
-    return with_tools(task, args)
+    return with_tools(with_reward_fn(task, args.reward_fn, args.reward_fn_timeout), args)
 
 
 def heldout_task(args) -> Task:
@@ -1429,8 +1403,7 @@ def heldout_task(args) -> Task:
         task.problems = task.problems[: args.eval_problems]
     else:
         task = load_heldout_task(args.task, args.eval_problems, args.data_dir, args.shots, args.countdown_numbers)
-    task = with_reward_fn(task, args.reward_fn, args.reward_fn_timeout) if args.reward_fn else task
-    return with_tools(task, args)
+    return with_tools(with_reward_fn(task, args.reward_fn, args.reward_fn_timeout), args)
 
 
 def load_heldout_task(
@@ -1575,7 +1548,6 @@ def tool_turns_due(env: ToolQueue, ended, completion_ids, rows, t: int, tool_tur
     """The rows whose turn ended at column t go to tool_turn: one that called a tool gets its answer
     queued from column t + 1 and goes on; the others (and those out of max_new_tokens) end. One host
     sync. Returns `ended` less the rows that go on. ended (n,) bool; rows (n,) their rows in completion_ids (N, ·)."""
-
     due = ended & (env.spent < max_new_tokens)  # (n,)
     if not due.any():
         return ended
