@@ -1,22 +1,12 @@
-"""Tasks: their data, their prompts and their rule-based rewards, and the tools' environment.
+"""Tasks: their data, prompts and rule-based rewards, and the tools' environment (docs/tasks.md, docs/tools.md).
 
-A task (`Task`) is a list of problems (dicts), a function turning a problem into chat messages,
-and a scorer of a completion's text, told whether it was cut at max_new_tokens. The scripts and
-evaluate.py only see `load_task`, `training_task`, `heldout_task` and `load_benchmark`, so a new
-task touches this file alone (docs/tasks.md).
-
-Tasks: countdown (reach a target with 3-4 numbers and + - * /; offline generator, or --dataset
-from the Hub), digit (toy: reward 1 when the completion starts with a digit, so its expected
-reward is Σ_{v ∈ digits} π(v | prompt), exactly), secret (toy of tool use: copy the digit its
-tool draws), gsm8k (the number in the last \\boxed{}, exactly), file (your own data and grader).
-Benchmarks (evaluate.py): countdown's held-out share, gsm8k, math500, bbh, mmlu_pro. Their
-graders give lm-eval's two grades: `strict` (the answer where the instruction asks) and `correct`
-(also where models commonly put it instead).
-
-Tools (docs/tools.md): functions a model may call in its rollout, the parser of its calls, the
-runner whose failures become the answer, and the turns' environment generate() uses (tool_turns,
-ToolQueue, tool_turns_due). Model output is untrusted input: it is parsed with `ast`, computed
-with exact fractions, and never passed to `eval`.
+A task (`Task`) is a list of problems (dicts), a function turning one into chat messages, and a scorer
+of a completion's text, told whether it was cut at max_new_tokens. The scripts and evaluate.py see
+only `training_task`, `heldout_task`, `load_task` and `load_benchmark`: a new task touches this file
+alone. Tasks: countdown, digit and secret (CPU toys; secret is learnt only by calling its tool), gsm8k,
+file (your data, a grader or --reward_fn). Benchmarks: countdown's held-out share, gsm8k, math500, bbh,
+mmlu_pro, graded strict and flexibly as lm-eval does. Tools: their parser and runner, and the turns'
+environment generate() uses. Model output is untrusted input: parsed with `ast`, never `eval`ed.
 """
 
 import ast
@@ -122,8 +112,7 @@ class Task:
 
 
 # ----------------------------------------------------------------------------------------
-# Countdown: data
-
+# Countdown: data, prompt and verifier
 
 # Exact arithmetic, the generator's and the verifier's: an operator's AST node -> its operation on fractions
 OPERATIONS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
@@ -159,9 +148,8 @@ COUNTDOWN_MAX_NUMBER, COUNTDOWN_MAX_TARGET = 99, 100  # numbers in [1, 99], targ
 
 
 def generate_countdown(n: int, seed: int, min_numbers: int = 3, max_numbers: int = 4, heldout: bool = False):
-    """n solvable problems {"nums", "target", "solution"}, reproducible from seed: numbers drawn, then
-    a random expression over all of them whose value is a whole target in range is the witness (the
-    solution; intermediate values may be fractions). heldout: drawn from the held-out share, not outside it."""
+    """n solvable problems {"nums", "target", "solution"} from seed: numbers drawn, then a random
+    expression over them whose value is a whole target in range (the witness). heldout: from the held-out share."""
     rng = random.Random(seed)
     problems = []
     while len(problems) < n:
@@ -190,9 +178,6 @@ def countdown_sizes(text: str) -> tuple[int, int]:
     return low, high
 
 
-# ----------------------------------------------------------------------------------------
-# Countdown: prompt and verifier
-
 COUNTDOWN_SYSTEM = "You are a careful assistant. First reason about the problem step by step, then give the answer."
 COUNTDOWN_USER = (
     "Reach the target {target} with the numbers {nums}. Combine them with +, -, * and / "
@@ -208,9 +193,8 @@ def countdown_messages(problem: dict) -> list[dict]:
 
 
 def extract_answer(completion: str) -> str | None:
-    """The text inside <answer> … </answer> when the completion is exactly `<think> … </think>
-    <answer> … </answer>` up to surrounding whitespace, else None. Strict on purpose: looser rules
-    (the last <answer> anywhere) are what format hacking exploits. Linear time, no regex."""
+    """The text inside <answer> … </answer> when the completion is exactly `<think> … </think> <answer>
+    … </answer>` (whitespace around), else None: looser rules are what format hacking exploits."""
     text = completion.strip()
     for tag in ("<think>", "</think>", "<answer>", "</answer>"):
         if text.count(tag) != 1:
@@ -225,8 +209,7 @@ def extract_answer(completion: str) -> str | None:
 
 
 def read_expression(expression: str) -> tuple[ast.AST, list[int]]:
-    """An expression over whole numbers with + - * / and parentheses: (syntax tree, literals), or a
-    ValueError saying what is wrong (the calculator tool hands it back to the model)."""
+    """Whole numbers, + - * / and parentheses: (tree, literals), or a ValueError saying what is wrong."""
     if not expression:
         raise ValueError("the expression is empty")
     if len(expression) > MAX_EXPRESSION_CHARS:
@@ -273,10 +256,8 @@ def evaluate_expression(tree: ast.AST) -> Fraction:
 
 
 def countdown_score(completion: str, problem: dict, truncated: bool = False) -> Score:
-    """1.0 correct, 0.1 well-formed but wrong, 0.0 otherwise. Well-formed: the strict tag format
-    and an allowed expression; correct: its literals are the given numbers (a multiset) and its exact
-    value the target (division by zero is wrong). `truncated` needs no check: a completion cut before
-    its closing `</answer>` already scores 0."""
+    """1.0 correct, 0.1 well-formed (the tags, an allowed expression) but wrong, else 0.0. Correct: the
+    given numbers (a multiset), the target exactly. A completion cut before `</answer>` already scores 0."""
     answer = extract_answer(completion)
     try:
         tree, literals = read_expression(answer or "")  # None or "": "the expression is empty"
@@ -292,10 +273,12 @@ def countdown_score(completion: str, problem: dict, truncated: bool = False) -> 
 
 
 # ----------------------------------------------------------------------------------------
-# Few-shot prompts: worked examples (user: a problem, assistant: its answer in the asked format) as
-# earlier turns, from training data only: Countdown's generator with a seed of its own, GSM8K's train split.
+# Few-shot prompts: worked examples as earlier turns, from training data only (their own seed, GSM8K's train).
+
 
 COUNTDOWN_SHOTS_SEED = 314_159_265
+NO_SHOTS = "--shots is for countdown and gsm8k; {} has no worked examples: drop --shots."
+
 CALCULATOR = re.compile(r"<<[^<>]*>>")  # GSM8K's calculator annotations: 48/2 = <<48/2=24>>24
 
 
@@ -305,8 +288,7 @@ def countdown_worked(problem: dict) -> str:
 
 
 def with_examples(messages: Callable[[dict], list[dict]], examples: list[tuple[dict, str]]):
-    """messages with the worked examples as turns before the last user message: [system,] user 1,
-    assistant 1, …, user. No examples: messages itself."""
+    """messages with the worked examples as turns before the last user message; no examples: messages."""
     if not examples:
         return messages
 
@@ -321,8 +303,7 @@ def with_examples(messages: Callable[[dict], list[dict]], examples: list[tuple[d
 
 
 def task_examples(name: str, shots: int, countdown_numbers: str = COUNTDOWN_NUMBERS, data_dir: str = ""):
-    """--shots worked examples, (problem, answer) pairs; [] for shots = 0. GSM8K's answer: its reference
-    solution, calculator annotations dropped, ending 'The answer is \\boxed{gold}.'."""
+    """--shots worked (problem, answer) pairs; GSM8K's answer: its solution, ending 'The answer is \\boxed{gold}.'."""
     if shots < 0:
         raise SystemExit(f"--shots {shots}: the number of worked examples in each prompt must be >= 0.")
     if not shots:
@@ -331,7 +312,7 @@ def task_examples(name: str, shots: int, countdown_numbers: str = COUNTDOWN_NUMB
         problems = generate_countdown(shots, COUNTDOWN_SHOTS_SEED, *countdown_sizes(countdown_numbers))
         return [(p, countdown_worked(p)) for p in problems]
     if name != "gsm8k":
-        raise SystemExit(f"--shots is for countdown and gsm8k; {name} has no worked examples: drop --shots.")
+        raise SystemExit(NO_SHOTS.format(name))
     rows = benchmark_rows(data_dir, "gsm8k/train.jsonl", "openai/gsm8k", "main", "train", {"question", "answer"})
     examples = []
     for row in rows[:shots]:
@@ -341,7 +322,8 @@ def task_examples(name: str, shots: int, countdown_numbers: str = COUNTDOWN_NUMB
 
 
 # ----------------------------------------------------------------------------------------
-# digit: the CPU toy task
+# The CPU toys. digit: a digit first. secret (tool use): a tool draws the digit to say at each call,
+# so the only way to the reward is to call it and copy its answer.
 
 DIGIT_PROMPTS = [
     "Reply with a single digit.",
@@ -356,15 +338,10 @@ def digit_messages(problem: dict) -> list[dict]:
 
 
 def digit_score(completion: str, problem: dict, truncated: bool = False) -> Score:
-    """1.0 if the completion's first character is an ASCII digit, else 0.0: the first token alone
-    decides, so the expected reward has a closed form (and truncation does not matter)."""
+    """1.0 when the first character is an ASCII digit: the first token decides, so E[reward] has a closed form."""
     hit = completion[:1] in set("0123456789")
     return Score(REWARD_CORRECT if hit else REWARD_NONE, correct=hit, formatted=hit)
 
-
-# ----------------------------------------------------------------------------------------
-# secret: the CPU toy task of tool use. A tool draws the digit to say at each call: the only way to
-# the reward is to call the tool and copy its answer.
 
 SECRET_PROMPTS = [
     "What is the secret digit? Call the tool, then reply with the digit alone.",
@@ -386,11 +363,8 @@ def secret_digit() -> str:
 
 
 def secret_score(completion: str, problem: dict, truncated: bool = False) -> Score:
-    """1.0 when the first digit written after the last tool answer is that answer's digit; 0.1 for a
-    call and another digit; 0.0 without a call or a digit after its answer (formatted: a call and a
-    digit). The completion is the decoded rollout, the answers as a Qwen-shaped template writes them
-    (<tool_response>…</tool_response>). A call alone earns nothing: a model paid for calling settles on
-    calling and stopping (docs/tools.md). Truncation is ignored, as in digit_score."""
+    """1.0 when the first digit after the last tool answer (Qwen's <tool_response>…</tool_response>) is its
+    digit, 0.1 for a call and another digit, 0.0 without both; a call alone earns nothing (docs/tools.md)."""
     close = completion.rfind(TOOL_RESPONSE_CLOSE)
     start = completion.rfind(TOOL_RESPONSE_OPEN, 0, close) if close >= 0 else -1
     if start < 0:
@@ -489,8 +463,7 @@ def load_gsm8k(split: str, data_dir: str = "") -> list[dict]:
 
 
 def gsm8k_gold(solution: str) -> str | None:
-    """The gold answer of a GSM8K reference solution: the text after its last '####', without
-    thousands separators ('#### 1,200' -> '1200'); None when there is no '####'."""
+    """The text after a GSM8K solution's last '####', thousands separators dropped; None without one."""
     if "####" not in solution:
         return None
     return solution.rsplit("####", 1)[1].strip().replace(",", "")
@@ -503,8 +476,7 @@ def load_math500(data_dir: str = "") -> list[dict]:
 
 
 def load_bbh(data_dir: str = "") -> list[dict]:
-    """The 27 BIG-Bench-Hard tasks in BBH_SUBSETS order, from SaylorTwift/bbh (a config per task, split
-    test; lukaemon/bbh no longer loads with datasets >= 4): subset = the task."""
+    """The 27 BIG-Bench-Hard tasks from SaylorTwift/bbh (lukaemon/bbh no longer loads): subset = the task."""
     problems = []
     for subset in BBH_SUBSETS:
         rows = benchmark_rows(data_dir, f"bbh/{subset}.json", "SaylorTwift/bbh", subset, "test", {"input", "target"})
@@ -513,8 +485,7 @@ def load_bbh(data_dir: str = "") -> list[dict]:
 
 
 def load_mmlu_pro(data_dir: str = "") -> list[dict]:
-    """TIGER-Lab/MMLU-Pro (test): {"question", "options" (up to 10, A-J), "gold", "subset" (the
-    category)}; the "N/A" options some copies pad with are dropped. Offline: 700 rows of it."""
+    """TIGER-Lab/MMLU-Pro (test): {"question", "options" (A-J; "N/A" padding dropped), "gold", "subset"}."""
     columns = {"question", "options", "answer", "category"}
     rows = benchmark_rows(data_dir, "mmlu_pro/sample.jsonl", "TIGER-Lab/MMLU-Pro", None, "test", columns)
     problems = []
@@ -535,10 +506,7 @@ def load_mmlu_pro(data_dir: str = "") -> list[dict]:
     return problems
 
 
-# ----------------------------------------------------------------------------------------
-# Benchmarks: prompts. Zero-shot chain of thought; an instruction says where the final answer goes,
-# and the extractor below reads it from there first.
-
+# Prompts: zero-shot chain of thought, an instruction saying where the final answer goes.
 BOXED_NUMBER_INSTRUCTION = "Solve the problem step by step. Then write the final answer, a number only, in \\boxed{}."
 BOXED_MATH_INSTRUCTION = "Solve the problem step by step. Then write the final answer, in simplest form, in \\boxed{}."
 BBH_INSTRUCTION = (
@@ -567,7 +535,7 @@ def mmlu_pro_messages(problem: dict) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------------------
-# Benchmarks: answer extraction: where the instruction says first, then where models commonly put it.
+# Benchmarks: answer extraction, where the instruction says first, then where models commonly put it.
 # Linear-time scans and regexes without nested quantifiers: completions are untrusted input.
 
 MAX_NUMBER_CHARS = 40  # longer digit strings are no answer (and int() refuses > 4300 digits)
@@ -623,9 +591,8 @@ def extract_boxed_number(text: str) -> str | None:
 
 
 def extract_gsm8k_answer(text: str) -> str | None:
-    """The final number of a GSM8K solution: the last number in the last \\boxed{} (as instructed);
-    else, on the line of the last 'answer is', the number after its last '=' ('3 × 6 = 18'), or its
-    first number; else the last number of the text ('#### 18', 'A: 18')."""
+    """The last number in the last \\boxed{}; else on the last 'answer is' line, the number after its
+    last '=', or its first; else the last number of the text ('#### 18')."""
     if (number := extract_boxed_number(text)) is not None:
         return number
     matches = list(ANSWER_IS.finditer(text))
@@ -671,10 +638,8 @@ def extract_bbh_answer(text: str) -> str | None:
 
 
 def bbh_correct(answer: str | None, gold: str) -> bool:
-    """A choice gold '(C)': the answer starts with the label ('(C) Ulysses', 'C.') and names no other
-    (a hedge '(A) or (B)' is wrong). A number gold: the answer's last number, LaTeX '\\(' '$' and the
-    Unicode minus dropped. A yes/no gold: the answer's first word. Else the whole answer, ignoring
-    case and runs of spaces."""
+    """A choice gold '(C)': the answer's leading label, no other named (a hedge is wrong); a number gold:
+    the answer's last number (LaTeX dropped); yes/no: its first word; else the whole text, case and spaces aside."""
     if answer is None:
         return False
     choice = BBH_CHOICE.fullmatch(gold.strip())
@@ -701,9 +666,8 @@ def extract_choice_letter(text: str) -> str | None:
 
 
 # ----------------------------------------------------------------------------------------
-# Benchmarks: graders. Two grades, blind to truncation: `strict`, the answer where the instruction
-# asks (lm-eval's strict-match), and `correct`, which also reads the fallbacks (flexible-extract);
-# strict implies correct. `reward` (graded): 1.0 strict, 0.1 formatted but wrong, else 0, and 0 when truncated.
+# Benchmarks: graders. `strict`: the answer where the instruction asks (lm-eval's strict-match); `correct`:
+# the fallbacks too (flexible-extract). `reward` (graded): 1.0 strict, 0.1 formatted, else 0; 0 when truncated.
 
 MATH_VERIFY_TIMEOUT_S = 5  # seconds math-verify may spend on one parse or one comparison
 
@@ -717,9 +681,8 @@ def graded(correct: bool, strict: bool, formatted: bool, extracted: str | None, 
 
 
 def gsm8k_reward(completion: str, problem: dict, truncated: bool = False) -> Score:
-    """GSM8K's training reward: 1.0 when the last number in the last \\boxed{} equals the gold, 0.1 when
-    it does not, 0 without one or when truncated (correct, strict, formatted too). Not the evaluation's
-    fallbacks: they credit rambling to the token cap (docs/tasks.md)."""
+    """GSM8K's training reward: 1.0 when the boxed number is the gold, 0.1 when not, 0 without one or
+    when truncated. Not the fallbacks: they credit rambling to the token cap (docs/tasks.md)."""
     boxed = extract_boxed_number(completion)
     formatted = boxed is not None and not truncated
     correct = formatted and numbers_equal(boxed, problem["gold"])
@@ -727,8 +690,7 @@ def gsm8k_reward(completion: str, problem: dict, truncated: bool = False) -> Sco
 
 
 def gsm8k_score(completion: str, problem: dict, truncated: bool = False) -> Score:
-    """GSM8K's evaluation grade. strict: the boxed number is the gold; correct: extract_gsm8k_answer's
-    is. The reward is gsm8k_reward's, so eval/reward is the training reward on held-out problems."""
+    """GSM8K's grade. strict: the boxed number is the gold; correct: extract_gsm8k_answer's; gsm8k_reward's reward."""
     answer = extract_gsm8k_answer(completion)
     boxed = extract_boxed_number(completion)
     correct, strict = numbers_equal(answer, problem["gold"]), numbers_equal(boxed, problem["gold"])
@@ -738,9 +700,8 @@ def gsm8k_score(completion: str, problem: dict, truncated: bool = False) -> Scor
 def math500_score(
     completion: str, problem: dict, truncated: bool = False, *, timeout_s: int = MATH_VERIFY_TIMEOUT_S
 ) -> Score:
-    """Equivalence by HF's math-verify (\\frac12 = 0.5; intervals, sets, matrices) of \\boxed{gold} and
-    the completion's last \\boxed{} (two boxes would read as a set), else the whole completion (correct,
-    not strict). Its SIGALRM bounds each step to timeout_s: call it from the main thread."""
+    """math-verify's equivalence of \\boxed{gold} and the last \\boxed{} (else the whole completion: not
+    strict). Its SIGALRM bounds each step to timeout_s: call it from the main thread."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
     config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
@@ -756,8 +717,7 @@ def math500_score(
 
 
 def bbh_score(completion: str, problem: dict, truncated: bool = False) -> Score:
-    """strict: the answer after the last "answer is" is right; correct also reads a \\boxed{} without
-    the phrase (extract_bbh_answer, bbh_correct). Formatted: the phrase with an answer after it."""
+    """strict: the answer after the last "answer is"; correct also reads a lone \\boxed{} (extract_bbh_answer)."""
     answer = extract_bbh_answer(completion)
     phrase = ANSWER_IS.search(completion) is not None  # then extract_bbh_answer read after it
     correct = bbh_correct(answer, problem["gold"])
@@ -765,8 +725,7 @@ def bbh_score(completion: str, problem: dict, truncated: bool = False) -> Score:
 
 
 def mmlu_pro_score(completion: str, problem: dict, truncated: bool = False) -> Score:
-    """strict: the letter of the last "answer is (X)" is the gold; correct also reads "Answer: X", then
-    \\boxed{X} (extract_choice_letter). Formatted: an "answer is (X)" letter is there."""
+    """strict: the letter of the last "answer is (X)"; correct: extract_choice_letter's (its fallbacks too)."""
     letter = extract_choice_letter(completion)
     phrase_letters = ANSWER_IS_LETTER.findall(completion)
     strict_letter = phrase_letters[-1] if phrase_letters else None  # = letter when not None
@@ -781,8 +740,7 @@ def load_benchmark(
     shots: int = 0,
     countdown_numbers: str = COUNTDOWN_NUMBERS,
 ) -> Task:
-    """A benchmark's problems (each with "gold" and "subset"), prompt and grader; shots and
-    countdown_numbers as load_task's."""
+    """A benchmark's problems ("gold", "subset"), prompt and grader; shots, countdown_numbers as load_task's."""
     if name == "countdown":
         sizes = countdown_sizes(countdown_numbers)
         problems = [
@@ -795,7 +753,7 @@ def load_benchmark(
         messages = with_examples(gsm8k_messages, task_examples(name, shots, data_dir=data_dir))
         return Task(name, load_gsm8k("test", data_dir), messages, gsm8k_score)
     if shots:
-        raise SystemExit(f"--shots is for countdown and gsm8k; {name} has no worked examples: drop --shots.")
+        raise SystemExit(NO_SHOTS.format(name))
     if name == "digit":  # its own prompts (nothing is held out): smoke runs, the tiny study
         problems = [{**p, "gold": "a digit", "subset": ""} for p in load_task(name).problems[:countdown_problems]]
         return Task(name, problems, digit_messages, digit_score)
@@ -844,8 +802,7 @@ class FileTaskSpec:
 
 
 def read_rows(source: str, split: str) -> list[dict]:
-    """The rows of a local data file (JSON lines, a JSON list or {split: list}, CSV, Parquet), or of a
-    Hub dataset's split (owner/name[:config]). Stops on a missing file, an unknown format or no rows."""
+    """The rows of a .jsonl/.json/.csv/.parquet file, or of a Hub dataset's split (owner/name[:config])."""
     path = Path(source)
     if path.suffix in FILE_FORMATS or path.exists():
         if not path.is_file():
@@ -899,8 +856,7 @@ def json_value(text: str, where: str):
 
 
 def file_problem(row: dict, spec: FileTaskSpec, where: str) -> dict:
-    """A row's columns with "gold" (the answer as text) and, for the countdown grader, "nums" and
-    "target" as numbers. ValueError: the grader cannot read the answer."""
+    """A row with "gold" (text) and, for the countdown grader, numbers; ValueError: the grader cannot read it."""
     if spec.grader == "countdown":  # the answer is an equation: no answer column, the target says it
         numbers = row["nums"] if not isinstance(row["nums"], str) else json.loads(row["nums"])
         target = int(row["target"])
@@ -920,23 +876,20 @@ def file_problems(spec: FileTaskSpec, source: str, split: str) -> list[dict]:
     """Every row of `source` as a problem; stops on a missing column or answers the grader cannot read."""
     rows = read_rows(source, split)
     needed = {"nums", "target"} if spec.grader == "countdown" else {spec.prompt_key, spec.answer_key}
+    problems, unreadable = [], []  # a missing column or prompt stops at once; unreadable answers are counted
     for number, row in enumerate(rows, start=1):
         missing = needed - set(row)
         if missing:
             flags = "" if spec.grader == "countdown" else " (--prompt_key, --answer_key)"
             at = f", row {number}" if number > 1 else ""
             raise SystemExit(f"{source}{at}: no column {sorted(missing)}{flags}; its columns are {sorted(row)}.")
-        if spec.prompt_key not in row:  # the countdown grader's rows may have none: Countdown's prompt then
-            continue
-        prompt = row[spec.prompt_key]
+        prompt = row.get(spec.prompt_key, "Countdown's")  # the countdown grader's rows may have none
         chat = isinstance(prompt, list) and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt)
         if not (isinstance(prompt, str) and prompt.strip() or chat and prompt):
             raise SystemExit(
                 f"{source}, row {number}: the prompt ({spec.prompt_key!r}) is {prompt!r}: give text, or a chat as a "
                 'list of {"role": ..., "content": ...} messages.'
             )
-    problems, unreadable = [], []
-    for number, row in enumerate(rows, start=1):
         try:
             problems.append(file_problem(row, spec, f"row {number}"))
         except (KeyError, ValueError, TypeError) as error:
@@ -957,8 +910,7 @@ def file_prompt_text(problem: dict, spec: FileTaskSpec) -> str:
 
 
 def file_messages(spec: FileTaskSpec) -> Callable[[dict], list[dict]]:
-    """problem -> chat: the row's own chat as it is; else [system,] the prompt and the instruction;
-    Countdown's prompt for the countdown grader on rows without a prompt column."""
+    """problem -> chat: a row's own chat; else [system,] prompt and instruction; Countdown's without a prompt."""
     instruction = GRADER_INSTRUCTIONS[spec.grader] if spec.instruction == "auto" else spec.instruction
 
     def messages(problem: dict) -> list[dict]:
@@ -975,8 +927,8 @@ def file_messages(spec: FileTaskSpec) -> Callable[[dict], list[dict]]:
 
 
 def exact_score(completion: str, problem: dict, truncated: bool = False) -> Score:
-    """The last \\boxed{} (strict, formatted), else the first line after the last "answer is", else the
-    last line, equals the gold once both are normalised (case, spaces, punctuation around, $…$)."""
+    """The last \\boxed{} (strict), else the first line after "answer is", else the last line, equals the
+    gold, both normalised (case, spaces, punctuation around, $…$)."""
     boxed = extract_boxed(completion)
     flexible = boxed
     if boxed is None:
@@ -1004,9 +956,8 @@ FILE_GRADERS: dict[str, Callable[[str, dict, bool], Score]] = {
 
 
 def load_file_task(spec: FileTaskSpec, split: str, shots: int = 0) -> Task:
-    """--task file: the training rows (split "train"), or the held-out ones ("heldout"): --eval_data_file's,
-    else the hash share of --data_file's. shots: the first training rows as worked examples, left out of
-    training. Stops before any model loads on what cannot work (held-out rows among the training rows too)."""
+    """--task file's training rows ("train") or held-out ones ("heldout": --eval_data_file's, else the hash
+    share), the first `shots` training rows as worked examples. Stops before any model loads."""
     if spec.grader not in GRADERS:
         raise SystemExit(f"--grader {spec.grader!r} is not one of: {', '.join(GRADERS)}.")
     if split == "heldout" and spec.eval_data_file and not spec.data_file:  # evaluate.py on a file of its own
@@ -1044,13 +995,8 @@ def load_file_task(spec: FileTaskSpec, split: str, shots: int = 0) -> Task:
     return Task("file", problems, with_examples(file_messages(spec), worked), FILE_GRADERS[spec.grader])
 
 
-# ----------------------------------------------------------------------------------------
-# A reward function of your own (--reward_fn module:function or path/to/file.py:function)
-
-
 def import_function(path: str, flag: str) -> Callable:
-    """The function a flag (--reward_fn, --tool) names as module:function or path/to/file.py:function;
-    stops with a message naming the flag when it cannot."""
+    """The function module:function or path/to/file.py:function names; else a stop naming the flag."""
     module_name, _, function_name = path.rpartition(":")
     if not module_name or not function_name:
         raise SystemExit(f"{flag} {path!r}: write module:function or path/to/file.py:function.")
@@ -1087,8 +1033,7 @@ def import_reward_fn(path: str) -> Callable:
 
 
 class RewardTimeout(BaseException):
-    """A reward function or tool ran past its time limit: a BaseException, so that user code catching
-    Exception around its slow part cannot swallow it."""
+    """Past a time limit: a BaseException, so user code catching Exception cannot swallow it."""
 
 
 def call_with_time_limit(function: Callable, seconds: float, *args):
@@ -1109,9 +1054,8 @@ def call_with_time_limit(function: Callable, seconds: float, *args):
 
 
 def with_reward_fn(task: Task, path: str, timeout_s: float) -> Task:
-    """The task with its reward from --reward_fn (the task itself for ''): function(completion, problem,
-    truncated) returns a number, or (number, formatted); correct: at least REWARD_CORRECT. A call that
-    raises, runs past timeout_s, or returns NaN or no number scores REWARD_NONE, failed=True."""
+    """The task scored by --reward_fn (as it is for ''): a number, or (number, formatted); correct: >=
+    REWARD_CORRECT. A call that raises, times out or returns no number scores REWARD_NONE, failed=True."""
     if not path:
         return task
     function = import_reward_fn(path)
@@ -1141,10 +1085,8 @@ def with_reward_fn(task: Task, path: str, timeout_s: float) -> Task:
 
 
 # ----------------------------------------------------------------------------------------
-# Tools: functions the model may call in its rollout. It writes a call in its chat template's format;
-# the sampler reads it (parse_tool_calls), runs it (run_tool_call) and appends the answer as the
-# template writes a tool message (tool_turn_text). A tool is a Python function with type hints and a
-# Google-style docstring, which get_json_schema turns into what the template shows the model.
+# Tools: Python functions with type hints and a Google-style docstring (get_json_schema shows them to the
+# model). A call is parsed (parse_tool_calls), run (run_tool_call), its answer rendered (tool_turn_text).
 
 DECIMAL_PLACES = 6  # the calculator's decimal form of a fraction that is not whole
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"  # Hermes' format: Qwen2.5, Qwen3
@@ -1185,9 +1127,8 @@ BUILTIN_TOOLS = {"calculator": calculator}  # what --tools may name
 
 
 def load_tools(builtin: str, user: str) -> list[Callable]:
-    """The tools --tools (comma-separated BUILTIN_TOOLS) and --tool (comma-separated import paths)
-    name, in that order. Stops on an unknown name, a function the template cannot describe, or two
-    tools of one name."""
+    """The tools --tools (BUILTIN_TOOLS) and --tool (import paths) name, checked to be describable and
+    named apart."""
     from transformers.utils import get_json_schema
 
     tools = []
@@ -1236,13 +1177,24 @@ def with_tools(task: Task, args) -> Task:
 
 
 def parse_tool_calls(text: str, whole_turn_json: bool = True) -> list[dict]:
-    """The tool calls in one assistant turn's text as the model wrote it (special tokens kept):
-    [{"name", "arguments": dict}, ...], or [] for none. Hermes (Qwen2.5, Qwen3): a JSON object in each
-    <tool_call> block. Llama 3.x (whole_turn_json, tool_call_format): the whole turn, after an optional
-    <|python_tag|>, one JSON object with "name" and "parameters". A call that cannot be read is
-    {"error": what was wrong}, which the model gets as the answer. Linear time: the text is untrusted."""
-    if TOOL_CALL_OPEN not in text:
-        return llama_tool_call(text) if whole_turn_json else []
+    """A turn's calls as written (special tokens kept): [{"name", "arguments"}], [] for none. Hermes: JSON
+    in <tool_call> blocks; Llama 3.x (whole_turn_json): the turn is one JSON object with "name" and "parameters".
+    An unreadable call is {"error": why}, which the model gets as the answer. Linear time: untrusted text."""
+    if TOOL_CALL_OPEN not in text and not whole_turn_json:
+        return []
+    if TOOL_CALL_OPEN not in text:  # Llama's: the turn, its end (<|eot_id|>, <|eom_id|>) dropped
+        body = text.strip()
+        while (start := body.rfind("<|")) >= 0 and SPECIAL_TOKEN.fullmatch(body, start):
+            body = body[:start].rstrip()
+        if body.startswith(PYTHON_TAG):
+            return [tool_call_from_json(body[len(PYTHON_TAG) :])]
+        if not (body.startswith("{") and body.endswith("}")):
+            return []
+        try:
+            value = json.loads(body)
+        except (ValueError, RecursionError):  # braces around text that is no JSON: an answer, not a call
+            return []
+        return [tool_call_from_value(value)] if isinstance(value, dict) and "name" in value else []
     calls, position = [], 0
     while (start := text.find(TOOL_CALL_OPEN, position)) >= 0:
         start += len(TOOL_CALL_OPEN)
@@ -1258,22 +1210,6 @@ def parse_tool_calls(text: str, whole_turn_json: bool = True) -> list[dict]:
 def tool_call_format(tokenizer) -> bool:
     """parse_tool_calls' whole_turn_json: False for a template writing <tool_call> blocks, else True."""
     return TOOL_CALL_OPEN not in (tokenizer.chat_template or "")
-
-
-def llama_tool_call(text: str) -> list[dict]:
-    """Llama 3.x's call (parse_tool_calls): [the call] or []."""
-    body = text.strip()
-    while (start := body.rfind("<|")) >= 0 and SPECIAL_TOKEN.fullmatch(body, start):
-        body = body[:start].rstrip()  # the end of the turn (<|eot_id|>, <|eom_id|>) is no part of the call
-    if body.startswith(PYTHON_TAG):
-        return [tool_call_from_json(body[len(PYTHON_TAG) :])]
-    if not (body.startswith("{") and body.endswith("}")):
-        return []
-    try:
-        value = json.loads(body)
-    except (ValueError, RecursionError):  # braces around text that is no JSON: an answer, not a call
-        return []
-    return [tool_call_from_value(value)] if isinstance(value, dict) and "name" in value else []
 
 
 def tool_call_from_json(text: str) -> dict:
@@ -1306,9 +1242,8 @@ def tool_call_from_value(value) -> dict:
 
 
 def run_tool_call(call: dict, tools: dict[str, Callable], timeout_s: float) -> tuple[str, bool]:
-    """Runs a call of parse_tool_calls: (the answer the model is given, failed). The answer is the
-    result (as JSON, or str(), when not a string), or "error: ..." with failed=True for a malformed
-    call, an unknown tool, wrong arguments, a raise or a timeout. Never raises: failures end a call."""
+    """Runs a call: (the answer, failed). The result (JSON or str() if not a string), or "error: ..." for a
+    malformed call, an unknown tool, wrong arguments, a raise or a timeout. Never raises."""
     if "error" in call:
         return f"error: {call['error']}", True
     name, arguments = call["name"], call["arguments"]
@@ -1351,8 +1286,7 @@ def load_task(
     shots: int = 0,
     countdown_numbers: str = COUNTDOWN_NUMBERS,
 ) -> Task:
-    """A task's problems, prompt and training reward. Countdown: the generator with `seed`, or the Hub's
-    `dataset`; gsm8k: the Hub, or data_dir. shots: worked examples in each prompt (task_examples)."""
+    """A task's problems, prompt and training reward (Countdown: the generator with `seed`, or `dataset`)."""
     if dataset and name != "countdown":
         raise SystemExit(f"--dataset is for --task countdown; --task {name} has its own data.")
     if data_dir and name != "gsm8k":
@@ -1409,8 +1343,7 @@ def heldout_task(args) -> Task:
 def load_heldout_task(
     name: str, num_problems: int, data_dir: str = "", shots: int = 0, countdown_numbers: str = COUNTDOWN_NUMBERS
 ) -> Task:
-    """Problems no training step sees (--eval_every): the first num_problems of the benchmark of the
-    same name, graded as evaluate.py does; the toys' own prompts. Same shots and size as in training."""
+    """Problems no training step sees: the first num_problems of the same benchmark; the toys' own."""
     if name in ("digit", "secret"):
         task = load_task(name)
     else:
@@ -1428,20 +1361,15 @@ TOOL_TURN_MARK = "nanoPO: the assistant's turn"  # marks where that turn ends in
 
 def plain_prompt_advice(tokenizer) -> str:
     """How a message on tools with plain prompts ends: drop --prompt_format plain, or use a chat model."""
+    chat_model = "use a chat model (tiny-tools among the tiny ones)."
     if tokenizer.chat_template is not None:
-        return (
-            "these prompts are plain text: drop --prompt_format plain, or use a chat model "
-            "(tiny-tools among the tiny ones)."
-        )
-    return "this model has none, so its prompts are plain text: use a chat model (tiny-tools among the tiny ones)."
+        return f"these prompts are plain text: drop --prompt_format plain, or {chat_model}"
+    return f"this model has none, so its prompts are plain text: {chat_model}"
 
 
 def tool_turn_text(tokenizer, answers: list[tuple[str, str]]) -> str:
-    """What the chat template writes after an assistant turn that called tools, from its end-of-turn
-    token (tokenizer.eos_token) to where the assistant writes again: the tool messages of `answers`
-    ((tool name, text) pairs) and the next assistant header. Read off the template itself: [user,
-    assistant, tools] rendered with the generation prompt, the text after the assistant's EOS
-    (Qwen3's template rewrites earlier turns then; the model's tokens stay as they are)."""
+    """What the chat template writes after an assistant turn that called tools, from its EOS to the next
+    assistant header, the tool messages of `answers` ((name, text) pairs) between: read off the template."""
     if getattr(tokenizer, "plain_prompt", False) or tokenizer.chat_template is None:
         raise SystemExit(
             "Tools need a chat template, to give the model the tools' answers, and " + plain_prompt_advice(tokenizer)
@@ -1469,8 +1397,7 @@ def tool_turn_text(tokenizer, answers: list[tuple[str, str]]) -> str:
 
 
 def check_tool_turns(tokenizer) -> None:
-    """Stops where the chat template has no tool role or drops its answer (checked on a plain answer:
-    a template may escape others, as Llama 3.1's tojson does)."""
+    """Stops where the chat template has no tool role or drops the answer (a plain one: others may be escaped)."""
     probe = "4242"
     if probe not in tool_turn_text(tokenizer, [("probe", probe)]):
         raise SystemExit(
@@ -1488,9 +1415,8 @@ def too_few_tool_tokens(max_tokens: int, around: int) -> str:
 
 
 def tool_turns(tokenizer, tools: list, num_rows: int, max_turns: int, max_tool_tokens: int, timeout_s: float):
-    """generate's tool_turn: (row, a turn's ids) -> its calls run and the answers' ids as the template
-    renders them, cut to max_tool_tokens; None (the completion ends) for no call or after max_turns.
-    Returns (tool_turn, counts): counts (n, 3) each row's calls, failed calls and answered turns."""
+    """generate's tool_turn: (row, a turn's ids) -> its calls' answers as ids (cut to max_tool_tokens), or
+    None to end. Also returns counts (n, 3): each row's calls, failed calls and answered turns."""
     by_name = {tool.__name__: tool for tool in tools}
     counts = torch.zeros(num_rows, 3, dtype=torch.long)  # calls, failed calls, turns answered
     check_tool_turns(tokenizer)  # stops now where the template cannot give the model an answer…
@@ -1545,9 +1471,8 @@ class ToolQueue:
 
 
 def tool_turns_due(env: ToolQueue, ended, completion_ids, rows, t: int, tool_turn, max_new_tokens: int):
-    """The rows whose turn ended at column t go to tool_turn: one that called a tool gets its answer
-    queued from column t + 1 and goes on; the others (and those out of max_new_tokens) end. One host
-    sync. Returns `ended` less the rows that go on. ended (n,) bool; rows (n,) their rows in completion_ids (N, ·)."""
+    """Rows whose turn ended at column t go to tool_turn: with a call, its answer is queued from t + 1 and
+    the row goes on. One host sync. Returns `ended` less those rows; ended (n,), rows (n,) into (N, ·)."""
     due = ended & (env.spent < max_new_tokens)  # (n,)
     if not due.any():
         return ended
