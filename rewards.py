@@ -13,7 +13,6 @@ import ast
 import csv
 import functools
 import hashlib
-import importlib
 import importlib.util
 import inspect
 import io
@@ -117,6 +116,9 @@ class Task:
 # Exact arithmetic, the generator's and the verifier's: an operator's AST node -> its operation on fractions
 OPERATIONS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 OPERATORS = dict(zip("+-*/", OPERATIONS))  # written -> node
+COUNTDOWN_NUMBERS = "3-4"  # the seed study's problems: 3 or 4 numbers
+COUNTDOWN_MAX_NUMBERS = 6
+COUNTDOWN_MAX_NUMBER, COUNTDOWN_MAX_TARGET = 99, 100  # numbers in [1, 99], targets in [1, 100]
 
 
 def random_expression(numbers: list[int], rng: random.Random) -> tuple[str, Fraction] | None:
@@ -144,9 +146,6 @@ def is_heldout_countdown(numbers: list[int], target: int) -> bool:
     return is_heldout(f"{sorted(numbers)} {target}")
 
 
-COUNTDOWN_MAX_NUMBER, COUNTDOWN_MAX_TARGET = 99, 100  # numbers in [1, 99], targets in [1, 100]
-
-
 def generate_countdown(n: int, seed: int, min_numbers: int = 3, max_numbers: int = 4, heldout: bool = False):
     """n solvable problems {"nums", "target", "solution"} from seed: numbers drawn, then a random
     expression over them whose value is a whole target in range (the witness). heldout: from the held-out share."""
@@ -160,10 +159,6 @@ def generate_countdown(n: int, seed: int, min_numbers: int = 3, max_numbers: int
         if is_heldout_countdown(numbers, int(value)) == heldout:
             problems.append({"nums": numbers, "target": int(value), "solution": solution})
     return problems
-
-
-COUNTDOWN_NUMBERS = "3-4"  # the seed study's problems: 3 or 4 numbers
-COUNTDOWN_MAX_NUMBERS = 6
 
 
 def countdown_sizes(text: str) -> tuple[int, int]:
@@ -199,8 +194,7 @@ def extract_answer(completion: str) -> str | None:
     for tag in ("<think>", "</think>", "<answer>", "</answer>"):
         if text.count(tag) != 1:
             return None
-    think_end = text.index("</think>")
-    answer_start = text.index("<answer>")
+    think_end, answer_start = text.index("</think>"), text.index("<answer>")
     if not (text.startswith("<think>") and text.endswith("</answer>") and think_end < answer_start):
         return None
     if text[think_end + len("</think>") : answer_start].strip():
@@ -214,8 +208,7 @@ def read_expression(expression: str) -> tuple[ast.AST, list[int]]:
         raise ValueError("the expression is empty")
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise ValueError(f"the expression is longer than {MAX_EXPRESSION_CHARS} characters")
-    # also rejects '.', names, unicode digits, '_'; '**' is caught below
-    others = "".join(sorted(set(expression) - ALLOWED_CHARS))
+    others = "".join(sorted(set(expression) - ALLOWED_CHARS))  # '.', names, unicode digits, '_'; '**' below
     if others:
         raise ValueError(f"only digits, + - * /, parentheses and spaces may be written, not: {' '.join(others)}")
     try:
@@ -228,8 +221,7 @@ def read_expression(expression: str) -> tuple[ast.AST, list[int]]:
         if depth > MAX_EXPRESSION_DEPTH:
             raise ValueError(f"more than {MAX_EXPRESSION_DEPTH} operations nested in one another")
         if isinstance(node, ast.Constant):
-            # bool is a subclass of int; the charset already excludes True/False, but be explicit
-            if type(node.value) is not int:
+            if type(node.value) is not int:  # not a bool (a subclass of int): the charset excludes them anyway
                 raise ValueError("only whole numbers may be written")
             if not 0 <= node.value <= MAX_LITERAL:
                 raise ValueError(f"{node.value} is above {MAX_LITERAL}, the largest number allowed")
@@ -275,10 +267,8 @@ def countdown_score(completion: str, problem: dict, truncated: bool = False) -> 
 # ----------------------------------------------------------------------------------------
 # Few-shot prompts: worked examples as earlier turns, from training data only (their own seed, GSM8K's train).
 
-
 COUNTDOWN_SHOTS_SEED = 314_159_265
 NO_SHOTS = "--shots is for countdown and gsm8k; {} has no worked examples: drop --shots."
-
 CALCULATOR = re.compile(r"<<[^<>]*>>")  # GSM8K's calculator annotations: 48/2 = <<48/2=24>>24
 
 
@@ -384,12 +374,11 @@ def secret_score(completion: str, problem: dict, truncated: bool = False) -> Sco
 BENCHMARKS = ("countdown", "gsm8k", "math500", "bbh", "mmlu_pro")
 COUNTDOWN_EVAL_SEED = 982_451_653  # drawn from the held-out share, which no training set holds
 BBH_SUBSETS = (
-    "boolean_expressions", "causal_judgement", "date_understanding", "disambiguation_qa",
-    "dyck_languages", "formal_fallacies", "geometric_shapes", "hyperbaton",
-    "logical_deduction_five_objects", "logical_deduction_seven_objects", "logical_deduction_three_objects",
-    "movie_recommendation", "multistep_arithmetic_two", "navigate", "object_counting",
-    "penguins_in_a_table", "reasoning_about_colored_objects", "ruin_names",
-    "salient_translation_error_detection", "snarks", "sports_understanding", "temporal_sequences",
+    "boolean_expressions", "causal_judgement", "date_understanding", "disambiguation_qa", "dyck_languages",
+    "formal_fallacies", "geometric_shapes", "hyperbaton", "logical_deduction_five_objects",
+    "logical_deduction_seven_objects", "logical_deduction_three_objects", "movie_recommendation",
+    "multistep_arithmetic_two", "navigate", "object_counting", "penguins_in_a_table", "reasoning_about_colored_objects",
+    "ruin_names", "salient_translation_error_detection", "snarks", "sports_understanding", "temporal_sequences",
     "tracking_shuffled_objects_five_objects", "tracking_shuffled_objects_seven_objects",
     "tracking_shuffled_objects_three_objects", "web_of_lies", "word_sorting",
 )  # fmt: skip
@@ -464,9 +453,7 @@ def load_gsm8k(split: str, data_dir: str = "") -> list[dict]:
 
 def gsm8k_gold(solution: str) -> str | None:
     """The text after a GSM8K solution's last '####', thousands separators dropped; None without one."""
-    if "####" not in solution:
-        return None
-    return solution.rsplit("####", 1)[1].strip().replace(",", "")
+    return solution.rsplit("####", 1)[1].strip().replace(",", "") if "####" in solution else None
 
 
 def load_math500(data_dir: str = "") -> list[dict]:
@@ -494,15 +481,9 @@ def load_mmlu_pro(data_dir: str = "") -> list[dict]:
         while options and options[-1] == "N/A":
             options.pop()
         answer = row["answer"]
-        if (
-            not 0 < len(options) <= len(MMLU_PRO_LETTERS)
-            or len(answer) != 1
-            or answer not in MMLU_PRO_LETTERS[: len(options)]
-        ):
+        if len(options) > len(MMLU_PRO_LETTERS) or answer not in tuple(MMLU_PRO_LETTERS[: len(options)]):
             raise SystemExit(f"mmlu_pro row {number}: answer {answer!r} is not one of its {len(options)} options.")
-        problems.append(
-            {"question": row["question"], "options": options, "gold": row["answer"], "subset": row["category"]}
-        )
+        problems.append({"question": row["question"], "options": options, "gold": answer, "subset": row["category"]})
     return problems
 
 
@@ -673,10 +654,7 @@ MATH_VERIFY_TIMEOUT_S = 5  # seconds math-verify may spend on one parse or one c
 
 
 def graded(correct: bool, strict: bool, formatted: bool, extracted: str | None, truncated: bool) -> Score:
-    if truncated:
-        reward = REWARD_NONE
-    else:
-        reward = REWARD_CORRECT if strict else REWARD_FORMAT if formatted else REWARD_NONE
+    reward = REWARD_NONE if truncated else REWARD_CORRECT if strict else REWARD_FORMAT if formatted else REWARD_NONE
     return Score(reward, correct=correct, formatted=formatted, extracted=extracted, strict=strict)
 
 
@@ -1127,12 +1105,10 @@ BUILTIN_TOOLS = {"calculator": calculator}  # what --tools may name
 
 
 def load_tools(builtin: str, user: str) -> list[Callable]:
-    """The tools --tools (BUILTIN_TOOLS) and --tool (import paths) name, checked to be describable and
-    named apart."""
+    """The tools --tools (BUILTIN_TOOLS) and --tool (import paths) name, describable and named apart."""
     from transformers.utils import get_json_schema
 
     tools = []
-
     for name in [part.strip() for part in builtin.split(",") if part.strip()]:
         if name not in BUILTIN_TOOLS:
             raise SystemExit(
@@ -1180,10 +1156,8 @@ def parse_tool_calls(text: str, whole_turn_json: bool = True) -> list[dict]:
     """A turn's calls as written (special tokens kept): [{"name", "arguments"}], [] for none. Hermes: JSON
     in <tool_call> blocks; Llama 3.x (whole_turn_json): the turn is one JSON object with "name" and "parameters".
     An unreadable call is {"error": why}, which the model gets as the answer. Linear time: untrusted text."""
-    if TOOL_CALL_OPEN not in text and not whole_turn_json:
-        return []
-    if TOOL_CALL_OPEN not in text:  # Llama's: the turn, its end (<|eot_id|>, <|eom_id|>) dropped
-        body = text.strip()
+    if TOOL_CALL_OPEN not in text:  # Llama's, read only with whole_turn_json: the turn, its end (<|eot_id|>) dropped
+        body = text.strip() if whole_turn_json else ""
         while (start := body.rfind("<|")) >= 0 and SPECIAL_TOKEN.fullmatch(body, start):
             body = body[:start].rstrip()
         if body.startswith(PYTHON_TAG):
@@ -1215,12 +1189,11 @@ def tool_call_format(tokenizer) -> bool:
 def tool_call_from_json(text: str) -> dict:
     """One call's JSON text as {"name", "arguments"}, or {"error": what was wrong}."""
     try:
-        value = json.loads(text)
+        return tool_call_from_value(json.loads(text))
     except RecursionError:  # json.loads recurses once per bracket: '[' * 100000 exhausts the stack
         return {"error": "the call is not valid JSON: nested too deep"}
     except ValueError as error:
         return {"error": f"the call is not valid JSON ({error})"}
-    return tool_call_from_value(value)
 
 
 def tool_call_from_value(value) -> dict:
@@ -1256,19 +1229,16 @@ def run_tool_call(call: dict, tools: dict[str, Callable], timeout_s: float) -> t
         return f"error: wrong arguments for {name}: {error}", True
     try:
         result = call_with_time_limit(functools.partial(function, **arguments), timeout_s)
-        return (result if isinstance(result, str) else json_or_text(result)), False
+        if not isinstance(result, str):  # as the model reads it: JSON, else str() (a set, an object, a cycle)
+            try:
+                result = json.dumps(result, ensure_ascii=False)
+            except (TypeError, ValueError, RecursionError):
+                result = str(result)
+        return result, False
     except RewardTimeout:
         return f"error: {name} ran past its time limit of {timeout_s} s", True
     except (Exception, SystemExit) as error:  # the tool's own failure (its exit too) is its answer; the rollout goes on
         return f"error: {type(error).__name__}: {error}", True
-
-
-def json_or_text(result) -> str:
-    """A tool's result that is not a string, as the model reads it: JSON, else its str()."""
-    try:
-        return json.dumps(result, ensure_ascii=False)
-    except (TypeError, ValueError, RecursionError):  # a set, an object, a cycle: no JSON for it
-        return str(result)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1277,15 +1247,9 @@ TASKS = ("countdown", "digit", "secret", "gsm8k", "file")
 
 
 def load_task(
-    name: str,
-    seed: int = 0,
-    num_problems: int = 20000,
-    dataset: str = "",
-    split: str = "train",
-    data_dir: str = "",
-    shots: int = 0,
-    countdown_numbers: str = COUNTDOWN_NUMBERS,
-) -> Task:
+    name: str, seed: int = 0, num_problems: int = 20000, dataset: str = "", split: str = "train", data_dir: str = "",
+    shots: int = 0, countdown_numbers: str = COUNTDOWN_NUMBERS,
+) -> Task:  # fmt: skip
     """A task's problems, prompt and training reward (Countdown: the generator with `seed`, or `dataset`)."""
     if dataset and name != "countdown":
         raise SystemExit(f"--dataset is for --task countdown; --task {name} has its own data.")
@@ -1303,11 +1267,9 @@ def load_task(
             problems = generate_countdown(num_problems, seed, *countdown_sizes(countdown_numbers))
         return Task(name, problems, with_examples(countdown_messages, examples), countdown_score)
     if name == "digit":
-        problems = [{"prompt": prompt} for prompt in DIGIT_PROMPTS]
-        return Task(name, problems, digit_messages, digit_score)
+        return Task(name, [{"prompt": prompt} for prompt in DIGIT_PROMPTS], digit_messages, digit_score)
     if name == "secret":  # one user turn, as digit's; its tool is its own
-        problems = [{"prompt": prompt} for prompt in SECRET_PROMPTS]
-        return Task(name, problems, digit_messages, secret_score, tools=[secret_digit])
+        return Task(name, [{"prompt": p} for p in SECRET_PROMPTS], digit_messages, secret_score, tools=[secret_digit])
     if name == "gsm8k":  # the strict reward, not the benchmark's grade (gsm8k_reward says why)
         return Task(name, load_gsm8k(split, data_dir), with_examples(gsm8k_messages, examples), gsm8k_reward)
     if name == "file":
@@ -1344,10 +1306,8 @@ def load_heldout_task(
     name: str, num_problems: int, data_dir: str = "", shots: int = 0, countdown_numbers: str = COUNTDOWN_NUMBERS
 ) -> Task:
     """Problems no training step sees: the first num_problems of the same benchmark; the toys' own."""
-    if name in ("digit", "secret"):
-        task = load_task(name)
-    else:
-        task = load_benchmark(name, data_dir, num_problems, shots, countdown_numbers)
+    toy = name in ("digit", "secret")  # their own prompts: nothing is held out
+    task = load_task(name) if toy else load_benchmark(name, data_dir, num_problems, shots, countdown_numbers)
     task.problems = task.problems[:num_problems]
     return task
 
@@ -1374,11 +1334,8 @@ def tool_turn_text(tokenizer, answers: list[tuple[str, str]]) -> str:
         raise SystemExit(
             "Tools need a chat template, to give the model the tools' answers, and " + plain_prompt_advice(tokenizer)
         )
-    messages = [
-        {"role": "user", "content": "x"},
-        {"role": "assistant", "content": TOOL_TURN_MARK},
-        *[{"role": "tool", "name": name, "content": answer} for name, answer in answers],
-    ]
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": TOOL_TURN_MARK}]
+    messages += [{"role": "tool", "name": name, "content": answer} for name, answer in answers]
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except TemplateError as error:
@@ -1398,8 +1355,7 @@ def tool_turn_text(tokenizer, answers: list[tuple[str, str]]) -> str:
 
 def check_tool_turns(tokenizer) -> None:
     """Stops where the chat template has no tool role or drops the answer (a plain one: others may be escaped)."""
-    probe = "4242"
-    if probe not in tool_turn_text(tokenizer, [("probe", probe)]):
+    if "4242" not in tool_turn_text(tokenizer, [("probe", "4242")]):
         raise SystemExit(
             "This model's chat template drops the tool's answer (a message of role 'tool'), so the model "
             "would never see it. Use a model whose template takes tool messages."
