@@ -861,7 +861,7 @@ def file_problems(spec: FileTaskSpec, source: str, split: str) -> list[dict]:
             flags = "" if spec.grader == "countdown" else " (--prompt_key, --answer_key)"
             at = f", row {number}" if number > 1 else ""
             raise SystemExit(f"{source}{at}: no column {sorted(missing)}{flags}; its columns are {sorted(row)}.")
-        prompt = row.get(spec.prompt_key, "Countdown's")  # the countdown grader's rows may have none
+        prompt = row.get(spec.prompt_key, "Countdown's own")  # the countdown grader's rows may have none
         chat = isinstance(prompt, list) and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt)
         if not (isinstance(prompt, str) and prompt.strip() or chat and prompt):
             raise SystemExit(
