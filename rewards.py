@@ -1,53 +1,28 @@
-"""Tasks: their data, their prompts and their rule-based rewards.
+"""Tasks: their data, prompts and rule-based rewards, and the tools' environment (docs/tasks.md, docs/tools.md).
 
-A task is a list of problems (dicts), a function that turns a problem into chat messages, and
-a function that scores a completion's text against its problem, told whether the completion was
-cut at max_new_tokens (no EOS). The training scripts and evaluate.py only see that interface
-(`load_task`, `load_benchmark`), so adding a task touches this file alone.
-
-Tasks:
-  countdown  the seed study's training task: reach a target with 3-4 numbers and + - * /.
-             Offline generator by default; `--dataset Jiayi-Pan/Countdown-Tasks-3to4` loads
-             the public set from the Hugging Face Hub instead.
-  digit      a toy task for watching RL learn on a CPU in minutes: reward 1 when the
-             completion starts with a digit. Its expected reward under a policy π is exactly
-             Σ_{v ∈ digit tokens} π(v | prompt) at the first position, so tests can measure
-             learning without sampling noise.
-  secret     a toy task of tool use: reply with the digit its tool, secret_digit, draws at
-             each call; only a completion that called the tool and copied its answer earns
-             the full reward (secret_score).
-  gsm8k      grade-school maths word problems (openai/gsm8k, or --data_dir offline); reward
-             only for the number in the last \\boxed{} (the format the prompt asks for),
-             compared exactly with the gold after '####', and nothing for a completion cut
-             at max_new_tokens (gsm8k_reward).
-
-Benchmarks (evaluate.py; `load_benchmark`): countdown (a held-out generator set), gsm8k,
-math500 (graded for mathematical equivalence by HF's math-verify), bbh (27 BIG-Bench-Hard
-tasks), mmlu_pro (10-option multiple choice). Each problem dict carries "gold" (the reference
-answer as text) and "subset" (the BBH task or MMLU-Pro category; "" where there is none). Their
-graders give two grades, as lm-eval's strict-match and flexible-extract do: `strict`, the answer
-in the format the benchmark's instruction asks for, and `correct`, which also reads the places
-models commonly put it instead.
-
-Tools: functions a model may call during its rollout (Task.tools: a task's own, --tools'
-built-in ones such as the calculator, --tool your own), the parser of the calls it writes
-(parse_tool_calls) and the runner whose failures become the answer, never the run's end
-(run_tool_call). The "Tool turns" section at the end is the environment of a multi-turn rollout:
-a turn's calls run and their answers rendered by the chat template (tool_turns, tool_turn_text),
-and the queue of answer tokens generate() forces into a row (ToolQueue, tool_turns_due).
-
-Model output is untrusted input: the Countdown verifier parses it with `ast` and computes
-with exact fractions; nothing is ever passed to `eval`.
+A task (`Task`) is a list of problems (dicts), a function turning one into chat messages, and a scorer
+of a completion's text, told whether it was cut at max_new_tokens. The scripts and evaluate.py see
+only `training_task`, `heldout_task`, `load_task` and `load_benchmark`: a new task touches this file
+alone. Tasks: countdown, digit and secret (CPU toys; secret is learnt only by calling its tool), gsm8k,
+file (your data, a grader or --reward_fn). Benchmarks: countdown's held-out share, gsm8k, math500, bbh,
+mmlu_pro, graded strict and flexibly as lm-eval does. Tools: their parser and runner, and the turns'
+environment generate() uses. Model output is untrusted input: parsed with `ast`, never `eval`ed.
 """
 
 import ast
+import csv
 import functools
 import hashlib
+import importlib.util
 import inspect
+import io
 import json
+import operator
 import random
 import re
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
@@ -61,9 +36,7 @@ from jinja2 import TemplateError
 
 
 def arg(default, help: str):
-    """One field of a script's Args with its --help text, on one line:
-        lr: float = arg(1e-6, "learning rate (seed study: 1e-6 to 3e-6)")
-    HfArgumentParser reads the text from the field's metadata and adds the default after it."""
+    """A field of Args with its --help text, on one line: `lr: float = arg(1e-6, "learning rate")`."""
     metadata = {"help": help.replace("%", "%%")}  # argparse formats help strings with %
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=metadata)
@@ -72,8 +45,7 @@ def arg(default, help: str):
 
 @dataclass
 class TaskArgs:
-    """The flags of the task a script trains on, its reward and its tools (docs/tasks.md, docs/tools.md).
-    A training script's Args extends it."""
+    """The flags of the task, its reward and its tools (docs/tasks.md, docs/tools.md)."""
 
     task: str = arg("countdown", "a task of rewards.py: countdown, digit, secret, gsm8k, or file (--data_file)")
     dataset: str = arg("", "Hub dataset for the task (Jiayi-Pan/Countdown-Tasks-3to4); '' = offline generator")
@@ -101,20 +73,18 @@ class TaskArgs:
     tool_timeout: float = arg(10.0, "seconds a tool call may take; past it, or raising: the error is its answer")
 
 
-# Reward levels, in one place (TinyZero's scheme; the DAPO paper uses ±1 instead).
+# Reward levels (TinyZero's scheme; the DAPO paper uses ±1 instead).
 REWARD_CORRECT = 1.0  # the answer is right
 REWARD_FORMAT = 0.1  # well-formed (right tags, a parseable answer) but wrong
 REWARD_NONE = 0.0  # anything else: missing or repeated tags, text outside them, garbage
 
-# Bounds on the Countdown answer: generous for 4 numbers below 1000, small enough that no
-# answer can make the verifier slow (`ast.parse` is linear; nesting is at most 50 deep).
+# Bounds on a Countdown answer: generous for 4 numbers, small enough to keep the verifier quick.
 MAX_EXPRESSION_CHARS = 100
 MAX_EXPRESSION_DEPTH = 12  # 4 numbers need 3 operators; parentheses don't add AST depth
 MAX_LITERAL = 10**6
 ALLOWED_CHARS = frozenset("0123456789+-*/() ")
-# One Countdown problem in this many (by a hash of its sorted numbers and target) is held out
-# for evaluation; the generator never puts those in a training set.
-COUNTDOWN_HELDOUT_SHARE = 10
+# One problem in this many, by a hash of it, is held out for evaluation (Countdown's and a file's).
+HELDOUT_SHARE = 10
 
 
 @dataclass
@@ -123,9 +93,7 @@ class Score:
     correct: bool  # the answer solves the problem (a benchmark's flexible grade: its fallbacks too)
     formatted: bool  # the completion follows the task's answer format
     extracted: str | None = None  # the answer as read from the completion (None: none found)
-    # correct, reading only the answer in the format the instruction asks for (lm-eval's
-    # strict-match); None, for a task with one answer format, means the same as `correct`
-    strict: bool | None = None
+    strict: bool | None = None  # correct, read only where the instruction asks (lm-eval); None: = correct
     failed: bool = False  # --reward_fn raised, ran past its time or returned no number: reward 0
 
     def __post_init__(self):
@@ -138,20 +106,23 @@ class Task:
     name: str
     problems: list[dict]
     messages: Callable[[dict], list[dict]]  # problem -> chat messages for apply_chat_template
-    # (completion text, problem, truncated) -> Score. truncated: the completion hit
-    # max_new_tokens without an EOS; every scorer takes it as `truncated`, default False.
-    score: Callable[[str, dict, bool], Score]
-    # functions the model may call during a rollout (Tools below): the task's own, then --tools/--tool's
-    tools: list[Callable] = field(default_factory=list)
+    score: Callable[[str, dict, bool], Score]  # (completion, problem, truncated: cut with no EOS)
+    tools: list[Callable] = field(default_factory=list)  # callable in a rollout: the task's, then --tool(s)'
 
 
 # ----------------------------------------------------------------------------------------
-# Countdown: data
+# Countdown: data, prompt and verifier
+
+# Exact arithmetic, the generator's and the verifier's: an operator's AST node -> its operation on fractions
+OPERATIONS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+OPERATORS = dict(zip("+-*/", OPERATIONS))  # written -> node
+COUNTDOWN_NUMBERS = "3-4"  # the seed study's problems: 3 or 4 numbers
+COUNTDOWN_MAX_NUMBERS = 6
+COUNTDOWN_MAX_NUMBER, COUNTDOWN_MAX_TARGET = 99, 100  # numbers in [1, 99], targets in [1, 100]
 
 
-def _random_expression(numbers: list[int], rng: random.Random) -> tuple[str, Fraction] | None:
-    """Combines the numbers in random order with random operators into one expression.
-    Returns (text, exact value), or None when a division by zero came up."""
+def random_expression(numbers: list[int], rng: random.Random) -> tuple[str, Fraction] | None:
+    """The numbers in random order joined by random operators: (text, exact value); None on a division by 0."""
     pool = [(str(n), Fraction(n)) for n in numbers]
     rng.shuffle(pool)
     while len(pool) > 1:
@@ -159,62 +130,35 @@ def _random_expression(numbers: list[int], rng: random.Random) -> tuple[str, Fra
         op = rng.choice("+-*/")
         if op == "/" and right == 0:
             return None
-        if op == "+":
-            value = left + right
-        elif op == "-":
-            value = left - right
-        elif op == "*":
-            value = left * right
-        else:
-            value = left / right
-        pool.append((f"({left_text} {op} {right_text})", value))
+        pool.append((f"({left_text} {op} {right_text})", OPERATIONS[OPERATORS[op]](left, right)))
         rng.shuffle(pool)
     text, value = pool[0]
     return text[1:-1], value  # drop the outermost parentheses
 
 
+def is_heldout(text: str) -> bool:
+    """Whether a problem (its text) is in the held-out share: a fixed residue class of its hash."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") % HELDOUT_SHARE == 0
+
+
 def is_heldout_countdown(numbers: list[int], target: int) -> bool:
-    """Whether a Countdown problem belongs to the held-out share: a fixed residue class of a
-    hash of (sorted numbers, target), so the same problem in any order, from any seed, falls
-    on the same side and no training set can contain a held-out problem."""
-    key = f"{sorted(numbers)} {target}".encode()
-    return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") % COUNTDOWN_HELDOUT_SHARE == 0
+    """The same problem in any order, from any seed, falls on the same side: no training set holds it."""
+    return is_heldout(f"{sorted(numbers)} {target}")
 
 
-def generate_countdown(
-    n: int,
-    seed: int,
-    min_numbers: int = 3,
-    max_numbers: int = 4,
-    max_number: int = 99,
-    max_target: int = 100,
-    heldout: bool = False,
-) -> list[dict]:
-    """n guaranteed-solvable problems {"nums", "target", "solution"}, reproducible from seed.
-
-    Numbers are drawn first and a random expression over all of them is the witness; a draw
-    is kept when its value is an integer in [1, max_target], so every problem has a solution
-    (not necessarily the only one). Intermediate values may be fractions, as in the game.
-    Training sets (heldout=False) skip the held-out share (is_heldout_countdown); the
-    held-out set (heldout=True) is drawn from it alone.
-    """
+def generate_countdown(n: int, seed: int, min_numbers: int = 3, max_numbers: int = 4, heldout: bool = False):
+    """n solvable problems {"nums", "target", "solution"} from seed: numbers drawn, then a random
+    expression over them whose value is a whole target in range (the witness). heldout: from the held-out share."""
     rng = random.Random(seed)
     problems = []
     while len(problems) < n:
-        numbers = [rng.randint(1, max_number) for _ in range(rng.randint(min_numbers, max_numbers))]
-        witness = _random_expression(numbers, rng)
-        if witness is None:
-            continue
-        solution, value = witness
-        if value.denominator != 1 or not 1 <= value <= max_target:
+        numbers = [rng.randint(1, COUNTDOWN_MAX_NUMBER) for _ in range(rng.randint(min_numbers, max_numbers))]
+        solution, value = random_expression(numbers, rng) or ("", Fraction(0))  # a division by 0: a new draw
+        if value.denominator != 1 or not 1 <= value <= COUNTDOWN_MAX_TARGET:
             continue
         if is_heldout_countdown(numbers, int(value)) == heldout:
             problems.append({"nums": numbers, "target": int(value), "solution": solution})
     return problems
-
-
-COUNTDOWN_NUMBERS = "3-4"  # the seed study's problems: 3 or 4 numbers
-COUNTDOWN_MAX_NUMBERS = 6
 
 
 def countdown_sizes(text: str) -> tuple[int, int]:
@@ -228,16 +172,6 @@ def countdown_sizes(text: str) -> tuple[int, int]:
         )
     return low, high
 
-
-def load_countdown_hub(name: str, split: str = "train") -> list[dict]:
-    """The public Countdown set (columns `target`, `nums`) from the Hugging Face Hub."""
-    hint = "check the dataset name, or drop --dataset to use the offline generator (the default)."
-    rows = load_hub_rows(name, None, split, {"target", "nums"}, hint)
-    return [{"nums": list(row["nums"]), "target": int(row["target"])} for row in rows]
-
-
-# ----------------------------------------------------------------------------------------
-# Countdown: prompt and verifier
 
 COUNTDOWN_SYSTEM = "You are a careful assistant. First reason about the problem step by step, then give the answer."
 COUNTDOWN_USER = (
@@ -254,19 +188,13 @@ def countdown_messages(problem: dict) -> list[dict]:
 
 
 def extract_answer(completion: str) -> str | None:
-    """The text inside <answer> … </answer> when the completion is exactly
-    `<think> … </think> <answer> … </answer>` up to surrounding whitespace, else None.
-
-    Strict on purpose: one pair of each tag, in that order, nothing outside them. Looser rules
-    (the last <answer> anywhere, the last line) are what format hacking exploits.
-    Linear time: counts and index lookups only, no backtracking regex.
-    """
+    """The text inside <answer> … </answer> when the completion is exactly `<think> … </think> <answer>
+    … </answer>` (whitespace around), else None: looser rules are what format hacking exploits."""
     text = completion.strip()
     for tag in ("<think>", "</think>", "<answer>", "</answer>"):
         if text.count(tag) != 1:
             return None
-    think_end = text.index("</think>")
-    answer_start = text.index("<answer>")
+    think_end, answer_start = text.index("</think>"), text.index("<answer>")
     if not (text.startswith("<think>") and text.endswith("</answer>") and think_end < answer_start):
         return None
     if text[think_end + len("</think>") : answer_start].strip():
@@ -274,24 +202,13 @@ def extract_answer(completion: str) -> str | None:
     return text[answer_start + len("<answer>") : -len("</answer>")].strip()
 
 
-def parse_expression(expression: str) -> tuple[ast.AST, list[int]] | None:
-    """Parses an arithmetic expression over non-negative integer literals with + - * / and
-    parentheses. Returns (syntax tree, literals) or None if it is anything else."""
-    try:
-        return read_expression(expression)
-    except ValueError:
-        return None
-
-
 def read_expression(expression: str) -> tuple[ast.AST, list[int]]:
-    """parse_expression's rules, with the reason a text breaks them: (syntax tree, literals), or a
-    ValueError saying what is wrong (the calculator tool hands it back to the model)."""
+    """Whole numbers, + - * / and parentheses: (tree, literals), or a ValueError saying what is wrong."""
     if not expression:
         raise ValueError("the expression is empty")
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise ValueError(f"the expression is longer than {MAX_EXPRESSION_CHARS} characters")
-    # also rejects '.', names, unicode digits, '_'; '**' is caught below
-    others = "".join(sorted(set(expression) - ALLOWED_CHARS))
+    others = "".join(sorted(set(expression) - ALLOWED_CHARS))  # '.', names, unicode digits, '_'; '**' below
     if others:
         raise ValueError(f"only digits, + - * /, parentheses and spaces may be written, not: {' '.join(others)}")
     try:
@@ -304,13 +221,12 @@ def read_expression(expression: str) -> tuple[ast.AST, list[int]]:
         if depth > MAX_EXPRESSION_DEPTH:
             raise ValueError(f"more than {MAX_EXPRESSION_DEPTH} operations nested in one another")
         if isinstance(node, ast.Constant):
-            # bool is a subclass of int; the charset already excludes True/False, but be explicit
-            if type(node.value) is not int:
+            if type(node.value) is not int:  # not a bool (a subclass of int): the charset excludes them anyway
                 raise ValueError("only whole numbers may be written")
             if not 0 <= node.value <= MAX_LITERAL:
                 raise ValueError(f"{node.value} is above {MAX_LITERAL}, the largest number allowed")
             literals.append(node.value)
-        elif isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
+        elif isinstance(node, ast.BinOp) and type(node.op) in OPERATIONS:
             check(node.left, depth + 1)
             check(node.right, depth + 1)
         elif isinstance(node, ast.BinOp):  # Pow, FloorDiv; Mod's '%' is not an allowed character
@@ -325,37 +241,20 @@ def read_expression(expression: str) -> tuple[ast.AST, list[int]]:
 
 
 def evaluate_expression(tree: ast.AST) -> Fraction:
-    """Exact value of a tree accepted by parse_expression. Raises ZeroDivisionError."""
+    """The exact value of a tree read_expression accepted. Raises ZeroDivisionError."""
     if isinstance(tree, ast.Constant):
         return Fraction(tree.value)
-    left, right = evaluate_expression(tree.left), evaluate_expression(tree.right)
-    if isinstance(tree.op, ast.Add):
-        return left + right
-    if isinstance(tree.op, ast.Sub):
-        return left - right
-    if isinstance(tree.op, ast.Mult):
-        return left * right
-    return left / right
+    return OPERATIONS[type(tree.op)](evaluate_expression(tree.left), evaluate_expression(tree.right))
 
 
 def countdown_score(completion: str, problem: dict, truncated: bool = False) -> Score:
-    """1.0 correct, 0.1 well-formed but wrong, 0.0 otherwise (constants above).
-
-    Well-formed: the strict tag format holds and the answer parses as an allowed expression.
-    Correct: additionally, its literals are exactly the given numbers (as a multiset) and its
-    exact value is the target. Division by zero is simply wrong. One answer format, so
-    `strict` is `correct`.
-
-    `truncated` is ignored, and need not count: the format requires the completion to end with
-    `</answer>`, so a completion cut anywhere before that already gets 0. The one truncated
-    completion that can score is cut right after its `</answer>` (the EOS would have come
-    next), and its answer is complete. (Ignoring it also keeps every reward as it was.)
-    """
+    """1.0 correct, 0.1 well-formed (the tags, an allowed expression) but wrong, else 0.0. Correct: the
+    given numbers (a multiset), the target exactly. A completion cut before `</answer>` already scores 0."""
     answer = extract_answer(completion)
-    parsed = parse_expression(answer) if answer is not None else None
-    if parsed is None:
+    try:
+        tree, literals = read_expression(answer or "")  # None or "": "the expression is empty"
+    except ValueError:
         return Score(REWARD_NONE, correct=False, formatted=False, extracted=answer)
-    tree, literals = parsed
     if sorted(literals) != sorted(problem["nums"]):
         return Score(REWARD_FORMAT, correct=False, formatted=True, extracted=answer)
     try:
@@ -366,12 +265,11 @@ def countdown_score(completion: str, problem: dict, truncated: bool = False) -> 
 
 
 # ----------------------------------------------------------------------------------------
-# Few-shot prompts: worked examples as earlier turns of the conversation (user: the problem,
-# assistant: an answer in the asked format), so a small model sees the format, not only reads
-# its description. Examples come from training data only: Countdown's from the generator's
-# training share with a seed of their own, GSM8K's from the train split.
+# Few-shot prompts: worked examples as earlier turns, from training data only (their own seed, GSM8K's train).
 
 COUNTDOWN_SHOTS_SEED = 314_159_265
+NO_SHOTS = "--shots is for countdown and gsm8k; {} has no worked examples: drop --shots."
+CALCULATOR = re.compile(r"<<[^<>]*>>")  # GSM8K's calculator annotations: 48/2 = <<48/2=24>>24
 
 
 def countdown_worked(problem: dict) -> str:
@@ -379,31 +277,8 @@ def countdown_worked(problem: dict) -> str:
     return f"<think> {problem['solution']} = {problem['target']} </think> <answer> {problem['solution']} </answer>"
 
 
-def countdown_examples(shots: int, sizes: tuple[int, int]) -> list[tuple[dict, str]]:
-    """shots worked Countdown problems with an answer in the strict format (its witness)."""
-    return [(p, countdown_worked(p)) for p in generate_countdown(shots, COUNTDOWN_SHOTS_SEED, *sizes)]
-
-
-CALCULATOR = re.compile(r"<<[^<>]*>>")  # GSM8K's calculator annotations: 48/2 = <<48/2=24>>24
-
-
-def gsm8k_examples(shots: int, data_dir: str) -> list[tuple[dict, str]]:
-    """The first shots problems of GSM8K's train split, each answered by its reference
-    solution (calculator annotations dropped) ending in 'The answer is \\boxed{gold}.'."""
-    columns = {"question", "answer"}
-    rows = read_data_file(data_dir, "gsm8k/train.jsonl", columns) if data_dir else None
-    rows = rows if rows is not None else load_hub_rows("openai/gsm8k", "main", "train", columns)
-    examples = []
-    for row in rows[:shots]:
-        steps = CALCULATOR.sub("", row["answer"].split("####")[0]).strip()
-        gold = gsm8k_gold(row["answer"])
-        examples.append(({"question": row["question"], "gold": gold}, f"{steps}\nThe answer is \\boxed{{{gold}}}."))
-    return examples
-
-
 def with_examples(messages: Callable[[dict], list[dict]], examples: list[tuple[dict, str]]):
-    """messages (problem -> conversation) with the worked examples as turns before the last user
-    message: [system,] user 1, assistant 1, …, user. No examples: messages itself."""
+    """messages with the worked examples as turns before the last user message; no examples: messages."""
     if not examples:
         return messages
 
@@ -418,20 +293,27 @@ def with_examples(messages: Callable[[dict], list[dict]], examples: list[tuple[d
 
 
 def task_examples(name: str, shots: int, countdown_numbers: str = COUNTDOWN_NUMBERS, data_dir: str = ""):
-    """--shots worked examples for a task's prompts (with_examples); [] for shots = 0."""
+    """--shots worked (problem, answer) pairs; GSM8K's answer: its solution, ending 'The answer is \\boxed{gold}.'."""
     if shots < 0:
         raise SystemExit(f"--shots {shots}: the number of worked examples in each prompt must be >= 0.")
     if not shots:
         return []
     if name == "countdown":
-        return countdown_examples(shots, countdown_sizes(countdown_numbers))
-    if name == "gsm8k":
-        return gsm8k_examples(shots, data_dir)
-    raise SystemExit(f"--shots is for countdown and gsm8k; {name} has no worked examples: drop --shots.")
+        problems = generate_countdown(shots, COUNTDOWN_SHOTS_SEED, *countdown_sizes(countdown_numbers))
+        return [(p, countdown_worked(p)) for p in problems]
+    if name != "gsm8k":
+        raise SystemExit(NO_SHOTS.format(name))
+    rows = benchmark_rows(data_dir, "gsm8k/train.jsonl", "openai/gsm8k", "main", "train", {"question", "answer"})
+    examples = []
+    for row in rows[:shots]:
+        steps, gold = CALCULATOR.sub("", row["answer"].split("####")[0]).strip(), gsm8k_gold(row["answer"])
+        examples.append(({"question": row["question"], "gold": gold}, f"{steps}\nThe answer is \\boxed{{{gold}}}."))
+    return examples
 
 
 # ----------------------------------------------------------------------------------------
-# digit: the CPU toy task
+# The CPU toys. digit: a digit first. secret (tool use): a tool draws the digit to say at each call,
+# so the only way to the reward is to call it and copy its answer.
 
 DIGIT_PROMPTS = [
     "Reply with a single digit.",
@@ -446,17 +328,10 @@ def digit_messages(problem: dict) -> list[dict]:
 
 
 def digit_score(completion: str, problem: dict, truncated: bool = False) -> Score:
-    """1.0 if the completion's first character is an ASCII digit, else 0.0. Depends on the
-    first token only, which is what makes its expected reward computable in closed form.
-    `truncated` is ignored: what comes after the first token, or whether it ends, does not
-    matter (runs of this toy use a few max_new_tokens, so most completions are cut)."""
+    """1.0 when the first character is an ASCII digit: the first token decides, so E[reward] has a closed form."""
     hit = completion[:1] in set("0123456789")
     return Score(REWARD_CORRECT if hit else REWARD_NONE, correct=hit, formatted=hit)
 
-
-# ----------------------------------------------------------------------------------------
-# secret: the CPU toy task of tool use. The digit to say is drawn by a tool at each call, so
-# the prompt cannot tell it: the only way to the reward is to call the tool and copy its answer.
 
 SECRET_PROMPTS = [
     "What is the secret digit? Call the tool, then reply with the digit alone.",
@@ -478,23 +353,8 @@ def secret_digit() -> str:
 
 
 def secret_score(completion: str, problem: dict, truncated: bool = False) -> Score:
-    """1.0 when the first digit written after the last tool answer is that answer's digit; 0.1 for a
-    call and another digit (the answer's format: a digit); 0.0 without a call, or without a digit
-    after its answer: Countdown's 1 / 0.1 / 0.
-
-    The completion is the whole decoded rollout (decoded skipping special tokens): the model's
-    turns and, between them, the tool answers as a Qwen-shaped chat template writes them,
-    <tool_response>…</tool_response> (tiny-tools, Qwen2.5, Qwen3). A template that writes them
-    otherwise (tiny's plain ChatML, Llama's) never scores here. Why this reward: a model earns
-    it only by calling the tool (one token in tiny-tools) and copying the digit that came back
-    (a tiny random one learns the call, not yet the copy: docs/tools.md); a digit written
-    without a call is a 1-in-10 guess and earns nothing. A call alone earns nothing either: a
-    model paid for calling settles on calling and stopping (docs/tools.md), and never writes the
-    digits among which the right one is found. formatted: a call and a digit after its answer.
-    The scorer reads text, so it cannot tell an answer the model wrote itself from the
-    environment's; a forged one costs the model more tokens than a call. `truncated` is ignored:
-    only the first digit after the answer counts, as in digit_score.
-    """
+    """1.0 when the first digit after the last tool answer (Qwen's <tool_response>…</tool_response>) is its
+    digit, 0.1 for a call and another digit, 0.0 without both; a call alone earns nothing (docs/tools.md)."""
     close = completion.rfind(TOOL_RESPONSE_CLOSE)
     start = completion.rfind(TOOL_RESPONSE_OPEN, 0, close) if close >= 0 else -1
     if start < 0:
@@ -508,22 +368,17 @@ def secret_score(completion: str, problem: dict, truncated: bool = False) -> Sco
 
 
 # ----------------------------------------------------------------------------------------
-# Benchmarks: data. From the Hugging Face Hub by default; from a directory with --data_dir
-# (offline), laid out as tests/fixtures/data: gsm8k/{train,test}.jsonl, math500/test.jsonl,
-# bbh/<task>.json, mmlu_pro/sample.jsonl.
+# Benchmarks: data. From the Hugging Face Hub by default; offline from --data_dir, laid out as
+# tests/fixtures/data: gsm8k/{train,test}.jsonl, math500/test.jsonl, bbh/<task>.json, mmlu_pro/sample.jsonl.
 
 BENCHMARKS = ("countdown", "gsm8k", "math500", "bbh", "mmlu_pro")
-# Countdown problems for evaluation come from the generator with this seed, drawn from the
-# held-out share of problems (is_heldout_countdown), which training sets skip whatever their
-# seed, so the two are disjoint by construction.
-COUNTDOWN_EVAL_SEED = 982_451_653
+COUNTDOWN_EVAL_SEED = 982_451_653  # drawn from the held-out share, which no training set holds
 BBH_SUBSETS = (
-    "boolean_expressions", "causal_judgement", "date_understanding", "disambiguation_qa",
-    "dyck_languages", "formal_fallacies", "geometric_shapes", "hyperbaton",
-    "logical_deduction_five_objects", "logical_deduction_seven_objects", "logical_deduction_three_objects",
-    "movie_recommendation", "multistep_arithmetic_two", "navigate", "object_counting",
-    "penguins_in_a_table", "reasoning_about_colored_objects", "ruin_names",
-    "salient_translation_error_detection", "snarks", "sports_understanding", "temporal_sequences",
+    "boolean_expressions", "causal_judgement", "date_understanding", "disambiguation_qa", "dyck_languages",
+    "formal_fallacies", "geometric_shapes", "hyperbaton", "logical_deduction_five_objects",
+    "logical_deduction_seven_objects", "logical_deduction_three_objects", "movie_recommendation",
+    "multistep_arithmetic_two", "navigate", "object_counting", "penguins_in_a_table", "reasoning_about_colored_objects",
+    "ruin_names", "salient_translation_error_detection", "snarks", "sports_understanding", "temporal_sequences",
     "tracking_shuffled_objects_five_objects", "tracking_shuffled_objects_seven_objects",
     "tracking_shuffled_objects_three_objects", "web_of_lies", "word_sorting",
 )  # fmt: skip
@@ -535,8 +390,7 @@ DATA_DIR_HINT = (
 
 
 def load_hub_rows(name: str, config: str | None, split: str, columns: set[str], hint: str = HUB_HINT) -> list[dict]:
-    """A Hub dataset split as a list of row dicts, after checking it has `columns` and rows.
-    `hint` ends the message when loading fails: what else the user can do."""
+    """A Hub dataset split as row dicts, checked to have `columns` and rows; `hint`: what else to do."""
     import datasets
 
     try:
@@ -557,14 +411,20 @@ def load_hub_rows(name: str, config: str | None, split: str, columns: set[str], 
     return rows.to_list()
 
 
+def benchmark_rows(data_dir: str, relative: str, name: str, config: str | None, split: str, columns: set[str]):
+    """The rows of --data_dir/<relative> when data_dir is set, else of the Hub dataset."""
+    if data_dir:
+        return read_data_file(data_dir, relative, columns)
+    return load_hub_rows(name, config, split, columns)
+
+
 def read_data_file(data_dir: str, relative: str, columns: set[str]) -> list[dict]:
     """Rows of --data_dir/<relative>: JSON lines, or BBH's {"examples": [...]} JSON file."""
     path = Path(data_dir) / relative
     if not path.is_file():
         raise SystemExit(f"--data_dir {data_dir}: {relative} is missing ({path}). {DATA_DIR_HINT}")
     if path.suffix == ".jsonl":
-        lines = enumerate(data_text(path).splitlines(), start=1)
-        rows = [json_value(line, f"{path}, line {number}") for number, line in lines if line.strip()]
+        rows = jsonl_rows(path, str(path))
     else:
         content = json_value(data_text(path), str(path))
         if not isinstance(content, dict) or "examples" not in content:
@@ -580,13 +440,8 @@ def read_data_file(data_dir: str, relative: str, columns: set[str]) -> list[dict
 
 
 def load_gsm8k(split: str, data_dir: str = "") -> list[dict]:
-    """openai/gsm8k (config main): {"question", "gold", "subset"}. The gold is the number after
-    the '####' that ends each reference solution, without thousands separators."""
-    columns = {"question", "answer"}
-    if data_dir:
-        rows = read_data_file(data_dir, f"gsm8k/{split}.jsonl", columns)
-    else:
-        rows = load_hub_rows("openai/gsm8k", "main", split, columns)
+    """openai/gsm8k (config main): {"question", "gold", "subset"}, gold the number after '####'."""
+    rows = benchmark_rows(data_dir, f"gsm8k/{split}.jsonl", "openai/gsm8k", "main", split, {"question", "answer"})
     problems = []
     for number, row in enumerate(rows, start=1):
         gold = gsm8k_gold(row["answer"])
@@ -597,67 +452,42 @@ def load_gsm8k(split: str, data_dir: str = "") -> list[dict]:
 
 
 def gsm8k_gold(solution: str) -> str | None:
-    """The gold answer of a GSM8K reference solution: the text after its last '####', without
-    thousands separators ('#### 1,200' -> '1200'); None when there is no '####'."""
-    if "####" not in solution:
-        return None
-    return solution.rsplit("####", 1)[1].strip().replace(",", "")
+    """The text after a GSM8K solution's last '####', thousands separators dropped; None without one."""
+    return solution.rsplit("####", 1)[1].strip().replace(",", "") if "####" in solution else None
 
 
 def load_math500(data_dir: str = "") -> list[dict]:
     """HuggingFaceH4/MATH-500 (test): {"question", "gold", "subset"}; gold is the `answer` field."""
-    columns = {"problem", "answer"}
-    if data_dir:
-        rows = read_data_file(data_dir, "math500/test.jsonl", columns)
-    else:
-        rows = load_hub_rows("HuggingFaceH4/MATH-500", None, "test", columns)
+    rows = benchmark_rows(data_dir, "math500/test.jsonl", "HuggingFaceH4/MATH-500", None, "test", {"problem", "answer"})
     return [{"question": row["problem"], "gold": row["answer"], "subset": ""} for row in rows]
 
 
 def load_bbh(data_dir: str = "") -> list[dict]:
-    """All 27 BIG-Bench-Hard tasks, in BBH_SUBSETS order, from SaylorTwift/bbh (one config per
-    task, split test; lukaemon/bbh no longer loads with datasets >= 4): subset = the task."""
+    """The 27 BIG-Bench-Hard tasks from SaylorTwift/bbh (lukaemon/bbh no longer loads): subset = the task."""
     problems = []
     for subset in BBH_SUBSETS:
-        if data_dir:
-            rows = read_data_file(data_dir, f"bbh/{subset}.json", {"input", "target"})
-        else:
-            rows = load_hub_rows("SaylorTwift/bbh", subset, "test", {"input", "target"})
+        rows = benchmark_rows(data_dir, f"bbh/{subset}.json", "SaylorTwift/bbh", subset, "test", {"input", "target"})
         problems += [{"question": row["input"], "gold": row["target"], "subset": subset} for row in rows]
     return problems
 
 
 def load_mmlu_pro(data_dir: str = "") -> list[dict]:
-    """TIGER-Lab/MMLU-Pro (test), up to 10 options A-J: {"question", "options", "gold", "subset"},
-    subset = the category. Offline, mmlu_pro/sample.jsonl holds 700 rows of the test split.
-    Rows with fewer than 10 options are padded with "N/A" in some copies; the padding is dropped."""
+    """TIGER-Lab/MMLU-Pro (test): {"question", "options" (A-J; "N/A" padding dropped), "gold", "subset"}."""
     columns = {"question", "options", "answer", "category"}
-    if data_dir:
-        rows = read_data_file(data_dir, "mmlu_pro/sample.jsonl", columns)
-    else:
-        rows = load_hub_rows("TIGER-Lab/MMLU-Pro", None, "test", columns)
+    rows = benchmark_rows(data_dir, "mmlu_pro/sample.jsonl", "TIGER-Lab/MMLU-Pro", None, "test", columns)
     problems = []
     for number, row in enumerate(rows, start=1):
         options = list(row["options"])
         while options and options[-1] == "N/A":
             options.pop()
         answer = row["answer"]
-        if (
-            not 0 < len(options) <= len(MMLU_PRO_LETTERS)
-            or len(answer) != 1
-            or answer not in MMLU_PRO_LETTERS[: len(options)]
-        ):
+        if len(options) > len(MMLU_PRO_LETTERS) or answer not in tuple(MMLU_PRO_LETTERS[: len(options)]):
             raise SystemExit(f"mmlu_pro row {number}: answer {answer!r} is not one of its {len(options)} options.")
-        problems.append(
-            {"question": row["question"], "options": options, "gold": row["answer"], "subset": row["category"]}
-        )
+        problems.append({"question": row["question"], "options": options, "gold": answer, "subset": row["category"]})
     return problems
 
 
-# ----------------------------------------------------------------------------------------
-# Benchmarks: prompts. Zero-shot chain of thought; one fixed instruction per benchmark says
-# where the final answer goes, and the extractor below reads it from there first.
-
+# Prompts: zero-shot chain of thought, an instruction saying where the final answer goes.
 BOXED_NUMBER_INSTRUCTION = "Solve the problem step by step. Then write the final answer, a number only, in \\boxed{}."
 BOXED_MATH_INSTRUCTION = "Solve the problem step by step. Then write the final answer, in simplest form, in \\boxed{}."
 BBH_INSTRUCTION = (
@@ -670,16 +500,14 @@ MMLU_PRO_INSTRUCTION = (
 )
 
 
-def gsm8k_messages(problem: dict) -> list[dict]:
-    return [{"role": "user", "content": f"{problem['question']}\n\n{BOXED_NUMBER_INSTRUCTION}"}]
+def instructed(instruction: str) -> Callable[[dict], list[dict]]:
+    """problem -> one user message: its question, a blank line, the instruction."""
+    return lambda problem: [{"role": "user", "content": f"{problem['question']}\n\n{instruction}"}]
 
 
-def math500_messages(problem: dict) -> list[dict]:
-    return [{"role": "user", "content": f"{problem['question']}\n\n{BOXED_MATH_INSTRUCTION}"}]
-
-
-def bbh_messages(problem: dict) -> list[dict]:
-    return [{"role": "user", "content": f"{problem['question']}\n\n{BBH_INSTRUCTION}"}]
+gsm8k_messages = instructed(BOXED_NUMBER_INSTRUCTION)
+math500_messages = instructed(BOXED_MATH_INSTRUCTION)
+bbh_messages = instructed(BBH_INSTRUCTION)
 
 
 def mmlu_pro_messages(problem: dict) -> list[dict]:
@@ -688,9 +516,8 @@ def mmlu_pro_messages(problem: dict) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------------------
-# Benchmarks: answer extraction. Each extractor reads the place its instruction names first,
-# then falls back to what models commonly write instead. Linear-time scans and regexes
-# without nested quantifiers: completions are untrusted input.
+# Benchmarks: answer extraction, where the instruction says first, then where models commonly put it.
+# Linear-time scans and regexes without nested quantifiers: completions are untrusted input.
 
 MAX_NUMBER_CHARS = 40  # longer digit strings are no answer (and int() refuses > 4300 digits)
 # 1,234.5 or 1234.5 or -7; a '-' after a letter, digit or '.' is a hyphen ('5-3', '2024-2025')
@@ -699,8 +526,7 @@ BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # LaTeX digit grouping: 1{,}234 · 1,\!234 · 1\,234 · 1 234 (removed before reading a boxed number)
 DIGIT_GROUPING = re.compile(r"\{,\}|\\!|\\,|(?<=\d) +(?=\d)")
 ANSWER_IS = re.compile(r"(?i:answer is)\s*:?\s*")
-# one character class between the phrase and the letter: adjacent \s* runs backtrack in
-# polynomial time on long whitespace (1,600 newlines took 14 s with three of them)
+# one character class after the phrase: adjacent \s* runs backtrack polynomially on long whitespace
 ANSWER_IS_LETTER = re.compile(r"(?i:answer is)[\s:*]*\(?([A-J])\)?(?![A-Za-z])")  # The answer is (C)
 LETTER_PATTERNS = (  # in order of trust; the last match of the first pattern that matches wins
     ANSWER_IS_LETTER,  # what MMLU_PRO_INSTRUCTION asks for (markdown such as **C** allowed)
@@ -718,8 +544,7 @@ BBH_MORE_LABELS = re.compile(r"\(([A-R])\)|(?:,|/|\bor\b|\band\b)\s*\(?([A-R])\)
 
 
 def extract_boxed(text: str) -> str | None:
-    """The contents of the last \\boxed{…} (or \\fbox{…}), nested braces balanced; None when
-    there is none or it is never closed."""
+    """The contents of the last \\boxed{…} (or \\fbox{…}), braces balanced; None: none, or unclosed."""
     matches = list(BOXED.finditer(text))
     if not matches:
         return None
@@ -741,18 +566,14 @@ def extract_last_number(text: str) -> str | None:
 
 
 def extract_boxed_number(text: str) -> str | None:
-    """The last number inside the last \\boxed{}, LaTeX digit grouping removed
-    ('\\boxed{1{,}234}' and '\\boxed{1,\\!234}' -> '1234'); None without a box or a number in it."""
+    """The last number inside the last \\boxed{}, LaTeX digit grouping removed ('1{,}234' -> '1234')."""
     boxed = extract_boxed(text)
     return None if boxed is None else extract_last_number(DIGIT_GROUPING.sub("", boxed))
 
 
 def extract_gsm8k_answer(text: str) -> str | None:
-    """The final number of a GSM8K solution: the last number inside the last \\boxed{} (what
-    the instruction asks for); else, on the line of the last 'answer is', the number after its
-    last '=' ('The answer is 3 × 6 = 18') or else its first number ('The answer is 18 apples
-    from 3 baskets'); else the last number of the text (GSM8K's own '#### 18' and the paper
-    models' 'A: 18' end that way)."""
+    """The last number in the last \\boxed{}; else on the last 'answer is' line, the number after its
+    last '=', or its first; else the last number of the text ('#### 18')."""
     if (number := extract_boxed_number(text)) is not None:
         return number
     matches = list(ANSWER_IS.finditer(text))
@@ -775,11 +596,9 @@ def numbers_equal(answer: str | None, gold: str) -> bool:
 
 
 def extract_bbh_answer(text: str) -> str | None:
-    """BBH's 'So the answer is X.': after the last 'answer is', the last \\boxed{} if there is
-    one, else the first line that is not just a math delimiter ('\\[', '$$': display math
-    puts the answer on a line of its own); with no phrase, a \\boxed{} anywhere. Markdown,
-    quotes and the final period are stripped. None when there is no phrase and no box, or
-    nothing is left. \\text{X} and \\textbf{X} read X."""
+    """BBH's 'So the answer is X.': after the last 'answer is', its last \\boxed{}, else its first line
+    that is not just a math delimiter ('$$'); with no phrase, a \\boxed{} anywhere. \\text{X} reads X;
+    markdown, quotes and the final period are stripped. None: no phrase and no box, or nothing left."""
     matches = list(ANSWER_IS.finditer(text))
     if matches:
         rest = text[matches[-1].end() :]
@@ -800,13 +619,8 @@ def extract_bbh_answer(text: str) -> str | None:
 
 
 def bbh_correct(answer: str | None, gold: str) -> bool:
-    """A multiple-choice gold '(C)' matches an answer that starts with 'C' or '(C)' as a
-    whole label ('(C) Ulysses', 'C.') and names no other label (a hedge such as '(A) or (B)'
-    or 'A, B, or C' is wrong). A number gold matches the answer's last number, read after
-    dropping LaTeX's '\\(' '\\)' '$' and the Unicode minus ('\\(-1,234.0\\)' = '-1234'); a yes/no
-    gold (Yes/No, True/False, valid/invalid) the answer's first word ('no, he did not' = 'No').
-    Any other gold matches the whole answer, ignoring case and runs of spaces (Dyck and
-    word-sorting answers keep their order)."""
+    """A choice gold '(C)': the answer's leading label, no other named (a hedge is wrong); a number gold:
+    the answer's last number (LaTeX dropped); yes/no: its first word; else the whole text, case and spaces aside."""
     if answer is None:
         return False
     choice = BBH_CHOICE.fullmatch(gold.strip())
@@ -824,8 +638,7 @@ def bbh_correct(answer: str | None, gold: str) -> bool:
 
 
 def extract_choice_letter(text: str) -> str | None:
-    """The option letter A-J a multiple-choice answer names: the last 'answer is (X)', else
-    the last 'Answer: X', else the last \\boxed{X}; None if none of them is there."""
+    """The option letter A-J: the last 'answer is (X)', else 'Answer: X', else \\boxed{X}; else None."""
     for pattern in LETTER_PATTERNS:
         letters = pattern.findall(text)
         if letters:
@@ -834,37 +647,20 @@ def extract_choice_letter(text: str) -> str | None:
 
 
 # ----------------------------------------------------------------------------------------
-# Benchmarks: graders. Each returns two grades, both blind to truncation (evaluate.py reports
-# the truncation rate on its own): `strict`, the answer where the benchmark's instruction asks
-# for it (lm-eval's strict-match), and `correct`, the flexible grade that also reads the
-# extractor's fallbacks (lm-eval's flexible-extract); strict implies correct. `formatted`: an
-# answer is where the instruction asks. `reward` is what the benchmark would pay as a training
-# reward, the rule of gsm8k_reward, with Countdown's levels: 1.0 strict, 0.1 formatted but
-# wrong, 0 otherwise, and 0 for a completion cut at max_new_tokens whatever it holds.
+# Benchmarks: graders. `strict`: the answer where the instruction asks (lm-eval's strict-match); `correct`:
+# the fallbacks too (flexible-extract). `reward` (graded): 1.0 strict, 0.1 formatted, else 0; 0 when truncated.
 
 MATH_VERIFY_TIMEOUT_S = 5  # seconds math-verify may spend on one parse or one comparison
 
 
 def graded(correct: bool, strict: bool, formatted: bool, extracted: str | None, truncated: bool) -> Score:
-    if truncated:
-        reward = REWARD_NONE
-    else:
-        reward = REWARD_CORRECT if strict else REWARD_FORMAT if formatted else REWARD_NONE
+    reward = REWARD_NONE if truncated else REWARD_CORRECT if strict else REWARD_FORMAT if formatted else REWARD_NONE
     return Score(reward, correct=correct, formatted=formatted, extracted=extracted, strict=strict)
 
 
 def gsm8k_reward(completion: str, problem: dict, truncated: bool = False) -> Score:
-    """GSM8K's training reward (load_task): 1.0 when the last number inside the last
-    \\boxed{} (the format the prompt asks for) equals the gold exactly; 0.1 for a number in
-    \\boxed{} that is wrong; 0 without one, and 0 for a completion cut at max_new_tokens
-    (truncated) whatever it holds. correct, strict and formatted follow the reward: all False
-    when truncated.
-
-    Why not the evaluation's fallbacks (gsm8k_score's flexible `correct`: after 'answer is',
-    else the last number of the text): they credit junk. The only reward of 1.0 in a 10-step
-    real-model run went to a repetition loop cut at the token cap, '… 13. 20 chickens = 20 *',
-    whose last number happened to equal the gold, 20. A policy rewarded for that learns to
-    ramble until the cap, not to answer."""
+    """GSM8K's training reward: 1.0 when the boxed number is the gold, 0.1 when not, 0 without one or
+    when truncated. Not the fallbacks: they credit rambling to the token cap (docs/tasks.md)."""
     boxed = extract_boxed_number(completion)
     formatted = boxed is not None and not truncated
     correct = formatted and numbers_equal(boxed, problem["gold"])
@@ -872,11 +668,7 @@ def gsm8k_reward(completion: str, problem: dict, truncated: bool = False) -> Sco
 
 
 def gsm8k_score(completion: str, problem: dict, truncated: bool = False) -> Score:
-    """GSM8K's evaluation grade. strict: the number in the last \\boxed{} equals the gold
-    exactly; correct (flexible): the number extract_gsm8k_answer reads (the box, else after
-    'answer is', else the last number of the text) does. Neither depends on truncation.
-    Formatted: a number in \\boxed{}. extracted: the flexible answer. The reward is
-    gsm8k_reward's, so eval/reward during training is the training reward on held-out problems."""
+    """GSM8K's grade. strict: the boxed number is the gold; correct: extract_gsm8k_answer's; gsm8k_reward's reward."""
     answer = extract_gsm8k_answer(completion)
     boxed = extract_boxed_number(completion)
     correct, strict = numbers_equal(answer, problem["gold"]), numbers_equal(boxed, problem["gold"])
@@ -886,15 +678,8 @@ def gsm8k_score(completion: str, problem: dict, truncated: bool = False) -> Scor
 def math500_score(
     completion: str, problem: dict, truncated: bool = False, *, timeout_s: int = MATH_VERIFY_TIMEOUT_S
 ) -> Score:
-    """Mathematical equivalence by HF's math-verify (sympy): \\frac12 = 0.5 = \\dfrac{1}{2},
-    intervals, sets, matrices... The gold is parsed as \\boxed{gold}; the completion's last
-    \\boxed{} alone when it has one (math-verify would read two boxes, a first try and a
-    correction, as a set), else the whole completion. strict: the completion has a \\boxed{}
-    (what the instruction asks for) and it is equivalent; correct (flexible) also accepts the
-    whole completion's last expression when there is no box. math-verify bounds each parse and
-    comparison with a SIGALRM of timeout_s: call it from the main thread. An alarm cannot
-    interrupt a long C-level computation (10^{10^{10^{10}}}), so evaluate.py also runs graders
-    in a worker process it can kill."""
+    """math-verify's equivalence of \\boxed{gold} and the last \\boxed{} (else the whole completion: not
+    strict). Its SIGALRM bounds each step to timeout_s: call it from the main thread."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
     config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
@@ -910,9 +695,7 @@ def math500_score(
 
 
 def bbh_score(completion: str, problem: dict, truncated: bool = False) -> Score:
-    """strict: the answer after the last "answer is" (the instruction's "So the answer is X.")
-    is right; correct (flexible) also reads a \\boxed{} when the phrase is missing (see
-    extract_bbh_answer, bbh_correct). Formatted: the phrase with an answer after it."""
+    """strict: the answer after the last "answer is"; correct also reads a lone \\boxed{} (extract_bbh_answer)."""
     answer = extract_bbh_answer(completion)
     phrase = ANSWER_IS.search(completion) is not None  # then extract_bbh_answer read after it
     correct = bbh_correct(answer, problem["gold"])
@@ -920,9 +703,7 @@ def bbh_score(completion: str, problem: dict, truncated: bool = False) -> Score:
 
 
 def mmlu_pro_score(completion: str, problem: dict, truncated: bool = False) -> Score:
-    """strict: the letter of the last "answer is (X)" (the instruction's "The answer is (X).",
-    markdown such as **X** allowed) is the gold; correct (flexible) falls back to "Answer: X",
-    then \\boxed{X} (extract_choice_letter). Formatted: an "answer is (X)" letter is there."""
+    """strict: the letter of the last "answer is (X)"; correct: extract_choice_letter's (its fallbacks too)."""
     letter = extract_choice_letter(completion)
     phrase_letters = ANSWER_IS_LETTER.findall(completion)
     strict_letter = phrase_letters[-1] if phrase_letters else None  # = letter when not None
@@ -937,8 +718,7 @@ def load_benchmark(
     shots: int = 0,
     countdown_numbers: str = COUNTDOWN_NUMBERS,
 ) -> Task:
-    """A benchmark's problems (each with "gold" and "subset"), prompt and grader. shots: worked
-    examples in each prompt (countdown and gsm8k); countdown_numbers: Countdown's problem size."""
+    """A benchmark's problems ("gold", "subset"), prompt and grader; shots, countdown_numbers as load_task's."""
     if name == "countdown":
         sizes = countdown_sizes(countdown_numbers)
         problems = [
@@ -951,8 +731,8 @@ def load_benchmark(
         messages = with_examples(gsm8k_messages, task_examples(name, shots, data_dir=data_dir))
         return Task(name, load_gsm8k("test", data_dir), messages, gsm8k_score)
     if shots:
-        raise SystemExit(f"--shots is for countdown and gsm8k; {name} has no worked examples: drop --shots.")
-    if name == "digit":  # the toy task's own prompts (nothing is held out): smoke runs, the tiny study
+        raise SystemExit(NO_SHOTS.format(name))
+    if name == "digit":  # its own prompts (nothing is held out): smoke runs, the tiny study
         problems = [{**p, "gold": "a digit", "subset": ""} for p in load_task(name).problems[:countdown_problems]]
         return Task(name, problems, digit_messages, digit_score)
     if name == "math500":
@@ -965,12 +745,11 @@ def load_benchmark(
 
 
 # ----------------------------------------------------------------------------------------
-# Your own task (--task file): problems from a data file or a Hub dataset, a grader by name,
-# or your own reward function by import path. docs/tasks.md: "Your own task".
+# Your own task (--task file): problems from a data file or a Hub dataset, a grader by name, or
+# your own reward function by import path (docs/tasks.md, "Your own task").
 
 GRADERS = ("math", "number", "choice", "exact", "countdown")
 FILE_FORMATS = (".jsonl", ".json", ".csv", ".parquet")
-FILE_HELDOUT_SHARE = 10  # without --eval_data_file, 1 row in 10 (by a hash of its prompt) is held out
 EXACT_INSTRUCTION = "Think it through step by step. Then write the final answer alone in \\boxed{}."
 GRADER_INSTRUCTIONS = {  # what each grader reads, said to the model
     "math": BOXED_MATH_INSTRUCTION,
@@ -983,16 +762,16 @@ GRADER_INSTRUCTIONS = {  # what each grader reads, said to the model
 
 @dataclass
 class FileTaskSpec:
-    """The flags of a file task, as the scripts' Args and evaluate.py's hold them."""
+    """The flags of a file task (TaskArgs' of the same names say what each is)."""
 
-    data_file: str  # a .jsonl/.json/.csv/.parquet path, or a Hub dataset id (owner/name or owner/name:config)
+    data_file: str
     data_split: str = "train"
-    prompt_key: str = "prompt"  # a text, or a list of chat messages taken as it is
+    prompt_key: str = "prompt"
     answer_key: str = "answer"
     grader: str = "math"
     system_prompt: str = ""
-    instruction: str = "auto"  # auto: the grader's; "": none
-    eval_data_file: str = ""  # "": a fixed hash share of data_file's rows is held out
+    instruction: str = "auto"
+    eval_data_file: str = ""
     eval_data_split: str = "test"
 
     @classmethod
@@ -1001,25 +780,19 @@ class FileTaskSpec:
 
 
 def read_rows(source: str, split: str) -> list[dict]:
-    """The rows of a local data file (JSON lines, a JSON list or {split: list}, CSV, Parquet), or
-    of a Hub dataset's split (owner/name, or owner/name:config). Nothing is downloaded for a path
-    that exists. Stops with a message on a missing file, an unknown format or no rows."""
+    """The rows of a .jsonl/.json/.csv/.parquet file, or of a Hub dataset's split (owner/name[:config])."""
     path = Path(source)
     if path.suffix in FILE_FORMATS or path.exists():
         if not path.is_file():
             raise SystemExit(f"--data_file {source}: no such file. Give a {'/'.join(FILE_FORMATS)} file or a Hub id.")
         if path.suffix == ".jsonl":
-            lines = enumerate(data_text(path).splitlines(), start=1)
-            rows = [json_value(line, f"{source}, line {number}") for number, line in lines if line.strip()]
+            rows = jsonl_rows(path, source)
         elif path.suffix == ".json":
             content = json_value(data_text(path), source)
             rows = content.get(split) if isinstance(content, dict) else content
             if not isinstance(rows, list):
                 raise SystemExit(f"{source}: a JSON file holds a list of rows, or {{{split!r}: [rows]}}.")
         elif path.suffix == ".csv":
-            import csv
-            import io
-
             rows = list(csv.DictReader(io.StringIO(data_text(path), newline="")))
         elif path.suffix == ".parquet":
             import pyarrow.parquet  # datasets' own dependency
@@ -1039,12 +812,17 @@ def read_rows(source: str, split: str) -> list[dict]:
 
 
 def data_text(path: Path) -> str:
-    """A data file's text: UTF-8, a byte-order mark (as Windows editors write) read past; else a
-    SystemExit naming the file and the byte."""
+    """A data file's UTF-8 text, a byte-order mark read past; else a SystemExit naming the file."""
     try:
         return path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as error:
         raise SystemExit(f"{path}: not UTF-8 text ({error}): save it as UTF-8.") from error
+
+
+def jsonl_rows(path: Path, where: str) -> list:
+    """The values of a JSON-lines file, blank lines skipped; a SystemExit names `where` and the line."""
+    lines = enumerate(data_text(path).splitlines(), start=1)
+    return [json_value(line, f"{where}, line {number}") for number, line in lines if line.strip()]
 
 
 def json_value(text: str, where: str):
@@ -1056,8 +834,7 @@ def json_value(text: str, where: str):
 
 
 def file_problem(row: dict, spec: FileTaskSpec, where: str) -> dict:
-    """A problem from a row: the row's own columns, with "gold" (the answer as text) and, for the
-    countdown grader, "nums" and "target" as numbers. ValueError: the grader cannot read the answer."""
+    """A row with "gold" (text) and, for the countdown grader, numbers; ValueError: the grader cannot read it."""
     if spec.grader == "countdown":  # the answer is an equation: no answer column, the target says it
         numbers = row["nums"] if not isinstance(row["nums"], str) else json.loads(row["nums"])
         target = int(row["target"])
@@ -1077,23 +854,20 @@ def file_problems(spec: FileTaskSpec, source: str, split: str) -> list[dict]:
     """Every row of `source` as a problem; stops on a missing column or answers the grader cannot read."""
     rows = read_rows(source, split)
     needed = {"nums", "target"} if spec.grader == "countdown" else {spec.prompt_key, spec.answer_key}
+    problems, unreadable = [], []  # a missing column or prompt stops at once; unreadable answers are counted
     for number, row in enumerate(rows, start=1):
         missing = needed - set(row)
         if missing:
             flags = "" if spec.grader == "countdown" else " (--prompt_key, --answer_key)"
             at = f", row {number}" if number > 1 else ""
             raise SystemExit(f"{source}{at}: no column {sorted(missing)}{flags}; its columns are {sorted(row)}.")
-        if spec.prompt_key not in row:  # the countdown grader's rows may have none: Countdown's prompt then
-            continue
-        prompt = row[spec.prompt_key]
+        prompt = row.get(spec.prompt_key, "Countdown's own")  # the countdown grader's rows may have none
         chat = isinstance(prompt, list) and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt)
         if not (isinstance(prompt, str) and prompt.strip() or chat and prompt):
             raise SystemExit(
                 f"{source}, row {number}: the prompt ({spec.prompt_key!r}) is {prompt!r}: give text, or a chat as a "
                 'list of {"role": ..., "content": ...} messages.'
             )
-    problems, unreadable = [], []
-    for number, row in enumerate(rows, start=1):
         try:
             problems.append(file_problem(row, spec, f"row {number}"))
         except (KeyError, ValueError, TypeError) as error:
@@ -1113,17 +887,8 @@ def file_prompt_text(problem: dict, spec: FileTaskSpec) -> str:
     return json.dumps(problem[spec.prompt_key], sort_keys=True)
 
 
-def is_heldout_row(problem: dict, spec: FileTaskSpec) -> bool:
-    """The fixed hash share held out of a file's rows (Countdown's own rule for the countdown grader)."""
-    if spec.grader == "countdown":
-        return is_heldout_countdown(problem["nums"], problem["target"])
-    digest = hashlib.sha256(file_prompt_text(problem, spec).encode()).digest()
-    return int.from_bytes(digest[:8], "big") % FILE_HELDOUT_SHARE == 0
-
-
 def file_messages(spec: FileTaskSpec) -> Callable[[dict], list[dict]]:
-    """problem -> chat: the row's own chat as it is; else [system,] the prompt and the instruction;
-    Countdown's prompt for the countdown grader on rows without a prompt column."""
+    """problem -> chat: a row's own chat; else [system,] prompt and instruction; Countdown's without a prompt."""
     instruction = GRADER_INSTRUCTIONS[spec.grader] if spec.instruction == "auto" else spec.instruction
 
     def messages(problem: dict) -> list[dict]:
@@ -1140,9 +905,8 @@ def file_messages(spec: FileTaskSpec) -> Callable[[dict], list[dict]]:
 
 
 def exact_score(completion: str, problem: dict, truncated: bool = False) -> Score:
-    """The exact grader: the last \\boxed{} (as the instruction asks), else the text after the last
-    "answer is", else the last non-empty line, equals the gold once both are normalised (case,
-    spaces, surrounding punctuation and $…$). strict and formatted: from the box."""
+    """The last \\boxed{} (strict), else the first line after "answer is", else the last line, equals the
+    gold, both normalised (case, spaces, punctuation around, $…$)."""
     boxed = extract_boxed(completion)
     flexible = boxed
     if boxed is None:
@@ -1170,11 +934,8 @@ FILE_GRADERS: dict[str, Callable[[str, dict, bool], Score]] = {
 
 
 def load_file_task(spec: FileTaskSpec, split: str, shots: int = 0) -> Task:
-    """--task file: the training rows (split "train"), or the held-out ones ("heldout"): those of
-    --eval_data_file, or without it the fixed hash share of --data_file's rows that training never
-    sees. shots: the first K training rows as worked examples, answered "The answer is \\boxed{gold}."
-    (Countdown rows: their "solution" in the strict format), left out of training. Stops before any
-    model loads on what cannot work, held-out rows that are also training rows among it."""
+    """--task file's training rows ("train") or held-out ones ("heldout": --eval_data_file's, else the hash
+    share), the first `shots` training rows as worked examples. Stops before any model loads."""
     if spec.grader not in GRADERS:
         raise SystemExit(f"--grader {spec.grader!r} is not one of: {', '.join(GRADERS)}.")
     if split == "heldout" and spec.eval_data_file and not spec.data_file:  # evaluate.py on a file of its own
@@ -1192,9 +953,13 @@ def load_file_task(spec: FileTaskSpec, split: str, shots: int = 0) -> Task:
                 f"--eval_data_file {spec.eval_data_file}: {len(overlap)} of its {len(heldout)} problems are also in "
                 f"--data_file (the first: {file_prompt_text(overlap[0], spec)[:80]}). Held-out problems must be unseen."
             )
-    else:
-        train = [p for p in rows if not is_heldout_row(p, spec)]
-        heldout = [p for p in rows if is_heldout_row(p, spec)]
+    else:  # the hash share (Countdown's own rule for the countdown grader)
+        countdown = spec.grader == "countdown"
+        held = [
+            is_heldout_countdown(p["nums"], p["target"]) if countdown else is_heldout(file_prompt_text(p, spec))
+            for p in rows
+        ]
+        train, heldout = [p for p, h in zip(rows, held) if not h], [p for p, h in zip(rows, held) if h]
     if shots < 0 or shots >= len(train):
         raise SystemExit(f"--shots {shots}: between 0 and the {len(train)} training rows less one.")
     examples, train = train[:shots], train[shots:]
@@ -1204,20 +969,12 @@ def load_file_task(spec: FileTaskSpec, split: str, shots: int = 0) -> Task:
     worked = [(e, countdown_worked(e) if spec.grader == "countdown" else answer.format(e["gold"])) for e in examples]
     problems = train if split == "train" else heldout
     if not problems:
-        raise SystemExit(f"--data_file {spec.data_file}: no {split} rows (held out: 1 in {FILE_HELDOUT_SHARE}).")
+        raise SystemExit(f"--data_file {spec.data_file}: no {split} rows (held out: 1 in {HELDOUT_SHARE}).")
     return Task("file", problems, with_examples(file_messages(spec), worked), FILE_GRADERS[spec.grader])
 
 
-# ----------------------------------------------------------------------------------------
-# A reward function of your own (--reward_fn module:function or path/to/file.py:function)
-
-
 def import_function(path: str, flag: str) -> Callable:
-    """The function a flag (--reward_fn, --tool) names as module:function or path/to/file.py:function,
-    imported once, before any model loads; stops with a message naming the flag when it cannot."""
-    import importlib
-    import importlib.util
-
+    """The function module:function or path/to/file.py:function names; else a stop naming the flag."""
     module_name, _, function_name = path.rpartition(":")
     if not module_name or not function_name:
         raise SystemExit(f"{flag} {path!r}: write module:function or path/to/file.py:function.")
@@ -1239,8 +996,7 @@ def import_function(path: str, flag: str) -> Callable:
 
 
 def import_reward_fn(path: str) -> Callable:
-    """The function --reward_fn names (import_function), checked to take (completion, problem,
-    truncated): a function that cannot would fail every call, and every reward would be 0."""
+    """The function --reward_fn names, checked to take (completion, problem, truncated): else every call fails."""
     function = import_function(path, "--reward_fn")
     try:
         inspect.signature(function).bind("completion", {}, False)
@@ -1255,16 +1011,11 @@ def import_reward_fn(path: str) -> Callable:
 
 
 class RewardTimeout(BaseException):
-    """A reward function or tool ran past its time limit. A BaseException, as KeyboardInterrupt is:
-    user code that catches Exception around its slow part (a retry, a fallback) cannot swallow it
-    and run on, or return as if it had finished in time."""
+    """Past a time limit: a BaseException, so user code catching Exception cannot swallow it."""
 
 
 def call_with_time_limit(function: Callable, seconds: float, *args):
     """function(*args), interrupted by a SIGALRM after `seconds` (main thread; elsewhere unbounded)."""
-    import signal
-    import threading
-
     if seconds <= 0 or threading.current_thread() is not threading.main_thread():
         return function(*args)
 
@@ -1281,12 +1032,12 @@ def call_with_time_limit(function: Callable, seconds: float, *args):
 
 
 def with_reward_fn(task: Task, path: str, timeout_s: float) -> Task:
-    """The task with its reward from --reward_fn: function(completion, problem, truncated) returns a
-    number, or (number, formatted). correct: the number is at least REWARD_CORRECT. A call that
-    raises, runs past timeout_s, or returns NaN or no number scores REWARD_NONE with failed=True
-    (reward/fn_failed counts them); it never ends the run."""
+    """The task scored by --reward_fn (as it is for ''): a number, or (number, formatted); correct: >=
+    REWARD_CORRECT. A call that raises, times out or returns no number scores REWARD_NONE, failed=True."""
+    if not path:
+        return task
     function = import_reward_fn(path)
-    warned = []  # the first failure is shown once (warnings would show each place once, whatever the error)
+    warned = []  # the first failure is shown, once
 
     def score(completion: str, problem: dict, truncated: bool = False) -> Score:
         try:
@@ -1312,14 +1063,8 @@ def with_reward_fn(task: Task, path: str, timeout_s: float) -> Task:
 
 
 # ----------------------------------------------------------------------------------------
-# Tools: functions the model may call in the middle of its rollout. The model writes a call in
-# its chat template's format; the sampler reads it (parse_tool_calls), runs it (run_tool_call),
-# appends the answer as the template writes a tool message (tool_turn_text), and the
-# model's turn goes on. A tool is a plain Python function with type hints and a Google-style
-# docstring (a description, then "Args:"): transformers' get_json_schema turns those into the
-# JSON schema the chat template shows the model (apply_chat_template(tools=[function])), and the
-# model calls it by the function's name. --tools names built-in tools, --tool your own
-# (module:function or path/to/file.py:function); a task may bring its own (Task.tools).
+# Tools: Python functions with type hints and a Google-style docstring (get_json_schema shows them to the
+# model). A call is parsed (parse_tool_calls), run (run_tool_call), its answer rendered (tool_turn_text).
 
 DECIMAL_PLACES = 6  # the calculator's decimal form of a fraction that is not whole
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"  # Hermes' format: Qwen2.5, Qwen3
@@ -1327,12 +1072,7 @@ PYTHON_TAG = "<|python_tag|>"  # Llama 3.1: what follows it is a call
 SPECIAL_TOKEN = re.compile(r"<\|\w+\|>")  # <|eot_id|>, <|im_end|>: the end of the turn, in its text
 
 
-# The Countdown verifier's parser and exact arithmetic (read_expression, evaluate_expression):
-# nothing reaches eval, and its bounds keep any expression a model writes quick to compute. As
-# in Countdown answers there is no unary minus (0 - 5 says the same); results may be negative.
-# A value that is not whole is written exactly, then "=" and its decimal when that ends within
-# DECIMAL_PLACES places, else "≈" and the decimal rounded (half to even) to DECIMAL_PLACES. The
-# docstring is the model's too: get_json_schema shows it its text (the description, Args, Returns).
+# The Countdown verifier's parser and exact arithmetic. The docstring is the model's (get_json_schema).
 def calculator(expression: str) -> str:
     """Computes an arithmetic expression exactly: whole numbers from 0 to 1000000, + - * / and parentheses.
 
@@ -1354,25 +1094,20 @@ def calculator(expression: str) -> str:
         raise ValueError("division by zero") from error
     if value.denominator == 1:
         return str(value.numerator)
-    rounded = round(value, DECIMAL_PLACES)
-    return f"{value} {'=' if rounded == value else '≈'} {decimal_text(rounded)}"
-
-
-def decimal_text(value: Fraction) -> str:
-    """A fraction whose denominator divides 10^DECIMAL_PLACES written as a decimal: 7/2 -> '3.5'."""
-    whole, part = divmod(int(abs(value) * 10**DECIMAL_PLACES), 10**DECIMAL_PLACES)
+    rounded = round(value, DECIMAL_PLACES)  # half to even; "=" when that is exact, else "≈"
+    whole, part = divmod(int(abs(rounded) * 10**DECIMAL_PLACES), 10**DECIMAL_PLACES)
     digits = f"{part:0{DECIMAL_PLACES}d}".rstrip("0")
-    return ("-" if value < 0 else "") + str(whole) + (f".{digits}" if digits else "")
+    decimal = ("-" if rounded < 0 else "") + str(whole) + (f".{digits}" if digits else "")
+    return f"{value} {'=' if rounded == value else '≈'} {decimal}"
 
 
 BUILTIN_TOOLS = {"calculator": calculator}  # what --tools may name
 
 
 def load_tools(builtin: str, user: str) -> list[Callable]:
-    """The tools --tools (builtin: comma-separated names of BUILTIN_TOOLS) and --tool (user:
-    comma-separated module:function or path/to/file.py:function, imported as --reward_fn is)
-    name, in that order; [] for two empty flags. Stops before any model loads on an unknown
-    name, a function the chat template could not describe to the model, or two tools of one name."""
+    """The tools --tools (BUILTIN_TOOLS) and --tool (import paths) name, describable and named apart."""
+    from transformers.utils import get_json_schema
+
     tools = []
     for name in [part.strip() for part in builtin.split(",") if part.strip()]:
         if name not in BUILTIN_TOOLS:
@@ -1383,25 +1118,17 @@ def load_tools(builtin: str, user: str) -> list[Callable]:
         tools.append(BUILTIN_TOOLS[name])
     for path in [part.strip() for part in user.split(",") if part.strip()]:
         function = import_function(path, "--tool")
-        check_tool_schema(function, f"--tool {path!r}")
+        try:  # the schema is all the chat template shows the model of a tool
+            get_json_schema(function)
+        except Exception as error:  # its own DocstringParsingException, TypeHintParsingException; a partial's, …
+            raise SystemExit(
+                f"--tool {path!r}: the model cannot be shown {getattr(function, '__name__', function)!r}: {error}. "
+                "A tool needs a type hint on every argument and a Google-style docstring: a description, then an "
+                "'Args:' section with one line 'name: what it is' for each argument."
+            ) from error
         tools.append(function)
     check_tool_names(tools)
     return tools
-
-
-def check_tool_schema(function: Callable, where: str) -> None:
-    """Stops, naming where the tool came from, when transformers' get_json_schema cannot describe
-    it: that schema is all the chat template shows the model of a tool."""
-    from transformers.utils import get_json_schema
-
-    try:
-        get_json_schema(function)
-    except Exception as error:  # its own DocstringParsingException, TypeHintParsingException; a partial's, …
-        raise SystemExit(
-            f"{where}: the model cannot be shown {getattr(function, '__name__', function)!r}: {error}. A tool needs a "
-            "type hint on every argument and a Google-style docstring: a description, then an 'Args:' section "
-            "with one line 'name: what it is' for each argument."
-        ) from error
 
 
 def check_tool_names(tools: list[Callable]) -> None:
@@ -1416,8 +1143,7 @@ def check_tool_names(tools: list[Callable]) -> None:
 
 
 def with_tools(task: Task, args) -> Task:
-    """The task with the tools of --tools and --tool (load_tools) after its own; the task itself,
-    nothing imported, when neither flag is set (args: a script's Args, or any without the flags)."""
+    """The task with the tools of --tools and --tool after its own (args may lack those flags)."""
     builtin, user = getattr(args, "tools", ""), getattr(args, "tool", "")
     if not builtin and not user:
         return task
@@ -1427,22 +1153,22 @@ def with_tools(task: Task, args) -> Task:
 
 
 def parse_tool_calls(text: str, whole_turn_json: bool = True) -> list[dict]:
-    """The tool calls in one assistant turn's text, decoded without skipping special tokens (as
-    the model wrote it): [{"name": str, "arguments": dict}, ...] in order; [] when it has none.
-
-    Two formats. Hermes (Qwen2.5, Qwen3): each <tool_call> ... </tool_call> block holds one JSON
-    object {"name": ..., "arguments": {...}} ("arguments" may be a JSON string holding the object;
-    none at all is {}). Llama 3.x, read only with whole_turn_json (a model whose template has no
-    <tool_call>: tool_call_format): the whole turn, after an optional <|python_tag|>, is one JSON
-    object with "name" and "parameters" (or "arguments"); without the tag, a turn that is not
-    such an object is an answer, not a call. A Hermes model's answer that is a JSON object with
-    a "name" is an answer. A call that cannot be read (not JSON, no name,
-    arguments that are not an object, a <tool_call> never closed) is still a call: {"error":
-    what was wrong}, which run_tool_call gives the model as the answer so that it can try again.
-    Linear time (str.find, json.loads): the text is untrusted input.
-    """
-    if TOOL_CALL_OPEN not in text:
-        return llama_tool_call(text) if whole_turn_json else []
+    """A turn's calls as written (special tokens kept): [{"name", "arguments"}], [] for none. Hermes: JSON
+    in <tool_call> blocks; Llama 3.x (whole_turn_json): the turn is one JSON object with "name" and "parameters".
+    An unreadable call is {"error": why}, which the model gets as the answer. Linear time: untrusted text."""
+    if TOOL_CALL_OPEN not in text:  # Llama's, read only with whole_turn_json: the turn, its end (<|eot_id|>) dropped
+        body = text.strip() if whole_turn_json else ""
+        while (start := body.rfind("<|")) >= 0 and SPECIAL_TOKEN.fullmatch(body, start):
+            body = body[:start].rstrip()
+        if body.startswith(PYTHON_TAG):
+            return [tool_call_from_json(body[len(PYTHON_TAG) :])]
+        if not (body.startswith("{") and body.endswith("}")):
+            return []
+        try:
+            value = json.loads(body)
+        except (ValueError, RecursionError):  # braces around text that is no JSON: an answer, not a call
+            return []
+        return [tool_call_from_value(value)] if isinstance(value, dict) and "name" in value else []
     calls, position = [], 0
     while (start := text.find(TOOL_CALL_OPEN, position)) >= 0:
         start += len(TOOL_CALL_OPEN)
@@ -1456,36 +1182,18 @@ def parse_tool_calls(text: str, whole_turn_json: bool = True) -> list[dict]:
 
 
 def tool_call_format(tokenizer) -> bool:
-    """parse_tool_calls' whole_turn_json for a model: False when its chat template writes calls in
-    <tool_call> blocks (Hermes: Qwen2.5, Qwen3), True otherwise (Llama 3.x's whole-turn JSON)."""
+    """parse_tool_calls' whole_turn_json: False for a template writing <tool_call> blocks, else True."""
     return TOOL_CALL_OPEN not in (tokenizer.chat_template or "")
-
-
-def llama_tool_call(text: str) -> list[dict]:
-    """Llama 3.x's call (parse_tool_calls): [the call] or []."""
-    body = text.strip()
-    while (start := body.rfind("<|")) >= 0 and SPECIAL_TOKEN.fullmatch(body, start):
-        body = body[:start].rstrip()  # the end of the turn (<|eot_id|>, <|eom_id|>) is no part of the call
-    if body.startswith(PYTHON_TAG):
-        return [tool_call_from_json(body[len(PYTHON_TAG) :])]
-    if not (body.startswith("{") and body.endswith("}")):
-        return []
-    try:
-        value = json.loads(body)
-    except (ValueError, RecursionError):  # braces around text that is no JSON: an answer, not a call
-        return []
-    return [tool_call_from_value(value)] if isinstance(value, dict) and "name" in value else []
 
 
 def tool_call_from_json(text: str) -> dict:
     """One call's JSON text as {"name", "arguments"}, or {"error": what was wrong}."""
     try:
-        value = json.loads(text)
+        return tool_call_from_value(json.loads(text))
     except RecursionError:  # json.loads recurses once per bracket: '[' * 100000 exhausts the stack
         return {"error": "the call is not valid JSON: nested too deep"}
     except ValueError as error:
         return {"error": f"the call is not valid JSON ({error})"}
-    return tool_call_from_value(value)
 
 
 def tool_call_from_value(value) -> dict:
@@ -1507,13 +1215,8 @@ def tool_call_from_value(value) -> dict:
 
 
 def run_tool_call(call: dict, tools: dict[str, Callable], timeout_s: float) -> tuple[str, bool]:
-    """Runs one call of parse_tool_calls with the tools by name. Returns (the answer the model is
-    given, failed). The answer is the tool's result: a string as it is, anything else as JSON (its
-    str() when it is not JSON-able). A call that cannot run is answered with what went wrong,
-    "error: ...", and failed=True: a malformed call, a name that is no tool's (the answer lists
-    them), arguments that do not fit the function, the function raising, or running past
-    timeout_s (a SIGALRM, call_with_time_limit: from the main thread). Never raises an Exception:
-    the model's mistakes and the tools' failures end a call, not the run."""
+    """Runs a call: (the answer, failed). The result (JSON or str() if not a string), or "error: ..." for a
+    malformed call, an unknown tool, wrong arguments, a raise or a timeout. Never raises."""
     if "error" in call:
         return f"error: {call['error']}", True
     name, arguments = call["name"], call["arguments"]
@@ -1526,19 +1229,16 @@ def run_tool_call(call: dict, tools: dict[str, Callable], timeout_s: float) -> t
         return f"error: wrong arguments for {name}: {error}", True
     try:
         result = call_with_time_limit(functools.partial(function, **arguments), timeout_s)
-        return (result if isinstance(result, str) else json_or_text(result)), False
+        if not isinstance(result, str):  # as the model reads it: JSON, else str() (a set, an object, a cycle)
+            try:
+                result = json.dumps(result, ensure_ascii=False)
+            except (TypeError, ValueError, RecursionError):
+                result = str(result)
+        return result, False
     except RewardTimeout:
         return f"error: {name} ran past its time limit of {timeout_s} s", True
     except (Exception, SystemExit) as error:  # the tool's own failure (its exit too) is its answer; the rollout goes on
         return f"error: {type(error).__name__}: {error}", True
-
-
-def json_or_text(result) -> str:
-    """A tool's result that is not a string, as the model reads it: JSON, else its str()."""
-    try:
-        return json.dumps(result, ensure_ascii=False)
-    except (TypeError, ValueError, RecursionError):  # a set, an object, a cycle: no JSON for it
-        return str(result)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1547,19 +1247,10 @@ TASKS = ("countdown", "digit", "secret", "gsm8k", "file")
 
 
 def load_task(
-    name: str,
-    seed: int = 0,
-    num_problems: int = 20000,
-    dataset: str = "",
-    split: str = "train",
-    data_dir: str = "",
-    shots: int = 0,
-    countdown_numbers: str = COUNTDOWN_NUMBERS,
-) -> Task:
-    """A task's problems, prompt and training reward. Countdown comes from the offline generator
-    with `seed` (problems of countdown_numbers numbers) unless `dataset` names a Hub dataset;
-    gsm8k from openai/gsm8k, or data_dir (which the other tasks refuse rather than ignore).
-    shots: worked examples in each prompt (with_examples)."""
+    name: str, seed: int = 0, num_problems: int = 20000, dataset: str = "", split: str = "train", data_dir: str = "",
+    shots: int = 0, countdown_numbers: str = COUNTDOWN_NUMBERS,
+) -> Task:  # fmt: skip
+    """A task's problems, prompt and training reward (Countdown: the generator with `seed`, or `dataset`)."""
     if dataset and name != "countdown":
         raise SystemExit(f"--dataset is for --task countdown; --task {name} has its own data.")
     if data_dir and name != "gsm8k":
@@ -1568,17 +1259,17 @@ def load_task(
         raise SystemExit("--countdown_numbers is for the offline Countdown generator (--task countdown, no --dataset).")
     examples = task_examples(name, shots, countdown_numbers, data_dir)
     if name == "countdown":
-        if dataset:
-            problems = load_countdown_hub(dataset, split)
+        if dataset:  # the public set, its columns `target` and `nums`
+            hint = "check the dataset name, or drop --dataset to use the offline generator (the default)."
+            rows = load_hub_rows(dataset, None, split, {"target", "nums"}, hint)
+            problems = [{"nums": list(row["nums"]), "target": int(row["target"])} for row in rows]
         else:
             problems = generate_countdown(num_problems, seed, *countdown_sizes(countdown_numbers))
         return Task(name, problems, with_examples(countdown_messages, examples), countdown_score)
     if name == "digit":
-        problems = [{"prompt": prompt} for prompt in DIGIT_PROMPTS]
-        return Task(name, problems, digit_messages, digit_score)
+        return Task(name, [{"prompt": prompt} for prompt in DIGIT_PROMPTS], digit_messages, digit_score)
     if name == "secret":  # one user turn, as digit's; its tool is its own
-        problems = [{"prompt": prompt} for prompt in SECRET_PROMPTS]
-        return Task(name, problems, digit_messages, secret_score, tools=[secret_digit])
+        return Task(name, [{"prompt": p} for p in SECRET_PROMPTS], digit_messages, secret_score, tools=[secret_digit])
     if name == "gsm8k":  # the strict reward, not the benchmark's grade (gsm8k_reward says why)
         return Task(name, load_gsm8k(split, data_dir), with_examples(gsm8k_messages, examples), gsm8k_reward)
     if name == "file":
@@ -1587,9 +1278,7 @@ def load_task(
 
 
 def training_task(args) -> Task:
-    """The task a training script's flags name (its Args: --task and the data flags), with its
-    reward from --reward_fn when that is set and the tools of --tools and --tool added to its own
-    (with_tools). Stops with a message before any model loads."""
+    """The task a training script's flags name, with --reward_fn's reward and --tool(s)' tools."""
     file_flags = [f"--{name}" for name in ("data_file", "eval_data_file") if getattr(args, name)]
     if args.task != "file" and file_flags:
         raise SystemExit(f"{' and '.join(file_flags)}: for --task file (your own data); drop it or add --task file.")
@@ -1600,83 +1289,53 @@ def training_task(args) -> Task:
             args.task, args.seed, args.num_problems, args.dataset, "train", args.data_dir, args.shots,
             args.countdown_numbers,
         )  # fmt: skip
-    task = with_reward_fn(task, args.reward_fn, args.reward_fn_timeout) if args.reward_fn else task
-    return with_tools(task, args)
+    return with_tools(with_reward_fn(task, args.reward_fn, args.reward_fn_timeout), args)
 
 
 def heldout_task(args) -> Task:
-    """--eval_every's problems: load_heldout_task's for the built-in tasks, and for --task file the
-    rows of --eval_data_file or the held-out share of --data_file; --reward_fn and the tools as in training."""
+    """--eval_every's problems: load_heldout_task's, or --task file's held-out rows; reward and tools as in training."""
     if args.task == "file":
         task = load_file_task(FileTaskSpec.from_args(args), "heldout", args.shots)
         task.problems = task.problems[: args.eval_problems]
     else:
         task = load_heldout_task(args.task, args.eval_problems, args.data_dir, args.shots, args.countdown_numbers)
-    task = with_reward_fn(task, args.reward_fn, args.reward_fn_timeout) if args.reward_fn else task
-    return with_tools(task, args)
+    return with_tools(with_reward_fn(task, args.reward_fn, args.reward_fn_timeout), args)
 
 
 def load_heldout_task(
     name: str, num_problems: int, data_dir: str = "", shots: int = 0, countdown_numbers: str = COUNTDOWN_NUMBERS
 ) -> Task:
-    """Problems no training step sees, for evaluation during training (--eval_every): the
-    first num_problems of the benchmark of the same name (Countdown: its held-out share;
-    GSM8K: the test split), with the benchmark's grader: `strict` and `correct` as evaluate.py
-    grades them, `reward` the training reward. The toys, digit and secret, have nothing held out:
-    their own prompts.
-    shots and countdown_numbers as the training task's, so both see the same prompts."""
-    if name in ("digit", "secret"):
-        task = load_task(name)
-    else:
-        task = load_benchmark(name, data_dir, num_problems, shots, countdown_numbers)
+    """Problems no training step sees: the first num_problems of the same benchmark; the toys' own."""
+    toy = name in ("digit", "secret")  # their own prompts: nothing is held out
+    task = load_task(name) if toy else load_benchmark(name, data_dir, num_problems, shots, countdown_numbers)
     task.problems = task.problems[:num_problems]
     return task
 
 
 # ----------------------------------------------------------------------------------------
-# Tool turns: the environment side of a multi-turn rollout. A turn's calls parsed and run, their
-# answers rendered by the chat template and cut to --max_tool_tokens, and the per-row queue of
-# answer tokens that generate() forces into a row.
+# Tool turns: the environment side of a multi-turn rollout. A turn's calls run, their answers
+# rendered by the chat template and cut to --max_tool_tokens, queued for generate() to force.
 
-
-# The assistant's text in tool_turn_text's conversation: it marks where that turn ends.
-TOOL_TURN_MARK = "nanoPO: the assistant's turn"
+TOOL_TURN_MARK = "nanoPO: the assistant's turn"  # marks where that turn ends in tool_turn_text
 
 
 def plain_prompt_advice(tokenizer) -> str:
-    """The end of the message where tools meet plain prompts: drop --prompt_format plain only
-    where the user passed it (the model has a chat template), else use a chat model."""
+    """How a message on tools with plain prompts ends: drop --prompt_format plain, or use a chat model."""
+    chat_model = "use a chat model (tiny-tools among the tiny ones)."
     if tokenizer.chat_template is not None:
-        return (
-            "these prompts are plain text: drop --prompt_format plain, or use a chat model "
-            "(tiny-tools among the tiny ones)."
-        )
-    return "this model has none, so its prompts are plain text: use a chat model (tiny-tools among the tiny ones)."
+        return f"these prompts are plain text: drop --prompt_format plain, or {chat_model}"
+    return f"this model has none, so its prompts are plain text: {chat_model}"
 
 
 def tool_turn_text(tokenizer, answers: list[tuple[str, str]]) -> str:
-    """The text the chat template writes after an assistant turn that called tools, from the
-    end-of-turn token the model wrote (tokenizer.eos_token, such as <|im_end|>) to where the
-    assistant writes again: the tool messages holding `answers` ((tool name, answer text)
-    pairs, one per call of the turn) and the next assistant header. A rollout appends its
-    tokens to the row and lets the model go on.
-
-    Read off the template itself, for any model: a conversation [user, assistant, the tool
-    messages] is rendered with the generation prompt, and the text after the assistant turn's
-    end-of-turn token is the answer ("\\n<|im_start|>user\\n<tool_response>\\n7\\n</tool_response>
-    <|im_end|>\\n<|im_start|>assistant\\n" for tiny-tools, as Qwen2.5's). Only what follows that
-    turn is read, so a template may write earlier turns otherwise once a tool message follows
-    (Qwen3's drops the empty <think></think> it gives the last assistant turn): the tokens the
-    model wrote stay as they are. Stops where the template cannot write a tool message."""
+    """What the chat template writes after an assistant turn that called tools, from its EOS to the next
+    assistant header, the tool messages of `answers` ((name, text) pairs) between: read off the template."""
     if getattr(tokenizer, "plain_prompt", False) or tokenizer.chat_template is None:
         raise SystemExit(
             "Tools need a chat template, to give the model the tools' answers, and " + plain_prompt_advice(tokenizer)
         )
-    messages = [
-        {"role": "user", "content": "x"},
-        {"role": "assistant", "content": TOOL_TURN_MARK},
-        *[{"role": "tool", "name": name, "content": answer} for name, answer in answers],
-    ]
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": TOOL_TURN_MARK}]
+    messages += [{"role": "tool", "name": name, "content": answer} for name, answer in answers]
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except TemplateError as error:
@@ -1695,12 +1354,8 @@ def tool_turn_text(tokenizer, answers: list[tuple[str, str]]) -> str:
 
 
 def check_tool_turns(tokenizer) -> None:
-    """Stops, before a rollout, where the chat template cannot give the model a tool's answer: no
-    tool role (tool_turn_text says so), or one that drops the answer. Checked once, on a plain
-    answer: at a tool call the answers are any text, which a template may escape (Llama 3.1's
-    writes them through tojson), so that they are not found as they were given."""
-    probe = "4242"
-    if probe not in tool_turn_text(tokenizer, [("probe", probe)]):
+    """Stops where the chat template has no tool role or drops the answer (a plain one: others may be escaped)."""
+    if "4242" not in tool_turn_text(tokenizer, [("probe", "4242")]):
         raise SystemExit(
             "This model's chat template drops the tool's answer (a message of role 'tool'), so the model "
             "would never see it. Use a model whose template takes tool messages."
@@ -1716,13 +1371,8 @@ def too_few_tool_tokens(max_tokens: int, around: int) -> str:
 
 
 def tool_turns(tokenizer, tools: list, num_rows: int, max_turns: int, max_tool_tokens: int, timeout_s: float):
-    """generate's tool_turn for a task's tools (functions; rewards.py's Tools): a turn's text, as the
-    model wrote it, is parsed for calls in the model's own format (parse_tool_calls); each call
-    runs (run_tool_call: an unknown tool, wrong arguments, an exception or a timeout become the
-    answer's error text, never the run's end); the answers go back as the chat template renders
-    tool messages and the next assistant header (tool_turn_text), cut to max_tool_tokens.
-    No call, or max_turns answered already: None, the completion ends. Returns (tool_turn, counts):
-    counts (n, 3) the calls, failed calls and answered turns of each row, filled as it runs."""
+    """generate's tool_turn: (row, a turn's ids) -> its calls' answers as ids (cut to max_tool_tokens), or
+    None to end. Also returns counts (n, 3): each row's calls, failed calls and answered turns."""
     by_name = {tool.__name__: tool for tool in tools}
     counts = torch.zeros(num_rows, 3, dtype=torch.long)  # calls, failed calls, turns answered
     check_tool_turns(tokenizer)  # stops now where the template cannot give the model an answer…
@@ -1742,8 +1392,7 @@ def tool_turns(tokenizer, tools: list, num_rows: int, max_turns: int, max_tool_t
 
 
 def fitted_answer(tokenizer, answers: list[tuple[str, str]], max_tokens: int) -> list[int]:
-    """The token ids of one tool turn's (name, text) answers as the chat template renders them
-    (tool_turn_text), the longest answer's text cut ("…") until they fit max_tokens."""
+    """The ids of a turn's (name, text) answers as tool_turn_text renders them, the longest cut ("…") to fit."""
     names, texts = [name for name, _ in answers], [text for _, text in answers]
     while True:
         ids = tokenizer(tool_turn_text(tokenizer, list(zip(names, texts))), add_special_tokens=False)["input_ids"]
@@ -1758,9 +1407,7 @@ def fitted_answer(tokenizer, answers: list[tuple[str, str]], max_tokens: int) ->
 
 @dataclass
 class ToolQueue:
-    """Per row of generate's decode loop, what its tool turns need: the environment's tokens still
-    to force (`queued` of ids, from index `next`), the model's own tokens so far (`spent`, bounded
-    by max_new_tokens) and the column its current turn began at (`start`). (n, ·) each."""
+    """Per row of generate's decode loop, the state of its tool turns."""
 
     ids: torch.Tensor  # (n, max_tool_tokens) the current answer's tokens
     queued: torch.Tensor  # (n,) how many of them are still to come
@@ -1780,11 +1427,8 @@ class ToolQueue:
 
 
 def tool_turns_due(env: ToolQueue, ended, completion_ids, rows, t: int, tool_turn, max_new_tokens: int):
-    """The rows whose turn ended at column t, handed to tool_turn with their turn's token ids: one
-    that called a tool gets its answer queued as forced tokens from column t + 1 and goes on; the
-    others end. A row with none of max_new_tokens left ends without its tools run. One host sync
-    (whether any turn ended), then one copy of the ended rows' ids. Returns `ended` less the rows
-    that go on. ended (n,) bool; rows (n,) their rows in completion_ids (N, ·)."""
+    """Rows whose turn ended at column t go to tool_turn: with a call, its answer is queued from t + 1 and
+    the row goes on. One host sync. Returns `ended` less those rows; ended (n,), rows (n,) into (N, ·)."""
     due = ended & (env.spent < max_new_tokens)  # (n,)
     if not due.any():
         return ended
