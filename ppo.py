@@ -76,7 +76,7 @@ class Args(RunArgs, TaskArgs):
     lam_alpha: float = arg(0.05, "α of the length-adaptive λ_actor (VAPO)")
     value_warmup_steps: int = arg(0, "VAPO value pretraining: only the critic learns for the first K steps")
     whiten_advantages: bool = arg(True, "whiten Â over valid tokens, population variance (verl: unbiased); false: raw")
-    whiten_eps: float = arg(1e-8, "added to the batch variance when whitening Â")
+    whiten_eps: float = arg(0.0025, "ε added to Â's variance when whitening: √ε = 0.05 floors its std (verl: 1e-8)")
     pos_lm_coef: float = arg(0.0, "μ, VAPO's positive-example LM loss: + μ·NLL of the correct completions (VAPO: 0.1)")
     tis_cap: float = arg(0.0, "C, truncated IS: each token's policy-gradient term × min(π_θold/π_sampler, C); 0 = off")
     is_mask: str = arg("", "α,β of masked IS (IcePop): a token with π_θold/π_sampler outside [α, β] leaves the loss")
@@ -179,10 +179,11 @@ def gae(
 
 
 def masked_whiten(x: torch.Tensor, completion_mask: torch.Tensor, eps: float, total=lambda sum_: sum_) -> torch.Tensor:
-    """(x − mean) / sqrt(var + eps), mean and variance over the valid tokens of the whole batch
-    (not per sequence, not per micro-batch), the population variance. total(sum): the sum over
-    the whole batch (under torchrun common.all_reduce, as this rank holds only its share).
-    x, mask (N, T) -> (N, T), 0 where masked."""
+    """(x − mean) / sqrt(var + eps), mean and population variance over the valid tokens of the whole
+    batch (total: every rank's). eps is a floor, not only a guard against 0: once every answer is
+    right, what is left of Â (the KL penalty, the critic's errors) has a spread of ~0.01, which
+    eps = 1e-8 (verl's, TRL's) stretches to 1, the size a right answer had; √eps = 0.05 stretches it
+    at most 20× (docs/learning.md). x, mask (N, T) -> (N, T), 0 where masked."""
     mask = completion_mask.to(x.dtype)
     count = total(mask.sum())
     mean = total((x * mask).sum()) / count
