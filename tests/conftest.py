@@ -51,6 +51,9 @@ def pytest_xdist_setupnodes(config, specs):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: the CUDA tier, run where a GPU is (python -m pytest -m cuda)")
+    config.addinivalue_line(
+        "markers", "launches: runs a script in a process of its own, in another directory (mutmut leaves it out)"
+    )
     # pytest-xdist's own marker, declared here too for a run without it (the GPU image): the tests of one
     # group share a costly module fixture, and `-n 2 --dist loadgroup` gives them one worker
     config.addinivalue_line("markers", "xdist_group(name): run in one worker under pytest -n --dist loadgroup")

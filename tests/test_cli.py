@@ -246,6 +246,7 @@ def test_a_checkpoint_saved_before_the_script_s_name_is_known_by_its_arguments(t
 
 
 @pytest.mark.parametrize("script", ["grpo.py", "dapo.py", "ppo.py"])
+@pytest.mark.launches
 def test_ctrl_c_names_the_newest_checkpoint_and_the_resume_command(script, tmp_path):
     # A long run checkpointing every step; SIGINT (what Ctrl-C sends) once step-000002 exists.
     command = [

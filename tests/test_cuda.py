@@ -28,7 +28,7 @@ from families import FAMILIES, unbuildable
 # xdist_group: under -n 2 --dist loadgroup one worker runs the tier, one test at a time on the GPU, and
 # builds the 1.5B shape (qwen_shape) once
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="the CUDA tier needs a GPU")]
-pytestmark += [pytest.mark.xdist_group("cuda")]
+pytestmark += [pytest.mark.xdist_group("cuda"), pytest.mark.launches]
 TIMEOUT = 600  # seconds for a subprocess: a hang fails the test instead of stalling the tier
 
 

@@ -467,6 +467,7 @@ def test_every_logged_metric_is_explained_in_the_docs(tmp_path):
 # The command line
 
 
+@pytest.mark.launches
 def test_smoke_run_writes_metrics_and_loadable_checkpoints(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "dapo.py"), "--model", "tiny", "--task", "digit", "--max_steps", "3",

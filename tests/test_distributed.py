@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from common import TRAINER_STATE, read_jsonl
 from conftest import ROOT, trainer_state
 
+pytestmark = pytest.mark.launches  # torchrun's processes, in a directory of their own
 TIMEOUT = 300  # seconds; a 2-process launch of the tiny model takes ~10-20 on 2 busy cores
 CASES = ["grpo-grpo", "grpo-dr_grpo", "grpo-gspo", "grpo-gpg", "grpo-sapo", "dapo-overlong_filter", "ppo-actor"]
 CASES += ["ppo-critic", "grpo-clip_cov", "grpo-kl_cov", "grpo-dppo"]  # the techniques of tests/distributed_update.py

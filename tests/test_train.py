@@ -158,6 +158,7 @@ def run_cli(*arguments, cwd):
     )
 
 
+@pytest.mark.launches
 def test_smoke_run_writes_metrics_and_loadable_checkpoints(tmp_path):
     result = run_cli(
         "--model", "tiny", "--max_steps", "3", "--batch_size", "2", "--group_size", "4",
@@ -177,6 +178,7 @@ def test_smoke_run_writes_metrics_and_loadable_checkpoints(tmp_path):
         assert model.config.model_type == "qwen2" and tokenizer.chat_template
 
 
+@pytest.mark.launches
 def test_bad_arguments_stop_with_a_message(tmp_path):
     result = run_cli("--model", "tiny", "--group_size", "1", "--loss_type", "ppo", cwd=tmp_path)
     assert result.returncode != 0
@@ -194,6 +196,7 @@ def test_every_logged_metric_is_explained_in_the_docs(tmp_path):
     assert logged - documented == set(), "metrics missing from docs/metrics.md"
 
 
+@pytest.mark.launches
 def test_help_lists_every_hyperparameter_with_its_meaning(tmp_path):
     result = run_cli("--help", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
