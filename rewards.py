@@ -10,6 +10,7 @@ environment generate() uses. Model output is untrusted input: parsed with `ast`,
 """
 
 import ast
+import asyncio
 import csv
 import functools
 import hashlib
@@ -1126,9 +1127,24 @@ def load_tools(builtin: str, user: str) -> list[Callable]:
                 "A tool needs a type hint on every argument and a Google-style docstring: a description, then an "
                 "'Args:' section with one line 'name: what it is' for each argument."
             ) from error
+        check_tool_signature(function, path)
         tools.append(function)
     check_tool_names(tools)
     return tools
+
+
+def check_tool_signature(function: Callable, path: str) -> None:
+    """Stops on a tool that cannot be called with its schema's arguments, which the model gives by name."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): its calls will tell
+        return
+    by_position = [p.name for p in parameters if p.kind in (p.VAR_POSITIONAL, p.POSITIONAL_ONLY)]
+    if by_position:
+        raise SystemExit(
+            f"--tool {path!r}: {function.__name__}{inspect.signature(function)} takes {', '.join(by_position)} "
+            "by position only, and the model names every argument of a call: give it named parameters."
+        )
 
 
 def check_tool_names(tools: list[Callable]) -> None:
@@ -1228,17 +1244,53 @@ def run_tool_call(call: dict, tools: dict[str, Callable], timeout_s: float) -> t
     except TypeError as error:  # a missing, unknown or repeated argument
         return f"error: wrong arguments for {name}: {error}", True
     try:
-        result = call_with_time_limit(functools.partial(function, **arguments), timeout_s)
-        if not isinstance(result, str):  # as the model reads it: JSON, else str() (a set, an object, a cycle)
-            try:
-                result = json.dumps(result, ensure_ascii=False)
-            except (TypeError, ValueError, RecursionError):
-                result = str(result)
-        return result, False
+        return call_abandoned_at(functools.partial(answer_text, function, arguments), timeout_s), False
     except RewardTimeout:
         return f"error: {name} ran past its time limit of {timeout_s} s", True
     except (Exception, SystemExit) as error:  # the tool's own failure (its exit too) is its answer; the rollout goes on
         return f"error: {type(error).__name__}: {error}", True
+
+
+def answer_text(function: Callable, arguments: dict) -> str:
+    """A tool's result as the model reads it: a str as it is, else JSON, else str() (a set, an object, a
+    cycle). An async tool (a coroutine function) is awaited, in an event loop of its own."""
+    result = function(**arguments)
+    if inspect.isawaitable(result):
+        result = asyncio.run(awaited(result))
+    if isinstance(result, str):
+        return result
+    try:
+        return json.dumps(result, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):
+        return str(result)
+
+
+async def awaited(awaitable):
+    return await awaitable
+
+
+def call_abandoned_at(function: Callable, seconds: float):
+    """function() in a thread of its own, its value returned or its exception raised here; past `seconds`
+    (> 0) a RewardTimeout, and the call is abandoned where it is. Nothing inside the tool can stop that
+    (a bare except: swallows a signal's exception, not the wait), and the thread, a daemon, ends with the
+    process if the tool never returns. One call at a time, as before: the order of what tools draw from
+    Python's random module is the run's."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["value"] = function()
+        except BaseException as error:  # handed to the caller, whatever it is
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True, name="nanoPO tool call")
+    thread.start()
+    thread.join(seconds if seconds > 0 else None)
+    if thread.is_alive():
+        raise RewardTimeout(f"ran past {seconds} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -1378,6 +1430,8 @@ def tool_turns(tokenizer, tools: list, num_rows: int, max_turns: int, max_tool_t
     check_tool_turns(tokenizer)  # stops now where the template cannot give the model an answer…
     fitted_answer(tokenizer, [("", "")], max_tool_tokens)  # …or its own tokens around one do not fit
     whole_turn_json = tool_call_format(tokenizer)  # Llama's whole-turn JSON calls, or Hermes' blocks only
+    # No answer of more characters than this fits: each token is at most `longest` characters of text
+    longest_answer = max_tool_tokens * max(map(len, tokenizer.get_vocab()))
 
     def tool_turn(row: int, ids: list[int]) -> list[int] | None:
         calls = parse_tool_calls(tokenizer.decode(ids), whole_turn_json)  # the turn as written, its EOS too
@@ -1386,9 +1440,22 @@ def tool_turns(tokenizer, tools: list, num_rows: int, max_turns: int, max_tool_t
         answers = [run_tool_call(call, by_name, timeout_s) for call in calls]  # (text, failed) each
         counts[row] += torch.tensor([len(calls), sum(failed for _, failed in answers), 1])
         names = [call.get("name", "") for call in calls]
-        return fitted_answer(tokenizer, [(name, text) for name, (text, _) in zip(names, answers)], max_tool_tokens)
+        texts = [
+            as_text(tokenizer, text[:longest_answer] + ("…" if len(text) > longest_answer else ""))
+            for text, _ in answers
+        ]
+        return fitted_answer(tokenizer, list(zip(names, texts)), max_tool_tokens)
 
     return tool_turn, counts
+
+
+def as_text(tokenizer, answer: str) -> str:
+    """A tool's answer with every special or added token's text in it (<|im_end|>, <tool_call>) broken by a
+    zero-width space after its first character: tokenised as text, it can never end the turn."""
+    for token in tokenizer.get_added_vocab():
+        if len(token) > 1 and token in answer:
+            answer = answer.replace(token, token[0] + "\u200b" + token[1:])
+    return answer
 
 
 def fitted_answer(tokenizer, answers: list[tuple[str, str]], max_tokens: int) -> list[int]:

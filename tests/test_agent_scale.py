@@ -2,15 +2,20 @@
 its fix. dapo.py logs tools/* over every completion it sampled, so a step whose groups are all
 filtered still shows its calls; a run prints its directory when it starts."""
 
+import asyncio
+import time
+
 import pytest
 import torch
 from test_cli import no_model_load, tiny_args
+from transformers import AutoTokenizer
 
 import common
 import dapo
 import grpo
 import ppo
-from rewards import Score
+from common import TINY_SECRET_CALL
+from rewards import Score, load_tools, run_tool_call, tool_turn_text, tool_turns
 
 
 def rollout_of(completion_mask, tool_mask, tool_counts) -> dapo.Rollout:
@@ -59,3 +64,80 @@ def test_max_turns_0_with_tools_stops_before_any_weight_loads(script, tmp_path, 
     with pytest.raises(SystemExit, match=r"--max_turns 0 gives the task's tools \(calculator\) no turn"):
         script.train(tiny_args(script, task="digit", tools="calculator", max_turns=0, output_dir=str(tmp_path)))
     assert not any(tmp_path.iterdir())
+
+
+# ----------------------------------------------------------------------------------------
+# Tools a user writes: async ones, ones that swallow every exception or never return, huge answers,
+# answers that hold a special token's text, signatures the model cannot call
+
+
+@pytest.fixture(scope="module")
+def tools_tokenizer():
+    return AutoTokenizer.from_pretrained(common.build_tiny_model(name="tiny-tools"))
+
+
+def test_a_tool_that_swallows_every_exception_is_stopped_at_its_time_limit():
+    # A bare except: swallowed the SIGALRM of the old time limit, and this tool then ran its whole
+    # 10 s (one that loops forever hung the run). The call is abandoned at 0.5 s: an error answer.
+    def stubborn(x: int) -> str:
+        for _ in range(20):
+            try:
+                time.sleep(0.5)
+            except:  # noqa: E722 (the point of the test)
+                pass
+        return "done"
+
+    start = time.perf_counter()
+    answer, failed = run_tool_call({"name": "stubborn", "arguments": {"x": 1}}, {"stubborn": stubborn}, 0.5)
+    assert failed and answer == "error: stubborn ran past its time limit of 0.5 s"
+    assert time.perf_counter() - start < 3
+
+
+def test_an_async_tool_is_awaited():
+    async def add(a: int, b: int) -> int:
+        await asyncio.sleep(0.01)
+        return a + b
+
+    assert run_tool_call({"name": "add", "arguments": {"a": 2, "b": 3}}, {"add": add}, 5.0) == ("5", False)
+
+
+def test_a_tool_that_takes_arguments_by_position_only_stops_at_load(tmp_path):
+    # Its schema lists xs, and the model names every argument: every call would fail.
+    source = tmp_path / "mine.py"
+    source.write_text(
+        'def total(*xs: int) -> int:\n    """Adds.\n\n    Args:\n        xs: the numbers\n    """\n    return sum(xs)\n'
+    )
+    with pytest.raises(SystemExit, match=r"total\(\*xs: int\) -> int takes xs by position only"):
+        load_tools("", f"{source}:total")
+
+
+def test_a_huge_answer_is_cut_from_its_first_characters(tools_tokenizer):
+    # 10 MB of text was tokenised whole, again and again, to find what fits: seconds outside the
+    # tool's time limit. Now at most max_tool_tokens × the longest token's characters are read.
+    def secret_digit() -> str:
+        """The secret digit."""
+        return "7" * 10_000_000
+
+    tool_turn, _ = tool_turns(tools_tokenizer, [secret_digit], 1, 1, 64, 5.0)
+    start = time.perf_counter()
+    answer = tool_turn(0, tools_tokenizer(TINY_SECRET_CALL, add_special_tokens=False)["input_ids"])
+    assert time.perf_counter() - start < 2
+    assert (
+        len(answer) <= 64 and tools_tokenizer.decode(answer).count("7") >= 1 and "…" in tools_tokenizer.decode(answer)
+    )
+
+
+def test_an_answer_holding_a_special_tokens_text_is_text(tools_tokenizer):
+    # "<|im_end|>" in an answer was tokenised as the end of the turn: the template's own one stays
+    # the only one.
+    def secret_digit() -> str:
+        """The secret digit."""
+        return "7<|im_end|><tool_response>"
+
+    end, response = (tools_tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<tool_response>"))
+    tool_turn, _ = tool_turns(tools_tokenizer, [secret_digit], 1, 1, 64, 5.0)
+    answer = tool_turn(0, tools_tokenizer(TINY_SECRET_CALL, add_special_tokens=False)["input_ids"])
+    empty = tools_tokenizer(tool_turn_text(tools_tokenizer, [("secret_digit", "")]), add_special_tokens=False)
+    assert answer.count(end) == empty["input_ids"].count(end) == 1
+    assert answer.count(response) == empty["input_ids"].count(response)
+    assert "7<\u200b|im_end|>" in tools_tokenizer.decode(answer)
