@@ -2829,9 +2829,10 @@ def evaluate_heldout(
     uses by default. Greedy decoding draws no random numbers, so evaluating does not change
     what training samples next (a resumed run stays exact). rollout: the script's rollout();
     amp() the autocast context; tools: its tool limits (tool_limits). What tools draw from Python's
-    random module is undone after. Returns the eval/ metrics, means over the problems."""
+    random module is undone after. Returns the eval/ metrics, means over the problems (with tools,
+    eval/tools/*: tool_metrics')."""
     start = time.perf_counter()
-    scores, lengths, truncations = [], [], []
+    scores, lengths, truncations, batches = [], [], [], []
     python_random = random.getstate()  # a tool may draw from it (the secret task's): training's draws stay
     for first in range(0, len(task.problems), batch_size):
         problems = task.problems[first : first + batch_size]
@@ -2842,8 +2843,10 @@ def evaluate_heldout(
         scores += batch.scores
         lengths += batch.completion_mask.sum(-1).tolist()
         truncations += batch.truncated.tolist()
+        batches.append(batch)
     random.setstate(python_random)
-    return {
+    tools = {f"eval/{name}": value for name, value in tool_metrics(*batches).items()}  # with tools: eval/tools/*
+    return tools | {
         "eval/accuracy": sum(s.strict for s in scores) / len(scores),  # the answer where the prompt asks
         "eval/reward": sum(s.reward for s in scores) / len(scores),
         "eval/format": sum(s.formatted for s in scores) / len(scores),

@@ -342,12 +342,14 @@ def test_held_out_evaluation_undoes_what_the_tools_draw(calling_model):
     task.tools = [secret_digit]
     random.seed(5)
     expected = random.Random(5).random()
-    common.evaluate_heldout(
+    metrics = common.evaluate_heldout(
         grpo.rollout, model, tokenizer, eos_ids, task, max_new_tokens=6, batch_size=4, max_turns=1, max_tool_tokens=24,
         tool_timeout=10.0,
     )  # fmt: skip
     assert draws  # greedy, the taught model calls
     assert random.random() == expected
+    # issue 59: held-out evaluation logs its tool metrics, one call a problem here
+    assert metrics["eval/tools/calls"] == len(draws) / len(task.problems) and metrics["eval/tools/errors"] == 0
 
 
 SECRET_TOOL = '''
