@@ -203,15 +203,18 @@ def extract_answer(completion: str) -> str | None:
     return text[answer_start + len("<answer>") : -len("</answer>")].strip()
 
 
-def read_expression(expression: str) -> tuple[ast.AST, list[int]]:
-    """Whole numbers, + - * / and parentheses: (tree, literals), or a ValueError saying what is wrong."""
+def read_expression(expression: str, decimals: bool = False) -> tuple[ast.AST, list[int]]:
+    """Whole numbers, + - * / and parentheses: (tree, literals), or a ValueError saying what is wrong.
+    decimals (the calculator's, not Countdown's): decimal numbers too, each read exactly (a Fraction of
+    its digits, on the node as .exact), and a sign before a number or a parenthesis."""
     if not expression:
         raise ValueError("the expression is empty")
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise ValueError(f"the expression is longer than {MAX_EXPRESSION_CHARS} characters")
-    others = "".join(sorted(set(expression) - ALLOWED_CHARS))  # '.', names, unicode digits, '_'; '**' below
+    others = "".join(sorted(set(expression) - ALLOWED_CHARS - ({"."} if decimals else set())))  # '**' below
     if others:
-        raise ValueError(f"only digits, + - * /, parentheses and spaces may be written, not: {' '.join(others)}")
+        numbers = "numbers" if decimals else "digits"
+        raise ValueError(f"only {numbers}, + - * /, parentheses and spaces may be written, not: {' '.join(others)}")
     try:
         tree = ast.parse(expression, mode="eval").body
     except SyntaxError as error:  # includes leading zeros ('07') and unbalanced parentheses
@@ -222,16 +225,20 @@ def read_expression(expression: str) -> tuple[ast.AST, list[int]]:
         if depth > MAX_EXPRESSION_DEPTH:
             raise ValueError(f"more than {MAX_EXPRESSION_DEPTH} operations nested in one another")
         if isinstance(node, ast.Constant):
-            if type(node.value) is not int:  # not a bool (a subclass of int): the charset excludes them anyway
+            if type(node.value) is not int and not (decimals and type(node.value) is float):  # a bool: not int
                 raise ValueError("only whole numbers may be written")
             if not 0 <= node.value <= MAX_LITERAL:
                 raise ValueError(f"{node.value} is above {MAX_LITERAL}, the largest number allowed")
+            if decimals:  # "0.1" is 1/10, where the float 0.1 is not
+                node.exact = Fraction(ast.get_source_segment(expression, node))
             literals.append(node.value)
         elif isinstance(node, ast.BinOp) and type(node.op) in OPERATIONS:
             check(node.left, depth + 1)
             check(node.right, depth + 1)
         elif isinstance(node, ast.BinOp):  # Pow, FloorDiv; Mod's '%' is not an allowed character
             raise ValueError("only + - * / are operators here (not ** or //)")
+        elif isinstance(node, ast.UnaryOp) and decimals and isinstance(node.op, ast.USub | ast.UAdd):
+            check(node.operand, depth + 1)
         elif isinstance(node, ast.UnaryOp):
             raise ValueError("no sign before a number or a parenthesis (unary minus): write 0 - 5 for -5")
         else:  # a tuple '()', a comparison, ...
@@ -244,7 +251,10 @@ def read_expression(expression: str) -> tuple[ast.AST, list[int]]:
 def evaluate_expression(tree: ast.AST) -> Fraction:
     """The exact value of a tree read_expression accepted. Raises ZeroDivisionError."""
     if isinstance(tree, ast.Constant):
-        return Fraction(tree.value)
+        return getattr(tree, "exact", None) or Fraction(tree.value)
+    if isinstance(tree, ast.UnaryOp):
+        value = evaluate_expression(tree.operand)
+        return -value if isinstance(tree.op, ast.USub) else value
     return OPERATIONS[type(tree.op)](evaluate_expression(tree.left), evaluate_expression(tree.right))
 
 
@@ -1075,10 +1085,10 @@ SPECIAL_TOKEN = re.compile(r"<\|\w+\|>")  # <|eot_id|>, <|im_end|>: the end of t
 
 # The Countdown verifier's parser and exact arithmetic. The docstring is the model's (get_json_schema).
 def calculator(expression: str) -> str:
-    """Computes an arithmetic expression exactly: whole numbers from 0 to 1000000, + - * / and parentheses.
+    """Computes an arithmetic expression exactly: numbers to 1000000 (decimals, signs), + - * / and parentheses.
 
     Args:
-        expression: The expression, such as "(7 - 3) * 5 / 2"; write 0 - 5 for -5 (no sign before a number).
+        expression: The expression, such as "(7 - 3) * 5 / 2" or "-1.5 * (2.25 + 4)".
 
     Returns:
         The value: its digits when whole ("12"), else the fraction and its decimal ("7/2 = 3.5", "1/3 ≈ 0.333333").
@@ -1088,7 +1098,7 @@ def calculator(expression: str) -> str:
     """
     if not isinstance(expression, str):
         raise ValueError(f'the expression must be text, such as "2 + 3", not {type(expression).__name__}')
-    tree, _ = read_expression(expression.strip())
+    tree, _ = read_expression(expression.strip(), decimals=True)
     try:
         value = evaluate_expression(tree)
     except ZeroDivisionError as error:

@@ -34,6 +34,7 @@ from rewards import (
     load_task,
     load_tools,
     parse_tool_calls,
+    read_expression,
     run_tool_call,
     secret_digit,
     secret_score,
@@ -57,7 +58,11 @@ SECRET_CALL = TINY_SECRET_CALL  # the one token of tiny-tools whose text is the 
         ("2 + 3 * 4", "14"),  # * before +: 3 · 4 = 12, + 2
         ("(2 + 3) * 4", "20"),  # the parentheses first: 5 · 4
         ("12 / 4", "3"),  # an integral quotient is its digits alone
-        ("3 - 5", "-2"),  # a negative result is fine (a negative literal is not, below)
+        ("3 - 5", "-2"),  # a negative result
+        ("-5 + 3", "-2"),  # a sign before a number (issue 59: GSM8K's problems have them)
+        ("-(2 + 3) * 2", "-10"),  # and before a parenthesis
+        ("0.1 + 0.2", "3/10 = 0.3"),  # decimals read exactly: 1/10 + 2/10, not the floats' 0.30000000000000004
+        ("-1.5 * (2.25 + 4)", "-75/8 = -9.375"),  # −3/2 · 25/4
         ("7 / 2", "7/2 = 3.5"),  # the exact fraction, then its decimal
         ("1 - 9 / 2", "-7/2 = -3.5"),  # 1 − 4.5
         ("1 / 3", "1/3 ≈ 0.333333"),  # 0.333… does not end: rounded to 6 places, marked ≈
@@ -79,10 +84,11 @@ def test_the_calculator_computes_exactly(expression, answer):
         ("", "empty"),
         ("1 + " * 30 + "1", f"longer than {MAX_EXPRESSION_CHARS} characters"),  # 121 characters
         ("2 + x", "may be written, not: x$"),  # the characters that are not arithmetic, named
-        ("__import__('os').system('ls')", "not: ' . _ e i"),  # no names, calls or quotes: nothing reaches eval
+        ("__import__('os').system('ls')", "not: ' _ e i"),  # no names, calls or quotes: nothing reaches eval
+        ("2.5.1", "not a complete expression"),
+        ("1e5", "not: e"),  # no exponents
         ("2 ** 10", r"\*\*"),
         ("2 // 3", "//"),
-        ("-5 + 3", "0 - 5"),  # no unary minus: the message says how to write it
         ("(1 + 2", "not a complete expression"),
         ("1000001 + 1", "above 1000000"),
         ("()", "not arithmetic"),
@@ -91,6 +97,13 @@ def test_the_calculator_computes_exactly(expression, answer):
 def test_the_calculator_says_what_is_wrong(expression, message):
     with pytest.raises(ValueError, match=message):
         calculator(expression)
+
+
+@pytest.mark.parametrize("expression, message", [("1.5 + 2", "not: ."), ("-5 + 3", "0 - 5")])
+def test_countdown_still_takes_whole_numbers_without_signs(expression, message):
+    # The calculator's decimals and signs are its own: Countdown's answers stay whole numbers.
+    with pytest.raises(ValueError, match=message):
+        read_expression(expression)
 
 
 def test_the_calculator_refuses_what_is_not_text():
