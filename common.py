@@ -2734,20 +2734,21 @@ def step_metrics(batch, entropy: torch.Tensor, old_logp: torch.Tensor, group_siz
 
 
 def tool_metrics(*batches) -> dict:
-    """With tools, over the completions of every batch (a script's Rollouts): calls and answered
-    turns per completion, the share of calls that failed (a malformed call, an unknown tool, wrong
+    """With tools, over the completions of every batch (a script's Rollouts): calls, answered turns and
+    calls past --max_turns per completion, the share of calls that failed (a malformed call, an unknown tool, wrong
     arguments, an exception, a timeout) and the share of the completions' tokens that the tools put
     in. Without: none."""
     if batches[0].tool_counts is None:
         return {}
-    counts = torch.cat([batch.tool_counts for batch in batches]).float()  # (completions, 3)
-    calls, failed, turns = counts.sum(0).tolist()
+    counts = torch.cat([batch.tool_counts for batch in batches]).float()  # (completions, 4)
+    calls, failed, turns, over_budget = counts.sum(0).tolist()
     environment = sum(batch.tool_mask.sum().item() for batch in batches)
     model = sum(batch.completion_mask.sum().item() for batch in batches)
     return {
         "tools/calls": calls / len(counts),
         "tools/errors": failed / max(calls, 1),
         "tools/turns": turns / len(counts),
+        "tools/over_budget": over_budget / len(counts),  # calls past --max_turns, not run
         "tools/env_share": environment / max(environment + model, 1),
     }
 

@@ -120,7 +120,7 @@ class Rollout:
     scores: list[Score]  # the n grades: reward, correct, formatted, strict
     seconds: dict[str, float] = field(default_factory=dict)  # time rollout() spent generating and scoring
     tool_mask: torch.Tensor | None = None  # (n, T) the tools' answers: attended, never trained (None: none)
-    tool_counts: torch.Tensor | None = None  # (n, 3) each completion's tool calls, failed calls, tool turns
+    tool_counts: torch.Tensor | None = None  # (n, 4) each completion's calls, failed ones, turns, calls past them
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The (n, …) tensors by name, for the update to slice into mini-batches and micro-batches."""

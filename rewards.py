@@ -1434,9 +1434,10 @@ def too_few_tool_tokens(max_tokens: int, around: int) -> str:
 
 def tool_turns(tokenizer, tools: list, num_rows: int, max_turns: int, max_tool_tokens: int, timeout_s: float):
     """generate's tool_turn: (row, a turn's ids) -> its calls' answers as ids (cut to max_tool_tokens), or
-    None to end. Also returns counts (n, 3): each row's calls, failed calls and answered turns."""
+    None to end. Also returns counts (n, 4): each row's calls, failed calls, answered turns, and the calls
+    it made past max_turns (not run: the completion ends there)."""
     by_name = {tool.__name__: tool for tool in tools}
-    counts = torch.zeros(num_rows, 3, dtype=torch.long)  # calls, failed calls, turns answered
+    counts = torch.zeros(num_rows, 4, dtype=torch.long)  # calls, failed calls, turns answered, calls past them
     check_tool_turns(tokenizer)  # stops now where the template cannot give the model an answer…
     fitted_answer(tokenizer, [("", "")], max_tool_tokens)  # …or its own tokens around one do not fit
     whole_turn_json = tool_call_format(tokenizer)  # Llama's whole-turn JSON calls, or Hermes' blocks only
@@ -1445,10 +1446,12 @@ def tool_turns(tokenizer, tools: list, num_rows: int, max_turns: int, max_tool_t
 
     def tool_turn(row: int, ids: list[int]) -> list[int] | None:
         calls = parse_tool_calls(tokenizer.decode(ids), whole_turn_json)  # the turn as written, its EOS too
+        if calls and counts[row, 2] >= max_turns:  # over the budget: counted, not run, and the completion ends
+            counts[row, 3] += len(calls)
         if not calls or counts[row, 2] >= max_turns:
             return None
         answers = [run_tool_call(call, by_name, timeout_s) for call in calls]  # (text, failed) each
-        counts[row] += torch.tensor([len(calls), sum(failed for _, failed in answers), 1])
+        counts[row, :3] += torch.tensor([len(calls), sum(failed for _, failed in answers), 1])
         names = [call.get("name", "") for call in calls]
         texts = [
             as_text(tokenizer, text[:longest_answer] + ("…" if len(text) > longest_answer else ""))

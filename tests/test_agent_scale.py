@@ -30,21 +30,30 @@ def rollout_of(completion_mask, tool_mask, tool_counts) -> dapo.Rollout:
 
 
 def test_dapo_logs_tools_over_every_completion_it_sampled_even_with_every_group_filtered():
-    # Two rounds of G = 2 with different widths, no group kept (every reward 0). Calls, failed, turns:
-    # round 1 [1, 0, 1], [0, 0, 0]; round 2 [2, 1, 1], [1, 1, 1]. calls (1 + 0 + 2 + 1)/4 = 1.0 a
-    # completion, errors 2 of 4 calls = 0.5, turns 3/4 = 0.75; the tools' tokens 2 + 1 = 3 of
+    # Two rounds of G = 2 with different widths, no group kept (every reward 0). Calls, failed, turns,
+    # past --max_turns: round 1 [1, 0, 1, 0], [0, 0, 0, 0]; round 2 [2, 1, 1, 1], [1, 1, 1, 0]. calls
+    # (1 + 0 + 2 + 1)/4 = 1.0 a completion, errors 2 of 4 calls = 0.5, turns 3/4 = 0.75, over budget
+    # 1/4; the tools' tokens 2 + 1 = 3 of
     # 3 + (3 + 2 + 2 + 1) = 11 in all: 3/11.
     first = rollout_of(
         torch.tensor([[1, 0, 0, 1], [1, 1, 0, 0]]), torch.tensor([[0, 1, 1, 0], [0, 0, 0, 0]]),
-        torch.tensor([[1, 0, 1], [0, 0, 0]]),
+        torch.tensor([[1, 0, 1, 0], [0, 0, 0, 0]]),
     )  # fmt: skip
     second = rollout_of(
-        torch.tensor([[1, 0, 1], [1, 1, 0]]), torch.tensor([[0, 1, 0], [0, 0, 0]]), torch.tensor([[2, 1, 1], [1, 1, 1]])
+        torch.tensor([[1, 0, 1], [1, 1, 0]]),
+        torch.tensor([[0, 1, 0], [0, 0, 0]]),
+        torch.tensor([[2, 1, 1, 1], [1, 1, 1, 0]]),
     )
     metrics = dapo.sampling_metrics([first, second], groups_kept=0, group_size=2)
     assert metrics["sampling/groups_kept"] == 0
     assert {k: v for k, v in metrics.items() if k.startswith("tools/")} == pytest.approx(
-        {"tools/calls": 1.0, "tools/errors": 0.5, "tools/turns": 0.75, "tools/env_share": 3 / 11}
+        {
+            "tools/calls": 1.0,
+            "tools/errors": 0.5,
+            "tools/turns": 0.75,
+            "tools/over_budget": 0.25,
+            "tools/env_share": 3 / 11,
+        }
     )
     # without tools: no tools/ keys
     plain = rollout_of(torch.ones(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long), None)

@@ -77,7 +77,7 @@ def test_max_turns_answers_at_most_n_turns(tokenizer, max_turns):
     assert [a is not None for a in answers] == [True] * max_turns + [False]
     assert all(len(a) == AROUND + 1 for a in answers[:max_turns])
     assert len(called) == max_turns  # the call past the limit is not run
-    assert counts[0].tolist() == [max_turns, 0, max_turns]  # calls, failed, turns answered
+    assert counts[0].tolist() == [max_turns, 0, max_turns, 1]  # calls, failed, turns answered, calls past them
 
 
 # ----------------------------------------------------------------------------------------
@@ -131,7 +131,7 @@ def test_a_call_of_an_earlier_turn_is_not_run_again(tokenizer):
         env, torch.tensor([True]), torch.tensor([row]), torch.tensor([0]), len(row) - 1, tool_turn, 8
     )
     assert ended.tolist() == [True]  # no call in turn 2: the completion ends
-    assert len(called) == 1 and counts[0].tolist() == [1, 0, 1]
+    assert len(called) == 1 and counts[0].tolist() == [1, 0, 1, 0]
 
 
 def test_ppo_generate_hands_each_turn_its_own_tokens():
@@ -202,10 +202,16 @@ def test_dapo_tool_errors_are_a_share_of_calls():
         prompt_ids=torch.zeros(2, 1, dtype=torch.long), prompt_mask=torch.ones(2, 1, dtype=torch.long),
         completion_ids=torch.zeros(2, 7, dtype=torch.long), completion_mask=completion_mask,
         truncated=torch.tensor([False, False]), sample_logp=torch.zeros(2, 7), rewards=torch.zeros(2),
-        texts=["", ""], scores=[], tool_mask=tool_mask, tool_counts=torch.tensor([[3, 1, 2], [1, 1, 1]]),
+        texts=["", ""], scores=[], tool_mask=tool_mask, tool_counts=torch.tensor([[3, 1, 2, 0], [1, 1, 1, 2]]),
     )  # fmt: skip
     assert common.tool_metrics(batch) == pytest.approx(
-        {"tools/calls": 2.0, "tools/errors": 0.5, "tools/turns": 1.5, "tools/env_share": 3 / 10}
+        {
+            "tools/calls": 2.0,
+            "tools/errors": 0.5,
+            "tools/turns": 1.5,
+            "tools/over_budget": 1.0,
+            "tools/env_share": 3 / 10,
+        }
     )
 
 

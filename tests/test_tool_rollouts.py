@@ -255,10 +255,16 @@ def test_tool_metrics_by_hand():
         texts=["", ""], scores=[],
     )  # fmt: skip
     metrics = common.tool_metrics(
-        grpo.Rollout(**rollout, tool_mask=tool_mask, tool_counts=torch.tensor([[3, 1, 2], [0, 0, 0]]))
+        grpo.Rollout(**rollout, tool_mask=tool_mask, tool_counts=torch.tensor([[3, 1, 2, 0], [0, 0, 0, 0]]))
     )
     assert metrics == pytest.approx(
-        {"tools/calls": 1.5, "tools/errors": 1 / 3, "tools/turns": 1.0, "tools/env_share": 4 / 15}
+        {
+            "tools/calls": 1.5,
+            "tools/errors": 1 / 3,
+            "tools/turns": 1.0,
+            "tools/over_budget": 0.0,
+            "tools/env_share": 4 / 15,
+        }
     )
     assert common.tool_metrics(grpo.Rollout(**rollout)) == {}  # a task without tools: no tools/ metrics
 
