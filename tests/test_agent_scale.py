@@ -150,3 +150,12 @@ def test_an_answer_holding_a_special_tokens_text_is_text(tools_tokenizer):
     assert answer.count(end) == empty["input_ids"].count(end) == 1
     assert answer.count(response) == empty["input_ids"].count(response)
     assert "7<\u200b|im_end|>" in tools_tokenizer.decode(answer)
+
+
+def test_tool_errors_of_a_single_failed_call_is_1():
+    # mutmut (common.tool_metrics): max(calls, 1) guards the division when no call was made; with one
+    # call, failed, the share is 1/1, not 1/2 (the mutant max(calls, 2) survived every other test).
+    batch = rollout_of(torch.tensor([[1, 0, 1]]), torch.tensor([[0, 1, 0]]), torch.tensor([[1, 1, 1, 0]]))
+    assert common.tool_metrics(batch)["tools/errors"] == 1.0
+    none = rollout_of(torch.tensor([[1, 1, 0]]), torch.zeros(1, 3, dtype=torch.long), torch.tensor([[0, 0, 0, 0]]))
+    assert common.tool_metrics(none)["tools/errors"] == 0.0  # no call: 0/1, not a division by 0
