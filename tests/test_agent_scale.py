@@ -159,3 +159,6 @@ def test_tool_errors_of_a_single_failed_call_is_1():
     assert common.tool_metrics(batch)["tools/errors"] == 1.0
     none = rollout_of(torch.tensor([[1, 1, 0]]), torch.zeros(1, 3, dtype=torch.long), torch.tensor([[0, 0, 0, 0]]))
     assert common.tool_metrics(none)["tools/errors"] == 0.0  # no call: 0/1, not a division by 0
+    # the tools' share of one token in all, theirs: 1/1 (the mutant max(…, 2) made it 1/2)
+    alone = rollout_of(torch.tensor([[0, 0]]), torch.tensor([[1, 0]]), torch.tensor([[1, 0, 1, 0]]))
+    assert common.tool_metrics(alone)["tools/env_share"] == 1.0
