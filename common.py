@@ -43,6 +43,7 @@ from jinja2 import TemplateError
 from tqdm import tqdm
 from transformers import (
     AttentionInterface,
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
@@ -1450,6 +1451,39 @@ def enable_activation_checkpointing(model) -> None:
     enable({"use_reentrant": False})  # first parameter under both names
 
 
+def check_cache_fits(args, task, device: torch.device) -> None:
+    """Stops, before any weight loads, where one completion's KV cache alone is larger than the memory
+    free on the device: --max_new_tokens columns, plus --max_turns × --max_tool_tokens with tools, each
+    holding a key and a value of every layer (the model's config read alone). Without this, generate
+    dies on its allocation, after the model loaded. A config that cannot be read is left to the load."""
+    columns = args.max_new_tokens + (args.max_turns * args.max_tool_tokens if task is not None and task.tools else 0)
+    try:
+        path, keywords = model_source(resolve_model_name(args.model))
+        config = AutoConfig.from_pretrained(path, **keywords).get_text_config()
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        per_column = 2 * config.num_hidden_layers * kv_heads * head_dim * (2 if device.type == "cuda" else 4)
+        free = (
+            torch.cuda.mem_get_info(device)[0]
+            if device.type == "cuda"
+            else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        )
+    except (Exception, SystemExit):  # no config to read here (a GGUF file without gguf, a Hub id offline, ...)
+        return
+    if columns * per_column > free:
+        tools = (
+            f" + --max_turns {args.max_turns} × --max_tool_tokens {args.max_tool_tokens}"
+            if columns > args.max_new_tokens
+            else ""
+        )
+        raise SystemExit(
+            f"One completion's KV cache would need {columns * per_column / 2**30:,.1f} GiB ({columns:,} positions: "
+            f"--max_new_tokens {args.max_new_tokens}{tools}), more than the {free / 2**30:,.1f} GiB free on {device}: "
+            "lower " + ("--max_turns or --max_tool_tokens." if tools else "--max_new_tokens.")
+        )
+
+
 def load_policy(args, device: torch.device, dtype: torch.dtype, compute_dtype: torch.dtype | None = None, task=None):
     """The policy to train and its tokenizer: returns (policy, tokenizer, eos_ids). With a task that
     has tools, stops where the model cannot take them (check_task_tools), before a run starts.
@@ -1460,7 +1494,8 @@ def load_policy(args, device: torch.device, dtype: torch.dtype, compute_dtype: t
     adapter/ folder and the frozen weights again from --model. The frozen weights are kept in
     compute_dtype (bf16 on a GPU, frozen_dtype): peft keeps the adapters in fp32. --compile:
     its blocks compiled (compile_blocks)."""
-    if task is not None and task.tools and args.max_turns == 0:  # before any weight loads
+    check_cache_fits(args, task, device)  # before any weight loads
+    if task is not None and task.tools and args.max_turns == 0:
         names = ", ".join(tool.__name__ for tool in task.tools)
         raise SystemExit(
             f"--max_turns 0 gives the task's tools ({names}) no turn: a call would end its completion unanswered. "

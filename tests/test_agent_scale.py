@@ -162,3 +162,23 @@ def test_tool_errors_of_a_single_failed_call_is_1():
     # the tools' share of one token in all, theirs: 1/1 (the mutant max(…, 2) made it 1/2)
     alone = rollout_of(torch.tensor([[0, 0]]), torch.tensor([[1, 0]]), torch.tensor([[1, 0, 1, 0]]))
     assert common.tool_metrics(alone)["tools/env_share"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "flags, lower",
+    [
+        (
+            dict(tools="calculator", max_turns=1_000_000, max_tool_tokens=100_000_000),
+            "--max_turns or --max_tool_tokens",
+        ),
+        (dict(max_new_tokens=10**13), "--max_new_tokens"),
+    ],
+)
+def test_a_cache_that_cannot_hold_one_completion_stops_before_any_weight_loads(flags, lower, tmp_path, monkeypatch):
+    # --max_turns 1000000 passed every check and died in generate on a 98 GB allocation, the model
+    # loaded. The config alone gives a column's bytes (2 · layers · kv heads · head dim · 4 on the
+    # CPU): 10^14 columns of the tiny model's are more than any machine has free.
+    monkeypatch.setattr(common, "load_model", no_model_load)
+    with pytest.raises(SystemExit, match=f"One completion's KV cache would need .* lower {lower}"):
+        grpo.train(tiny_args(grpo, task="digit", **flags, output_dir=str(tmp_path)))
+    assert not any(tmp_path.iterdir())
