@@ -3,6 +3,7 @@ its fix. dapo.py logs tools/* over every completion it sampled, so a step whose 
 filtered still shows its calls; a run prints its directory when it starts."""
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -182,3 +183,55 @@ def test_a_cache_that_cannot_hold_one_completion_stops_before_any_weight_loads(f
     with pytest.raises(SystemExit, match=f"One completion's KV cache would need .* lower {lower}"):
         grpo.train(tiny_args(grpo, task="digit", **flags, output_dir=str(tmp_path)))
     assert not any(tmp_path.iterdir())
+
+
+# ----------------------------------------------------------------------------------------
+# mutmut's survivors in the tools' code (docs/tests.md, Mutation testing)
+
+
+def test_every_positional_only_parameter_is_named(tmp_path):
+    source = tmp_path / "mine.py"
+    source.write_text(
+        'def pair(a: int, b: int, /) -> int:\n    """Adds.\n\n    Args:\n        a: one\n        b: two\n    """\n    return a + b\n'
+    )
+    with pytest.raises(SystemExit, match="takes a, b by position only"):
+        load_tools("", f"{source}:pair")
+
+
+def test_a_call_with_no_tools_at_all_says_none():
+    assert run_tool_call({"name": "x", "arguments": {}}, {}, 1.0) == (
+        "error: no tool named 'x'; the tools are: none",
+        True,
+    )
+
+
+def test_an_answer_keeps_its_non_ascii_text():
+    def where() -> dict:
+        """Where."""
+        return {"ville": "Besançon"}
+
+    assert run_tool_call({"name": "where", "arguments": {}}, {"where": where}, 5.0) == ('{"ville": "Besançon"}', False)
+
+
+def test_a_call_runs_in_a_daemon_thread_and_a_time_limit_of_0_is_none():
+    # a daemon: a tool that never returns cannot keep the process from ending; 0: no limit (a call
+    # of 0.2 s returns its value, where join(0) would abandon it at once)
+    def where() -> str:
+        """Where."""
+        time.sleep(0.2)
+        thread = threading.current_thread()
+        return f"{thread.daemon} {thread.name}"
+
+    assert run_tool_call({"name": "where", "arguments": {}}, {"where": where}, 0) == ("True nanoPO tool call", False)
+
+
+def test_tool_turns_counts_in_integers_and_fits_the_template_at_the_limit(tools_tokenizer):
+    # --max_tool_tokens equal to the template's own 21 tokens around an empty answer is accepted
+    def secret_digit() -> str:
+        """The secret digit."""
+        return ""
+
+    tool_turn, counts = tool_turns(tools_tokenizer, [secret_digit], 2, 1, 21, 5.0)
+    assert counts.dtype == torch.long and counts.shape == (2, 4)
+    with pytest.raises(SystemExit, match="--max_tool_tokens 20 is fewer than the 21 tokens"):
+        tool_turns(tools_tokenizer, [secret_digit], 2, 1, 20, 5.0)
