@@ -4,32 +4,27 @@
   python bench.py --model qwen2.5-0.5b-shape --num_layers 4      # the 0.5B shape cut to 4 layers
   python bench.py --model qwen2.5-1.5b-shape --batch_sizes 256 --max_new_tokens 1024   # one GPU
 
---model is a local directory, a Hub id or short name, `tiny`, or qwen2.5-0.5b-shape /
-qwen2.5-1.5b-shape: a Qwen2 model of that size with random weights and a tokenizer of Qwen2.5's
-151,665 ids built in code (nothing is downloaded), so that the LM head, the sampler and the
-log-softmax run at the real vocabulary's width.
+--model: a directory, a Hub id or short name, `tiny`, or qwen2.5-0.5b-shape / qwen2.5-1.5b-shape (a
+Qwen2 model of that size, random weights, a 151,665-id tokenizer built in code: nothing downloaded).
 
 1. Generation, tok/s, for each N of --batch_sizes: the scripts' generate (nanopo) against
-   transformers' model.generate (hf), on left-padded Countdown prompts (N/G prompts, each repeated
-   G times), greedy and sampled (τ = 1), every completion max_new_tokens long or, with --lengths
-   realistic, ended as real ones end (EndLikeCompletions). More --contenders: tools (tool turns
-   on, none called: what enabling them costs), masked (the masked one-token step where generate
-   runs the varlen one: the A/B of varlen_decode), compiled (--compile's model; its first call's
-   seconds beside). On CUDA the share of the memory-bandwidth bound (bandwidth_bound); on any
-   device the bytes a decode step reads against the ideal, computed (decode_bytes).
-2. --step_rows N: steps 4 and 6 of grpo.py (the reference's scoring, policy_backward), each prompt
-   forwarded once per group (shared) against once per row (unshared); peak memory on CUDA.
-3. --train_steps: one training step of each script, phase by phase (its time/* metrics), with the
-   preflight's seconds and sizes, each phase's TFLOP/s and MFU and peak memory. --compile: after
-   a step that compiles, whose times come beside (`compiling …`).
-4. First, with no weights loaded: --sampler_rows N, generate's sampler op by op and whole (eager
-   and --compile's) on (N, 151,665) logits; --attention_rows N, the one-token step's attention at
-   each width it attends over; --decode_layers N, that step's kernels a layer, eager against
-   --compile's.
+   model.generate (hf) on left-padded Countdown prompts (N/G prompts, each repeated G times),
+   greedy and sampled (τ = 1), every completion max_new_tokens long or, with --lengths realistic,
+   ended as real ones end (EndLikeCompletions). More --contenders: tools (tool turns on, none
+   called: what enabling them costs), masked (the masked one-token step where generate runs the
+   varlen one: the A/B of varlen_decode), compiled (--compile's model; its first call's seconds
+   beside). On CUDA the share of the memory-bandwidth bound (bandwidth_bound).
+2. --step_rows N: steps 4 and 6 of grpo.py, each prompt forwarded once per group (shared) against
+   once per row (unshared); peak memory on CUDA.
+3. --train_steps: one step of each script, phase by phase (its time/* metrics), the preflight's
+   seconds and sizes, each phase's TFLOP/s, MFU and peak memory; --compile: after a step that compiles.
+4. First, with no weights loaded: --sampler_rows N, generate's sampler op by op and whole (eager and
+   --compile's); --attention_rows N, the one-token step's attention at each width; --decode_layers
+   N, that step's kernels a layer, eager against --compile's.
 5. --profile decode|grpo|dapo|ppo: instead of 1-3, each phase call under torch.profiler: wall and
    busy time, largest kernels, busy time by kind, FLOP/s, MFU, bytes/s, peak memory, host syncs.
-Prints Markdown tables and writes them to --output (JSON) after every section. The figures, and
-the alternatives tried and removed, are in docs/speed.md.
+Tables print as Markdown and go to --output (JSON) after every section. The figures, and the
+alternatives tried and removed, are in docs/speed.md.
 """
 
 import contextlib
@@ -55,22 +50,7 @@ import common
 import dapo
 import grpo
 import ppo
-from common import (
-    CHATML_TEMPLATE,
-    DECODE_BACKBONES,
-    IN_PREFLIGHT,
-    Run,
-    arg,
-    autocast,
-    build_tiny_model,
-    compile_blocks,
-    load_model,
-    markdown_table,
-    parse_args,
-    resolve_device,
-    resolve_precision,
-    use_device,
-)
+from common import arg
 from rewards import load_task
 
 # The real Qwen2.5 configurations (config.json of Qwen/Qwen2.5-0.5B-Instruct and -1.5B-Instruct).
@@ -92,9 +72,7 @@ class Args:
     repeats: int = arg(3, "repetitions per contender; the median is reported")
     modes: str = arg("greedy,sampled", "greedy (τ = 0) and/or sampled (τ = 1)")
     contenders: str = arg(
-        "nanopo,hf",
-        "nanopo (generate), hf (model.generate), tools (tool turns on, none called), masked (the masked "
-        "one-token step where generate runs the varlen one), compiled (generate with --compile's model)",
+        "nanopo,hf", "nanopo (generate), hf (model.generate), tools, masked, compiled (the docstring)"
     )
     step_rows: int = arg(0, "N of the steps 4 + 6 comparison (--lengths decides the lengths); 0 = skip it")
     shots: int = arg(0, "worked examples in each Countdown prompt of the steps 4 + 6 comparison (longer prompts)")
@@ -103,28 +81,18 @@ class Args:
     countdown_numbers: str = arg("3-4", "numbers per Countdown problem in the steps 4 + 6 comparison's prompts")
     train_steps: str = arg("grpo,dapo,ppo", "scripts whose training step is timed; '' = none")
     train_batch_size: int = arg(2, "B of the training step")
-    sampler_rows: int = arg(
-        0,
-        "N of the sampler's parts (each op generate runs a token outside its captured step, (N, 151,665)); 0 = skip",
-    )
-    attention_rows: int = arg(
-        0, "N of the one-token step's attention timed alone, per variant and width (the model's shape); 0 = skip"
-    )
+    sampler_rows: int = arg(0, "N of the sampler's ops timed alone on (N, 151,665) logits; 0 = skip")
+    attention_rows: int = arg(0, "N of the one-token step's attention timed alone, per variant and width; 0 = skip")
     decode_layers: int = arg(0, "the one-token step's kernels a layer, eager against --compile's (this many layers)")
     profile: str = arg("", "decode, grpo, dapo or ppo (comma-separated): each phase under torch.profiler; '' = none")
     profile_phases: str = arg(
-        "",
-        "--profile's phases of a step to profile: generate+reward, logprobs, values, update, critic update; '' = all",
+        "", "the phases --profile profiles: generate+reward, logprobs, values, update, critic update"
     )
-    peak_tflops: float = arg(
-        0.0, "the device's peak for --profile's MFU; 0 = from PEAK_BF16_TFLOPS by GPU name (none on CPU)"
-    )
+    peak_tflops: float = arg(0.0, "the device's peak for MFU; 0 = from PEAK_BF16_TFLOPS by GPU name (none on CPU)")
     gradient_checkpointing: bool = arg(
         False, "the training steps with gradient checkpointing (ppo.py on one 80 GB GPU)"
     )
-    compile: bool = arg(
-        False, "--compile's model in the training steps (after a step that compiles: `compiling …`), --profile decode"
-    )
+    compile: bool = arg(False, "--compile's model in the training steps (after a step that compiles), --profile decode")
     model_dir: str = arg(
         "", "the shapes' random model, written once and loaded after; '' = $NANOPO_CACHE/bench-<shape>"
     )
@@ -154,9 +122,9 @@ def qwen_sized_tokenizer(size: int = QWEN_TOKENIZER_SIZE):
     bpe.decoder = decoders.ByteLevel()
     bpe.add_special_tokens(special)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHATML_TEMPLATE
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=common.CHATML_TEMPLATE
     )
-    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.chat_template = common.CHATML_TEMPLATE
     tokenizer.padding_side = "left"
     return tokenizer
 
@@ -168,9 +136,8 @@ def default_model_dir(shape: str, num_layers: int = 0) -> Path:
 
 def shape_directory(args: Args, device) -> Path:
     """The directory of --model's shape (random weights in bf16, the 151,665-id tokenizer), written
-    once and read back by every later run and by the training scripts. Built on `device` (a 1.5B model
-    initialised on the CPU takes minutes), written beside the target and renamed into place: a run cut
-    short leaves no half-written directory."""
+    once, on `device` (a 1.5B model initialised on the CPU takes minutes), beside the target and
+    renamed into place; every later run and the training scripts read it."""
     directory = Path(args.model_dir) if args.model_dir else default_model_dir(args.model, args.num_layers)
     if (directory / "config.json").exists():
         return directory
@@ -201,13 +168,13 @@ def bench_directory(args: Args, device) -> str:
     """What train(--model) loads: the shape's directory, the tiny model's, or --model itself."""
     if args.model in SHAPES:
         return str(shape_directory(args, device))
-    return str(build_tiny_model()) if args.model == "tiny" else args.model
+    return str(common.build_tiny_model()) if args.model == "tiny" else args.model
 
 
 def load_bench_model(args: Args, device, dtype):
     """(model, tokenizer, vocab_size, model directory for the training scripts)."""
     directory = bench_directory(args, device)
-    model, tokenizer, _ = load_model(directory if args.model in SHAPES else args.model, device, dtype)
+    model, tokenizer, _ = common.load_model(directory if args.model in SHAPES else args.model, device, dtype)
     if args.num_layers and args.model not in SHAPES:
         model.model.layers = model.model.layers[: args.num_layers]
         model.config.num_hidden_layers = args.num_layers
@@ -226,12 +193,10 @@ def prompts(tokenizer, num_rows: int, group_size: int, device, shots: int = 0, n
 
 
 def timed(function, device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     start = time.perf_counter()
     function()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     return time.perf_counter() - start
 
 
@@ -280,18 +245,13 @@ def bench_generation(args, model, tokenizer, vocab_size, device, amp, compute_dt
     eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")] if realistic else []
     ender = EndLikeCompletions(model, eos[0], length) if realistic else None
     tokens_per_row = expected_length(length) if realistic else length
+    ending = dict(min_new_tokens=1, eos_token_id=eos[0]) if realistic else dict(min_new_tokens=length)
     for num_rows in [int(n) for n in args.batch_sizes.split(",") if n]:
         prompt_ids, prompt_mask = prompts(tokenizer, num_rows, args.group_size, device)
         for mode in args.modes.split(","):
             temperature = 0.0 if mode == "greedy" else 1.0
             sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if temperature > 0 else {}
-            hf_config = GenerationConfig(
-                max_new_tokens=length,
-                min_new_tokens=1 if realistic else length,
-                eos_token_id=eos[0] if realistic else None,
-                pad_token_id=pad,
-                **sampling,
-            )
+            hf_config = GenerationConfig(max_new_tokens=length, pad_token_id=pad, **ending, **sampling)
             inputs = (model, prompt_ids, prompt_mask, length, eos, pad, vocab_size, temperature)
             contenders = {
                 "nanopo": functools.partial(grpo.generate, *inputs),
@@ -332,46 +292,10 @@ def bench_generation(args, model, tokenizer, vocab_size, device, amp, compute_dt
     return rows
 
 
-def decode_bytes(model, num_rows: int, prompt_length: int, max_new_tokens: int, compute_bytes: int = 2) -> dict:
-    """Computed, not measured: the bytes the one-token steps read over the decode of N rows with
-    --lengths realistic lengths (bf16 autocast over fp32 weights, as on a GPU), per step:
-      ideal   the weights once, and each live row's filled columns of K and V
-      nanopo  the weights once, and the masked step's K and V: the filled columns in doubling widths
-              (decode_widths) of the rows still decoded (halved when half have ended, checked every
-              16 tokens), each read once (grouped_decode_attention: no repeat_kv copies)
-    The live rows at step t are N·P(L > t) (geometric lengths); the decode lasts max_new_tokens steps."""
-    config = model.config
-    kv_heads = config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    weights = sum(p.numel() for p in model.parameters()) * compute_bytes
-    column = config.num_hidden_layers * kv_heads * head_dim * 2 * compute_bytes  # K and V bytes of a row's column
-    keep = 1 - end_probability(max_new_tokens)
-    widths = common.decode_widths(prompt_length, max_new_tokens)
-    ideal = nanopo = 0.0
-    decoded = num_rows  # the rows nanopo decodes
-    for t in range(max_new_tokens - 1):  # the steps after the prefill
-        live = num_rows * keep ** (t + 1)
-        if t % 16 == 15 and live <= decoded / 2:
-            decoded = live
-        filled = prompt_length + t + 1
-        ideal += weights + live * filled * column
-        nanopo += weights + decoded * next(w for w in widths if w >= filled) * column
-    steps = max_new_tokens - 1
-    row = {"N": num_rows, "P": prompt_length, "max_new_tokens": max_new_tokens}
-    return row | {
-        "ideal GB/step": ideal / steps / 1e9,
-        "nanopo GB/step": nanopo / steps / 1e9,
-        "nanopo/ideal": nanopo / ideal,
-    }
-
-
 def bench_steps_4_and_6(args, model, tokenizer, vocab_size, device, amp) -> list[dict]:
-    """Steps 4 and 6 of grpo.py on N = step_rows rows (Countdown prompts, G per prompt, random
-    completion tokens, lengths as --lengths draws them, the longest at the cap): the reference's
-    scoring (sequence_logprobs, chunks of --logprob_chunk_size) and policy_backward (micro-batches of
-    --micro_batch_size), with each prompt forwarded once per group (`shared`, forward_completions)
-    and once per row (`unshared`, share=False: the pass under gradient checkpointing). Peak memory
-    of each on CUDA."""
+    """Steps 4 and 6 of grpo.py on N = step_rows rows (random completion tokens, lengths as --lengths
+    draws them): the reference's scoring (sequence_logprobs) and policy_backward, each prompt forwarded
+    once per group (`shared`) and once per row (`unshared`, share=False); peak memory on CUDA."""
     num_rows, length = args.step_rows, args.max_new_tokens
     prompt_ids, prompt_mask = prompts(tokenizer, num_rows, args.group_size, device, args.shots, args.countdown_numbers)
     generator = torch.Generator().manual_seed(0)
@@ -400,14 +324,13 @@ def bench_steps_4_and_6(args, model, tokenizer, vocab_size, device, amp) -> list
         grpo.policy_backward(model, batch, grpo_args, vocab_size, amp)  # (totals, recorded): unused
         model.zero_grad(set_to_none=True)
 
-    def version(name: str):
-        return swapped("forward_completions", functools.partial(common.forward_completions, share=name == "shared"))
-
-    versions = ("shared", "unshared")
+    versions = {
+        name: functools.partial(common.forward_completions, share=name == "shared") for name in ("shared", "unshared")
+    }
     seconds = {(name, phase): [] for name in versions for phase in ("4", "6")}
     peaks = {}
     for name in versions:  # warm-up, and on CUDA each version's peak memory
-        with version(name):
+        with swapped("forward_completions", versions[name]):
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
@@ -416,24 +339,17 @@ def bench_steps_4_and_6(args, model, tokenizer, vocab_size, device, amp) -> list
                 peaks[name] = torch.cuda.max_memory_allocated(device) / 2**30
     for _ in range(args.repeats):  # the versions take turns within each repetition
         for name in versions:
-            with version(name):
+            with swapped("forward_completions", versions[name]):
                 seconds[(name, "4")].append(timed(step_4, device))
                 seconds[(name, "6")].append(timed(step_6, device))
     model.eval()
-    row = {
-        "N": num_rows,
-        "G": args.group_size,
-        "P": prompt_ids.shape[1],
-        "mean prompt": prompt_mask.sum(-1).float().mean().item(),
-        "lengths": args.lengths,
-        "mean length": lengths.float().mean().item(),
-    }
+    row = {"N": num_rows, "G": args.group_size, "P": prompt_ids.shape[1]}
+    row |= {"mean prompt": prompt_mask.sum(-1).float().mean().item(), "lengths": args.lengths}
+    row["mean length"] = lengths.float().mean().item()
     for name in versions:
-        row |= {f"{name} step 4 s": statistics.median(seconds[(name, "4")])}
-        row |= {f"{name} step 6 s": statistics.median(seconds[(name, "6")])}
-        row[f"{name} 4+6 s"] = row[f"{name} step 4 s"] + row[f"{name} step 6 s"]
-        if peaks:
-            row[f"{name} peak GiB"] = peaks[name]
+        step_4_s, step_6_s = (statistics.median(seconds[(name, phase)]) for phase in ("4", "6"))
+        row |= {f"{name} step 4 s": step_4_s, f"{name} step 6 s": step_6_s, f"{name} 4+6 s": step_4_s + step_6_s}
+        row |= {f"{name} peak GiB": peaks[name]} if peaks else {}
     row["unshared/shared"] = row["unshared 4+6 s"] / row["shared 4+6 s"]
     print(row, flush=True)
     return [row]
@@ -468,10 +384,9 @@ def bandwidth_bound(model, num_rows: int, context: int, tokens_per_s: float, dev
 
 
 def bench_sampler(num_rows: int, vocab_size: int, device, calls: int = 20) -> list[dict]:
-    """What generate runs every token outside its captured one-token step, at τ ≠ 1 and top-p 1, op by
-    op on (N, V) fp32 logits: ms a call, the mean of `calls` calls between two synchronisations (each
-    op's inputs made beforehand). Then the whole sampler, eager (grpo.sample: argmax(log π − log E),
-    E ~ Exp(1)) and as --compile compiles it (compiled_sampler), in turn, the median of `calls`."""
+    """generate's sampler outside its captured step (τ ≠ 1, top-p 1) on (N, V) fp32 logits: each op
+    alone, ms a call over `calls` calls (its inputs made beforehand); then the whole sampler, eager
+    (grpo.sample) and as --compile compiles it (compiled_sampler), in turn, the median of `calls`."""
     cuda = device.type == "cuda"
     temperature = 0.7
     logits = torch.randn(num_rows, vocab_size, device=device) * 4  # (N, V)
@@ -548,22 +463,21 @@ def replaced(name: str, candidate, *inputs, **settings):
 
 
 def compiled_generate(model, *inputs, **settings):
-    """grpo.generate(model, *inputs, **settings) with the model as --compile makes it (compile_blocks:
+    """grpo.generate(model, *inputs, **settings) with the model as --compile makes it (common.compile_blocks:
     its blocks, its one-token step and its sampler compiled), for the call alone; then as it was.
     dynamo keeps what it compiled: a later call compiles nothing."""
     plain = [module for module in model.modules() if "forward" not in module.__dict__]
-    compile_blocks(model)
+    common.compile_blocks(model)
     try:
         return grpo.generate(model, *inputs, **settings)
     finally:
         for module in plain:
             module.__dict__.pop("forward", None)
-        DECODE_BACKBONES.pop(model, None)
+        common.DECODE_BACKBONES.pop(model, None)
 
 
 def attention_shape(args: Args, device) -> tuple:
-    """(the model's text config, --attention_rows, the prompt length of that many Countdown rows), from
-    the model's directory: its config and tokenizer, no weights loaded."""
+    """(text config, --attention_rows, prompt length) from the model's config and tokenizer alone."""
     from transformers import AutoConfig, AutoTokenizer
 
     directory = bench_directory(args, device)
@@ -575,14 +489,11 @@ def attention_shape(args: Args, device) -> tuple:
 
 
 def bench_attention(config, num_rows: int, prompt_length: int, max_new_tokens: int, device, amp, dtype, calls=20):
-    """The attention of generate's one-token step, one layer's call, at each width the masked step
-    attends over (decode_widths): SDPA as grouped_decode_attention calls it (the masked step), the
-    varlen flash call generate runs on a GPU in bf16 (varlen_decode_attention over the left-aligned
-    cache, told each row's filled columns), and SDPA with no mask (what the mask costs). Inputs as the
-    step has them: query and cache in `dtype`, the fp32 additive mask hiding left padding and unfilled
-    columns. ms a call: the mean of `calls` calls, on CUDA replays of a CUDA graph of the call, as the
-    step runs; GB/s: the keys and values of the width read; ms a step: a call times the layers;
-    max |Δ|: against the same attention in float64."""
+    """The one-token step's attention, one layer's call, at each width of decode_widths: SDPA as the
+    masked step calls it (grouped_decode_attention), the varlen flash call generate runs on a GPU in bf16
+    (varlen_decode_attention over the left-aligned cache), and SDPA without a mask (what the mask costs).
+    Inputs as the step has them; on CUDA each call is a CUDA graph's replay, as the step runs. ms a call
+    (mean of `calls`), GB/s of keys and values read, ms a step (× layers), max |Δ| against float64."""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     generator = torch.Generator(device).manual_seed(0)
@@ -648,9 +559,8 @@ SCRIPTS = {"grpo": grpo, "dapo": dapo, "ppo": ppo}
 
 @contextlib.contextmanager
 def phases_wrapped(script, around):
-    """script's phase functions (PHASES; the critic's are ppo.py's alone) replaced, while inside,
-    by around(phase, original, *args, **kwargs). A phase called within another (critic_backward
-    calls critic_values) runs as it is: it counts as the outer one's."""
+    """script's phase functions (PHASES) replaced, while inside, by around(phase, original, ...); a phase
+    called within another (critic_backward calls critic_values) counts as the outer one's."""
     originals, inside = {}, []
     for phase, name in PHASES:
         if not hasattr(script, name):
@@ -658,7 +568,7 @@ def phases_wrapped(script, around):
         originals[name] = getattr(script, name)
 
         def wrapped(*a, _phase=phase, _function=originals[name], **k):
-            if inside or IN_PREFLIGHT.get():  # the preflight's passes are not the step's phases
+            if inside or common.IN_PREFLIGHT.get():  # the preflight's passes are not the step's phases
                 return _function(*a, **k)
             inside.append(_phase)
             try:
@@ -676,20 +586,18 @@ def phases_wrapped(script, around):
 
 @contextlib.contextmanager
 def no_final_checkpoint():
-    """A benchmark's step writes no final/ checkpoint (for the 1.5B shape ~20 GB of weights,
-    masters and AdamW state written to a directory deleted right after)."""
-    saved = Run.save_final
-    Run.save_final = lambda self: None
+    """A benchmark's step writes no final/ checkpoint (~20 GB at the 1.5B shape)."""
+    saved = common.Run.save_final
+    common.Run.save_final = lambda self: None
     try:
         yield
     finally:
-        Run.save_final = saved
+        common.Run.save_final = saved
 
 
 def one_step(args, name: str, directory: str) -> dict:
-    """One training step of script `name` with the bench model: its last metrics row, the micro-batch
-    and scoring-chunk sizes it ran with (`sized`: the flags, as the preflight set them on a GPU) and
-    the preflight's seconds (before step 1, in no time/* metric)."""
+    """One training step of script `name`: its last metrics row, the sizes it ran with (`sized`, as the
+    preflight set them) and the preflight's seconds (in no time/* metric)."""
     script = SCRIPTS[name]
     settings = dict(model=directory, max_steps=1, batch_size=args.train_batch_size, group_size=args.group_size)
     settings |= dict(max_new_tokens=args.max_new_tokens, device=args.device, dtype=args.dtype, save_every=0)
@@ -716,15 +624,13 @@ def one_step(args, name: str, directory: str) -> dict:
 
 
 def compiled_first(args, name: str, directory: str, device) -> dict:
-    """--compile: one step first, which compiles the blocks and the decode step; dynamo's cache
-    outlives its models, so the measured step runs what it compiled. Its models are freed before the
-    measured step's preflight measures memory (a compiled block refers to itself: the cyclic
-    collector's). Returns its phases' time/* metrics, each named `compiling …` (compilation and work;
-    less the measured step's, what compiling cost), and its preflight and phases summed, `compiling step s`."""
+    """--compile: one step first, which compiles (dynamo's cache outlives its models, so the measured
+    step runs what it compiled); its models freed before the measured step's preflight. Returns its
+    time/* metrics as `compiling …` and, with its preflight, `compiling step s`."""
     if not args.compile:
         return {}
     metrics = one_step(args, name, directory)
-    gc.collect()
+    gc.collect()  # a compiled block refers to itself: the cyclic collector frees its model
     if device.type == "cuda":
         torch.cuda.empty_cache()
     phases = {f"compiling {k}": v for k, v in metrics.items() if k.startswith("time/")}
@@ -732,12 +638,10 @@ def compiled_first(args, name: str, directory: str, device) -> dict:
 
 
 def bench_training(args, directory: str, device, rows: list, save=lambda: None) -> list[dict]:
-    """One step of each script with the bench model; its time/* metrics and, per phase, peak memory
-    and the work done per second: each phase call timed from a synchronised start to a synchronise
-    after it (no profiler), its FLOPs computed as --profile computes them (phase_batch, phase_work),
-    TFLOP/s and, against the device's peak (peak_flops), MFU. A row is appended to `rows` (and saved)
-    as each script finishes, so a run cut short keeps the rest."""
-    weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
+    """One step of each script: its time/* metrics, and per phase (each call timed between two
+    synchronisations, no profiler) peak memory, TFLOP/s and MFU, its FLOPs as --profile computes them.
+    A row is appended to `rows` and saved as each script finishes."""
+    weight_dtype, compute_dtype = common.resolve_precision(args.dtype, device)
     element_bytes = (compute_dtype or weight_dtype).itemsize
     peak, _ = peak_flops(args, device)
     for name in [s for s in args.train_steps.split(",") if s]:
@@ -795,15 +699,10 @@ class Counted(TorchDispatchMode):
 
 
 def bench_decode_kernels(layers: int, device, amp) -> list[dict]:
-    """What generate's one-token step runs a layer, eager against --compile's (compiled_decode): eager,
-    the aten ops it dispatches, views apart (each a kernel); compiled, the calls in the code
-    TorchInductor wrote for the step (its fused kernels, and the library's matrix products and
-    attention). A Qwen2 of the 1.5B shape's layer (1,536 wide, 12 query and 2 KV heads, 8,960 in
-    the MLP), `layers` deep and one deep, a 1,024-id head; 8 rows of a 64-token prompt, under `amp`.
-    Eager: the ops of 2 new tokens less those of 1 (one step, no prefill), a layer the difference
-    of the two depths over layers − 1; compiled, the same difference of the step's code. On the CPU
-    TorchInductor writes C++ where on a GPU it writes Triton, by the same fusion rules (not checked
-    here): the counts say what fusing removes, not what a GPU's step costs."""
+    """The one-token step's kernels a layer, eager (aten ops, views apart) against --compile's (the calls
+    in the code TorchInductor writes for the step), on a Qwen2 of the 1.5B shape's layers, `layers` deep
+    against one deep: a layer is the difference over layers − 1, a step the ops of 2 new tokens less 1.
+    On the CPU TorchInductor writes C++ rather than Triton: the counts say what fusing removes."""
     from torch._inductor.utils import run_and_get_code
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -836,7 +735,7 @@ def markdown(rows: list[dict]) -> str:
         return ""
     keys = list(dict.fromkeys(k for row in rows for k in row if k != "bound arithmetic"))
     cell = lambda v: (f"{v:.0f}" if v >= 100 else f"{v:.3g}") if isinstance(v, float) else str(v)  # noqa: E731
-    return markdown_table([{k: cell(row.get(k, "")) for k in keys} for row in rows])
+    return common.markdown_table([{k: cell(row.get(k, "")) for k in keys} for row in rows])
 
 
 # ----------------------------------------------------------------------------------------
@@ -854,39 +753,27 @@ PEAK_BF16_TFLOPS = {"H100 80GB HBM3": 989, "H100 SXM": 989, "H200": 989, "H100 P
 
 
 def model_shape(model, head_rows: int | None = None) -> dict:
-    """What the FLOP and byte formulas read from a model: `body`, the parameters a token's forward
-    pass multiplies by (all but the input embedding and the LM head, which is counted per scored
-    position instead); all `parameters` (the weights a pass reads); layers, query and KV heads, head
-    dim, hidden size d, and the head's rows: V for a causal LM (the embedding's rows, all computed),
-    1 for a critic's value head. Mixture-of-experts layers count every expert (an overestimate)."""
+    """What the FLOP and byte formulas read from a model: `body`, the parameters a token's forward pass
+    multiplies by (not the embedding, nor the head, counted per scored position), all `parameters`, the
+    attention's shape, d, and the head's rows (V; 1 for a critic's value head). MoE counts every expert."""
     config = model.config.get_text_config()
     head = model.get_output_embeddings()
     outside = {id(p) for m in (model.get_input_embeddings(), head) if m is not None for p in m.parameters()}
-    body = sum(p.numel() for p in model.parameters() if id(p) not in outside)
     heads = config.num_attention_heads
-    return dict(
-        body=body,
-        parameters=sum(p.numel() for p in model.parameters()),
-        layers=config.num_hidden_layers,
-        heads=heads,
-        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-        hidden=config.hidden_size,
-        head_rows=head_rows or head.weight.shape[0],
-    )
+    shape = dict(body=sum(p.numel() for p in model.parameters() if id(p) not in outside))
+    shape |= dict(parameters=sum(p.numel() for p in model.parameters()), layers=config.num_hidden_layers, heads=heads)
+    shape |= dict(kv_heads=getattr(config, "num_key_value_heads", None) or heads)
+    shape |= dict(head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, hidden=config.hidden_size)
+    return shape | dict(head_rows=head_rows or head.weight.shape[0])
 
 
 def token_counts(prompt_ids, prompt_mask, completion_mask, decode: bool = False) -> dict:
-    """The positions one pass over a batch computes, as the scripts compute them: each distinct
-    prompt once (p_g real tokens; padding is not counted), then f_i completion tokens of row i.
-    A token at position k (counting real tokens from 0) attends to k + 1 keys.
-      scoring (sequence_logprobs, the update): f_i = ℓ_i, completion token j at position p_i + j;
-        the LM head at the ℓ_i positions that predict the completion: scored = Σ ℓ_i
-      decode (generate): the prefill scores each prompt's last position; then ℓ_i − 1 one-token
-        steps, token j ≥ 1 fed at position p_i + j − 1 over p_i + j keys: scored = B + Σ (ℓ_i − 1)
-    tokens = Σ_g p_g + Σ_i f_i;  keys = Σ_g p_g(p_g + 1)/2 + Σ_i [f_i·p_i + f_i(f_i + 1)/2];
-    decode_keys: the rows' part of keys (what the decode steps read from the KV cache);
-    steps = max_i f_i (the decode's one-token steps). (N, P), (N, P), (N, T) -> ints."""
+    """The positions one pass over a batch computes, as the scripts do: each distinct prompt once (p_g
+    real tokens), then f_i completion tokens of row i; a token at position k attends to k + 1 keys.
+      scoring: f_i = ℓ_i, scored = Σ ℓ_i (the head at the positions that predict the completion)
+      decode: the prefill, then ℓ_i − 1 one-token steps: f_i = ℓ_i − 1, scored = B + Σ f_i
+    tokens = Σ_g p_g + Σ_i f_i;  keys = Σ_g p_g(p_g + 1)/2 + Σ_i [f_i·p_i + f_i(f_i + 1)/2], the rows'
+    part of it decode_keys; steps = max_i f_i. (N, P), (N, P), (N, T) -> ints."""
     prompt_ids, prompt_mask, completion_mask = (
         t.detach().cpu().long() for t in (prompt_ids, prompt_mask, completion_mask)
     )
@@ -905,11 +792,8 @@ def token_counts(prompt_ids, prompt_mask, completion_mask, decode: bool = False)
 
 
 def forward_flops(shape: dict, counts: dict) -> int:
-    """FLOPs of one forward pass (a multiply-add is 2):
-      2·body·tokens                                the layers' matrix products
-      + 4·layers·heads·head_dim·keys               attention: q·k and p·v, each 2·head_dim per key
-      + 2·d·head_rows·scored                       the LM head (or value head) where it runs
-    Elementwise work (norms, softmax, the sampler, the optimizer) is not counted."""
+    """FLOPs of one forward pass: 2·body·tokens (the layers' products) + 4·layers·heads·head_dim·keys
+    (q·k and p·v) + 2·d·head_rows·scored (the head). Elementwise work is not counted."""
     attention = 4 * shape["layers"] * shape["heads"] * shape["head_dim"] * counts["keys"]
     return (
         2 * shape["body"] * counts["tokens"] + attention + 2 * shape["hidden"] * shape["head_rows"] * counts["scored"]
@@ -917,18 +801,12 @@ def forward_flops(shape: dict, counts: dict) -> int:
 
 
 def phase_work(kind: str, shape: dict, batch, element_bytes: int, passes: int = 1, models: int = 1) -> tuple[int, int]:
-    """(FLOPs, bytes) of a phase over `batch` = (prompt_ids, prompt_mask, completion_mask):
-      decode  FLOPs: forward_flops of token_counts(decode=True)
-              bytes: the weights once for the prefill and once per step, and the KV cache the steps
-                     read: weights·(1 + steps) + decode_keys·layers·kv_heads·head_dim·2 (K, V)·bytes
-                     (bandwidth_bound's and decode_bytes' model)
-      score   FLOPs: models · forward_flops (no grad; `models`: policy and reference passes)
-              bytes: models · passes · weights (each chunk's pass reads them once)
-      train   FLOPs: 3 · forward_flops (backward = 2 forwards; activation recomputation by
-                     gradient checkpointing not counted, as MFU conventionally does not)
-              bytes: 3 · passes · weights (passes: the micro-batches)
-    weights = parameters · element_bytes (2 under bf16 autocast). The bytes of the scoring and
-    training phases are a floor: activations are not counted."""
+    """(FLOPs, bytes) of a phase over `batch` = (prompt_ids, prompt_mask, completion_mask), weights =
+    parameters · element_bytes:
+      decode  forward_flops(decode); weights·(1 + steps) + decode_keys·layers·kv_heads·head_dim·2·bytes
+      score   models · forward_flops; models · passes · weights
+      train   3 · forward_flops (backward = 2 forwards; recomputation not counted); 3 · passes · weights
+    The scoring and training bytes are a floor: activations are not counted."""
     counts = token_counts(*batch, decode=kind == "decode")
     flops = forward_flops(shape, counts)
     weights = shape["parameters"] * element_bytes
@@ -945,10 +823,8 @@ def is_sync_op(name: str) -> bool:
 
 
 def read_events(profiler) -> list[tuple]:
-    """(name, on the device, start ns, end ns, thread) of each event, read from kineto's results
-    directly: building torch's FunctionEvents (profiler.events()) took 140 µs an event on a shared
-    CPU core (37 s for 260,000; a 1.5B step records hundreds of thousands), this 5 µs. Ranges
-    that record_function mirrors on the GPU (user annotations) are left out: they are not work."""
+    """(name, on the device, start ns, end ns, thread) of each event, read from kineto's results (building
+    torch's FunctionEvents costs far more: docs/speed.md); GPU mirrors of record_function ranges left out."""
     from torch.autograd import DeviceType
 
     return [
@@ -959,26 +835,13 @@ def read_events(profiler) -> list[tuple]:
 
 
 def summarise(events: list[tuple], cuda: bool) -> dict:
-    """From read_events: ops {name: (µs, calls)} (CUDA: the device's events, kernels, memcpys and
-    memsets, by device time; CPU: the ops by self CPU time, their time less their children's),
-    busy µs (their sum), and the host syncs within the phase's own range (PHASE_RANGE; bench's
-    synchronise after it is outside):
-      host syncs  SYNC_OPS and aten::unique* (is_sync_op), an op counted once however nested
-                  (.item() calls _local_scalar_dense): reading a value (.item(), bool(), the size of
-                  nonzero's or unique's output) waits for the device on a GPU; on the CPU the same
-                  ops are counted, where they cost nothing, except within aten::_assert_async (the
-                  CPU's reads its value; CUDA's asserts on the device, no sync). .tolist() and
-                  .cpu() are copies, not such ops: only the CUDA count sees them.
-      CUDA syncs  CUDA_SYNCS calls of the runtime (cudaMemcpy is the synchronous copy;
-                  cudaMemcpyAsync is not counted; cudaFree, the allocator giving memory back,
-                  waits for the device too).
-      sync wait s the host's time inside those calls: waiting for the device. With busy s, it
-                  says whose the idle time is: a device idle while the host waited little was
-                  waiting for the host (Python, launches), not the other way round.
-      launches    kernels the host launched (cudaLaunchKernel and its variants; a CUDA graph's
-                  replay, cudaGraphLaunch, is one launch of all its kernels; none on the CPU).
-    Nesting is by time on each thread: a sweep with a stack of the ops still open. An op whose only
-    child has its name (a redispatch: div_ calls div_) is one call with it, as torch counts it."""
+    """From read_events: ops {name: (µs, calls)} (CUDA: device time of kernels, memcpys, memsets; CPU:
+    self time), busy s (their sum), and within the phase's own range (PHASE_RANGE):
+      host syncs  SYNC_OPS and aten::unique* (is_sync_op), once however nested: a read of a value,
+                  which waits for the device on a GPU (not inside aten::_assert_async)
+      CUDA syncs  CUDA_SYNCS calls of the runtime; sync wait s, the host's time inside them
+      launches    kernels launched (a CUDA graph's replay is one)
+    Nesting is by time on each thread; an op whose only child has its name is one call, as torch counts."""
     ranges = [(start, end) for name, _, start, end, _ in events if name == PHASE_RANGE]
     inside = lambda start: any(low <= start <= high for low, high in ranges)  # noqa: E731
     ops, syncs, runtime, waited, launches, stack = {}, 0, 0, 0, 0, []
@@ -1023,11 +886,8 @@ def synchronize(device) -> None:
 
 
 def profiled(function, device):
-    """function() under its own torch.profiler.profile (CPU, and CUDA on a GPU): returns its result
-    and a dict: wall s (the call and its device work, from a synchronised start to a synchronise
-    after it), and from the profiler's events (summarise) busy s, ops, host syncs, CUDA syncs, sync
-    wait s and launches; peak GB (CUDA: max_memory_allocated during the call; CPU: the process's
-    peak RSS so far) and profiler s (stopping the profiler and reading its events: not in wall s)."""
+    """function() under its own torch.profiler: (its result, {wall s (synchronised), summarise's
+    measures, peak GB (CUDA: allocated; CPU: peak RSS), profiler s (reading the events, not in wall s)})."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     cuda = device.type == "cuda"
@@ -1062,8 +922,8 @@ def peak_flops(args, device) -> tuple[float | None, str]:
 
 
 class Profiles:
-    """The measurements of --profile, per (run, phase): calls summed (peak: the largest), and the
-    two tables built from them, written to the report and saved after every call."""
+    """--profile's measurements per (run, phase), calls summed, and the tables built from them, saved
+    after every call."""
 
     def __init__(self, device, bandwidth: float, peak: float | None, report: dict, save):
         self.device, self.bandwidth, self.peak, self.report, self.save = device, bandwidth, peak, report, save
@@ -1116,8 +976,7 @@ class Profiles:
         ]
 
     def kinds(self, run: str, phase: str, total: dict) -> list[dict]:
-        """The phase's busy time by kernel_kind, largest first: where the time goes beyond the ten
-        largest kernels, and how small the kernels of each kind are (µs a kernel)."""
+        """The phase's busy time by kernel_kind, largest first, and µs a kernel of each kind."""
         busy = sum(us for us, _ in total["ops"].values()) or 1.0
         grouped = {}
         for name, (us, calls) in total["ops"].items():
@@ -1148,14 +1007,13 @@ KERNEL_KINDS = (  # (kind, pattern in a CUDA kernel's or a CPU op's name), the f
 
 
 def kernel_kind(name: str) -> str:
-    """What a kernel (CUDA) or op (CPU) does, from its name (KERNEL_KINDS; case ignored): the
-    profile's busy time by kind (Profiles.kinds)."""
+    """What a kernel (CUDA) or op (CPU) does, from its name (KERNEL_KINDS; case ignored)."""
     return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
 
 
 def phase_batch(phase: str, named: dict, result) -> tuple:
-    """The model of a script's phase call (named: its arguments by name), its batch as
-    (prompt_ids, prompt_mask, completion_mask), and phase_work's kind, passes and models."""
+    """A phase call's model shape, batch (prompt_ids, prompt_mask, completion_mask), and phase_work's
+    kind, passes and models, from its arguments by name."""
     if phase == "generate+reward":  # the Rollout it returns
         return model_shape(named["policy"]), rollout_batch(result), "decode", 1, 1
     if phase == "logprobs":  # π_θold's pass where score_policy, π_ref's where a reference is
@@ -1181,8 +1039,7 @@ def call_work(phase: str, function, args: tuple, kwargs: dict, result, element_b
 
 
 def passes_of(batch, rows: int, tokens: int) -> int:
-    """How many chunks (passes) the scripts cut batch = (prompt_ids, prompt_mask, completion_mask)
-    into, by rows or by tokens (common.chunks_of, which the three scripts call)."""
+    """The chunks the scripts cut `batch` into, by rows or by tokens (common.chunks_of)."""
     prompt_ids, prompt_mask, completion_mask = batch
     order = common.length_order(prompt_ids, prompt_mask, completion_mask)
     return len(common.chunks_of(order, prompt_ids, prompt_mask, completion_mask, rows, tokens))
@@ -1193,11 +1050,8 @@ def rollout_batch(rollout) -> tuple:
 
 
 def profile_script(args, name: str, directory: str, device, element_bytes: int, profiles: Profiles) -> dict:
-    """One step of script `name`, each phase call under its own profiler (profiled), or only those
-    --profile_phases names (the others run as they are: a decode of 1024 tokens records >700k kernels,
-    whose reading costs more than the update's): the rows of `profiles` as the phases end, and the
-    step's time/* metrics (which include the profiler's own stopping and reading: the profiler s
-    column)."""
+    """One step of script `name`, each phase call (or those --profile_phases names) under its own
+    profiler: rows of `profiles`, and the step's time/* metrics (the profiler's reading included)."""
 
     chosen = [p.strip() for p in args.profile_phases.split(",") if p.strip()]
 
@@ -1218,12 +1072,10 @@ def profile_script(args, name: str, directory: str, device, element_bytes: int, 
 
 
 def profile_decode(args, device, weight_dtype, amp, element_bytes: int, profiles: Profiles) -> None:
-    """grpo.generate at N = the largest of --batch_sizes, --max_new_tokens sampled (τ = 1), every
-    completion at its cap (no EOS), after a warm-up call of 16 tokens: one call profiled. --compile:
-    the model as the scripts compile it (compile_blocks: its blocks, its decode step, its sampler),
-    after a warm-up call of as many tokens as the profiled one, which compiles every variant it runs."""
+    """grpo.generate at N = the largest of --batch_sizes, every completion at its cap, sampled, one call
+    profiled after a warm-up (of 16 tokens; with --compile, of as many, which compiles what it runs)."""
     model, tokenizer, vocab_size, _ = load_bench_model(args, device, weight_dtype)
-    compile_blocks(model, args.compile)
+    common.compile_blocks(model, args.compile)
     num_rows = max(int(n) for n in args.batch_sizes.split(",") if n)
     ids, mask = prompts(tokenizer, num_rows, args.group_size, device)
     inputs = (model, ids, mask)
@@ -1238,17 +1090,15 @@ def profile_decode(args, device, weight_dtype, amp, element_bytes: int, profiles
 
 
 def bench_profile(args, device, weight_dtype, compute_dtype, amp, report: dict, save) -> dict:
-    """--profile: the phases of each run named, one table row per phase, its ten largest kernels
-    (CPU ops on the CPU) and its busy time by kind, saved after every phase."""
+    """--profile: each run's phases, a row each, their largest kernels and busy time by kind."""
     if device.type == "cuda":  # kineto set up before any CUDA graph is captured (pytorch#75504)
         with torch.profiler.profile():
             pass
     bandwidth = copy_bandwidth(device, 256 if device.type == "cuda" else 32)
     peak, source = peak_flops(args, device)
     element_bytes = (compute_dtype or weight_dtype).itemsize  # what a pass reads: bf16 under autocast
-    report |= {"copy bandwidth GB/s": bandwidth / 1e9, "peak": source, "profile": [], "profile_top": []}
-    report["profile_kinds"] = []
-    report["training_step"] = []
+    sections = ("profile", "profile_top", "profile_kinds", "training_step")
+    report |= {"copy bandwidth GB/s": bandwidth / 1e9, "peak": source} | {section: [] for section in sections}
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; peak: {source}", flush=True)
     profiles = Profiles(device, bandwidth, peak, report, save)
     for name in [n for n in args.profile.split(",") if n]:
@@ -1257,51 +1107,33 @@ def bench_profile(args, device, weight_dtype, compute_dtype, amp, report: dict, 
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the training steps load their own copies
         else:
-            report["training_step"].append(
-                profile_script(args, name, bench_directory(args, device), device, element_bytes, profiles)
-            )
+            directory = bench_directory(args, device)
+            report["training_step"].append(profile_script(args, name, directory, device, element_bytes, profiles))
             save()
-    for section in ("profile", "profile_top", "profile_kinds", "training_step"):
+    for section in sections:
         print(f"\n### {section}\n\n{markdown(report[section])}")
     return report
 
 
-def bench_with_model(args, device, weight_dtype, compute_dtype, amp, report: dict, save) -> None:
-    """Sections 1-3 in one loaded copy of the model, released after (the training steps load their own)."""
-    model, tokenizer, vocab_size, _ = load_bench_model(args, device, weight_dtype)
-    report["generation"] = bench_generation(args, model, tokenizer, vocab_size, device, amp, compute_dtype)
-    save()
-    for n in [int(n) for n in args.batch_sizes.split(",") if n]:
-        prompt_length = prompts(tokenizer, n, args.group_size, device)[0].shape[1]
-        report["decode_bytes"].append(decode_bytes(model, n, prompt_length, args.max_new_tokens))
-    if args.step_rows:
-        report["steps_4_and_6"] = bench_steps_4_and_6(args, model, tokenizer, vocab_size, device, amp)
-        save()
-    del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def check_profile_args(args: Args) -> None:
     """--profile and --profile_phases name what exists, before anything runs."""
-    unknown = set(args.profile.split(",")) - {"decode", *SCRIPTS, ""}
-    if unknown:
-        raise SystemExit(f"--profile {args.profile}: {', '.join(sorted(unknown))} is none of decode, grpo, dapo, ppo")
+    phases = [phase for phase, _ in PHASES]
+    for flag, given, known in (
+        ("--profile", args.profile, ["decode", *SCRIPTS]),
+        ("--profile_phases", args.profile_phases, phases),
+    ):
+        unknown = sorted({name.strip() for name in given.split(",") if name.strip()} - set(known))
+        if unknown:
+            raise SystemExit(f"{flag} {given}: {', '.join(unknown)} is none of {', '.join(known)}")
     if args.profile_phases and not args.profile:
         raise SystemExit("--profile_phases names the phases --profile profiles: give --profile grpo (dapo, ppo) too")
-    phases = [phase for phase, _ in PHASES]
-    unknown = {p.strip() for p in args.profile_phases.split(",") if p.strip()} - set(phases)
-    if unknown:
-        raise SystemExit(
-            f"--profile_phases {args.profile_phases}: {', '.join(sorted(unknown))} is none of {', '.join(phases)}"
-        )
 
 
 def main(args: Args) -> dict:
     check_profile_args(args)
-    device = use_device(resolve_device(args.device))  # a GPU named by --device becomes the current one
-    weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
-    amp = lambda: autocast(device, compute_dtype)  # noqa: E731
+    device = common.use_device(common.resolve_device(args.device))  # a GPU named by --device becomes the current one
+    weight_dtype, compute_dtype = common.resolve_precision(args.dtype, device)
+    amp = lambda: common.autocast(device, compute_dtype)  # noqa: E731
     report = {"args": asdict(args), "device": str(device), "threads": torch.get_num_threads()}
     if device.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name(device)
@@ -1322,10 +1154,18 @@ def main(args: Args) -> dict:
         section("decode_kernels", bench_decode_kernels(args.decode_layers, device, amp))
     if args.profile:
         return bench_profile(args, device, weight_dtype, compute_dtype, amp, report, save)
-    sections = ("generation", "decode_bytes", "steps_4_and_6", "training_step")
+    sections = ("generation", "steps_4_and_6", "training_step")
     report |= {section: [] for section in sections}
-    if args.batch_sizes or args.step_rows:
-        bench_with_model(args, device, weight_dtype, compute_dtype, amp, report, save)
+    if args.batch_sizes or args.step_rows:  # one loaded copy of the model; the training steps load their own
+        model, tokenizer, vocab_size, _ = load_bench_model(args, device, weight_dtype)
+        report["generation"] = bench_generation(args, model, tokenizer, vocab_size, device, amp, compute_dtype)
+        save()
+        if args.step_rows:
+            report["steps_4_and_6"] = bench_steps_4_and_6(args, model, tokenizer, vocab_size, device, amp)
+            save()
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     if args.train_steps:
         bench_training(args, bench_directory(args, device), device, report["training_step"], save)
     for section in sections:
@@ -1334,4 +1174,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(parse_args(Args))
+    main(common.parse_args(Args))

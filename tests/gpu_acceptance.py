@@ -105,7 +105,6 @@ SHAPE = "qwen2.5-1.5b-shape"
 SLOW_CUDA_TESTS = "not torchrun_one_process_with_nccl and not bench_smoke_on_cuda and not compiled_decode"
 SECTIONS = (
     "generation",
-    "decode_bytes",
     "decode_kernels",
     "sampler",
     "attention",

@@ -65,34 +65,6 @@ def test_bench_at_the_real_vocabulary(tmp_path):
     assert report["training_step"][0]["time/update"] > 0
 
 
-def test_decode_bytes_by_hand():
-    # One layer, 2 query heads on 1 KV head of dim 2 (a K or V column of a row: 2 elements),
-    # N = 4 rows, P = 3, max_new_tokens = 2: one step after the prefill (t = 0), which writes
-    # column P and attends over filled = P + 1 = 4 columns; decode_widths(3, 2) = [5], so it
-    # reads width 5. Lengths: P(L > 1) = keep = 0.5^(1/0.6) (median 0.3·2 tokens), live = 4·keep.
-    # bf16 (2 bytes) everywhere.
-    #   ideal  = 2W + live · 4 columns · 2 elements · (K, V) 2 · 2 bytes     = 2W + 32·live
-    #   nanopo = 2W + 4 rows · 5 columns · 2 · 2 · 2 (no compaction yet)     = 2W + 160
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from bench import decode_bytes
-
-    config = Qwen2Config(
-        hidden_size=4,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=4,
-        vocab_size=8,
-    )
-    model = Qwen2ForCausalLM(config)
-    weights = sum(p.numel() for p in model.parameters())
-    live = 4 * 0.5 ** (1 / 0.6)
-    row = decode_bytes(model, num_rows=4, prompt_length=3, max_new_tokens=2)
-    assert abs(row["ideal GB/step"] * 1e9 - (2 * weights + 32 * live)) < 1e-6
-    assert abs(row["nanopo GB/step"] * 1e9 - (2 * weights + 160)) < 1e-6
-
-
 def test_steps_4_and_6_time_the_shared_and_unshared_versions(tmp_path):
     # 8 rows, groups of 4, one worked example in each prompt: each version's phases timed, the
     # ratios against the shared version (the same computation, so the versions run the same work).
