@@ -4,76 +4,27 @@
   python bench.py --model qwen2.5-0.5b-shape --num_layers 4      # the 0.5B shape cut to 4 layers
   python bench.py --model qwen2.5-1.5b-shape --batch_sizes 256 --max_new_tokens 1024   # one GPU
 
---model is a local directory, a Hub id or short name, `tiny`, or qwen2.5-0.5b-shape /
-qwen2.5-1.5b-shape: a Qwen2 model of that size with random weights (nothing is downloaded),
-with a tokenizer of Qwen2.5's size built in code (qwen_sized_tokenizer: 151,665 ids, ChatML),
-so that the LM head, the sampler and the log-softmax run at the real vocabulary's width.
+--model: a directory, a Hub id or short name, `tiny`, or qwen2.5-0.5b-shape / qwen2.5-1.5b-shape (a
+Qwen2 model of that size, random weights, a 151,665-id tokenizer built in code: nothing downloaded).
 
-1. Generation, tokens/s: the scripts' generate against transformers' model.generate (default
-   DynamicCache) and against the plain loop generate replaced (kept in tests/test_fast_generation.py),
-   on the same left-padded Countdown prompts (B/G prompts, each repeated G times, as training
-   does), every completion forced to max_new_tokens (no EOS), greedy and sampled (τ = 1, top-p 1).
-   With --lengths realistic the completions end as real ones do, most short, a tail at the cap
-   (EndLikeCompletions: each token is EOS with a fixed probability, lengths geometric with median
-   0.3·max_new_tokens, 10% reach max_new_tokens); tok/s counts the expected tokens then. Contender
-   `static` is generate as it was before issue 19 (tests/static_generate.py); `tools` is generate
-   with tool turns on and none called (a tool_turn that answers None): what enabling them costs,
-   one host sync a token (tool_turns_due) and the answers' columns in the KV cache; `compiled` is
-   generate with --compile's model (its blocks, its one-token step and its sampler compiled), its
-   row also the seconds of its first call (`compiled first call s`: compiling and one call);
-   `masked` is generate with the masked one-token step where it would run varlen_decode_attention
-   (a GPU, bf16): the A/B of the varlen decode.
-   The contenders take turns within each repetition; the table gives the median of --repeats.
-   On CUDA also the fraction of the memory-bandwidth bound of a decode step (bytes of weights
-   and KV cache read per step ÷ measured copy bandwidth), with its arithmetic.
-2. Memory of sequence_logprobs (chunked) against a naive full log-softmax over (N, T, V): on
-   CUDA torch.cuda.max_memory_allocated; on the CPU the sizes of the tensors each materialises,
-   computed, not measured (no CPU allocator statistic sees torch's tensors reliably).
-   Also, computed from the shapes and not measured, the bytes one decode step reads (weights, and
-   the keys and values it attends over) against the ideal (decode_bytes).
-3. Steps 4 and 6 of grpo.py at N = --step_rows with lengths drawn as --lengths draws them, phase
-   by phase: the reference's scoring (sequence_logprobs, chunks of --logprob_chunk_size, 8) and
-   policy_backward (micro-batches of --micro_batch_size, 4), with each prompt forwarded once per
-   group (shared, now), once per row (unshared: before issue 28), and once per row with every
-   chunk padded to the rollout's longest (padded: before issue 19); peak memory of each on CUDA.
-   --shots and --countdown_numbers set the prompts (the SmolLM2 setting of docs/learning.md:
-   --shots 1 --countdown_numbers 2).
-4. One training step of grpo.py, dapo.py and ppo.py, per phase (the time/* metrics the scripts
-   log), with peak memory: per phase on CUDA; on the CPU the process's peak RSS after the step;
-   the preflight's seconds and the sizes it set, and each phase's TFLOP/s and MFU (its FLOPs
-   computed as --profile computes them, over its synchronised time; no profiler). With --compile,
-   after a step that compiles, whose times come beside it (`compiling …`).
-5. With --gap_rows N: the gap between the log-probs generate samples with and those
-   sequence_logprobs scores for the same tokens, under bf16 autocast (on the CPU too), with the
-   LM head in bf16 (fp32_lm_head switched off: the code before it) and as the scripts run it
-   (fp32_lm_head: TF32 on a GPU, HeadProduct; fp32 on the CPU):
-   mean and max |Δ log π| over the completion tokens, and the share of tokens beyond 0.01.
-   Countdown prompts, N/G prompts × G, sampled at τ = 0.7 (the seed study's rollouts are τ = 1;
-   a real model at 0.7 is more confident, which is where rounding a large logit matters).
-   With --head_rows N: each candidate precision of the LM head's GEMM (fp32, TF32, bf16 inputs
-   with fp32 sums, bf16 autocast) against fp64, on N positions of the model's hidden states, the
-   rounding of TF32's and bf16's inputs emulated (bench_head_precision).
-6. With --profile decode | grpo | dapo | ppo (comma-separated): instead of the sections above,
-   grpo.generate at N = the largest of --batch_sizes (sampled), or one training step of the script,
-   each phase call under its own torch.profiler: per phase wall time, device-busy time (CPU op
-   time on the CPU), its ten largest kernels, its busy time by kind of kernel (kernel_kind),
-   FLOP/s and MFU, bytes/s against the measured copy bandwidth, peak memory and host syncs
-   (Profiles, phase_work, count_host_syncs; docs/speed.md).
-7. With --sampler_rows N, first (before --profile too): each op generate's sampler runs a token
-   outside the captured step, on (N, 151,665) fp32 logits, timed alone, then the whole sampler (the
-   exponential race), the sampler before it (exp and multinomial) and --compile's (bench_sampler).
-   With --race_rows N: how often the race and multinomial draw different tokens from the same
-   random state, over N rows of 8 ids on the CPU (near-ties the two roundings break apart).
-8. With --attention_rows N, next (before --profile too): the one-token step's attention, one
-   layer's call at the model's shape, at each width generate attends over: SDPA as generate calls
-   it, each SDPA backend alone, the varlen attention generate runs in bf16, SDPA with no mask; ms
-   a call, GB/s of keys and values read, and the error against float64 (bench_attention).
-9. With --host_layers N: the host's ops a layer of an update pass (bench_host_pass); with
-   --decode_layers N: the one-token step's kernels a layer, eager against --compile's
-   (bench_decode_kernels).
-A/B flags replace one of the scripts' choices for the whole run (compared): --shape_multiple,
---head_chunk_mb. The alternatives tried and removed are in docs/speed.md, "Tried and removed".
-Prints Markdown tables and writes them to --output (JSON).
+1. Generation, tok/s, for each N of --batch_sizes: the scripts' generate (nanopo) against
+   model.generate (hf) on left-padded Countdown prompts (N/G prompts, each repeated G times),
+   greedy and sampled (τ = 1), every completion max_new_tokens long or, with --lengths realistic,
+   ended as real ones end (EndLikeCompletions). More --contenders: tools (tool turns on, none
+   called: what enabling them costs), masked (the masked one-token step where generate runs the
+   varlen one: the A/B of varlen_decode), compiled (--compile's model; its first call's seconds
+   beside). On CUDA the share of the memory-bandwidth bound (bandwidth_bound).
+2. --step_rows N: steps 4 and 6 of grpo.py, each prompt forwarded once per group (shared) against
+   once per row (unshared); peak memory on CUDA.
+3. --train_steps: one step of each script, phase by phase (its time/* metrics), the preflight's
+   seconds and sizes, each phase's TFLOP/s, MFU and peak memory; --compile: after a step that compiles.
+4. First, with no weights loaded: --sampler_rows N, generate's sampler op by op and whole (eager and
+   --compile's); --attention_rows N, the one-token step's attention at each width; --decode_layers
+   N, that step's kernels a layer, eager against --compile's.
+5. --profile decode|grpo|dapo|ppo: instead of 1-3, each phase call under torch.profiler: wall and
+   busy time, largest kernels, busy time by kind, FLOP/s, MFU, bytes/s, peak memory, host syncs.
+Tables print as Markdown and go to --output (JSON) after every section. The figures, and the
+alternatives tried and removed, are in docs/speed.md.
 """
 
 import contextlib
@@ -88,7 +39,6 @@ import shutil
 import statistics
 import tempfile
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -100,22 +50,7 @@ import common
 import dapo
 import grpo
 import ppo
-from common import (
-    CHATML_TEMPLATE,
-    DECODE_BACKBONES,
-    IN_PREFLIGHT,
-    Run,
-    arg,
-    autocast,
-    build_tiny_model,
-    compile_blocks,
-    load_model,
-    markdown_table,
-    parse_args,
-    resolve_device,
-    resolve_precision,
-    use_device,
-)
+from common import arg
 from rewards import load_task
 
 # The real Qwen2.5 configurations (config.json of Qwen/Qwen2.5-0.5B-Instruct and -1.5B-Instruct).
@@ -137,11 +72,7 @@ class Args:
     repeats: int = arg(3, "repetitions per contender; the median is reported")
     modes: str = arg("greedy,sampled", "greedy (τ = 0) and/or sampled (τ = 1)")
     contenders: str = arg(
-        "nanopo,hf,loop",
-        "nanopo (generate), hf (model.generate), loop, static (older generates), tools (generate with tool turns on, "
-        "no call made: their cost when unused), masked (generate's masked one-token step where it would run "
-        "varlen_decode_attention: a GPU, bf16), compiled (generate with --compile's model: its blocks, its "
-        "one-token step and its sampler compiled; warmed up, so its compilation is not timed: compiled first call s)",
+        "nanopo,hf", "nanopo (generate), hf (model.generate), tools, masked, compiled (the docstring)"
     )
     step_rows: int = arg(0, "N of the steps 4 + 6 comparison (--lengths decides the lengths); 0 = skip it")
     shots: int = arg(0, "worked examples in each Countdown prompt of the steps 4 + 6 comparison (longer prompts)")
@@ -150,54 +81,30 @@ class Args:
     countdown_numbers: str = arg("3-4", "numbers per Countdown problem in the steps 4 + 6 comparison's prompts")
     train_steps: str = arg("grpo,dapo,ppo", "scripts whose training step is timed; '' = none")
     train_batch_size: int = arg(2, "B of the training step")
-    logprob_rows: int = arg(16, "N of the sequence_logprobs memory comparison; 0 = skip it")
-    gap_rows: int = arg(
-        0, "N of the sampler/trainer log-prob gap under bf16 autocast, the LM head in bf16 and the scripts'; 0 = skip"
-    )
-    head_rows: int = arg(0, "positions whose log-probs each LM-head precision computes, against fp64; 0 = skip")
-    sampler_rows: int = arg(
-        0,
-        "N of the sampler's parts (each op generate runs a token outside its captured step, (N, 151,665)); 0 = skip",
-    )
-    attention_rows: int = arg(
-        0, "N of the one-token step's attention timed alone, per variant and width (the model's shape); 0 = skip"
-    )
-    race_rows: int = arg(
-        0, "rows over which sample's tokens are compared with torch.multinomial's (near-ties); 0 = skip"
-    )
-    host_layers: int = arg(0, "the host's cost of an update pass through this many 96-wide layers (ops, ms); 0 = skip")
+    sampler_rows: int = arg(0, "N of the sampler's ops timed alone on (N, 151,665) logits; 0 = skip")
+    attention_rows: int = arg(0, "N of the one-token step's attention timed alone, per variant and width; 0 = skip")
     decode_layers: int = arg(0, "the one-token step's kernels a layer, eager against --compile's (this many layers)")
-    head_logit_std: float = arg(4.0, "--head_rows: the logits' spread the head is scaled to (a trained model's)")
     profile: str = arg("", "decode, grpo, dapo or ppo (comma-separated): each phase under torch.profiler; '' = none")
     profile_phases: str = arg(
-        "",
-        "--profile's phases of a step to profile: generate+reward, logprobs, values, update, critic update; '' = all",
+        "", "the phases --profile profiles: generate+reward, logprobs, values, update, critic update"
     )
-    peak_tflops: float = arg(
-        0.0, "the device's peak for --profile's MFU; 0 = from PEAK_BF16_TFLOPS by GPU name (none on CPU)"
-    )
+    peak_tflops: float = arg(0.0, "the device's peak for MFU; 0 = from PEAK_BF16_TFLOPS by GPU name (none on CPU)")
     gradient_checkpointing: bool = arg(
         False, "the training steps with gradient checkpointing (ppo.py on one 80 GB GPU)"
     )
-    compile: bool = arg(
-        False, "--compile's model in the training steps (after a step that compiles: `compiling …`), --profile decode"
-    )
+    compile: bool = arg(False, "--compile's model in the training steps (after a step that compiles), --profile decode")
     model_dir: str = arg(
         "", "the shapes' random model, written once and loaded after; '' = $NANOPO_CACHE/bench-<shape>"
     )
     device: str = arg("auto", "auto, cpu, cuda")
     dtype: str = arg("auto", "auto (bf16 autocast on GPU, fp32 on CPU), bfloat16, float32")
-    shape_multiple: int = arg(0, "A/B: the multiple chunks_of rounds a chunk's columns to (1 = exact); 0 = the default")
-    head_chunk_mb: int = arg(0, "A/B: logprob_head's chunk of fp32 logits in MiB (HEAD_CHUNK_BYTES); 0 = the scripts'")
     output: str = arg("bench.json", "where the tables go, as JSON")
 
 
 def qwen_sized_tokenizer(size: int = QWEN_TOKENIZER_SIZE):
-    """A byte-level BPE tokenizer with as many ids as Qwen2.5's and its ChatML special tokens,
-    built in a second with no download: the 256 byte symbols, then every pair of them, then byte
-    triples as merges, until there are `size` ids. It splits text differently from Qwen's; what a
-    benchmark needs from it is the width of the vocabulary (the LM head's rows that are sampled
-    and the log-softmax's columns), and prompts that encode to real ids."""
+    """A byte-level BPE tokenizer with as many ids as Qwen2.5's and its ChatML special tokens, built in
+    a second: the 256 byte symbols, then byte pairs and triples as merges, until there are `size` ids.
+    It splits text otherwise than Qwen's; a benchmark needs the vocabulary's width and real ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -215,9 +122,9 @@ def qwen_sized_tokenizer(size: int = QWEN_TOKENIZER_SIZE):
     bpe.decoder = decoders.ByteLevel()
     bpe.add_special_tokens(special)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHATML_TEMPLATE
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=common.CHATML_TEMPLATE
     )
-    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.chat_template = common.CHATML_TEMPLATE
     tokenizer.padding_side = "left"
     return tokenizer
 
@@ -228,12 +135,9 @@ def default_model_dir(shape: str, num_layers: int = 0) -> Path:
 
 
 def shape_directory(args: Args, device) -> Path:
-    """The directory of --model's shape (qwen2.5-*-shape, --num_layers), random weights saved in
-    bf16 with the 151,665-id tokenizer, written once and read back by every later run and by the
-    training scripts (--model_dir, or $NANOPO_CACHE/bench-<shape>, ~/.cache/nanopo by default).
-    Built on `device` directly (torch.device as the default device: a 1.5B model initialised on
-    the CPU takes minutes), written beside the target and renamed into place: a run cut short
-    leaves no half-written directory."""
+    """The directory of --model's shape (random weights in bf16, the 151,665-id tokenizer), written
+    once, on `device` (a 1.5B model initialised on the CPU takes minutes), beside the target and
+    renamed into place; every later run and the training scripts read it."""
     directory = Path(args.model_dir) if args.model_dir else default_model_dir(args.model, args.num_layers)
     if (directory / "config.json").exists():
         return directory
@@ -264,13 +168,13 @@ def bench_directory(args: Args, device) -> str:
     """What train(--model) loads: the shape's directory, the tiny model's, or --model itself."""
     if args.model in SHAPES:
         return str(shape_directory(args, device))
-    return str(build_tiny_model()) if args.model == "tiny" else args.model
+    return str(common.build_tiny_model()) if args.model == "tiny" else args.model
 
 
 def load_bench_model(args: Args, device, dtype):
     """(model, tokenizer, vocab_size, model directory for the training scripts)."""
     directory = bench_directory(args, device)
-    model, tokenizer, _ = load_model(directory if args.model in SHAPES else args.model, device, dtype)
+    model, tokenizer, _ = common.load_model(directory if args.model in SHAPES else args.model, device, dtype)
     if args.num_layers and args.model not in SHAPES:
         model.model.layers = model.model.layers[: args.num_layers]
         model.config.num_hidden_layers = args.num_layers
@@ -289,12 +193,10 @@ def prompts(tokenizer, num_rows: int, group_size: int, device, shots: int = 0, n
 
 
 def timed(function, device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     start = time.perf_counter()
     function()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     return time.perf_counter() - start
 
 
@@ -314,13 +216,10 @@ def expected_length(max_new_tokens: int) -> float:
 
 
 class EndLikeCompletions:
-    """A forward hook on the model that ends completions as real ones end, whoever decodes: at
-    every forward pass each row's last-position logits get the EOS id forced (+1e4) with
-    probability end_probability, or forbidden (−1e4) otherwise. The draw is a hash of the row's
-    last input token and its position, not a random stream: a row that reads the same tokens
-    ends at the same step in every contender, however they batch, order or drop rows (greedy
-    contenders do the same work; sampled ones draw other tokens, so lengths agree in distribution).
-    Only the lengths follow it; the tokens before the EOS are the model's."""
+    """A forward hook that ends completions as real ones end, whoever decodes: each row's last logits
+    get EOS forced (+1e4) with probability end_probability, else forbidden (−1e4). The draw hashes the
+    row's last token and position, so a row reading the same tokens ends at the same step in every
+    contender, however they batch, order or drop rows."""
 
     def __init__(self, model, eos_id: int, max_new_tokens: int):
         self.eos_id, self.probability = eos_id, end_probability(max_new_tokens)
@@ -340,35 +239,25 @@ class EndLikeCompletions:
 
 
 def bench_generation(args, model, tokenizer, vocab_size, device, amp, compute_dtype) -> list[dict]:
-    from tests.static_generate import static_generate  # generate before issue 19, kept verbatim
-    from tests.test_fast_generation import loop_generate  # the loop generate replaced, kept verbatim
-
     rows, length = [], args.max_new_tokens
     pad = tokenizer.pad_token_id
     realistic = args.lengths == "realistic"
     eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")] if realistic else []
     ender = EndLikeCompletions(model, eos[0], length) if realistic else None
     tokens_per_row = expected_length(length) if realistic else length
+    ending = dict(min_new_tokens=1, eos_token_id=eos[0]) if realistic else dict(min_new_tokens=length)
     for num_rows in [int(n) for n in args.batch_sizes.split(",") if n]:
         prompt_ids, prompt_mask = prompts(tokenizer, num_rows, args.group_size, device)
         for mode in args.modes.split(","):
             temperature = 0.0 if mode == "greedy" else 1.0
             sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if temperature > 0 else {}
-            hf_config = GenerationConfig(
-                max_new_tokens=length,
-                min_new_tokens=1 if realistic else length,
-                eos_token_id=eos[0] if realistic else None,
-                pad_token_id=pad,
-                **sampling,
-            )
+            hf_config = GenerationConfig(max_new_tokens=length, pad_token_id=pad, **ending, **sampling)
             inputs = (model, prompt_ids, prompt_mask, length, eos, pad, vocab_size, temperature)
             contenders = {
                 "nanopo": functools.partial(grpo.generate, *inputs),
                 "hf": functools.partial(
                     model.generate, input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=hf_config
                 ),
-                "loop": functools.partial(loop_generate, *inputs),
-                "static": functools.partial(static_generate, *inputs),
                 # tools on (the scripts' default limits), no call made: each turn's end asks the host
                 "tools": functools.partial(
                     grpo.generate, *inputs, tool_turn=lambda row, ids: None, max_turns=4, max_tool_tokens=256
@@ -403,65 +292,17 @@ def bench_generation(args, model, tokenizer, vocab_size, device, amp, compute_dt
     return rows
 
 
-def decode_bytes(model, num_rows: int, prompt_length: int, max_new_tokens: int, compute_bytes: int = 2) -> dict:
-    """Computed, not measured: the bytes one-token steps read, summed over the decode of N rows with
-    --lengths realistic lengths, on a GPU with bf16 autocast over fp32 weights, the seed study's set-up.
-      ideal   bf16 weights once a step, and each live row's filled columns of K and V in bf16
-      static  generate before issue 19: the same weights (autocast casts a trainable weight once per
-              autocast region and reuses the bf16 copy; a frozen LoRA base it casts every step, not
-              counted here), fp32 keys beside bf16 values, all P + max_new_tokens columns of every row
-              until the longest ends, K and V copied group-fold by repeat_kv (written, then read)
-      nanopo  the same weights; bf16 keys, the filled columns in doubling widths (decode_widths), the
-              rows still live (halving at most: compaction at half live), each read once
-              (grouped_decode_attention folds the query heads: no repeat_kv).
-    static's repeat_kv is transformers' sdpa before 5.23 with a mask (the GPU image's 5.17); from
-    5.23 transformers folds the heads of a one-token query itself.
-    The live rows at step t are N·P(L > t) (geometric lengths); the decode lasts max_new_tokens steps
-    (10% of rows reach the cap: at N ≥ 16 some row almost surely does)."""
-    config = model.config
-    layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    group = config.num_attention_heads // kv_heads
-    weights = sum(p.numel() for p in model.parameters())
-    column = layers * kv_heads * head_dim  # elements of K (or V) per row and column
-    keep = 1 - end_probability(max_new_tokens)
-    widths = common.decode_widths(prompt_length, max_new_tokens)
-    totals = {"ideal": 0.0, "static": 0.0, "nanopo": 0.0}
-    decoded = num_rows  # the rows nanopo decodes: halves when half have ended (at the 16-token checks)
-    for t in range(max_new_tokens - 1):  # the steps after the prefill
-        live = num_rows * keep ** (t + 1)
-        if t % 16 == 15 and live <= decoded / 2:
-            decoded = live
-        filled = prompt_length + t + 1
-        width = next(w for w in widths if w >= filled)
-        totals["ideal"] += weights * compute_bytes + live * filled * column * 2 * compute_bytes
-        kv_static = num_rows * (prompt_length + max_new_tokens) * column * (4 + 2)  # fp32 K, bf16 V
-        totals["static"] += weights * compute_bytes + kv_static * (1 + 2 * group)  # read, repeat written, read
-        kv_nanopo = decoded * width * column * 2 * compute_bytes
-        totals["nanopo"] += weights * compute_bytes + kv_nanopo
-    steps = max_new_tokens - 1
-    row = {"N": num_rows, "P": prompt_length, "max_new_tokens": max_new_tokens}
-    row |= {f"{name} GB/step": total / steps / 1e9 for name, total in totals.items()}
-    row |= {"static/ideal": totals["static"] / totals["ideal"], "nanopo/ideal": totals["nanopo"] / totals["ideal"]}
-    return row
-
-
 def bench_steps_4_and_6(args, model, tokenizer, vocab_size, device, amp) -> list[dict]:
-    """Steps 4 and 6 of grpo.py on N = step_rows rollout rows (Countdown prompts, G per prompt,
-    random completion tokens, lengths as --lengths draws them, the longest at the cap): step 4,
-    the reference's scoring (sequence_logprobs, chunks of --logprob_chunk_size), and step 6,
-    policy_backward (micro-batches of --micro_batch_size), phase by phase, for three versions of
-    the same computation: `shared` (now: each prompt forwarded once per group, forward_completions),
-    `unshared` (share=False: a pass over prompt + completion for every row, before issue 28) and
-    `padded` (unshared, and every chunk padded to the rollout's longest: before issue 19). Peak
-    memory of each on CUDA."""
+    """Steps 4 and 6 of grpo.py on N = step_rows rows (random completion tokens, lengths as --lengths
+    draws them): the reference's scoring (sequence_logprobs) and policy_backward, each prompt forwarded
+    once per group (`shared`) and once per row (`unshared`, share=False); peak memory on CUDA."""
     num_rows, length = args.step_rows, args.max_new_tokens
     prompt_ids, prompt_mask = prompts(tokenizer, num_rows, args.group_size, device, args.shots, args.countdown_numbers)
     generator = torch.Generator().manual_seed(0)
     if args.lengths == "realistic":
         uniform = torch.rand(num_rows, generator=generator)
         lengths = (uniform.log() / torch.tensor(1 - end_probability(length)).log()).long().add(1).clamp(max=length)
-        lengths[0] = length  # one row at the cap: the padding every chunk had before
+        lengths[0] = length  # one row at the cap
     else:
         lengths = torch.full((num_rows,), length)
     mask = (torch.arange(length)[None] < lengths[:, None]).long().to(device)
@@ -483,23 +324,13 @@ def bench_steps_4_and_6(args, model, tokenizer, vocab_size, device, amp) -> list
         grpo.policy_backward(model, batch, grpo_args, vocab_size, amp)  # (totals, recorded): unused
         model.zero_grad(set_to_none=True)
 
-    @contextlib.contextmanager
-    def version(name: str):
-        with contextlib.ExitStack() as stack:
-            if name != "shared":
-                unshared = functools.partial(common.forward_completions, share=False)
-                stack.enter_context(swapped("forward_completions", unshared))
-            if name == "padded":  # length_order and trim_padding as no-ops: every chunk padded to the rollout's longest
-                in_order = lambda prompt_ids, *masks: torch.arange(len(prompt_ids), device=device)  # noqa: E731
-                stack.enter_context(swapped("length_order", in_order))
-                stack.enter_context(swapped("trim_padding", lambda *tensors_and_layout: tensors_and_layout[:4]))
-            yield
-
-    versions = ("shared", "unshared", "padded")
+    versions = {
+        name: functools.partial(common.forward_completions, share=name == "shared") for name in ("shared", "unshared")
+    }
     seconds = {(name, phase): [] for name in versions for phase in ("4", "6")}
     peaks = {}
     for name in versions:  # warm-up, and on CUDA each version's peak memory
-        with version(name):
+        with swapped("forward_completions", versions[name]):
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
@@ -508,26 +339,18 @@ def bench_steps_4_and_6(args, model, tokenizer, vocab_size, device, amp) -> list
                 peaks[name] = torch.cuda.max_memory_allocated(device) / 2**30
     for _ in range(args.repeats):  # the versions take turns within each repetition
         for name in versions:
-            with version(name):
+            with swapped("forward_completions", versions[name]):
                 seconds[(name, "4")].append(timed(step_4, device))
                 seconds[(name, "6")].append(timed(step_6, device))
     model.eval()
-    row = {
-        "N": num_rows,
-        "G": args.group_size,
-        "P": prompt_ids.shape[1],
-        "mean prompt": prompt_mask.sum(-1).float().mean().item(),
-        "lengths": args.lengths,
-        "mean length": lengths.float().mean().item(),
-    }
+    row = {"N": num_rows, "G": args.group_size, "P": prompt_ids.shape[1]}
+    row |= {"mean prompt": prompt_mask.sum(-1).float().mean().item(), "lengths": args.lengths}
+    row["mean length"] = lengths.float().mean().item()
     for name in versions:
-        row |= {f"{name} step 4 s": statistics.median(seconds[(name, "4")])}
-        row |= {f"{name} step 6 s": statistics.median(seconds[(name, "6")])}
-        row[f"{name} 4+6 s"] = row[f"{name} step 4 s"] + row[f"{name} step 6 s"]
-        if peaks:
-            row[f"{name} peak GiB"] = peaks[name]
+        step_4_s, step_6_s = (statistics.median(seconds[(name, phase)]) for phase in ("4", "6"))
+        row |= {f"{name} step 4 s": step_4_s, f"{name} step 6 s": step_6_s, f"{name} 4+6 s": step_4_s + step_6_s}
+        row |= {f"{name} peak GiB": peaks[name]} if peaks else {}
     row["unshared/shared"] = row["unshared 4+6 s"] / row["shared 4+6 s"]
-    row["padded/shared"] = row["padded 4+6 s"] / row["shared 4+6 s"]
     print(row, flush=True)
     return [row]
 
@@ -561,13 +384,9 @@ def bandwidth_bound(model, num_rows: int, context: int, tokens_per_s: float, dev
 
 
 def bench_sampler(num_rows: int, vocab_size: int, device, calls: int = 20) -> list[dict]:
-    """What generate runs every token outside its captured one-token step, at τ ≠ 1 and top-p 1, op by
-    op on (N, V) fp32 logits: ms a call, the mean of `calls` calls between two synchronisations (each
-    op's inputs made beforehand, so each time is its own). Then the whole sampler as generate runs it
-    (grpo.sample: the exponential race, argmax of the log-probs minus the log of Exp(1) noise),
-    the sampler before it, log-probs, exp and torch.multinomial, which draws the same tokens
-    (tests/test_generation.py), and --compile's (common.compiled_sampler): one call of each in turn,
-    `calls` times, the median of each's."""
+    """generate's sampler outside its captured step (τ ≠ 1, top-p 1) on (N, V) fp32 logits: each op
+    alone, ms a call over `calls` calls (its inputs made beforehand); then the whole sampler, eager
+    (grpo.sample) and as --compile compiles it (compiled_sampler), in turn, the median of `calls`."""
     cuda = device.type == "cuda"
     temperature = 0.7
     logits = torch.randn(num_rows, vocab_size, device=device) * 4  # (N, V)
@@ -586,13 +405,6 @@ def bench_sampler(num_rows: int, vocab_size: int, device, calls: int = 20) -> li
         rng_state()
         return grpo.sample(logits / temperature, 1.0)
 
-    def multinomial_sampler():  # generate's sampled branch before the race
-        rng_state()
-        scaled = logits / temperature
-        logp = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)
-        token = torch.multinomial(logp.exp(), 1).squeeze(-1)
-        return logp.gather(-1, token[:, None]).squeeze(-1)
-
     parts = {
         "the random generator's state, kept per token": rng_state,
         "scale: logits / τ": lambda: logits / temperature,
@@ -610,13 +422,11 @@ def bench_sampler(num_rows: int, vocab_size: int, device, calls: int = 20) -> li
         part()  # warm-up
         seconds = timed(functools.partial(repeat_calls, part, calls), device)
         rows.append({"part": name, "N": num_rows, "V": vocab_size, "ms a call": 1000 * seconds / calls})
-    # The two whole samplers one call each in turn, the median of each's calls: a slow spell of a
-    # shared machine hits both alike.
+    # in turn, so that a slow spell of a shared machine hits both alike
     compiled = torch.compile(grpo.sample, dynamic=True, options={"fallback_random": True})  # compiled_sampler's
     compiled(logits / temperature, 1.0)  # it compiles
     whole = {
         "the whole sampler, as generate (sample)": sampler,
-        "before: log-probs, exp, multinomial": multinomial_sampler,
         "--compile's (compiled_sampler: sample through TorchInductor)": lambda: compiled(logits / temperature, 1.0),
     }
     seconds = {name: [] for name in whole}
@@ -628,36 +438,10 @@ def bench_sampler(num_rows: int, vocab_size: int, device, calls: int = 20) -> li
     return rows
 
 
-def race_agreement(num_rows: int, ids: int = 8, chunk: int = 500_000) -> list[dict]:
-    """How often generate's sample (argmax(log π − log E)) and torch.multinomial (argmax(π / E), the
-    same E) draw different tokens from the same random state: near-ties that the two roundings break
-    apart. num_rows rows of `ids` ids, logits around 30 and around 0 (± 0.5, so many near-ties),
-    on the CPU; beside it the keys computed from the logits, x − log E, without the log-softmax."""
-    generator, rows = torch.Generator().manual_seed(0), []
-    for offset in (30.0, 0.0):
-        counts = {"log π − log E": 0, "x − log E": 0}
-        for start in range(0, num_rows, chunk):
-            scaled = offset + 0.5 * torch.randn(min(chunk, num_rows - start), ids, generator=generator)
-            logp = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)
-            state = torch.get_rng_state()
-            expected = torch.multinomial(logp.exp(), 1).squeeze(-1)
-            torch.set_rng_state(state)
-            log_noise = torch.empty_like(logp).exponential_().log()
-            counts["log π − log E"] += int(((logp - log_noise).argmax(-1) != expected).sum())
-            counts["x − log E"] += int(((scaled - log_noise).argmax(-1) != expected).sum())
-        row = {"logits": f"{offset:g} ± 0.5", "rows": num_rows, "ids": ids}
-        rows.append(row | {f"tokens unlike multinomial's, keys {key}": n for key, n in counts.items()})
-    return rows
-
-
 @contextlib.contextmanager
 def swapped(name: str, value):
-    """`name` bound to `value`, while inside, in common and in every script that binds it; then as it
-    was. The model's runtime lives in common, and the scripts import its names: generate and
-    sequence_logprobs look a name up in their own script's globals (varlen_decode, fp32_lm_head,
-    forward_completions), common's functions in common's (grouped_attention calls
-    grouped_decode_attention, captured_or_none calls cuda_graph, chunks_of calls shape_multiple,
-    logprob_head reads HEAD_CHUNK_BYTES), so each is replaced in both."""
+    """`name` bound to `value` while inside, in common and in every script that binds it (a script
+    may import a runtime name that common's own functions look up in common); then as it was."""
     modules = [module for module in (common, *SCRIPTS.values()) if hasattr(module, name)]
     if not modules:
         raise AttributeError(f"{name}: neither common nor a script has it")
@@ -672,32 +456,28 @@ def swapped(name: str, value):
 
 
 def replaced(name: str, candidate, *inputs, **settings):
-    """grpo.generate(*inputs, **settings) with the function `name` replaced by `candidate` for the
-    call (swapped: generate looks it up as it runs, so the captured graphs hold the candidate). The
-    contender `masked` is generate with varlen_decode answering no: the masked one-token step, over
-    widths of left-padded columns, where on a GPU in bf16 generate runs the varlen one."""
+    """grpo.generate(*inputs, **settings) with the function `name` replaced by `candidate` for the call
+    (the captured graphs hold the candidate). The contender `masked`: varlen_decode answering no."""
     with swapped(name, candidate):
         return grpo.generate(*inputs, **settings)
 
 
 def compiled_generate(model, *inputs, **settings):
-    """grpo.generate(model, *inputs, **settings) with the model as --compile makes it, for the call
-    alone: its MLP and RMSNorm blocks compiled, its one-token step compiled whole and its sampler
-    compiled (compile_blocks, compiled_decode, compiled_sampler); then as it was. dynamo keeps what it
-    compiled: a later call compiles nothing."""
+    """grpo.generate(model, *inputs, **settings) with the model as --compile makes it (common.compile_blocks:
+    its blocks, its one-token step and its sampler compiled), for the call alone; then as it was.
+    dynamo keeps what it compiled: a later call compiles nothing."""
     plain = [module for module in model.modules() if "forward" not in module.__dict__]
-    compile_blocks(model)
+    common.compile_blocks(model)
     try:
         return grpo.generate(model, *inputs, **settings)
     finally:
         for module in plain:
             module.__dict__.pop("forward", None)
-        DECODE_BACKBONES.pop(model, None)
+        common.DECODE_BACKBONES.pop(model, None)
 
 
 def attention_shape(args: Args, device) -> tuple:
-    """(the model's text config, --attention_rows, the prompt length of that many Countdown rows), from
-    the model's directory: its config and tokenizer, no weights loaded."""
+    """(text config, --attention_rows, prompt length) from the model's config and tokenizer alone."""
     from transformers import AutoConfig, AutoTokenizer
 
     directory = bench_directory(args, device)
@@ -709,23 +489,11 @@ def attention_shape(args: Args, device) -> tuple:
 
 
 def bench_attention(config, num_rows: int, prompt_length: int, max_new_tokens: int, device, amp, dtype, calls=20):
-    """The attention of generate's one-token step, one layer's call at a time, at each width it
-    attends over (decode_widths: prompt_length + 64, + 128, … + max_new_tokens): PyTorch's SDPA as
-    grouped_decode_attention calls it (the backend PyTorch picks, then each backend alone),
-    varlen_decode_attention as generate calls it on a GPU in bf16
-    (the whole cache left-aligned, flash attention told each row's filled columns: its GB/s counts
-    the width, as the others', though it reads the filled columns alone), and SDPA with no mask
-    (what the kernel costs when it has neither padding nor unfilled columns to hide). Inputs as
-    generate's step has them: the query and the cache in `dtype`, the compute dtype (bf16 under
-    autocast on a GPU), the additive mask in fp32, each row's first columns masked as left padding
-    and the columns past the filled ones masked. ms a call is the mean of `calls` calls between two
-    synchronisations, on CUDA replays of the call captured as a CUDA graph, as generate's step runs
-    (eager if the capture fails: `timed` says which), so that a variant of more kernels pays no
-    launches the decode does not; GB/s counts
-    the keys and values read (N · kv heads · width · head dim · 2 · bytes); ms a step is a call
-    times the layers. max |Δ| is the output's largest difference from the same attention in float64."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+    """The one-token step's attention, one layer's call, at each width of decode_widths: SDPA as the
+    masked step calls it (grouped_decode_attention), the varlen flash call generate runs on a GPU in bf16
+    (varlen_decode_attention over the left-aligned cache), and SDPA without a mask (what the mask costs).
+    Inputs as the step has them; on CUDA each call is a CUDA graph's replay, as the step runs. ms a call
+    (mean of `calls`), GB/s of keys and values read, ms a step (× layers), max |Δ| against float64."""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     generator = torch.Generator(device).manual_seed(0)
@@ -735,20 +503,7 @@ def bench_attention(config, num_rows: int, prompt_length: int, max_new_tokens: i
     value = torch.randn(num_rows, kv_heads, length, head_dim, device=device, generator=generator).to(dtype)
     padding = torch.arange(num_rows, device=device)[:, None] % 8  # (n, 1) left padding of 0-7 columns
     columns = torch.arange(length, device=device)  # (S,)
-    variants = {
-        "sdpa, masked (generate's masked step)": (common.grouped_decode_attention, None, True),
-        **{
-            f"sdpa, {name} only": (common.grouped_decode_attention, backend, True)
-            for name, backend in (
-                ("cudnn", SDPBackend.CUDNN_ATTENTION),
-                ("efficient", SDPBackend.EFFICIENT_ATTENTION),
-                ("flash", SDPBackend.FLASH_ATTENTION),
-                ("math", SDPBackend.MATH),
-            )
-        },  # fmt: skip
-        "flash varlen (generate's in bf16)": (common.varlen_decode_attention, None, True),
-        "sdpa, no mask": (common.grouped_decode_attention, None, False),
-    }
+    variants = ("sdpa, masked (generate's masked step)", "flash varlen (generate's in bf16)", "sdpa, no mask")
     rows, widths = [], common.decode_widths(prompt_length, max_new_tokens)
     for previous, width in zip([prompt_length, *widths], widths):
         filled = (previous + width) // 2 + 1  # halfway through the width's tokens
@@ -761,20 +516,21 @@ def bench_attention(config, num_rows: int, prompt_length: int, max_new_tokens: i
         read = num_rows * kv_heads * width * head_dim * 2 * key.element_size()
         shift = (columns + padding).clamp(max=length - 1)[:, None, :, None]  # (n, 1, S, 1) left-aligned
         left = [c.gather(2, shift.expand_as(c)).transpose(1, 2).contiguous().transpose(1, 2) for c in (key, value)]
-        for name, (attention, backend, masked) in variants.items():
-            call = functools.partial(attention, None, query, k, v, mask if masked else None, head_dim**-0.5)
-            if attention is common.varlen_decode_attention:  # all S columns, each row's filled ones from 0
-                used, starts = visible.sum(-1, dtype=torch.int32), torch.arange(num_rows + 1, dtype=torch.int32)
-                settings = dict(used=used, starts=starts.to(device))
-                call = functools.partial(attention, None, query, *left, None, head_dim**-0.5, **settings)
+        used, starts = visible.sum(-1, dtype=torch.int32), torch.arange(num_rows + 1, dtype=torch.int32).to(device)
+        calls_of = {
+            variants[0]: functools.partial(common.grouped_decode_attention, None, query, k, v, mask, head_dim**-0.5),
+            variants[1]: functools.partial(
+                common.varlen_decode_attention, None, query, *left, None, head_dim**-0.5, used=used, starts=starts
+            ),
+            variants[2]: functools.partial(common.grouped_decode_attention, None, query, k, v, None, head_dim**-0.5),
+        }
+        for name, call in calls_of.items():
             row = {"variant": name, "N": num_rows, "width": width}
-            with amp(), sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+            with amp():
                 try:
-                    with warnings.catch_warnings(record=True) as warned:  # why a backend is not used
-                        warnings.simplefilter("always")
-                        output = call()[0]  # warm-up
-                except (RuntimeError, NotImplementedError) as error:  # a backend that does not take these inputs
-                    rows.append(row | {"refused": refusal([str(w.message) for w in warned], error)})
+                    output = call()[0]  # warm-up
+                except (RuntimeError, NotImplementedError) as error:  # the CPU has no varlen flash kernel
+                    rows.append(row | {"refused": str(error).strip().split(". ")[0]})
                     continue
                 run, row["timed"] = call, "eager"
                 if device.type == "cuda":
@@ -785,59 +541,15 @@ def bench_attention(config, num_rows: int, prompt_length: int, max_new_tokens: i
                 seconds = timed(functools.partial(repeat_calls, run, calls), device) / calls
             row |= {"ms a call": 1000 * seconds, "GB/s": read / seconds / 1e9}
             row |= {"ms a step": 1000 * seconds * config.num_hidden_layers}
-            if masked:
+            if name != variants[2]:
                 row["max |Δ| vs fp64"] = (output.double() - expected).abs().max().item()
             rows.append(row)
     return rows
 
 
-def refusal(messages: list[str], error: Exception) -> str:
-    """Why PyTorch refused a backend, from its warnings: a header per backend ("… not used
-    because:"), each followed by its reasons; the source locations cut, headers left without a
-    reason dropped. Else the error's first sentence."""
-    lines = [message.split(" (Triggered internally")[0].strip() for message in messages]
-    lines = [line for line in lines if line]
-    following = lines[1:] + [":"]  # a header at the end has no reason after it
-    kept = [line for line, after in zip(lines, following) if not (line.endswith(":") and after.endswith(":"))]
-    return " ".join(dict.fromkeys(kept))[:400] or str(error).strip().split(". ")[0]
-
-
 def repeat_calls(function, calls: int) -> None:
     for _ in range(calls):
         function()
-
-
-def bench_logprob_memory(args, model, vocab_size, device, amp) -> dict:
-    """Peak memory of sequence_logprobs (logprob_chunk_size 8) against log_softmax over (N, T, V)."""
-    num_rows, length = args.logprob_rows, args.max_new_tokens
-    prompt_ids = torch.randint(0, 300, (num_rows, 32), device=device)
-    prompt_mask = torch.ones_like(prompt_ids)
-    ids = torch.randint(0, 300, (num_rows, length), device=device)
-    mask = torch.ones_like(ids)
-
-    def naive():
-        logits = model(input_ids=torch.cat([prompt_ids, ids], 1)).logits[:, 31:-1, :vocab_size].float()
-        return logits.log_softmax(-1).gather(-1, ids[..., None])
-
-    def chunked():
-        return grpo.sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, 1.0, vocab_size, 8)
-
-    result = {"N": num_rows, "T": length, "V": vocab_size}
-    if device.type == "cuda":
-        for name, function in (("naive GB", naive), ("sequence_logprobs GB", chunked)):
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
-            with torch.no_grad(), amp():
-                function()
-            result[name] = (torch.cuda.max_memory_allocated(device) - base) / 1e9
-        result["how"] = "torch.cuda.max_memory_allocated above the weights, no grad"
-    else:  # fp32 (n, T, V) tensors alive at once: naive: logits and log-softmax; chunked: logits, softmax-free lse
-        result["naive GB"] = 2 * num_rows * length * vocab_size * 4 / 1e9
-        result["sequence_logprobs GB"] = 2 * min(8, num_rows) * length * vocab_size * 4 / 1e9
-        result["how"] = "computed on the CPU: two fp32 (rows, T, V) tensors, rows = N or the chunk of 8; not measured"
-    print(result, flush=True)
-    return result
 
 
 PHASES = (("generate+reward", "rollout"), ("logprobs", "old_and_ref_logprobs"), ("values", "critic_values"),
@@ -847,9 +559,8 @@ SCRIPTS = {"grpo": grpo, "dapo": dapo, "ppo": ppo}
 
 @contextlib.contextmanager
 def phases_wrapped(script, around):
-    """script's phase functions (PHASES; the critic's are ppo.py's alone) replaced, while inside,
-    by around(phase, original, *args, **kwargs). A phase called within another (critic_backward
-    calls critic_values) runs as it is: it counts as the outer one's."""
+    """script's phase functions (PHASES) replaced, while inside, by around(phase, original, ...); a phase
+    called within another (critic_backward calls critic_values) counts as the outer one's."""
     originals, inside = {}, []
     for phase, name in PHASES:
         if not hasattr(script, name):
@@ -857,7 +568,7 @@ def phases_wrapped(script, around):
         originals[name] = getattr(script, name)
 
         def wrapped(*a, _phase=phase, _function=originals[name], **k):
-            if inside or IN_PREFLIGHT.get():  # the preflight's passes are not the step's phases
+            if inside or common.IN_PREFLIGHT.get():  # the preflight's passes are not the step's phases
                 return _function(*a, **k)
             inside.append(_phase)
             try:
@@ -875,20 +586,18 @@ def phases_wrapped(script, around):
 
 @contextlib.contextmanager
 def no_final_checkpoint():
-    """A benchmark's step writes no final/ checkpoint (for the 1.5B shape ~20 GB of weights,
-    masters and AdamW state written to a directory deleted right after)."""
-    saved = Run.save_final
-    Run.save_final = lambda self: None
+    """A benchmark's step writes no final/ checkpoint (~20 GB at the 1.5B shape)."""
+    saved = common.Run.save_final
+    common.Run.save_final = lambda self: None
     try:
         yield
     finally:
-        Run.save_final = saved
+        common.Run.save_final = saved
 
 
 def one_step(args, name: str, directory: str) -> dict:
-    """One training step of script `name` with the bench model: its last metrics row, the micro-batch
-    and scoring-chunk sizes it ran with (`sized`: the flags, as the preflight set them on a GPU) and
-    the preflight's seconds (before step 1, in no time/* metric)."""
+    """One training step of script `name`: its last metrics row, the sizes it ran with (`sized`, as the
+    preflight set them) and the preflight's seconds (in no time/* metric)."""
     script = SCRIPTS[name]
     settings = dict(model=directory, max_steps=1, batch_size=args.train_batch_size, group_size=args.group_size)
     settings |= dict(max_new_tokens=args.max_new_tokens, device=args.device, dtype=args.dtype, save_every=0)
@@ -915,15 +624,13 @@ def one_step(args, name: str, directory: str) -> dict:
 
 
 def compiled_first(args, name: str, directory: str, device) -> dict:
-    """--compile: one step first, which compiles the blocks and the decode step; dynamo's cache
-    outlives its models, so the measured step runs what it compiled. Its models are freed before the
-    measured step's preflight measures memory (a compiled block refers to itself: the cyclic
-    collector's). Returns its phases' time/* metrics, each named `compiling …` (compilation and work;
-    less the measured step's, what compiling cost), and its preflight and phases summed, `compiling step s`."""
+    """--compile: one step first, which compiles (dynamo's cache outlives its models, so the measured
+    step runs what it compiled); its models freed before the measured step's preflight. Returns its
+    time/* metrics as `compiling …` and, with its preflight, `compiling step s`."""
     if not args.compile:
         return {}
     metrics = one_step(args, name, directory)
-    gc.collect()
+    gc.collect()  # a compiled block refers to itself: the cyclic collector frees its model
     if device.type == "cuda":
         torch.cuda.empty_cache()
     phases = {f"compiling {k}": v for k, v in metrics.items() if k.startswith("time/")}
@@ -931,12 +638,10 @@ def compiled_first(args, name: str, directory: str, device) -> dict:
 
 
 def bench_training(args, directory: str, device, rows: list, save=lambda: None) -> list[dict]:
-    """One step of each script with the bench model; its time/* metrics and, per phase, peak memory
-    and the work done per second: each phase call timed from a synchronised start to a synchronise
-    after it (no profiler), its FLOPs computed as --profile computes them (phase_batch, phase_work),
-    TFLOP/s and, against the device's peak (peak_flops), MFU. A row is appended to `rows` (and saved)
-    as each script finishes, so a run cut short keeps the rest."""
-    weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
+    """One step of each script: its time/* metrics, and per phase (each call timed between two
+    synchronisations, no profiler) peak memory, TFLOP/s and MFU, its FLOPs as --profile computes them.
+    A row is appended to `rows` and saved as each script finishes."""
+    weight_dtype, compute_dtype = common.resolve_precision(args.dtype, device)
     element_bytes = (compute_dtype or weight_dtype).itemsize
     peak, _ = peak_flops(args, device)
     for name in [s for s in args.train_steps.split(",") if s]:
@@ -980,60 +685,6 @@ def bench_training(args, directory: str, device, rows: list, save=lambda: None) 
     return rows
 
 
-def bench_host_pass(layers: int, device, amp, repeats: int) -> list[dict]:
-    """The host's share of one update pass (sequence_logprobs' forward and backward, as a micro-batch
-    runs it): a Qwen2 model of `layers` layers with the 1.5B shape's 12 query and 2 KV heads, 96 wide,
-    a 1,024-id head, so that its arithmetic is next to nothing and its time is the host's (Python,
-    dispatch, autograd; on a GPU the launches too). 7 rows of one 8-token prompt, completions of 40;
-    the prompt shared (forward_completions: two model calls) and not (share=False, one). Aten ops a
-    layer (counted below autograd, each the difference of `layers` layers and one; views apart) and
-    ms a pass, the median of `repeats`."""
-    if layers < 2:
-        raise SystemExit(f"--host_layers {layers}: at least 2 (a layer's ops are the difference from one layer)")
-
-    generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(3, 1024, (1, 8), generator=generator).expand(7, -1).to(device)
-    completion = torch.randint(3, 1024, (7, 40), generator=generator).to(device)
-    sequences = prompt, torch.ones_like(prompt), completion, torch.ones_like(completion)
-    shape = dict(hidden_size=96, intermediate_size=256, num_attention_heads=12, num_key_value_heads=2, vocab_size=1024)
-    models = {n: Qwen2ForCausalLM(Qwen2Config(**shape, num_hidden_layers=n)).to(device).train() for n in (1, layers)}
-
-    def one_pass(model):
-        with amp():
-            logp, _ = grpo.sequence_logprobs(model, *sequences, 1.0, 1024, 7)
-        logp.sum().backward()
-        model.zero_grad(set_to_none=True)
-
-    rows = []
-    for share in (True, False):
-        with swapped("forward_completions", functools.partial(common.forward_completions, share=share)):
-            counts = {}
-            for n, model in models.items():
-                one_pass(model)  # set-up outside the count
-                with Counted() as counted:
-                    one_pass(model)
-                counts[n] = counted
-            seconds = []
-            for _ in range(repeats):
-                synchronize(device)
-                start = time.perf_counter()
-                one_pass(models[layers])
-                synchronize(device)
-                seconds.append(time.perf_counter() - start)
-        ops, views = ((getattr(counts[layers], k) - getattr(counts[1], k)) / (layers - 1) for k in ("ops", "views"))
-        rows.append(
-            {
-                "prompt": "shared" if share else "a row each",
-                "layers": layers,
-                "aten ops a layer": ops,
-                "of them views": views,
-                "aten ops outside the layers": counts[1].ops - ops,
-                "ms a pass": 1e3 * statistics.median(seconds),
-            }
-        )
-    return rows
-
-
 class Counted(TorchDispatchMode):
     """Counts the aten ops run within it (below autograd), and how many of them are views."""
 
@@ -1048,15 +699,10 @@ class Counted(TorchDispatchMode):
 
 
 def bench_decode_kernels(layers: int, device, amp) -> list[dict]:
-    """What generate's one-token step runs a layer, eager against --compile's (compiled_decode): eager,
-    the aten ops it dispatches, views apart (each a kernel); compiled, the calls in the code
-    TorchInductor wrote for the step (its fused kernels, and the library's matrix products and
-    attention). A Qwen2 of the 1.5B shape's layer (1,536 wide, 12 query and 2 KV heads, 8,960 in
-    the MLP), `layers` deep and one deep, a 1,024-id head; 8 rows of a 64-token prompt, under `amp`.
-    Eager: the ops of 2 new tokens less those of 1 (one step, no prefill), a layer the difference
-    of the two depths over layers − 1; compiled, the same difference of the step's code. On the CPU
-    TorchInductor writes C++ where on a GPU it writes Triton, by the same fusion rules (not checked
-    here): the counts say what fusing removes, not what a GPU's step costs."""
+    """The one-token step's kernels a layer, eager (aten ops, views apart) against --compile's (the calls
+    in the code TorchInductor writes for the step), on a Qwen2 of the 1.5B shape's layers, `layers` deep
+    against one deep: a layer is the difference over layers − 1, a step the ops of 2 new tokens less 1.
+    On the CPU TorchInductor writes C++ rather than Triton: the counts say what fusing removes."""
     from torch._inductor.utils import run_and_get_code
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -1089,88 +735,7 @@ def markdown(rows: list[dict]) -> str:
         return ""
     keys = list(dict.fromkeys(k for row in rows for k in row if k != "bound arithmetic"))
     cell = lambda v: (f"{v:.0f}" if v >= 100 else f"{v:.3g}") if isinstance(v, float) else str(v)  # noqa: E731
-    return markdown_table([{k: cell(row.get(k, "")) for k in keys} for row in rows])
-
-
-def bench_logprob_gap(args, model, tokenizer, vocab_size, device) -> list[dict]:
-    """The sampler/trainer gap under bf16 autocast, the LM head in bf16 (fp32_lm_head switched off)
-    and as the scripts run it (fp32_lm_head: TF32 on a GPU, fp32 on the CPU, named so)."""
-    ids, mask = prompts(tokenizer, args.gap_rows, args.group_size, device)
-    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    rows, plain = [], lambda model: contextlib.nullcontext()
-    for head in ("bf16", "tf32" if device.type == "cuda" else "fp32"):
-        with swapped("fp32_lm_head", plain) if head == "bf16" else contextlib.nullcontext():
-            torch.manual_seed(0)
-            with autocast(device, torch.bfloat16):
-                batch = grpo.generate(
-                    model, ids, mask, args.max_new_tokens, eos, tokenizer.pad_token_id, vocab_size, 0.7
-                )
-                completion, completion_mask, _, sample_logp, _ = batch
-                logp, _ = grpo.sequence_logprobs(model, ids, mask, completion, completion_mask, 0.7, vocab_size, 8)
-        gap = (logp - sample_logp)[completion_mask.bool()].abs()
-        rows.append(
-            {"LM head": head, "N": args.gap_rows, "tokens": len(gap), "mean abs Δ": gap.mean().item()}
-            | {"max abs Δ": gap.max().item(), "share > 0.01": (gap > 0.01).float().mean().item()}
-        )
-        print(rows[-1], flush=True)
-    return rows
-
-
-def tf32_rounded(x: torch.Tensor) -> torch.Tensor:
-    """x (fp32) with its mantissa rounded to TF32's 10 bits, to the nearest and ties to even: what a
-    TF32 tensor core reads of an fp32 input. (13 bits dropped: add 0xFFF plus the lowest bit kept,
-    then clear them; a carry into the exponent is the right rounding too.)"""
-    bits = x.float().contiguous().view(torch.int32)
-    return ((bits + 0xFFF + ((bits >> 13) & 1)) & -0x2000).view(torch.float32)
-
-
-# The LM head's product as each candidate precision computes it: (n, d), (V, d) -> (n, V) fp32
-HEAD_PRODUCTS = {
-    "fp32": lambda h, w: h @ w.T,
-    "tf32 (inputs rounded)": lambda h, w: tf32_rounded(h) @ tf32_rounded(w).T,
-    "bf16 in, fp32 sums": lambda h, w: h.bfloat16().float() @ w.bfloat16().float().T,
-    "bf16 autocast (logits rounded)": lambda h, w: (h.bfloat16() @ w.bfloat16().T).float(),
-}
-
-
-def bench_head_precision(args, model, tokenizer, vocab_size, device) -> list[dict]:
-    """Each candidate precision of the LM head's GEMM against an fp64 reference: the log-probs of
-    sampled tokens (τ = 1, drawn from the reference) at --head_rows rows of real hidden states (the
-    head's inputs over Countdown prompts followed by random completion tokens), scaled so that the
-    logits spread as a trained model's do (std --head_logit_std). TF32 and bf16 inputs are
-    emulated by rounding the inputs and summing the products in fp32, which is what their tensor
-    cores do up to the order of the sums: the rows measure rounding, on any device, not speed."""
-    ids, mask = prompts(tokenizer, max(1, args.head_rows // args.max_new_tokens + 1), args.group_size, device)
-    draws = torch.Generator(device=device).manual_seed(0)  # the same rows every run: their errors compare
-    completion = torch.randint(0, vocab_size, (len(ids), args.max_new_tokens), device=device, generator=draws)
-    captured = []
-    hook = model.get_output_embeddings().register_forward_hook(lambda m, inputs, out: captured.append(inputs[0]))
-    with torch.no_grad():
-        full = torch.cat([mask, torch.ones_like(completion)], 1)
-        model(
-            input_ids=torch.cat([ids, completion], 1),
-            attention_mask=full,
-            position_ids=(full.cumsum(-1) - 1).clamp(min=0),
-        )
-    hook.remove()
-    hidden = captured[0].reshape(-1, captured[0].shape[-1])[-args.head_rows :].float()  # (n, d)
-    weight = model.get_output_embeddings().weight[:vocab_size].float()  # (V, d)
-    with torch.no_grad():
-        scale = args.head_logit_std / (hidden.double() @ weight.double().T).std().item()
-        weight = weight * scale  # the logits of a trained model spread wider than a random one's
-        reference = torch.log_softmax(hidden.double() @ weight.double().T, dim=-1)  # (n, V)
-        tokens = torch.multinomial(reference.exp(), 1, generator=torch.Generator(device=device).manual_seed(0))
-        exact = reference.gather(-1, tokens).squeeze(-1)  # (n,)
-        rows = []
-        for name, product in HEAD_PRODUCTS.items():
-            logp = torch.log_softmax(product(hidden, weight).double(), dim=-1).gather(-1, tokens).squeeze(-1)
-            error = (logp - exact).abs()
-            rows.append(
-                {"head GEMM": name, "rows": len(hidden), "logit std": args.head_logit_std}
-                | {"mean abs Δ vs fp64": error.mean().item(), "max abs Δ vs fp64": error.max().item()}
-            )
-            print(rows[-1], flush=True)
-    return rows
+    return common.markdown_table([{k: cell(row.get(k, "")) for k in keys} for row in rows])
 
 
 # ----------------------------------------------------------------------------------------
@@ -1188,39 +753,27 @@ PEAK_BF16_TFLOPS = {"H100 80GB HBM3": 989, "H100 SXM": 989, "H200": 989, "H100 P
 
 
 def model_shape(model, head_rows: int | None = None) -> dict:
-    """What the FLOP and byte formulas read from a model: `body`, the parameters a token's forward
-    pass multiplies by (all but the input embedding and the LM head, which is counted per scored
-    position instead); all `parameters` (the weights a pass reads); layers, query and KV heads, head
-    dim, hidden size d, and the head's rows: V for a causal LM (the embedding's rows, all computed),
-    1 for a critic's value head. Mixture-of-experts layers count every expert (an overestimate)."""
+    """What the FLOP and byte formulas read from a model: `body`, the parameters a token's forward pass
+    multiplies by (not the embedding, nor the head, counted per scored position), all `parameters`, the
+    attention's shape, d, and the head's rows (V; 1 for a critic's value head). MoE counts every expert."""
     config = model.config.get_text_config()
     head = model.get_output_embeddings()
     outside = {id(p) for m in (model.get_input_embeddings(), head) if m is not None for p in m.parameters()}
-    body = sum(p.numel() for p in model.parameters() if id(p) not in outside)
     heads = config.num_attention_heads
-    return dict(
-        body=body,
-        parameters=sum(p.numel() for p in model.parameters()),
-        layers=config.num_hidden_layers,
-        heads=heads,
-        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-        hidden=config.hidden_size,
-        head_rows=head_rows or head.weight.shape[0],
-    )
+    shape = dict(body=sum(p.numel() for p in model.parameters() if id(p) not in outside))
+    shape |= dict(parameters=sum(p.numel() for p in model.parameters()), layers=config.num_hidden_layers, heads=heads)
+    shape |= dict(kv_heads=getattr(config, "num_key_value_heads", None) or heads)
+    shape |= dict(head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, hidden=config.hidden_size)
+    return shape | dict(head_rows=head_rows or head.weight.shape[0])
 
 
 def token_counts(prompt_ids, prompt_mask, completion_mask, decode: bool = False) -> dict:
-    """The positions one pass over a batch computes, as the scripts compute them: each distinct
-    prompt once (p_g real tokens; padding is not counted), then f_i completion tokens of row i.
-    A token at position k (counting real tokens from 0) attends to k + 1 keys.
-      scoring (sequence_logprobs, the update): f_i = ℓ_i, completion token j at position p_i + j;
-        the LM head at the ℓ_i positions that predict the completion: scored = Σ ℓ_i
-      decode (generate): the prefill scores each prompt's last position; then ℓ_i − 1 one-token
-        steps, token j ≥ 1 fed at position p_i + j − 1 over p_i + j keys: scored = B + Σ (ℓ_i − 1)
-    tokens = Σ_g p_g + Σ_i f_i;  keys = Σ_g p_g(p_g + 1)/2 + Σ_i [f_i·p_i + f_i(f_i + 1)/2];
-    decode_keys: the rows' part of keys (what the decode steps read from the KV cache);
-    steps = max_i f_i (the decode's one-token steps). (N, P), (N, P), (N, T) -> ints."""
+    """The positions one pass over a batch computes, as the scripts do: each distinct prompt once (p_g
+    real tokens), then f_i completion tokens of row i; a token at position k attends to k + 1 keys.
+      scoring: f_i = ℓ_i, scored = Σ ℓ_i (the head at the positions that predict the completion)
+      decode: the prefill, then ℓ_i − 1 one-token steps: f_i = ℓ_i − 1, scored = B + Σ f_i
+    tokens = Σ_g p_g + Σ_i f_i;  keys = Σ_g p_g(p_g + 1)/2 + Σ_i [f_i·p_i + f_i(f_i + 1)/2], the rows'
+    part of it decode_keys; steps = max_i f_i. (N, P), (N, P), (N, T) -> ints."""
     prompt_ids, prompt_mask, completion_mask = (
         t.detach().cpu().long() for t in (prompt_ids, prompt_mask, completion_mask)
     )
@@ -1239,11 +792,8 @@ def token_counts(prompt_ids, prompt_mask, completion_mask, decode: bool = False)
 
 
 def forward_flops(shape: dict, counts: dict) -> int:
-    """FLOPs of one forward pass (a multiply-add is 2):
-      2·body·tokens                                the layers' matrix products
-      + 4·layers·heads·head_dim·keys               attention: q·k and p·v, each 2·head_dim per key
-      + 2·d·head_rows·scored                       the LM head (or value head) where it runs
-    Elementwise work (norms, softmax, the sampler, the optimizer) is not counted."""
+    """FLOPs of one forward pass: 2·body·tokens (the layers' products) + 4·layers·heads·head_dim·keys
+    (q·k and p·v) + 2·d·head_rows·scored (the head). Elementwise work is not counted."""
     attention = 4 * shape["layers"] * shape["heads"] * shape["head_dim"] * counts["keys"]
     return (
         2 * shape["body"] * counts["tokens"] + attention + 2 * shape["hidden"] * shape["head_rows"] * counts["scored"]
@@ -1251,18 +801,12 @@ def forward_flops(shape: dict, counts: dict) -> int:
 
 
 def phase_work(kind: str, shape: dict, batch, element_bytes: int, passes: int = 1, models: int = 1) -> tuple[int, int]:
-    """(FLOPs, bytes) of a phase over `batch` = (prompt_ids, prompt_mask, completion_mask):
-      decode  FLOPs: forward_flops of token_counts(decode=True)
-              bytes: the weights once for the prefill and once per step, and the KV cache the steps
-                     read: weights·(1 + steps) + decode_keys·layers·kv_heads·head_dim·2 (K, V)·bytes
-                     (bandwidth_bound's and decode_bytes' model)
-      score   FLOPs: models · forward_flops (no grad; `models`: policy and reference passes)
-              bytes: models · passes · weights (each chunk's pass reads them once)
-      train   FLOPs: 3 · forward_flops (backward = 2 forwards; activation recomputation by
-                     gradient checkpointing not counted, as MFU conventionally does not)
-              bytes: 3 · passes · weights (passes: the micro-batches)
-    weights = parameters · element_bytes (2 under bf16 autocast). The bytes of the scoring and
-    training phases are a floor: activations are not counted."""
+    """(FLOPs, bytes) of a phase over `batch` = (prompt_ids, prompt_mask, completion_mask), weights =
+    parameters · element_bytes:
+      decode  forward_flops(decode); weights·(1 + steps) + decode_keys·layers·kv_heads·head_dim·2·bytes
+      score   models · forward_flops; models · passes · weights
+      train   3 · forward_flops (backward = 2 forwards; recomputation not counted); 3 · passes · weights
+    The scoring and training bytes are a floor: activations are not counted."""
     counts = token_counts(*batch, decode=kind == "decode")
     flops = forward_flops(shape, counts)
     weights = shape["parameters"] * element_bytes
@@ -1279,10 +823,8 @@ def is_sync_op(name: str) -> bool:
 
 
 def read_events(profiler) -> list[tuple]:
-    """(name, on the device, start ns, end ns, thread) of each event, read from kineto's results
-    directly: building torch's FunctionEvents (profiler.events()) took 140 µs an event on a shared
-    CPU core (37 s for 260,000; a 1.5B step records hundreds of thousands), this 5 µs. Ranges
-    that record_function mirrors on the GPU (user annotations) are left out: they are not work."""
+    """(name, on the device, start ns, end ns, thread) of each event, read from kineto's results (building
+    torch's FunctionEvents costs far more: docs/speed.md); GPU mirrors of record_function ranges left out."""
     from torch.autograd import DeviceType
 
     return [
@@ -1293,26 +835,13 @@ def read_events(profiler) -> list[tuple]:
 
 
 def summarise(events: list[tuple], cuda: bool) -> dict:
-    """From read_events: ops {name: (µs, calls)} (CUDA: the device's events, kernels, memcpys and
-    memsets, by device time; CPU: the ops by self CPU time, their time less their children's),
-    busy µs (their sum), and the host syncs within the phase's own range (PHASE_RANGE; bench's
-    synchronise after it is outside):
-      host syncs  SYNC_OPS and aten::unique* (is_sync_op), an op counted once however nested
-                  (.item() calls _local_scalar_dense): reading a value (.item(), bool(), the size of
-                  nonzero's or unique's output) waits for the device on a GPU; on the CPU the same
-                  ops are counted, where they cost nothing, except within aten::_assert_async (the
-                  CPU's reads its value; CUDA's asserts on the device, no sync). .tolist() and
-                  .cpu() are copies, not such ops: only the CUDA count sees them.
-      CUDA syncs  CUDA_SYNCS calls of the runtime (cudaMemcpy is the synchronous copy;
-                  cudaMemcpyAsync is not counted; cudaFree, the allocator giving memory back,
-                  waits for the device too).
-      sync wait s the host's time inside those calls: waiting for the device. With busy s, it
-                  says whose the idle time is: a device idle while the host waited little was
-                  waiting for the host (Python, launches), not the other way round.
-      launches    kernels the host launched (cudaLaunchKernel and its variants; a CUDA graph's
-                  replay, cudaGraphLaunch, is one launch of all its kernels; none on the CPU).
-    Nesting is by time on each thread: a sweep with a stack of the ops still open. An op whose only
-    child has its name (a redispatch: div_ calls div_) is one call with it, as torch counts it."""
+    """From read_events: ops {name: (µs, calls)} (CUDA: device time of kernels, memcpys, memsets; CPU:
+    self time), busy s (their sum), and within the phase's own range (PHASE_RANGE):
+      host syncs  SYNC_OPS and aten::unique* (is_sync_op), once however nested: a read of a value,
+                  which waits for the device on a GPU (not inside aten::_assert_async)
+      CUDA syncs  CUDA_SYNCS calls of the runtime; sync wait s, the host's time inside them
+      launches    kernels launched (a CUDA graph's replay is one)
+    Nesting is by time on each thread; an op whose only child has its name is one call, as torch counts."""
     ranges = [(start, end) for name, _, start, end, _ in events if name == PHASE_RANGE]
     inside = lambda start: any(low <= start <= high for low, high in ranges)  # noqa: E731
     ops, syncs, runtime, waited, launches, stack = {}, 0, 0, 0, 0, []
@@ -1357,11 +886,8 @@ def synchronize(device) -> None:
 
 
 def profiled(function, device):
-    """function() under its own torch.profiler.profile (CPU, and CUDA on a GPU): returns its result
-    and a dict: wall s (the call and its device work, from a synchronised start to a synchronise
-    after it), and from the profiler's events (summarise) busy s, ops, host syncs, CUDA syncs, sync
-    wait s and launches; peak GB (CUDA: max_memory_allocated during the call; CPU: the process's
-    peak RSS so far) and profiler s (stopping the profiler and reading its events: not in wall s)."""
+    """function() under its own torch.profiler: (its result, {wall s (synchronised), summarise's
+    measures, peak GB (CUDA: allocated; CPU: peak RSS), profiler s (reading the events, not in wall s)})."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     cuda = device.type == "cuda"
@@ -1396,8 +922,8 @@ def peak_flops(args, device) -> tuple[float | None, str]:
 
 
 class Profiles:
-    """The measurements of --profile, per (run, phase): calls summed (peak: the largest), and the
-    two tables built from them, written to the report and saved after every call."""
+    """--profile's measurements per (run, phase), calls summed, and the tables built from them, saved
+    after every call."""
 
     def __init__(self, device, bandwidth: float, peak: float | None, report: dict, save):
         self.device, self.bandwidth, self.peak, self.report, self.save = device, bandwidth, peak, report, save
@@ -1450,8 +976,7 @@ class Profiles:
         ]
 
     def kinds(self, run: str, phase: str, total: dict) -> list[dict]:
-        """The phase's busy time by kernel_kind, largest first: where the time goes beyond the ten
-        largest kernels, and how small the kernels of each kind are (µs a kernel)."""
+        """The phase's busy time by kernel_kind, largest first, and µs a kernel of each kind."""
         busy = sum(us for us, _ in total["ops"].values()) or 1.0
         grouped = {}
         for name, (us, calls) in total["ops"].items():
@@ -1482,14 +1007,13 @@ KERNEL_KINDS = (  # (kind, pattern in a CUDA kernel's or a CPU op's name), the f
 
 
 def kernel_kind(name: str) -> str:
-    """What a kernel (CUDA) or op (CPU) does, from its name (KERNEL_KINDS; case ignored): the
-    profile's busy time by kind (Profiles.kinds)."""
+    """What a kernel (CUDA) or op (CPU) does, from its name (KERNEL_KINDS; case ignored)."""
     return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
 
 
 def phase_batch(phase: str, named: dict, result) -> tuple:
-    """The model of a script's phase call (named: its arguments by name), its batch as
-    (prompt_ids, prompt_mask, completion_mask), and phase_work's kind, passes and models."""
+    """A phase call's model shape, batch (prompt_ids, prompt_mask, completion_mask), and phase_work's
+    kind, passes and models, from its arguments by name."""
     if phase == "generate+reward":  # the Rollout it returns
         return model_shape(named["policy"]), rollout_batch(result), "decode", 1, 1
     if phase == "logprobs":  # π_θold's pass where score_policy, π_ref's where a reference is
@@ -1515,8 +1039,7 @@ def call_work(phase: str, function, args: tuple, kwargs: dict, result, element_b
 
 
 def passes_of(batch, rows: int, tokens: int) -> int:
-    """How many chunks (passes) the scripts cut batch = (prompt_ids, prompt_mask, completion_mask)
-    into, by rows or by tokens (common.chunks_of, which the three scripts call)."""
+    """The chunks the scripts cut `batch` into, by rows or by tokens (common.chunks_of)."""
     prompt_ids, prompt_mask, completion_mask = batch
     order = common.length_order(prompt_ids, prompt_mask, completion_mask)
     return len(common.chunks_of(order, prompt_ids, prompt_mask, completion_mask, rows, tokens))
@@ -1527,11 +1050,8 @@ def rollout_batch(rollout) -> tuple:
 
 
 def profile_script(args, name: str, directory: str, device, element_bytes: int, profiles: Profiles) -> dict:
-    """One step of script `name`, each phase call under its own profiler (profiled), or only those
-    --profile_phases names (the others run as they are: a decode of 1024 tokens records >700k kernels,
-    whose reading costs more than the update's): the rows of `profiles` as the phases end, and the
-    step's time/* metrics (which include the profiler's own stopping and reading: the profiler s
-    column)."""
+    """One step of script `name`, each phase call (or those --profile_phases names) under its own
+    profiler: rows of `profiles`, and the step's time/* metrics (the profiler's reading included)."""
 
     chosen = [p.strip() for p in args.profile_phases.split(",") if p.strip()]
 
@@ -1552,12 +1072,10 @@ def profile_script(args, name: str, directory: str, device, element_bytes: int, 
 
 
 def profile_decode(args, device, weight_dtype, amp, element_bytes: int, profiles: Profiles) -> None:
-    """grpo.generate at N = the largest of --batch_sizes, --max_new_tokens sampled (τ = 1), every
-    completion at its cap (no EOS), after a warm-up call of 16 tokens: one call profiled. --compile:
-    the model as the scripts compile it (compile_blocks: its blocks, its decode step, its sampler),
-    after a warm-up call of as many tokens as the profiled one, which compiles every variant it runs."""
+    """grpo.generate at N = the largest of --batch_sizes, every completion at its cap, sampled, one call
+    profiled after a warm-up (of 16 tokens; with --compile, of as many, which compiles what it runs)."""
     model, tokenizer, vocab_size, _ = load_bench_model(args, device, weight_dtype)
-    compile_blocks(model, args.compile)
+    common.compile_blocks(model, args.compile)
     num_rows = max(int(n) for n in args.batch_sizes.split(",") if n)
     ids, mask = prompts(tokenizer, num_rows, args.group_size, device)
     inputs = (model, ids, mask)
@@ -1572,17 +1090,15 @@ def profile_decode(args, device, weight_dtype, amp, element_bytes: int, profiles
 
 
 def bench_profile(args, device, weight_dtype, compute_dtype, amp, report: dict, save) -> dict:
-    """--profile: the phases of each run named, one table row per phase, its ten largest kernels
-    (CPU ops on the CPU) and its busy time by kind, saved after every phase."""
+    """--profile: each run's phases, a row each, their largest kernels and busy time by kind."""
     if device.type == "cuda":  # kineto set up before any CUDA graph is captured (pytorch#75504)
         with torch.profiler.profile():
             pass
     bandwidth = copy_bandwidth(device, 256 if device.type == "cuda" else 32)
     peak, source = peak_flops(args, device)
     element_bytes = (compute_dtype or weight_dtype).itemsize  # what a pass reads: bf16 under autocast
-    report |= {"copy bandwidth GB/s": bandwidth / 1e9, "peak": source, "profile": [], "profile_top": []}
-    report["profile_kinds"] = []
-    report["training_step"] = []
+    sections = ("profile", "profile_top", "profile_kinds", "training_step")
+    report |= {"copy bandwidth GB/s": bandwidth / 1e9, "peak": source} | {section: [] for section in sections}
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; peak: {source}", flush=True)
     profiles = Profiles(device, bandwidth, peak, report, save)
     for name in [n for n in args.profile.split(",") if n]:
@@ -1591,127 +1107,71 @@ def bench_profile(args, device, weight_dtype, compute_dtype, amp, report: dict, 
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the training steps load their own copies
         else:
-            report["training_step"].append(
-                profile_script(args, name, bench_directory(args, device), device, element_bytes, profiles)
-            )
+            directory = bench_directory(args, device)
+            report["training_step"].append(profile_script(args, name, directory, device, element_bytes, profiles))
             save()
-    for section in ("profile", "profile_top", "profile_kinds", "training_step"):
+    for section in sections:
         print(f"\n### {section}\n\n{markdown(report[section])}")
     return report
 
 
-@contextlib.contextmanager
-def compared(args: Args):
-    """--shape_multiple and --head_chunk_mb: a choice of the scripts replaced for the whole run, to
-    measure what it buys (the same command with and without), in common and in every script that
-    binds it (swapped).
-    --shape_multiple: the multiple chunks_of rounds a chunk's columns up to (trim_padding keeps
-    them), on any device.
-    --head_chunk_mb: the positions logprob_head turns into log-probs at a time, in the scoring and
-    training passes (the preflight, in the same run, sizes the passes with it): fewer, larger
-    chunks make fewer (V, d) weight gradients to sum, and larger fp32 logits."""
-    with contextlib.ExitStack() as stack:
-        if args.shape_multiple:
-            stack.enter_context(swapped("shape_multiple", lambda device, m=args.shape_multiple: m))
-        if args.head_chunk_mb:
-            stack.enter_context(swapped("HEAD_CHUNK_BYTES", args.head_chunk_mb * 2**20))
-        yield
+def check_profile_args(args: Args) -> None:
+    """--profile and --profile_phases name what exists, before anything runs."""
+    phases = [phase for phase, _ in PHASES]
+    for flag, given, known in (
+        ("--profile", args.profile, ["decode", *SCRIPTS]),
+        ("--profile_phases", args.profile_phases, phases),
+    ):
+        unknown = sorted({name.strip() for name in given.split(",") if name.strip()} - set(known))
+        if unknown:
+            raise SystemExit(f"{flag} {given}: {', '.join(unknown)} is none of {', '.join(known)}")
+    if args.profile_phases and not args.profile:
+        raise SystemExit("--profile_phases names the phases --profile profiles: give --profile grpo (dapo, ppo) too")
 
 
 def main(args: Args) -> dict:
-    with compared(args):
-        return measure(args)
-
-
-def bench_with_model(args, device, weight_dtype, compute_dtype, amp, report: dict, save) -> None:
-    """Sections 1, 2, 3 and 5, in one loaded copy of the model (released after: the training steps
-    load their own); none of them is asked for, none is loaded (a run of --train_steps alone)."""
-    model, tokenizer, vocab_size, _ = load_bench_model(args, device, weight_dtype)
-    report["generation"] = bench_generation(args, model, tokenizer, vocab_size, device, amp, compute_dtype)
-    save()
-    report["decode_bytes"] = [
-        decode_bytes(
-            model, int(n), prompts(tokenizer, int(n), args.group_size, device)[0].shape[1], args.max_new_tokens
-        )
-        for n in args.batch_sizes.split(",")
-        if n
-    ]
-    save()
-    report["steps_4_and_6"] = (
-        bench_steps_4_and_6(args, model, tokenizer, vocab_size, device, amp) if args.step_rows else []
-    )
-    save()
-    report["logprob_memory"] = [bench_logprob_memory(args, model, vocab_size, device, amp)] if args.logprob_rows else []
-    save()
-    report["logprob_gap"] = bench_logprob_gap(args, model, tokenizer, vocab_size, device) if args.gap_rows else []
-    save()
-    report["head_precision"] = (
-        bench_head_precision(args, model, tokenizer, vocab_size, device) if args.head_rows else []
-    )
-    save()
-    del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # the training steps load their own copy
-
-
-def check_profile_args(args: Args) -> None:
-    """--profile and --profile_phases name what exists, before anything runs."""
-    unknown = set(args.profile.split(",")) - {"decode", *SCRIPTS, ""}
-    if unknown:
-        raise SystemExit(f"--profile {args.profile}: {', '.join(sorted(unknown))} is none of decode, grpo, dapo, ppo")
-    if args.profile_phases and not args.profile:
-        raise SystemExit("--profile_phases names the phases --profile profiles: give --profile grpo (dapo, ppo) too")
-    phases = [phase for phase, _ in PHASES]
-    unknown = {p.strip() for p in args.profile_phases.split(",") if p.strip()} - set(phases)
-    if unknown:
-        raise SystemExit(
-            f"--profile_phases {args.profile_phases}: {', '.join(sorted(unknown))} is none of {', '.join(phases)}"
-        )
-
-
-def measure(args: Args) -> dict:
     check_profile_args(args)
-    device = use_device(resolve_device(args.device))  # a GPU named by --device becomes the current one
-    weight_dtype, compute_dtype = resolve_precision(args.dtype, device)
-    amp = lambda: autocast(device, compute_dtype)  # noqa: E731
+    device = common.use_device(common.resolve_device(args.device))  # a GPU named by --device becomes the current one
+    weight_dtype, compute_dtype = common.resolve_precision(args.dtype, device)
+    amp = lambda: common.autocast(device, compute_dtype)  # noqa: E731
     report = {"args": asdict(args), "device": str(device), "threads": torch.get_num_threads()}
     if device.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name(device)
     save = lambda: Path(args.output).write_text(json.dumps(report, indent=1))  # noqa: E731  (after every section)
-    if args.sampler_rows:  # no model: the sampler's cost is its (N, V) alone
-        report["sampler"] = bench_sampler(args.sampler_rows, QWEN_TOKENIZER_SIZE, device)
+
+    def section(name: str, rows: list[dict]) -> None:
+        report[name] = rows
         save()
-        print(f"\n### sampler\n\n{markdown(report['sampler'])}")
-    if args.race_rows:  # no model, on the CPU: how often a near-tie parts the race from multinomial
-        report["race"] = race_agreement(args.race_rows)
-        save()
-        print(f"\n### race\n\n{markdown(report['race'])}")
-    if args.attention_rows:  # no weights: the attention's cost is its shapes alone
+        print(f"\n### {name}\n\n{markdown(rows)}")
+
+    # First what loads no weights: the sampler's cost is its (N, V) alone, the attention's its shapes
+    if args.sampler_rows:
+        section("sampler", bench_sampler(args.sampler_rows, QWEN_TOKENIZER_SIZE, device))
+    if args.attention_rows:
         shape = attention_shape(args, device)
-        report["attention"] = bench_attention(*shape, args.max_new_tokens, device, amp, compute_dtype or weight_dtype)
-        save()
-        print(f"\n### attention\n\n{markdown(report['attention'])}")
-    if args.host_layers:  # no weights worth the name: the host's cost of a pass is its ops
-        report["host_pass"] = bench_host_pass(args.host_layers, device, amp, args.repeats)
-        save()
-        print(f"\n### host pass\n\n{markdown(report['host_pass'])}")
-    if args.decode_layers:  # the 1.5B shape's layers, a small head: the kernels a layer, counted
-        report["decode_kernels"] = bench_decode_kernels(args.decode_layers, device, amp)
-        save()
-        print(f"\n### decode kernels\n\n{markdown(report['decode_kernels'])}")
+        section("attention", bench_attention(*shape, args.max_new_tokens, device, amp, compute_dtype or weight_dtype))
+    if args.decode_layers:
+        section("decode_kernels", bench_decode_kernels(args.decode_layers, device, amp))
     if args.profile:
         return bench_profile(args, device, weight_dtype, compute_dtype, amp, report, save)
-    sections = ("generation", "decode_bytes", "steps_4_and_6", "logprob_memory", "logprob_gap", "head_precision")
+    sections = ("generation", "steps_4_and_6", "training_step")
     report |= {section: [] for section in sections}
-    if any((args.batch_sizes, args.step_rows, args.logprob_rows, args.gap_rows, args.head_rows)):
-        bench_with_model(args, device, weight_dtype, compute_dtype, amp, report, save)
-    report["training_step"] = []
+    if args.batch_sizes or args.step_rows:  # one loaded copy of the model; the training steps load their own
+        model, tokenizer, vocab_size, _ = load_bench_model(args, device, weight_dtype)
+        report["generation"] = bench_generation(args, model, tokenizer, vocab_size, device, amp, compute_dtype)
+        save()
+        if args.step_rows:
+            report["steps_4_and_6"] = bench_steps_4_and_6(args, model, tokenizer, vocab_size, device, amp)
+            save()
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     if args.train_steps:
         bench_training(args, bench_directory(args, device), device, report["training_step"], save)
-    for section in (*sections, "training_step"):
+    for section in sections:
         print(f"\n### {section}\n\n{markdown(report[section])}")
     return report
 
 
 if __name__ == "__main__":
-    main(parse_args(Args))
+    main(common.parse_args(Args))

@@ -66,9 +66,8 @@ acceptance as it was then ran out of time:
      efficient, both measured no faster and removed: docs/speed.md, tried and removed.)
   11. optional: bench.py's steps 4 + 6 (scoring and update) of 64 rows in 7-row micro-batches,
      the preflight's at this shape, each prompt forwarded once per group (two model calls a pass,
-     more than twice the host's ops a layer: bench.py --host_layers) against once per row (one
-     call, 16-19% more token positions): whether sharing pays on a GPU
-     whose passes wait on the host.
+     more than twice the host's ops a layer, docs/speed.md) against once per row (one call, 16-19%
+     more token positions): whether sharing pays on a GPU whose passes wait on the host.
   12. optional: the grpo step of stage 4 with --compile true (the MLP and RMSNorm blocks through
      TorchInductor: the update's elementwise traffic fused), measured after an unmeasured step that
      compiles them (bench.py --compile; its row carries that step's times, `compiling …`), and,
@@ -106,7 +105,6 @@ SHAPE = "qwen2.5-1.5b-shape"
 SLOW_CUDA_TESTS = "not torchrun_one_process_with_nccl and not bench_smoke_on_cuda and not compiled_decode"
 SECTIONS = (
     "generation",
-    "decode_bytes",
     "decode_kernels",
     "sampler",
     "attention",
@@ -139,8 +137,7 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
             seconds=55,
             json=directory / "generation.json",
             command=[*bench, *model, "--batch_sizes", sizes["rows"], "--max_new_tokens", sizes["tokens"]]
-            + ["--modes", "greedy", "--contenders", "nanopo,hf,tools", "--repeats", "1", "--train_steps", ""]
-            + ["--logprob_rows", "0"],
+            + ["--modes", "greedy", "--contenders", "nanopo,hf,tools", "--repeats", "1", "--train_steps", ""],
         ),
         dict(
             name=f"decode, N = {sizes['decode_rows']} × {sizes['decode_tokens']} new tokens, sampled, against "
@@ -149,7 +146,7 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
             json=directory / "decode.json",
             command=[*bench, *model, "--batch_sizes", sizes["decode_rows"], "--max_new_tokens", sizes["decode_tokens"]]
             + ["--modes", "sampled", "--contenders", "nanopo,masked", "--repeats", "1", "--train_steps", ""]
-            + ["--logprob_rows", "0", "--sampler_rows", sizes["decode_rows"], "--attention_rows", sizes["decode_rows"]],
+            + ["--sampler_rows", sizes["decode_rows"], "--attention_rows", sizes["decode_rows"]],
         ),
         *[
             dict(
@@ -157,7 +154,7 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
                 "tokens, sized by the preflight" + (", gradient checkpointing" if script == "ppo" else ""),
                 seconds=seconds,
                 json=directory / f"step_{script}.json",
-                command=[*bench, *model, "--train_steps", script, *step, "--batch_sizes", "", "--logprob_rows", "0"]
+                command=[*bench, *model, "--train_steps", script, *step, "--batch_sizes", ""]
                 + (["--gradient_checkpointing", "true"] if script == "ppo" else []),
             )
             for script, seconds in (("grpo", 90), ("dapo", 80), ("ppo", 115))
@@ -177,8 +174,7 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
                 seconds=0,
                 optional=True,
                 json=directory / f"step_grpo_{name}.json",
-                command=[*bench, *model, "--train_steps", "grpo", *step, "--batch_sizes", "", "--logprob_rows", "0"]
-                + flags.split(),
+                command=[*bench, *model, "--train_steps", "grpo", *step, "--batch_sizes", ""] + flags.split(),
             )
             for name, flags in (  # the first gets what stages 1-7 leave of a whole run (~95 s on the H100)
                 ("bf16_weights", "--dtype bfloat16"),
@@ -194,7 +190,7 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
             json=directory / "steps_4_and_6.json",
             command=[*bench, *model, "--step_rows", str(int(sizes["profile_batch"]) * int(sizes["group"]))]
             + ["--group_size", sizes["group"], "--max_new_tokens", sizes["decode_tokens"], "--micro_batch_size", "7"]
-            + ["--logprob_chunk_size", "64", "--batch_sizes", "", "--train_steps", "", "--logprob_rows", "0"]
+            + ["--logprob_chunk_size", "64", "--batch_sizes", "", "--train_steps", ""]
             + ["--repeats", "1"],
         ),
         dict(
@@ -203,8 +199,7 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
             seconds=0,
             optional=True,
             json=directory / "step_grpo_compiled.json",
-            command=[*bench, *model, "--train_steps", "grpo", *step, "--batch_sizes", "", "--logprob_rows", "0"]
-            + ["--compile", "true"],
+            command=[*bench, *model, "--train_steps", "grpo", *step, "--batch_sizes", ""] + ["--compile", "true"],
         ),
         dict(
             name="the compiled decode step, captured, against the scorer (optional: on the time left)",
@@ -222,7 +217,7 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
             json=directory / "decode_compiled.json",
             command=[*bench, *model, "--batch_sizes", sizes["decode_rows"], "--max_new_tokens", sizes["decode_tokens"]]
             + ["--modes", "sampled", "--contenders", "nanopo,compiled", "--repeats", "1", "--train_steps", ""]
-            + ["--logprob_rows", "0", "--decode_layers", "4"],
+            + ["--decode_layers", "4"],
         ),
     ]
 

@@ -15,8 +15,8 @@ from conftest import ROOT, flash_varlen_by_the_book
 def test_bench_smoke(tmp_path):
     output = tmp_path / "bench.json"
     command = [sys.executable, "bench.py", "--model", "tiny", "--batch_sizes", "1,4", "--max_new_tokens", "4"]
-    command += ["--repeats", "1", "--group_size", "2", "--train_batch_size", "1", "--logprob_rows", "2"]
-    command += ["--contenders", "nanopo,hf,loop,tools,masked", "--output", str(output)]
+    command += ["--repeats", "1", "--group_size", "2", "--train_batch_size", "1"]
+    command += ["--contenders", "nanopo,hf,tools,masked", "--output", str(output)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(output.read_text())
@@ -28,9 +28,7 @@ def test_bench_smoke(tmp_path):
         (4, "greedy"),
         (4, "sampled"),
     ]
-    assert all(
-        row["nanopo tok/s"] > 0 and row["hf tok/s"] > 0 and row["loop tok/s"] > 0 for row in report["generation"]
-    )
+    assert all(row["nanopo tok/s"] > 0 and row["hf tok/s"] > 0 for row in report["generation"])
     assert [row["script"] for row in report["training_step"]] == ["grpo", "dapo", "ppo"]
     assert all(row["time/generate"] > 0 and row["time/update"] > 0 for row in report["training_step"])
     assert "| N | P | mode |" in done.stdout
@@ -58,7 +56,7 @@ def test_bench_at_the_real_vocabulary(tmp_path):
     output = tmp_path / "bench.json"
     command = [sys.executable, "bench.py", "--model", "qwen2.5-0.5b-shape", "--num_layers", "1", "--batch_sizes", "2"]
     command += ["--max_new_tokens", "3", "--repeats", "1", "--group_size", "2", "--train_batch_size", "1"]
-    command += ["--modes", "sampled", "--contenders", "nanopo,hf", "--train_steps", "grpo", "--logprob_rows", "0"]
+    command += ["--modes", "sampled", "--contenders", "nanopo,hf", "--train_steps", "grpo"]
     command += ["--output", str(output)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -67,92 +65,18 @@ def test_bench_at_the_real_vocabulary(tmp_path):
     assert report["training_step"][0]["time/update"] > 0
 
 
-def test_decode_bytes_by_hand():
-    # One layer, 2 query heads on 1 KV head of dim 2 (a K or V column of a row: 2 elements),
-    # N = 4 rows, P = 3, max_new_tokens = 2: one step after the prefill (t = 0), which writes
-    # column P and attends over filled = P + 1 = 4 columns; decode_widths(3, 2) = [5], so it
-    # reads width 5. Lengths: P(L > 1) = keep = 0.5^(1/0.6) (median 0.3·2 tokens), live = 4·keep.
-    # bf16 (2 bytes) everywhere except static's fp32 keys.
-    #   ideal  = 2W + live · 4 columns · 2 elements · (K, V) 2 · 2 bytes     = 2W + 32·live
-    #   nanopo = 2W + 4 rows · 5 columns · 2 · 2 · 2 (no compaction yet)     = 2W + 160
-    #   static = 2W + 4 rows · 5 columns · 2 · (4 + 2) · (1 + 2·group 2)    = 2W + 1200
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from bench import decode_bytes
-
-    config = Qwen2Config(
-        hidden_size=4,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=4,
-        vocab_size=8,
-    )
-    model = Qwen2ForCausalLM(config)
-    weights = sum(p.numel() for p in model.parameters())
-    live = 4 * 0.5 ** (1 / 0.6)
-    row = decode_bytes(model, num_rows=4, prompt_length=3, max_new_tokens=2)
-    assert abs(row["ideal GB/step"] * 1e9 - (2 * weights + 32 * live)) < 1e-6
-    assert abs(row["nanopo GB/step"] * 1e9 - (2 * weights + 160)) < 1e-6
-    assert abs(row["static GB/step"] * 1e9 - (2 * weights + 1200)) < 1e-6
-
-
-def test_bench_logprob_gap(tmp_path):
-    # --gap_rows: generate's and sequence_logprobs' log-probs under bf16 autocast, the LM head in
-    # bf16 and as the scripts run it (fp32_lm_head: fp32 on the CPU, TF32 on a GPU, the row named
-    # so); the gaps are small, and the table prints. (On the tiny model they are 0 since scoring
-    # runs a group's prompt alone and then its completions, as generate does; on SmolLM2-135M
-    # 0.015 on average, docs/speed.md.) The removed --lm_head_precision stops with its one line.
-    import bench
-
-    output = tmp_path / "bench.json"
-    command = [sys.executable, "bench.py", "--model", "tiny", "--batch_sizes", "", "--max_new_tokens", "6"]
-    command += ["--gap_rows", "4", "--group_size", "2", "--train_steps", "", "--logprob_rows", "0"]
-    done = subprocess.run(command + ["--output", str(output)], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    rows = json.loads(output.read_text())["logprob_gap"]
-    assert [row["LM head"] for row in rows] == ["bf16", "fp32"]
-    assert all(row["tokens"] > 0 and 0 <= row["max abs Δ"] < 0.1 for row in rows)
-    assert "| LM head | N | tokens |" in done.stdout
-    with pytest.raises(SystemExit, match="--lm_head_precision was removed"):
-        common.parse_args(bench.Args, ["--gap_rows", "4", "--lm_head_precision", "fp32"])
-
-
-def test_tf32_rounding_by_hand():
-    # TF32 keeps 10 of fp32's 23 mantissa bits, rounding to the nearest, ties to even:
-    # 1 + 2^-11 lies halfway between 1 and 1 + 2^-10: to even, 1. 1 + 3·2^-11 lies halfway between
-    # 1 + 2^-10 (odd last bit) and 1 + 2^-9: to 1 + 2^-9. 1 + 2^-11 + 2^-20 is past halfway: 1 + 2^-10.
-    # A value already on TF32's grid (and its negative) is kept.
-    from bench import tf32_rounded
-
-    x = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-11 + 2**-20, -(1 + 2**-10), 3.0])
-    assert tf32_rounded(x).tolist() == [1.0, 1 + 2**-9, 1 + 2**-10, -(1 + 2**-10), 3.0]
-
-
-def test_bench_head_precision(tmp_path):
-    # --head_rows: each candidate of the head's GEMM against fp64. fp32 is near-exact, and the
-    # rounding of the inputs orders the rest: TF32 (10 bits) < bf16 inputs (7 bits) < bf16 logits.
-    output = tmp_path / "bench.json"
-    command = [sys.executable, "bench.py", "--model", "tiny", "--batch_sizes", "", "--max_new_tokens", "8"]
-    command += ["--head_rows", "64", "--group_size", "2", "--train_steps", "", "--logprob_rows", "0"]
-    done = subprocess.run(command + ["--output", str(output)], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    errors = [row["mean abs Δ vs fp64"] for row in json.loads(output.read_text())["head_precision"]]
-    assert len(errors) == 4 and errors[0] < 1e-5 and errors[0] < errors[1] < errors[2] < errors[3]
-
-
-def test_steps_4_and_6_time_the_shared_unshared_and_padded_versions(tmp_path):
+def test_steps_4_and_6_time_the_shared_and_unshared_versions(tmp_path):
     # 8 rows, groups of 4, one worked example in each prompt: each version's phases timed, the
     # ratios against the shared version (the same computation, so the versions run the same work).
     output = tmp_path / "bench.json"
     command = [sys.executable, "bench.py", "--model", "tiny", "--batch_sizes", "", "--max_new_tokens", "6"]
-    command += ["--repeats", "1", "--group_size", "4", "--train_steps", "", "--logprob_rows", "0"]
+    command += ["--repeats", "1", "--group_size", "4", "--train_steps", ""]
     command += ["--step_rows", "8", "--shots", "1", "--countdown_numbers", "2", "--output", str(output)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     [row] = json.loads(output.read_text())["steps_4_and_6"]
     assert (row["N"], row["G"]) == (8, 4) and row["mean prompt"] > 100  # the worked example's tokens
-    for version in ("shared", "unshared", "padded"):
+    for version in ("shared", "unshared"):
         assert row[f"{version} step 4 s"] > 0 and row[f"{version} step 6 s"] > 0
         assert row[f"{version} 4+6 s"] == row[f"{version} step 4 s"] + row[f"{version} step 6 s"]
     assert row["unshared/shared"] == row["unshared 4+6 s"] / row["shared 4+6 s"]
@@ -178,54 +102,28 @@ def test_the_shapes_model_is_written_once_and_read_back(tmp_path, monkeypatch):
     assert model.config.num_hidden_layers == 1 and next(model.parameters()).dtype == torch.float32
 
 
-def test_compared_replaces_a_choice_for_the_run_and_restores_it():
-    # --shape_multiple: chunks_of rounds each chunk's columns to it inside the run (common's, which
-    # every script calls), and to its own after; --head_chunk_mb: logprob_head's chunk, MiB, inside
-    # the run only. The A/B flags of paths since removed (--aligned_prompts, --sdpa_backend:
-    # docs/speed.md, "Tried and removed") are flags no more.
+def test_the_removed_flags_stop_with_their_line():
+    # The A/B flags of the scripts' paths since removed (docs/speed.md, "Tried and removed") stop
+    # with their one line (common.REMOVED_SETTINGS), as the scripts' do.
     import bench
-    import dapo
-    import grpo
-    import ppo
 
-    prompt_ids = torch.tensor([[0, 5, 6], [0, 5, 6]])
-    prompt_mask, completion_mask = torch.tensor([[0, 1, 1], [0, 1, 1]]), torch.ones(2, 9, dtype=torch.long)
-    order = common.length_order(prompt_ids, prompt_mask, completion_mask)
-
-    def layout():
-        [(_, chunk)] = common.chunks_of(order, prompt_ids, prompt_mask, completion_mask, 2)
-        return chunk.prompt, chunk.completion
-
-    with bench.compared(bench.Args(shape_multiple=8, head_chunk_mb=2048)):
-        assert common.shape_multiple(torch.device("cpu")) == 8 and layout() == (3, 9)  # 8 columns, or all there are
-        assert {s.HEAD_CHUNK_BYTES for s in (common, grpo, dapo, ppo) if hasattr(s, "HEAD_CHUNK_BYTES")} == {2**31}
-    assert common.shape_multiple(torch.device("cpu")) == 1 and layout() == (2, 9)
-    assert common.HEAD_CHUNK_BYTES == 2**28
-    for flag in ("--aligned_prompts", "--sdpa_backend"):
+    for flag in ("--aligned_prompts", "--sdpa_backend", "--lm_head_precision"):
         assert not hasattr(bench.Args(), flag[2:])
         with pytest.raises(SystemExit, match=f"{flag} was removed: "):
-            common.parse_args(bench.Args, [flag, "on"])
+            common.parse_args(bench.Args, [flag, "fp32"])
 
 
 def test_the_sampler_parts():
     # bench.py --sampler_rows times each op of generate's sampler alone, then the whole sampler
-    # (grpo.sample, the exponential race), the one before it (exp and multinomial) and --compile's.
+    # (grpo.sample, the exponential race) and --compile's.
     from bench import bench_sampler
 
     rows = bench_sampler(2, 50, torch.device("cpu"), calls=2)
-    assert [row["part"] for row in rows][-3:] == [
+    assert [row["part"] for row in rows][-2:] == [
         "the whole sampler, as generate (sample)",
-        "before: log-probs, exp, multinomial",
         "--compile's (compiled_sampler: sample through TorchInductor)",
     ]
     assert all(row["ms a call"] > 0 and (row["N"], row["V"]) == (2, 50) for row in rows)
-    # --race_rows: tokens of the race against multinomial's from the same state, chunk by chunk
-    # (a last chunk shorter than the others); a near-tie is ~1 in 10 million, so none in 1,000 rows.
-    from bench import race_agreement
-
-    rows = race_agreement(1000, chunk=300)
-    assert [(row["logits"], row["rows"], row["ids"]) for row in rows] == [("30 ± 0.5", 1000, 8), ("0 ± 0.5", 1000, 8)]
-    assert all(row["tokens unlike multinomial's, keys log π − log E"] == 0 for row in rows)
 
 
 def test_the_decode_attention_variants_compute_generate_attention():
@@ -235,29 +133,17 @@ def test_the_decode_attention_variants_compute_generate_attention():
     # grouped_decode_attention's fold of heads is tested.
     from transformers import Qwen2Config
 
-    from bench import bench_attention, refusal
+    from bench import bench_attention
 
     config = Qwen2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
     rows = bench_attention(config, 3, 5, 130, torch.device("cpu"), contextlib.nullcontext, torch.float32, calls=2)
     assert sorted({row["width"] for row in rows}) == common.decode_widths(5, 130) == [69, 133, 135]
     for width in (69, 133, 135):
         ran = {row["variant"]: row for row in rows if row["width"] == width and "refused" not in row}
-        named = {"sdpa, masked (generate's masked step)", "sdpa, math only", "sdpa, no mask"}
-        assert named <= set(ran) and not any("matmul" in name for name in ran)
+        assert set(ran) == {"sdpa, masked (generate's masked step)", "sdpa, no mask"}  # the CPU refuses varlen
         for name, row in ran.items():
             assert row["ms a call"] > 0 and row["ms a step"] == pytest.approx(3 * row["ms a call"])
             assert name == "sdpa, no mask" or row["max |Δ| vs fp64"] < 1e-5
-    # A refused backend's row says why, as PyTorch's warnings do (here the CPU's, for flash with
-    # dropout): the header and its reason, without the source locations; a header with no reason
-    # after it (a backend switched off) is dropped.
-    messages = [
-        "Flash attention kernel not used because: (Triggered internally at sdp_utils_cpp.cpp:99.)",
-        "Both fused kernels do not support non-zero dropout. (Triggered internally at sdp_utils_cpp.h:241.)",
-        "Memory efficient kernel not used because:",
-    ]
-    expected = "Flash attention kernel not used because: Both fused kernels do not support non-zero dropout."
-    assert refusal(messages, RuntimeError("No available kernel.  Aborting execution.")) == expected
-    assert refusal([], RuntimeError("No viable backend was found. This is likely …")) == "No viable backend was found"
 
 
 def test_the_varlen_row_attends_as_the_masked_call(monkeypatch):
@@ -316,7 +202,7 @@ def test_replaced_swaps_a_name_in_common_and_the_scripts_for_one_call():
 
 def test_training_steps_alone_load_no_model_and_report_each_phase(tmp_path, monkeypatch):
     # bench.py --train_steps grpo with no section that needs the model (--batch_sizes '', no
-    # logprob, gap, head or step rows) loads none (the training step loads its own), and the step's
+    # step rows) loads none (the training step loads its own), and the step's
     # row has the preflight's seconds, the sizes it ran with (on the CPU 4 and 8 rows) and each
     # phase's TFLOP/s.
     import bench
@@ -325,7 +211,7 @@ def test_training_steps_alone_load_no_model_and_report_each_phase(tmp_path, monk
         raise AssertionError("the model was loaded")
 
     monkeypatch.setattr(bench, "load_bench_model", no_model)
-    settings = dict(model="tiny", batch_sizes="", logprob_rows=0, train_steps="grpo", max_new_tokens=4)
+    settings = dict(model="tiny", batch_sizes="", train_steps="grpo", max_new_tokens=4)
     settings |= dict(group_size=2, train_batch_size=1, output=str(tmp_path / "bench.json"))
     report = bench.main(bench.Args(**settings))
     (row,) = report["training_step"]
@@ -335,20 +221,3 @@ def test_training_steps_alone_load_no_model_and_report_each_phase(tmp_path, monk
     assert row["time/* summed"] == pytest.approx(
         sum(v for k, v in row.items() if k.startswith("time/") and k != "time/* summed")
     )
-
-
-def test_host_pass_counts_the_ops_a_layer_adds():
-    # --host_layers: one update pass through 3 narrow layers and through 1, ops counted below
-    # autograd. A layer's ops are the difference over the 2 layers more; the shared prompt runs every
-    # layer twice (the prompt pass, then the completions' pass), so more than twice the ops of one
-    # pass a row (the cache's concatenation and copies besides); the rest of the pass (embedding, head,
-    # log-probs) is outside the layers and the same in both.
-    import bench
-
-    shared, unshared = bench.bench_host_pass(3, torch.device("cpu"), contextlib.nullcontext, repeats=1)
-    assert (shared["prompt"], unshared["prompt"]) == ("shared", "a row each")
-    assert unshared["aten ops a layer"] > 50 and unshared["aten ops a layer"] == int(unshared["aten ops a layer"])
-    assert shared["aten ops a layer"] > 2 * unshared["aten ops a layer"]
-    assert 0 < shared["of them views"] < shared["aten ops a layer"] and shared["ms a pass"] > 0
-    with pytest.raises(SystemExit, match="at least 2"):
-        bench.bench_host_pass(1, torch.device("cpu"), contextlib.nullcontext, repeats=1)

@@ -337,7 +337,7 @@ def test_bench_times_the_step_after_one_that_compiles(traced, tmp_path, monkeypa
         return row
 
     monkeypatch.setattr(bench, "one_step", counted)
-    settings = dict(model="tiny", batch_sizes="", logprob_rows=0, train_steps="grpo", max_new_tokens=4)
+    settings = dict(model="tiny", batch_sizes="", train_steps="grpo", max_new_tokens=4)
     settings |= dict(group_size=2, train_batch_size=1, compile=True, output=str(tmp_path / "bench.json"))
     (row,) = bench.main(bench.Args(**settings))["training_step"]
     assert len(steps) == 2 and graphs[0] >= 2 and graphs[1] == graphs[0], graphs
@@ -392,7 +392,7 @@ def test_bench_s_compiled_contender_leaves_the_model_as_it_was(traced, tmp_path)
     import bench
 
     settings = dict(model="tiny", batch_sizes="4", max_new_tokens=8, modes="sampled", contenders="nanopo,compiled")
-    settings |= dict(repeats=1, train_steps="", logprob_rows=0, output=str(tmp_path / "bench.json"))
+    settings |= dict(repeats=1, train_steps="", output=str(tmp_path / "bench.json"))
     models = []
     load = bench.load_bench_model
     with pytest.MonkeyPatch.context() as patch:

@@ -8,6 +8,7 @@ import torch
 
 import common
 from common import cache_argument, load_model
+from conftest import greedy_by_recomputation
 from grpo import encode_prompts, generate, top_p_filter
 
 PROMPTS = [  # very different lengths, so the batch is heavily left padded
@@ -196,8 +197,6 @@ def test_greedy_equals_the_loop_and_full_recomputation_with_groups_and_eos():
     assert mask.sum(-1).min() < mask.shape[1], "some row must end before the longest"
     assert torch.equal(cached, expected[0]) and torch.equal(mask, expected[1]) and torch.equal(truncated, expected[2])
     assert (logp - expected[3]).abs().max().item() <= 1e-5
-    from conftest import greedy_by_recomputation  # here, not at the top: bench.py imports this module
-
     recomputed = greedy_by_recomputation(model, prompt_ids, prompt_mask, cached.shape[1], vocab)
     assert torch.equal(cached[mask.bool()], recomputed[mask.bool()])
 

@@ -265,6 +265,6 @@ def test_only_the_phases_named_are_profiled():
     assert {row["phase"] for row in report["profile_kinds"]} == {"update"}
     assert step["time/generate"] > 0 and step["time/update"] > 0
     with pytest.raises(SystemExit, match="--profile_phases update,backward: backward is none of generate"):
-        bench.measure(bench.Args(profile="grpo", profile_phases="update,backward", output=""))
+        bench.main(bench.Args(profile="grpo", profile_phases="update,backward", output=""))
     with pytest.raises(SystemExit, match="--profile_phases names the phases --profile profiles"):
-        bench.measure(bench.Args(profile_phases="update", sampler_rows=4, output=""))  # before the sampler runs
+        bench.main(bench.Args(profile_phases="update", sampler_rows=4, output=""))  # before the sampler runs
