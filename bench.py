@@ -604,21 +604,21 @@ def one_step(args, name: str, directory: str) -> dict:
     settings |= dict(gradient_checkpointing=args.gradient_checkpointing, compile=args.compile)
     settings |= {"overlong_buffer": 0, "dynamic_sampling": False} if script is dapo else {}
     settings |= {"num_mini_batches": 1} if script is ppo and args.train_batch_size * args.group_size < 4 else {}
-    run_args, sizing, seconds = script.Args(**settings), script.size_micro_batches, []
+    run_args, sizing, seconds = script.Args(**settings), common.size_micro_batches, []
 
     def timed_sizing(*a, **k):  # the preflight (on a GPU; on the CPU the rows it sets), timed
         start = time.perf_counter()
         sizing(*a, **k)
         seconds.append(time.perf_counter() - start)
 
-    script.size_micro_batches = timed_sizing
+    common.size_micro_batches = timed_sizing
     try:
         with tempfile.TemporaryDirectory() as output, no_final_checkpoint():
             run_args.output_dir = output
             run_dir = script.train(run_args)
             metrics = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     finally:
-        script.size_micro_batches = sizing
+        common.size_micro_batches = sizing
     sizes = ("micro_batch_size", "micro_batch_tokens", "logprob_chunk_size", "logprob_chunk_tokens")
     return metrics | {"sized": {name: getattr(run_args, name) for name in sizes}, "preflight s": sum(seconds)}
 
