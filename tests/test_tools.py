@@ -29,6 +29,7 @@ from rewards import (
     REWARD_NONE,
     calculator,
     check_tool_turns,
+    evaluate_expression,
     import_reward_fn,
     load_heldout_task,
     load_task,
@@ -40,6 +41,7 @@ from rewards import (
     secret_score,
     tool_call_format,
     tool_turn_text,
+    tool_turns,
     training_task,
     with_reward_fn,
     with_tools,
@@ -553,3 +555,47 @@ def test_the_secret_reward_of_a_decoded_tiny_tools_rollout(tiny_tools):
     assert text == answered("4") + "4"
     assert secret_score(text, {}).reward == REWARD_CORRECT
     assert parse_tool_calls(tokenizer.decode([call])) == [{"name": "secret_digit", "arguments": {}}]
+
+
+# mutmut's survivors in read_expression and evaluate_expression (docs/tests.md, Mutation testing):
+# each limit at its boundary, and what each mode says
+
+
+def test_the_expression_limits_at_their_boundaries():
+    # 12 operations nested is the most: 13 ones joined by + (the leftmost 1 at depth 12) is read,
+    # 14 are not; the same nested to the right, and in signs (the calculator's).
+    assert evaluate_expression(read_expression("+".join(["1"] * 13))[0]) == 13
+    with pytest.raises(ValueError, match="more than 12 operations"):
+        read_expression("+".join(["1"] * 14))
+    assert evaluate_expression(read_expression("1+(" * 11 + "1+1" + ")" * 11)[0]) == 13
+    with pytest.raises(ValueError, match="more than 12 operations"):
+        read_expression("1+(" * 12 + "1+1" + ")" * 12)
+    assert calculator("-" * 12 + "1") == "1"
+    with pytest.raises(ValueError, match="more than 12 operations"):
+        calculator("-" * 13 + "1")
+    # 100 characters is the most (parentheses add no depth)
+    hundred = "(" * 49 + "1" + ")" * 49 + " "
+    assert len(hundred) == MAX_EXPRESSION_CHARS and evaluate_expression(read_expression(hundred)[0]) == 1
+    with pytest.raises(ValueError, match=f"longer than {MAX_EXPRESSION_CHARS} characters"):
+        read_expression(hundred + " ")
+
+
+def test_each_mode_says_what_may_be_written():
+    with pytest.raises(ValueError, match="only digits, "):
+        read_expression("2 + x")  # Countdown's
+    with pytest.raises(ValueError, match="only numbers, "):
+        calculator("2 + x")  # the calculator's
+
+
+def test_a_plus_sign_keeps_the_sign():
+    assert calculator("+3") == "3" and calculator("-(+3)") == "-3"
+
+
+def test_tool_turns_reads_a_llama_models_whole_turn_json_call():
+    # tiny-llama's template writes no <tool_call> blocks: a turn that is one JSON object is a call
+    # (tool_turns reads the format off the template; mutmut's survivor read Hermes' blocks alone).
+    tokenizer = fresh_tokenizer("tiny-llama")
+    tool_turn, counts = tool_turns(tokenizer, [calculator], 1, 1, 64, 5.0)
+    turn = '{"name": "calculator", "parameters": {"expression": "1 + 1"}}' + tokenizer.eos_token
+    answer = tool_turn(0, tokenizer(turn, add_special_tokens=False)["input_ids"])
+    assert answer is not None and "2" in tokenizer.decode(answer) and counts[0].tolist() == [1, 0, 1, 0]
