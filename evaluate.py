@@ -1,40 +1,19 @@
-"""Scores a model or a checkpoint on the seed study's benchmarks; compares runs; plots
-training curves.
+"""Scores a model or a checkpoint on countdown, gsm8k, math500, bbh and mmlu_pro; compares runs; plots
+training curves; runs a study (docs/evaluation.md, docs/study.md).
 
-Benchmarks (rewards.py holds their data, prompts and graders):
-  countdown  a held-out set from the offline generator (seed rewards.COUNTDOWN_EVAL_SEED)
-  gsm8k      openai/gsm8k (main, test): the final number against the gold after '####'
-  math500    HuggingFaceH4/MATH-500 (test): equivalence checked by HF's math-verify
-  bbh        SaylorTwift/bbh, all 27 tasks (test): per task, and over all questions
-  mmlu_pro   TIGER-Lab/MMLU-Pro (test): options A-J, per category and overall
+Zero-shot chain of thought through the chat template, batched with grpo.py's KV-cache `generate`,
+greedy by default (--num_samples k --temperature t: mean accuracy and the unbiased pass@k). Two
+grades, as lm-eval's strict-match and flexible-extract: `strict_accuracy` reads only the answer
+format the instruction asks for, `accuracy` also each extractor's fallbacks (rewards.py).
 
-Zero-shot chain of thought through the model's chat template, one fixed instruction per
-benchmark for where the final answer goes. Generation is batched, greedy by default, with the
-KV-cache `generate` of grpo.py (imported, not copied). With --num_samples k --temperature t it
-reports the mean accuracy over the k samples and the unbiased pass@k.
-
-Two accuracies, as lm-eval's strict-match and flexible-extract: `strict_accuracy` counts only
-answers in the format the instruction asks for (GSM8K: the last \\boxed{} number; MATH-500: a
-\\boxed{}; BBH: after "So the answer is"; MMLU-Pro: "The answer is (X)"; Countdown has one
-format, so the two agree); `accuracy` (flexible) also reads each extractor's fallbacks (GSM8K's
-last number of the text, ...). Both grade truncated completions like any other: the cap
-(--max_new_tokens) belongs to the setup, and the `truncated` rate is reported beside them.
-
-Run:
   python evaluate.py --model Qwen2.5-1.5B-Instruct                 # all five, from the Hub
-  python evaluate.py --model runs/dapo-…/final --benchmarks gsm8k --limit 200
-  python evaluate.py --model tiny --data_dir tests/fixtures/data --limit 5 --max_new_tokens 32
-                                                                   # offline CPU smoke run
+  python evaluate.py --model tiny --data_dir tests/fixtures/data --limit 5 --max_new_tokens 32  # CPU
   python evaluate.py --compare runs/eval-a runs/eval-b             # one table, a column per run
   python evaluate.py --plot runs/grpo-… runs/dapo-…                # training curves, PNG
+  python evaluate.py --study recipes/study-tiny.yaml               # train, evaluate, report
 
-Writes runs/eval-<benchmarks>-<model>-<time>/: args.json, results.json (per benchmark:
-accuracy and strict_accuracy with their 95% confidence intervals, n, mean completion length,
-truncation rate, seconds, and per subset), samples.jsonl (every completion: prompt, output,
-extracted, gold, correct, strict) and table.md, the markdown table it prints at the end.
-
-Shape letters in comments: N rows of a generation batch (prompts × num_samples) ·
-P prompt tokens · T completion tokens.
+Writes runs/eval-<benchmarks>-<model>-<time>/: args.json, results.json, samples.jsonl, table.md.
+Shape letters: N rows of a generation batch (prompts × num_samples) · P prompt · T completion tokens.
 """
 
 import dataclasses
@@ -81,6 +60,7 @@ from rewards import (
     REWARD_NONE,
     FileTaskSpec,
     Score,
+    TaskArgs,
     load_benchmark,
     load_file_task,
     tool_turns,
@@ -100,6 +80,12 @@ PLOT_PANELS = (
 )
 
 
+def task_flag(name: str):
+    """The flag `name` of rewards.TaskArgs, its default and help: one definition for training and here."""
+    spec = next(f for f in dataclasses.fields(TaskArgs) if f.name == name)
+    return dataclasses.field(default=spec.default, metadata=spec.metadata)
+
+
 @dataclass
 class Args:
     # what to evaluate
@@ -110,8 +96,8 @@ class Args:
     data_dir: str = arg("", "offline: a directory laid out like tests/fixtures/data (gsm8k/test.jsonl, ...); '' = Hub")
     limit: int = arg(0, "problems per benchmark at most, spread over BBH tasks / MMLU-Pro categories; 0 = all")
     countdown_problems: int = arg(500, "size of the held-out Countdown set (and of the digit toy's prompts)")
-    countdown_numbers: str = arg("3-4", "numbers per Countdown problem, N or MIN-MAX (training and held-out)")
-    shots: int = arg(0, "worked examples in each prompt, as earlier turns (countdown, gsm8k); 0 = none")
+    countdown_numbers: str = task_flag("countdown_numbers")
+    shots: int = task_flag("shots")
     prompt_format: str = arg("auto", PROMPT_FORMAT_HELP)
     # your own task (--benchmarks file; docs/tasks.md): its held-out rows, graded by --grader
     data_file: str = arg("", "file: the training file or Hub id whose held-out share (1 row in 10) is evaluated")
@@ -132,12 +118,12 @@ class Args:
     grade_timeout: float = arg(60.0, "seconds one grading may take before its worker process is killed (counted wrong)")
     reward_fn: str = arg("", "grade by your reward (as in training): module:function or file.py:function; >= 1 = right")
     reward_fn_timeout: float = arg(10.0, "seconds a --reward_fn call may take; past it, or raising: wrong, counted")
-    # tools (docs/tools.md): the model may call them mid-answer, as in training with the same flags
-    tools: str = arg("", "built-in tools, comma separated: calculator; '' = none (the task's own still apply)")
-    tool: str = arg("", "your tools: module:function or file.py:function (type hints, docstring), comma separated")
-    max_turns: int = arg(4, "tool turns a completion may take; a call past them ends it")
-    max_tool_tokens: int = arg(256, "tokens one tool turn adds (answers cut to fit); not in --max_new_tokens")
-    tool_timeout: float = arg(10.0, "seconds a tool call may take; past it, or raising: the error is its answer")
+    # tools (docs/tools.md): the model may call them mid-answer; training's flags (rewards.TaskArgs)
+    tools: str = task_flag("tools")
+    tool: str = task_flag("tool")
+    max_turns: int = task_flag("max_turns")
+    max_tool_tokens: int = task_flag("max_tool_tokens")
+    tool_timeout: float = task_flag("tool_timeout")
     # run
     seed: int = arg(0, "seeds sampling when temperature > 0")
     device: str = arg("auto", "auto, cpu, cuda, cuda:1, ...")
@@ -196,11 +182,9 @@ def check_args(args: Args) -> list[str]:
 
 
 def wilson_interval(accuracy: float, n: int, z: float = Z_95) -> tuple[float, float]:
-    """95% Wilson score interval of a proportion over n problems (Wilson 1927):
-        (p + z²/2n ± z·sqrt(p(1−p)/n + z²/4n²)) / (1 + z²/n).
-    Unlike p ± z·sqrt(p(1−p)/n) it stays inside [0, 1] and is not empty at p = 0 or 1. With
-    k samples per problem, p is the mean accuracy and n still counts problems: the problems
-    are the independent draws, so the interval is, if anything, conservative."""
+    """95% Wilson score interval of a proportion over n problems (Wilson 1927), which stays inside
+    [0, 1] and is not empty at p = 0 or 1: (p + z²/2n ± z·sqrt(p(1−p)/n + z²/4n²)) / (1 + z²/n).
+    With k samples a problem, p is the mean accuracy and n still counts problems (the independent draws)."""
     denominator = 1 + z * z / n
     center = (accuracy + z * z / (2 * n)) / denominator
     half = z * math.sqrt(accuracy * (1 - accuracy) / n + z * z / (4 * n * n)) / denominator
@@ -208,24 +192,21 @@ def wilson_interval(accuracy: float, n: int, z: float = Z_95) -> tuple[float, fl
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021, Eq. 1):
-        1 − C(n−c, k) / C(n, k), the chance that k of the n samples, drawn without
-    replacement, include a correct one. Exact integer binomials."""
+    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021, Eq. 1): 1 − C(n−c, k) / C(n, k),
+    the chance that k of the n, drawn without replacement, include a correct one. Exact integer binomials."""
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def limit_problems(problems: list[dict], limit: int) -> list[dict]:
-    """The first `limit` problems; when problems come in subsets (BBH tasks, MMLU-Pro
-    categories), taken round-robin over the subsets so that every subset is represented."""
+    """The first `limit` problems, taken round-robin over the subsets (BBH tasks, MMLU-Pro categories)
+    so that every subset is represented."""
     if not limit or limit >= len(problems):
         return problems
     by_subset: dict[str, list[dict]] = {}
     for problem in problems:
         by_subset.setdefault(problem["subset"], []).append(problem)
-    if len(by_subset) == 1:
-        return problems[:limit]
     chosen, position = [], 0
     while len(chosen) < limit:
         chosen += [rows[position] for rows in by_subset.values() if position < len(rows)][: limit - len(chosen)]
@@ -233,28 +214,17 @@ def limit_problems(problems: list[dict], limit: int) -> list[dict]:
     return chosen
 
 
-# ----------------------------------------------------------------------------------------
-# Grading in a worker process
-
-
 class Grader:
-    """Runs a task's grader in a worker process with a hard deadline.
-
-    math-verify bounds its work with SIGALRM, which works only in a main thread, and which
-    cannot interrupt a computation inside C (sympy raising 10 to the 10^10^10 holds the
-    interpreter). The worker's main thread keeps the alarms working; the deadline here
-    catches what they cannot: the worker is killed, a fresh one starts, and the completion
-    counts as wrong (and as a grading timeout in results.json)."""
+    """Runs a task's grader in a worker process with a hard deadline. math-verify's SIGALRM limits
+    work only in a main thread (the worker's) and cannot interrupt C (sympy raising 10 to the
+    10^10^10): past the deadline the worker is killed, a fresh one starts, and the completion counts
+    wrong (and as a grade timeout)."""
 
     def __init__(self, timeout_s: float):
-        self.timeout_s = timeout_s
-        self.pool = None
-        self.timeouts = 0
+        self.timeout_s, self.pool, self.timeouts = timeout_s, None, 0
 
     def score(self, score_fn, completion: str, problem: dict, truncated: bool = False) -> Score:
-        if self.pool is None:
-            # fork: the worker starts in milliseconds and runs only Python graders (no torch,
-            # no CUDA, no tokenizer), so the parent's threads and GPU state are never touched.
+        if self.pool is None:  # fork: starts in milliseconds; the worker runs only Python graders, no torch
             self.pool = multiprocessing.get_context("fork").Pool(processes=1)
         job = self.pool.apply_async(score_fn, (completion, problem), {"truncated": truncated})
         try:
@@ -277,77 +247,59 @@ class Grader:
 
 def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, grader: Grader, samples_path: Path):
     """Generates num_samples completions for every problem, grades them, appends each to
-    samples.jsonl, and returns the benchmark's entry of results.json. With tools (task.tools) a
-    completion may call them as in training (rewards.tool_turns): its text for the grader holds the
-    answers, its length counts the model's own tokens, and the entry counts the calls."""
+    samples.jsonl, and returns the benchmark's entry of results.json. With tools a completion calls
+    them as in training (rewards.tool_turns): the grader reads their answers too, the length counts
+    the model's own tokens."""
     device = next(model.parameters()).device
     _, compute_dtype = resolve_precision(args.dtype, device)
     k = args.num_samples
     conversations = [task.messages(p) for p in problems]
-    # Longest prompts first: batches of similar length waste less padding, and a batch that
-    # runs out of memory does so at once, not an hour in.
+    # Longest prompts first: less padding, and a batch that runs out of memory does so at once.
     order = sorted(range(len(problems)), key=lambda i: -sum(len(m["content"]) for m in conversations[i]))
     correct = [[False] * k for _ in problems]  # [problem][sample], the flexible grade
     strict = [[False] * k for _ in problems]  # [problem][sample], the answer in the asked format only
     lengths, truncations, formatted, calls, failures = [], [], [], [], []
-    timeouts_before = grader.timeouts
-    start = time.perf_counter()
+    timeouts_before, start = grader.timeouts, time.perf_counter()
+    sampling = (args.max_new_tokens, eos_ids, tokenizer.pad_token_id, len(tokenizer), args.temperature, args.top_p)
     progress = tqdm(total=len(problems), desc=task.name, unit="problem")
     for first in range(0, len(order), args.batch_size):
         batch = order[first : first + args.batch_size]
         # Encoded exactly as in training: chat template, left padding, each repeated k times.
-        prompts = [conversations[i] for i in batch]
-        prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, k, device, task.tools)  # (N, P)
-        tool_turn, counts = None, None
+        prompt_ids, prompt_mask = encode_prompts(tokenizer, [conversations[i] for i in batch], k, device, task.tools)
+        tool_turn, counts = None, None  # counts (N, 3): calls, failed, turns
         if task.tools:
             limits = len(prompt_ids), args.max_turns, args.max_tool_tokens, args.tool_timeout
-            tool_turn, counts = tool_turns(tokenizer, task.tools, *limits)  # counts (N, 3): calls, failed, turns
-        with autocast(device, compute_dtype):
+            tool_turn, counts = tool_turns(tokenizer, task.tools, *limits)
+        tools = {"tool_turn": tool_turn, "max_turns": args.max_turns, "max_tool_tokens": args.max_tool_tokens}
+        with autocast(device, compute_dtype):  # (N, T), (N, T), (N,), _, (N, T)
             completion_ids, completion_mask, truncated, _, tool_mask = generate(
-                model,
-                prompt_ids,
-                prompt_mask,
-                args.max_new_tokens,
-                eos_ids,
-                tokenizer.pad_token_id,
-                len(tokenizer),
-                args.temperature,
-                args.top_p,
-                tool_turn=tool_turn,
-                max_turns=args.max_turns,
-                max_tool_tokens=args.max_tool_tokens,
-            )  # (N, T), (N, T), (N,), (N, T), (N, T)
+                model, prompt_ids, prompt_mask, *sampling, **tools
+            )
         row_lengths = completion_mask.sum(-1).tolist()  # (N,) the model's own tokens, the EOS included
-        texts = tokenizer.batch_decode(  # the model's tokens and the tools' answers between them
-            [
-                ids[:length]
-                for ids, length in zip(completion_ids.tolist(), (completion_mask + tool_mask).sum(-1).tolist())
-            ],
-            skip_special_tokens=True,
-        )
+        ends = (completion_mask + tool_mask).sum(-1).tolist()  # (N,) with the tools' answers between them
+        kept = [ids[:end] for ids, end in zip(completion_ids.tolist(), ends)]
+        texts = tokenizer.batch_decode(kept, skip_special_tokens=True)
         for row, text in enumerate(texts):
             index, sample = batch[row // k], row % k  # rows i·k … i·k+k−1 belong to problem i
+            problem, cut = problems[index], bool(truncated[row])
             if args.reward_fn:  # in this process, as in training: a reward may hold a model, use the GPU, keep state
-                score = task.score(text, problems[index], truncated=bool(truncated[row]))  # its own time limit
+                score = task.score(text, problem, truncated=cut)  # its own time limit
             else:
-                score = grader.score(task.score, text, problems[index], truncated=bool(truncated[row]))
+                score = grader.score(task.score, text, problem, truncated=cut)
             correct[index][sample], strict[index][sample] = score.correct, score.strict
             lengths.append(row_lengths[row])
-            truncations.append(bool(truncated[row]))
+            truncations.append(cut)
             formatted.append(score.formatted)
-            record = {
-                "benchmark": task.name,
-                "subset": problems[index]["subset"],
-                "index": index,
-                "sample": sample,
+            record = {"benchmark": task.name, "subset": problem["subset"], "index": index, "sample": sample}
+            record |= {
                 "prompt": tokenizer.decode(prompt_ids[row][prompt_mask[row].bool()]),  # what the model saw
                 "output": text,
                 "extracted": score.extracted,
-                "gold": problems[index]["gold"],
+                "gold": problem["gold"],
                 "correct": score.correct,
                 "strict": score.strict,
                 "length": row_lengths[row],
-                "truncated": bool(truncated[row]),
+                "truncated": cut,
             }
             if args.reward_fn:  # what the user's reward gave, and whether its call failed
                 record["reward"], record["fn_failed"] = score.reward, score.failed
@@ -360,15 +312,11 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
         progress.update(len(batch))
     progress.close()
     result = summarize(correct, strict, [p["subset"] for p in problems])
-    result.update(
-        {
-            "mean_length": sum(lengths) / len(lengths),
-            "truncated": sum(truncations) / len(truncations),
-            "formatted": sum(formatted) / len(formatted),
-            "grade_timeouts": grader.timeouts - timeouts_before,
-            "seconds": time.perf_counter() - start,
-        }
-    )
+    result["mean_length"] = sum(lengths) / len(lengths)
+    result["truncated"] = sum(truncations) / len(truncations)
+    result["formatted"] = sum(formatted) / len(formatted)
+    result["grade_timeouts"] = grader.timeouts - timeouts_before
+    result["seconds"] = time.perf_counter() - start
     if args.reward_fn:  # the share of completions whose --reward_fn call failed, as training's reward/fn_failed
         result["reward_fn_failed"] = sum(failures) / len(failures)
     if calls:  # per completion, as training's tools/calls; the share of calls that failed, as tools/errors
@@ -378,11 +326,10 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
 
 
 def summarize(correct: list[list[bool]], strict: list[list[bool]], subsets: list[str]) -> dict:
-    """Accuracy statistics of one benchmark from correct[problem][sample] (the flexible grade)
-    and strict[problem][sample] (the answer in the asked format only): mean accuracy and
-    strict_accuracy, each with its Wilson 95% interval over problems (ci95, strict_ci95),
-    pass@k of the flexible grade for k = 1, 2, 4, … up to the sample count, and per subset
-    (BBH task / MMLU-Pro category) both accuracies, n, and their plain means."""
+    """A benchmark's statistics from correct[problem][sample] (flexible) and strict[problem][sample]:
+    accuracy and strict_accuracy with their Wilson 95% intervals over problems (ci95, strict_ci95),
+    pass@k of the flexible grade for k = 1, 2, 4, … and the sample count, and per subset (BBH task,
+    MMLU-Pro category) both accuracies, n, and their plain means."""
     num_samples = len(correct[0])
     per_problem = [sum(c) / num_samples for c in correct]  # (problems,)
     strict_per_problem = [sum(c) / num_samples for c in strict]  # (problems,)
@@ -393,31 +340,27 @@ def summarize(correct: list[list[bool]], strict: list[list[bool]], subsets: list
     result["strict_ci95"] = wilson_interval(strict_accuracy, len(strict_per_problem))
     result["num_samples"] = num_samples
     if num_samples > 1:
-        k = 1
-        while k <= num_samples:
+        for k in sorted({2**i for i in range(num_samples.bit_length())} | {num_samples}):
             result[f"pass@{k}"] = sum(pass_at_k(num_samples, sum(c), k) for c in correct) / len(correct)
-            k *= 2
-        if f"pass@{num_samples}" not in result:
-            result[f"pass@{num_samples}"] = sum(any(c) for c in correct) / len(correct)
     if any(subsets):
         groups: dict[str, list[tuple[float, float]]] = {}
         for subset, value, strict_value in zip(subsets, per_problem, strict_per_problem):
             groups.setdefault(subset, []).append((value, strict_value))
         result["subsets"] = {
             name: {
-                "accuracy": sum(v for v, _ in values) / len(values),
-                "strict_accuracy": sum(s for _, s in values) / len(values),
+                "accuracy": mean([v for v, _ in values]),
+                "strict_accuracy": mean([s for _, s in values]),
                 "n": len(values),
             }
             for name, values in groups.items()
         }
-        result["subset_mean"] = sum(s["accuracy"] for s in result["subsets"].values()) / len(groups)
-        result["strict_subset_mean"] = sum(s["strict_accuracy"] for s in result["subsets"].values()) / len(groups)
+        result["subset_mean"] = mean([s["accuracy"] for s in result["subsets"].values()])
+        result["strict_subset_mean"] = mean([s["strict_accuracy"] for s in result["subsets"].values()])
     return result
 
 
 # ----------------------------------------------------------------------------------------
-# Tables
+# Tables and curves
 
 
 def percent(value: float) -> str:
@@ -425,8 +368,7 @@ def percent(value: float) -> str:
 
 
 def interval(ci: list[float]) -> str:
-    low, high = ci
-    return f"{percent(low)}–{percent(high)}"
+    return f"{percent(ci[0])}–{percent(ci[1])}"
 
 
 def results_table(results: dict) -> str:
@@ -468,11 +410,9 @@ def load_results(path: str) -> tuple[str, dict]:
 
 
 def compare_table(paths: list[str]) -> str:
-    """One markdown table of several evaluations: columns runs; per benchmark a row of the
-    (flexible) accuracy % with its 95% interval and n, then a row '<benchmark> strict' of the
-    strict accuracy when a run has one; '–' where a run lacks it (results.json files written
-    before strict_accuracy existed). (The Wilson interval is not symmetric around the
-    accuracy, so it is shown whole, not as ±.)"""
+    """One markdown table of several evaluations, a column per run: per benchmark a row of the flexible
+    accuracy % with its (asymmetric, so whole) 95% interval and n, then '<benchmark> strict' when a run
+    has it; '–' where a run lacks it (a results.json older than strict_accuracy)."""
     runs = [load_results(path) for path in paths]
     names = list(dict.fromkeys(name for _, results in runs for name in results))
     lines = ["| benchmark | " + " | ".join(label for label, _ in runs) + " |", "|---|" + "---|" * len(runs)]
@@ -480,25 +420,17 @@ def compare_table(paths: list[str]) -> str:
         for label, key, ci_key in ((name, "accuracy", "ci95"), (f"{name} strict", "strict_accuracy", "strict_ci95")):
             if key == "strict_accuracy" and not any(key in results.get(name, {}) for _, results in runs):
                 continue
-            cells = []
-            for _, results in runs:
-                result = results.get(name, {})
-                if key not in result:
-                    cells.append("–")
-                    continue
-                cells.append(f"{percent(result[key])} ({interval(result[ci_key])}, n={result['n']})")
+            cells = [
+                f"{percent(r[key])} ({interval(r[ci_key])}, n={r['n']})" if key in r else "–"
+                for r in (results.get(name, {}) for _, results in runs)
+            ]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------------------
-# Training curves
-
-
 def plot_curves(run_dirs: list[str], out_file: Path, labels: list[str] | None = None) -> Path:
-    """One picture (PNG, or the format out_file's suffix names) with a panel per PLOT_PANELS key,
-    a line per training run (labels, or its directory name), from each run's metrics.jsonl.
-    eval/accuracy, when logged (--eval_every), is drawn dashed with markers in the accuracy panel."""
+    """One picture (its format by out_file's suffix) with a panel per PLOT_PANELS key and a line per
+    training run (labels, or its directory name) from its metrics.jsonl; eval/accuracy dashed."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
@@ -520,15 +452,13 @@ def plot_curves(run_dirs: list[str], out_file: Path, labels: list[str] | None = 
     fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
     for ax, (key, title) in zip(axes.flat, PLOT_PANELS):
         for index, (label, rows) in enumerate(runs):
-            color = f"C{index}"
             points = [(row["step"], row[key]) for row in rows if key in row]
             if points:
-                ax.plot(*zip(*points), color=color, label=label)
+                ax.plot(*zip(*points), color=f"C{index}", label=label)
             evaluated = [(row["step"], row["eval/accuracy"]) for row in rows if "eval/accuracy" in row]
             if key == "reward/accuracy" and evaluated:
-                ax.plot(*zip(*evaluated), color=color, linestyle="--", marker="o", label=f"{label} (eval)")
-        ax.set_title(title)
-        ax.set_xlabel("step")
+                ax.plot(*zip(*evaluated), color=f"C{index}", linestyle="--", marker="o", label=f"{label} (eval)")
+        ax.set(title=title, xlabel="step")
         ax.grid(alpha=0.3)
         if ax.has_data():
             ax.legend(fontsize=7)
