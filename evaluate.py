@@ -31,42 +31,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from common import (
-    PROMPT_FORMAT_HELP,
-    append_jsonl,
-    arg,
-    autocast,
-    check_prompt_format,
-    checked_settings,
-    load_model,
-    make_run_dir,
-    markdown_table,
-    output_dir_problems,
-    parse_args,
-    parsed_file,
-    read_config,
-    read_jsonl,
-    render_chat,
-    resolve_device,
-    resolve_precision,
-    seed_everything,
-    timeout_problems,
-    turns_of,
-    use_device,
-)
+import common
+import rewards
+from common import arg, load_model
 from grpo import encode_prompts, generate
-from rewards import (
-    BENCHMARKS,
-    REWARD_NONE,
-    FileTaskSpec,
-    Score,
-    TaskArgs,
-    load_benchmark,
-    load_file_task,
-    tool_turns,
-    with_reward_fn,
-    with_tools,
-)
+from rewards import BENCHMARKS, REWARD_NONE, Score, TaskArgs, load_benchmark
 
 Z_95 = 1.959963984540054  # standard normal quantile of 0.975: two-sided 95% intervals
 # Training-curve panels of --plot: (metrics.jsonl key, title). Runs lacking a key skip that panel.
@@ -98,7 +67,7 @@ class Args:
     countdown_problems: int = arg(500, "size of the held-out Countdown set (and of the digit toy's prompts)")
     countdown_numbers: str = task_flag("countdown_numbers")
     shots: int = task_flag("shots")
-    prompt_format: str = arg("auto", PROMPT_FORMAT_HELP)
+    prompt_format: str = arg("auto", common.PROMPT_FORMAT_HELP)
     # your own task (--benchmarks file; docs/tasks.md): its held-out rows, graded by --grader
     data_file: str = arg("", "file: the training file or Hub id whose held-out share (1 row in 10) is evaluated")
     data_split: str = arg("train", "file: the split of a Hub --data_file")
@@ -146,7 +115,7 @@ def check_args(args: Args) -> list[str]:
     names = [name.strip() for name in args.benchmarks.split(",") if name.strip()]
     known = (*BENCHMARKS, "file", "digit")  # file: your own data (--data_file, --grader); digit: the toy
     problems = [f"--benchmarks: {name!r} is not one of {', '.join(known)}." for name in names if name not in known]
-    problems += output_dir_problems(args.output_dir)
+    problems += common.output_dir_problems(args.output_dir)
     if "file" in names and not (args.data_file or args.eval_data_file):
         problems.append("--benchmarks file needs --eval_data_file (the problems) or --data_file (its held-out share).")
     if "file" not in names and (args.data_file or args.eval_data_file):
@@ -164,14 +133,14 @@ def check_args(args: Args) -> list[str]:
     for name in ("max_new_tokens", "batch_size", "num_samples", "countdown_problems"):
         if getattr(args, name) < 1:
             problems.append(f"--{name} must be at least 1.")
-    problems += check_prompt_format(args.prompt_format)
+    problems += common.check_prompt_format(args.prompt_format)
     if args.shots < 0:
         problems.append(f"--shots must be >= 0 (got {args.shots}).")
     if args.limit < 0 or args.grade_timeout <= 0:
         problems.append("--limit must be >= 0 and --grade_timeout > 0.")
     if args.max_turns < 0 or args.max_tool_tokens < 1:
         problems.append("--max_turns must be >= 0 and --max_tool_tokens >= 1.")
-    problems += timeout_problems(args)
+    problems += common.timeout_problems(args)
     if problems:
         raise SystemExit("Invalid arguments:\n  " + "\n  ".join(problems))
     return names
@@ -182,9 +151,8 @@ def check_args(args: Args) -> list[str]:
 
 
 def wilson_interval(accuracy: float, n: int, z: float = Z_95) -> tuple[float, float]:
-    """95% Wilson score interval of a proportion over n problems (Wilson 1927), which stays inside
-    [0, 1] and is not empty at p = 0 or 1: (p + z²/2n ± z·sqrt(p(1−p)/n + z²/4n²)) / (1 + z²/n).
-    With k samples a problem, p is the mean accuracy and n still counts problems (the independent draws)."""
+    """95% Wilson interval (Wilson 1927) of accuracy p over n problems, inside [0, 1] even at p = 0 or 1:
+    (p + z²/2n ± z·sqrt(p(1−p)/n + z²/4n²)) / (1 + z²/n). With k samples, p is their mean and n counts problems."""
     denominator = 1 + z * z / n
     center = (accuracy + z * z / (2 * n)) / denominator
     half = z * math.sqrt(accuracy * (1 - accuracy) / n + z * z / (4 * n * n)) / denominator
@@ -192,16 +160,14 @@ def wilson_interval(accuracy: float, n: int, z: float = Z_95) -> tuple[float, fl
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021, Eq. 1): 1 − C(n−c, k) / C(n, k),
-    the chance that k of the n, drawn without replacement, include a correct one. Exact integer binomials."""
+    """Unbiased pass@k from n samples, c correct (Chen et al. 2021, Eq. 1): 1 − C(n−c, k) / C(n, k), exactly."""
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def limit_problems(problems: list[dict], limit: int) -> list[dict]:
-    """The first `limit` problems, taken round-robin over the subsets (BBH tasks, MMLU-Pro categories)
-    so that every subset is represented."""
+    """`limit` problems, round-robin over the subsets (BBH tasks, MMLU-Pro categories): every one is represented."""
     if not limit or limit >= len(problems):
         return problems
     by_subset: dict[str, list[dict]] = {}
@@ -215,10 +181,8 @@ def limit_problems(problems: list[dict], limit: int) -> list[dict]:
 
 
 class Grader:
-    """Runs a task's grader in a worker process with a hard deadline. math-verify's SIGALRM limits
-    work only in a main thread (the worker's) and cannot interrupt C (sympy raising 10 to the
-    10^10^10): past the deadline the worker is killed, a fresh one starts, and the completion counts
-    wrong (and as a grade timeout)."""
+    """A task's grader in a worker process with a deadline: math-verify's SIGALRM limits need a main thread and
+    cannot stop C (sympy raising 10 to 10^10^10); past it the worker is killed and the completion counts wrong."""
 
     def __init__(self, timeout_s: float):
         self.timeout_s, self.pool, self.timeouts = timeout_s, None, 0
@@ -246,12 +210,10 @@ class Grader:
 
 
 def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, grader: Grader, samples_path: Path):
-    """Generates num_samples completions for every problem, grades them, appends each to
-    samples.jsonl, and returns the benchmark's entry of results.json. With tools a completion calls
-    them as in training (rewards.tool_turns): the grader reads their answers too, the length counts
-    the model's own tokens."""
+    """Generates num_samples completions a problem (calling tools as in training), grades them, appends each
+    to samples.jsonl, and returns the benchmark's entry of results.json."""
     device = next(model.parameters()).device
-    _, compute_dtype = resolve_precision(args.dtype, device)
+    _, compute_dtype = common.resolve_precision(args.dtype, device)
     k = args.num_samples
     conversations = [task.messages(p) for p in problems]
     # Longest prompts first: less padding, and a batch that runs out of memory does so at once.
@@ -269,9 +231,9 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
         tool_turn, counts = None, None  # counts (N, 3): calls, failed, turns
         if task.tools:
             limits = len(prompt_ids), args.max_turns, args.max_tool_tokens, args.tool_timeout
-            tool_turn, counts = tool_turns(tokenizer, task.tools, *limits)
+            tool_turn, counts = rewards.tool_turns(tokenizer, task.tools, *limits)
         tools = {"tool_turn": tool_turn, "max_turns": args.max_turns, "max_tool_tokens": args.max_tool_tokens}
-        with autocast(device, compute_dtype):  # (N, T), (N, T), (N,), _, (N, T)
+        with common.autocast(device, compute_dtype):  # (N, T), (N, T), (N,), _, (N, T)
             completion_ids, completion_mask, truncated, _, tool_mask = generate(
                 model, prompt_ids, prompt_mask, *sampling, **tools
             )
@@ -305,10 +267,10 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
                 record["reward"], record["fn_failed"] = score.reward, score.failed
                 failures.append(score.failed)
             if counts is not None:  # who wrote what, and the row's calls
-                record["turns"] = turns_of(tokenizer, completion_ids[row], completion_mask[row], tool_mask[row])
+                record["turns"] = common.turns_of(tokenizer, completion_ids[row], completion_mask[row], tool_mask[row])
                 record["tool_calls"], record["tool_failed"] = counts[row, 0].item(), counts[row, 1].item()
                 calls.append(counts[row, :2].tolist())
-            append_jsonl(samples_path, record)
+            common.append_jsonl(samples_path, record)
         progress.update(len(batch))
     progress.close()
     result = summarize(correct, strict, [p["subset"] for p in problems])
@@ -326,10 +288,8 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
 
 
 def summarize(correct: list[list[bool]], strict: list[list[bool]], subsets: list[str]) -> dict:
-    """A benchmark's statistics from correct[problem][sample] (flexible) and strict[problem][sample]:
-    accuracy and strict_accuracy with their Wilson 95% intervals over problems (ci95, strict_ci95),
-    pass@k of the flexible grade for k = 1, 2, 4, … and the sample count, and per subset (BBH task,
-    MMLU-Pro category) both accuracies, n, and their plain means."""
+    """From correct[problem][sample] (flexible) and strict[...]: both accuracies with Wilson 95% intervals,
+    pass@k (flexible) for k = 1, 2, 4, … and the sample count, and per subset both accuracies, n and means."""
     num_samples = len(correct[0])
     per_problem = [sum(c) / num_samples for c in correct]  # (problems,)
     strict_per_problem = [sum(c) / num_samples for c in strict]  # (problems,)
@@ -372,8 +332,7 @@ def interval(ci: list[float]) -> str:
 
 
 def results_table(results: dict) -> str:
-    """The markdown table of one evaluation: a row per benchmark, then one per subset.
-    'accuracy %' is the flexible grade, 'strict %' the answer in the asked format only."""
+    """The markdown table of one evaluation: a row per benchmark, then one per subset."""
     pass_keys = sorted(
         {key for r in results.values() for key in r if key.startswith("pass@")}, key=lambda s: int(s[5:])
     )
@@ -410,9 +369,7 @@ def load_results(path: str) -> tuple[str, dict]:
 
 
 def compare_table(paths: list[str]) -> str:
-    """One markdown table of several evaluations, a column per run: per benchmark a row of the flexible
-    accuracy % with its (asymmetric, so whole) 95% interval and n, then '<benchmark> strict' when a run
-    has it; '–' where a run lacks it (a results.json older than strict_accuracy)."""
+    """One markdown table, a column per run: per benchmark the accuracy % (95% interval, n), then its strict one."""
     runs = [load_results(path) for path in paths]
     names = list(dict.fromkeys(name for _, results in runs for name in results))
     lines = ["| benchmark | " + " | ".join(label for label, _ in runs) + " |", "|---|" + "---|" * len(runs)]
@@ -429,8 +386,7 @@ def compare_table(paths: list[str]) -> str:
 
 
 def plot_curves(run_dirs: list[str], out_file: Path, labels: list[str] | None = None) -> Path:
-    """One picture (its format by out_file's suffix) with a panel per PLOT_PANELS key and a line per
-    training run (labels, or its directory name) from its metrics.jsonl; eval/accuracy dashed."""
+    """A panel per PLOT_PANELS key, a line per training run's metrics.jsonl; the format by out_file's suffix."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
@@ -448,7 +404,7 @@ def plot_curves(run_dirs: list[str], out_file: Path, labels: list[str] | None = 
         metrics = Path(run_dir) / "metrics.jsonl"
         if not metrics.is_file():
             raise SystemExit(f"--plot {run_dir}: no metrics.jsonl there. Pass training run directories (runs/grpo-…).")
-        runs.append((labels[len(runs)] if labels else Path(run_dir).name, read_jsonl(metrics)))
+        runs.append((labels[len(runs)] if labels else Path(run_dir).name, common.read_jsonl(metrics)))
     fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
     for ax, (key, title) in zip(axes.flat, PLOT_PANELS):
         for index, (label, rows) in enumerate(runs):
@@ -472,8 +428,8 @@ def plot_curves(run_dirs: list[str], out_file: Path, labels: list[str] | None = 
 
 
 # ----------------------------------------------------------------------------------------
-# A study (--study FILE): arms (recipes × seeds) trained and evaluated, then compared finding by
-# finding. recipes/study-*.yaml are study files; docs/study.md describes their format.
+# A study (--study FILE, docs/study.md): arms (recipes × seeds) trained and evaluated, then
+# compared finding by finding.
 
 SCRIPTS = ("grpo.py", "dapo.py", "ppo.py")
 FINDING_METRICS = ("accuracy", "stability", "length", "cost", "base", "sweep")
@@ -496,8 +452,7 @@ KNOWN_PARAMETERS = {  # parameter counts of the models a study at the paper's sc
 
 @dataclass
 class Arm:
-    """One arm of a study: a training script with its recipe and settings, or (script None) a
-    model as it is, evaluated only."""
+    """A training script with its recipe and settings, or (script None) a model evaluated as it is."""
 
     name: str
     script: str | None
@@ -507,7 +462,7 @@ class Arm:
 
     def config(self, seed: int) -> dict:
         """Everything the arm's script is given: its recipe, its settings, the seed."""
-        return {**read_config(str(self.recipe), self.module().Args), **self.settings, "seed": seed}
+        return {**common.read_config(str(self.recipe), self.module().Args), **self.settings, "seed": seed}
 
     def module(self):
         return __import__(self.script.removesuffix(".py"))
@@ -517,6 +472,9 @@ class Arm:
         args = self.module().Args(**self.config(seed))
         self.module().check_args(args)
         return args
+
+    def folder(self, study_dir: Path, kind: str, seed: int) -> Path:
+        return study_dir / kind / self.name / f"seed{seed}"
 
     def described(self, root: Path) -> str:
         if not self.script:
@@ -533,16 +491,11 @@ def seed_list(value, where: str) -> list[int]:
 
 
 def load_study(path: str, model: str = "") -> dict:
-    """The study file at path, checked: name, seeds, set, evaluate, arms, findings (docs/study.md),
-    with model (--study_model), when given, in place of every arm's. Recipe paths are relative to
-    the study file. Every arm's settings are checked with its script's Args and check_args, the
-    evaluation's with evaluate.py's, every finding against the arms it names: a mistake stops the
-    study before anything trains. Returns the study with its arms as Arms."""
-    file = Path(path)
+    """The study file, every arm, the evaluation and every finding checked before anything trains."""
+    file, where = Path(path), f"--study {path}"
     if not file.is_file():
         raise SystemExit(f"--study {path}: no such file.")
-    study = parsed_file(file, "--study") or {}
-    where = f"--study {path}"
+    study = common.parsed_file(file, "--study") or {}
     unknown = set(study) - {"name", "seeds", "set", "evaluate", "arms", "findings"}
     if unknown:
         raise SystemExit(
@@ -559,37 +512,28 @@ def load_study(path: str, model: str = "") -> dict:
             continue
         script, settings = spec.get("script"), {**(study.get("set") or {}), **(spec.get("set") or {})}
         settings |= {"model": model} if model else {}
-        if script is None:  # evaluated as it is: greedy, so one seed is all
-            if set(settings) != {"model"}:
-                problems.append(
-                    f"arm {name}: an arm without a script is a model evaluated as it is: set its model alone"
-                )
-                continue
+        if script is None and set(settings) != {"model"}:
+            problems.append(f"arm {name}: an arm without a script is a model evaluated as it is: set its model alone")
+        elif script is None:  # evaluated as it is: greedy, so one seed is all
             arms[name] = Arm(name, None, None, settings, seeds[:1])
-            continue
-        if script not in SCRIPTS or not spec.get("recipe"):
+        elif script not in SCRIPTS or not spec.get("recipe"):
             problems.append(f"arm {name}: needs a script, one of {', '.join(SCRIPTS)}, and a recipe")
-            continue
-        try:
-            arm = Arm(
-                name,
-                script,
-                (file.parent / spec["recipe"]).resolve(),
-                {},
-                seed_list(spec.get("seeds", seeds), f"arm {name}"),
-            )
-            arm.settings = checked_settings(settings, arm.module().Args, f"arm {name}: set")
-            arm.args(arm.seeds[0])
-            arms[name] = arm
-        except SystemExit as error:
-            problems.append(f"arm {name}: {error}")
+        else:
+            try:
+                arm_seeds = seed_list(spec.get("seeds", seeds), f"arm {name}")
+                arm = Arm(name, script, (file.parent / spec["recipe"]).resolve(), {}, arm_seeds)
+                arm.settings = common.checked_settings(settings, arm.module().Args, f"arm {name}: set")
+                arm.args(arm.seeds[0])
+                arms[name] = arm
+            except SystemExit as error:
+                problems.append(f"arm {name}: {error}")
     evaluation = study.get("evaluate") or {}
     reserved = sorted(set(evaluation) & set(RUNNER_SETTINGS))
     if reserved:
         problems.append(f"evaluate: the runner sets {reserved} itself; a study's evaluate may not")
     else:
         try:
-            evaluation = checked_settings(evaluation, Args, "evaluate")
+            evaluation = common.checked_settings(evaluation, Args, "evaluate")
             check_args(Args(**evaluation))
         except SystemExit as error:
             problems.append(str(error))
@@ -610,8 +554,7 @@ def finding_problems(finding: dict, arms: dict, where: str) -> list[str]:
         problems.append(f"{where}: metric {finding.get('metric')!r} is not one of {', '.join(FINDING_METRICS)}")
     missing = [arm for arm in named if arm not in arms]
     if missing or len(named) < 2:
-        problems.append(f"{where}: arms must name two or more arms of the study (unknown: {missing})")
-        return problems
+        return problems + [f"{where}: arms must name two or more arms of the study (unknown: {missing})"]
     if finding["metric"] in TRAINED_METRICS and any(arms[arm].script is None for arm in named):
         problems.append(f"{where}: a {finding['metric']} finding reads training curves: every arm must train")
     if finding["metric"] in ("base", "sweep") and finding.get("best") not in named:
@@ -624,11 +567,8 @@ def finding_problems(finding: dict, arms: dict, where: str) -> list[str]:
 
 
 def arm_state(arm: Arm, seed: int, study_dir: Path) -> tuple[str, Path | None]:
-    """Where an arm's run stands: ("finished", its run dir), ("resume", its newest checkpoint) or
-    ("new", None). A run is finished when it wrote final/ (written whole, then renamed); one
-    without final/ but with step-* checkpoints was interrupted and resumes from the newest. A run
-    trained with other settings than the arm's now (a recipe or its set changed) stops the study."""
-    runs = sorted(path.parent for path in (study_dir / "arms" / arm.name / f"seed{seed}").glob("*/args.json"))
+    """("finished", run dir with final/), ("resume", newest step-* checkpoint) or ("new", None)."""
+    runs = sorted(path.parent for path in arm.folder(study_dir, "arms", seed).glob("*/args.json"))
     expected = dataclasses.asdict(arm.args(seed))
     for run in runs:
         recorded = json.loads((run / "args.json").read_text())
@@ -653,8 +593,7 @@ def arm_state(arm: Arm, seed: int, study_dir: Path) -> tuple[str, Path | None]:
 
 
 def eval_results(study: dict, model: str, seed: int, where: Path) -> Path | None:
-    """The results.json of a finished evaluation of `model` in `where` with the study's evaluate
-    settings; None until one has finished. One made with other settings stops the study."""
+    """The results.json of `model`'s finished evaluation with the study's settings in `where`, or None."""
     expected = dataclasses.asdict(Args(**study["evaluate"], model=model, seed=seed))
     for table in sorted(where.glob("*/table.md")):
         recorded = json.loads(table.with_name("args.json").read_text())
@@ -676,9 +615,8 @@ def same_final(recorded: str, expected: str) -> bool:
 
 
 def gpu_hours(plan: list[tuple[Arm, int, str]]) -> float | None:
-    """The estimate printed before a study at the paper's scale: FLOPs of the runs still to train
-    (generation 2·P per token, scoring 2·P, an update 6·P, per pass; PPO's critic as much again)
-    over ASSUMED_FLOPS_PER_S. None when a model's size is not in KNOWN_PARAMETERS (a CPU study)."""
+    """Hours to train what is left: generation 2·P a token, scoring 2·P, an update 6·P (a critic as much again),
+    at ASSUMED_FLOPS_PER_S. None for a model not in KNOWN_PARAMETERS."""
     total = 0.0
     for arm, seed, state in plan:
         if arm.script is None or state == "finished":
@@ -700,11 +638,7 @@ def gpu_hours(plan: list[tuple[Arm, int, str]]) -> float | None:
 
 
 def run_study(args: Args) -> Path:
-    """--study: trains every arm × seed not yet finished (resuming an interrupted one from its newest
-    checkpoint), evaluates each final model once on the held-out problems of the study's `evaluate`
-    settings, and writes report.md, findings and plots, into <output_dir>/study-<name>/. The plan is
-    printed first; at the paper's scale with the GPU time it is estimated to take. Each run gets its
-    settings as one file (config.json beside it), which records exactly what ran."""
+    """--study: prints the plan, trains (or resumes) every arm × seed, evaluates each once, writes report.md."""
     study = load_study(args.study, args.study_model)
     study_dir = Path(args.output_dir) / f"study-{study['name']}"
     local = args.study_model.startswith(("/", "./", "../", "~")) or args.study_model.endswith(".gguf")
@@ -715,19 +649,16 @@ def run_study(args: Args) -> Path:
     study["command"] = shlex.join(["python", "evaluate.py", "--study", args.study, "--output_dir", args.output_dir])
     study["command"] += f" --study_model {shlex.quote(args.study_model)}" if args.study_model else ""
     arms = study["arms"].values()
-    order = [
-        (arm, seed) for seed in sorted({s for arm in arms for s in arm.seeds}) for arm in arms if seed in arm.seeds
-    ]
+    order = [(arm, s) for s in sorted({s for arm in arms for s in arm.seeds}) for arm in arms if s in arm.seeds]
     root = Path(__file__).resolve().parent
     print(f"study {study['name']} -> {study_dir}")
     plan = []
     for arm, seed in order:
-        model = arm.settings["model"] if not arm.script else None
-        state = arm_state(arm, seed, study_dir)[0] if arm.script else "finished"
-        evaluated = arm.script is None and eval_results(
-            study, model, seed, study_dir / "evals" / arm.name / f"seed{seed}"
-        )
-        state = state if arm.script else ("finished" if evaluated else "evaluate")
+        if arm.script:
+            state = arm_state(arm, seed, study_dir)[0]
+        else:
+            done = eval_results(study, arm.settings["model"], seed, arm.folder(study_dir, "evals", seed))
+            state = "finished" if done else "evaluate"
         plan.append((arm, seed, state))
         print(f"  {arm.name:<16} seed {seed}  {state:<9} {arm.described(root)}")
     hours = gpu_hours(plan)
@@ -740,20 +671,18 @@ def run_study(args: Args) -> Path:
         if arm.script:
             state, where = arm_state(arm, seed, study_dir)
             if state != "finished":
-                folder = study_dir / "arms" / arm.name / f"seed{seed}"
+                folder = arm.folder(study_dir, "arms", seed)
                 command = [str(root / arm.script), "--config", write_config(folder, arm.config(seed))]
                 command += ["--output_dir", str(folder)] + (["--resume_from", str(where)] if state == "resume" else [])
                 run_command(command, f"{arm.name} seed {seed}")
             model = str(arm_state(arm, seed, study_dir)[1] / "final")
         else:
             model = arm.settings["model"]
-        folder = study_dir / "evals" / arm.name / f"seed{seed}"
+        folder = arm.folder(study_dir, "evals", seed)
         if eval_results(study, model, seed, folder) is None:
             config = write_config(folder, {**study["evaluate"], "model": model, "seed": seed})
-            run_command(
-                [str(root / "evaluate.py"), "--config", config, "--output_dir", str(folder)],
-                f"evaluating {arm.name} seed {seed}",
-            )
+            command = [str(root / "evaluate.py"), "--config", config, "--output_dir", str(folder)]
+            run_command(command, f"evaluating {arm.name} seed {seed}")
         freed = prune(Path(model).parent) if args.study_prune and arm.script else 0
         if freed:
             print(f"[{arm.name} seed {seed}] pruned {freed / 2**30:.1f} GiB of checkpoints")
@@ -766,10 +695,7 @@ def run_study(args: Args) -> Path:
 
 
 def prune(run: Path) -> int:
-    """--study_prune: deletes what a finished, evaluated run no longer needs, its step-* checkpoints
-    and final/'s resume state (trainer_state*.pt: AdamW's two moments, twice the weights). final/'s
-    weights, the metrics and the samples stay, so the run can be evaluated again and the report
-    recomputed; it can no longer be resumed or extended. Returns the bytes freed."""
+    """--study_prune: deletes step-* and final/trainer_state*.pt of an evaluated run. Returns the bytes freed."""
     doomed = [path for path in run.glob("step-*") if path.is_dir()] + list((run / "final").glob("trainer_state*.pt"))
     freed = sum(f.stat().st_size for path in doomed for f in [path, *path.rglob("*")] if f.is_file())
     for path in doomed:
@@ -785,9 +711,7 @@ def write_config(folder: Path, settings: dict) -> str:
 
 
 def run_command(command: list[str], what: str) -> None:
-    """Runs one training or evaluation (a script and its arguments) as its own process, so memory is
-    freed between arms. A Ctrl-C reaches the process too: the runner waits for it to stop (a
-    checkpoint being written is finished first), and a second Ctrl-C kills it."""
+    """One run as its own process: a first Ctrl-C waits for it to stop (a checkpoint being written), a second kills."""
     print(f"[{what}] {shlex.join(['python', *command])}", flush=True)
     process = subprocess.Popen([sys.executable, *command])
     try:
@@ -819,8 +743,7 @@ class Outcome:
 
 
 def study_outcomes(study: dict, study_dir: Path) -> dict[str, list[Outcome]]:
-    """Every arm's finished seeds, read from the runs' metrics.jsonl and the evaluations'
-    results.json (the first benchmark of the study's evaluate settings)."""
+    """Every arm's finished and evaluated seeds (the first benchmark of the study's evaluate)."""
     outcomes = {}
     for arm in study["arms"].values():
         outcomes[arm.name] = []
@@ -829,11 +752,11 @@ def study_outcomes(study: dict, study_dir: Path) -> dict[str, list[Outcome]]:
             if state != "finished":  # not trained (yet)
                 continue
             model = str(run_dir / "final") if run_dir else arm.settings["model"]
-            results = eval_results(study, model, seed, study_dir / "evals" / arm.name / f"seed{seed}")
+            results = eval_results(study, model, seed, arm.folder(study_dir, "evals", seed))
             if results is None:  # not evaluated (yet)
                 continue
             result = next(iter(json.loads(results.read_text())["results"].values()))
-            rows = read_jsonl(run_dir / "metrics.jsonl") if run_dir else []
+            rows = common.read_jsonl(run_dir / "metrics.jsonl") if run_dir else []
             correct = round(result["strict_accuracy"] * result["n"])
             outcomes[arm.name].append(
                 Outcome(arm.name, seed, run_dir, rows, correct, result["n"], result["mean_length"])
@@ -842,10 +765,7 @@ def study_outcomes(study: dict, study_dir: Path) -> dict[str, list[Outcome]]:
 
 
 def pooled(outcomes: list[Outcome]) -> tuple[float, tuple[float, float], int]:
-    """Held-out strict accuracy averaged over the seeds, with the Wilson 95% interval of ONE
-    evaluation's n problems around it, and that n. Every seed answers the same problems, so pooling
-    their answers as n × seeds independent ones would overstate the certainty; the seeds' own
-    spread is reported beside it."""
+    """Strict accuracy, the mean over seeds, with the interval of ONE evaluation's n (seeds share the problems)."""
     if not outcomes:
         return float("nan"), (float("nan"), float("nan")), 0
     accuracy = mean([o.correct / o.n for o in outcomes])
@@ -853,51 +773,32 @@ def pooled(outcomes: list[Outcome]) -> tuple[float, tuple[float, float], int]:
     return accuracy, wilson_interval(accuracy, n), n
 
 
+def scores(outcomes: list[Outcome]) -> list[float]:
+    return [o.correct / o.n for o in outcomes]
+
+
 def clearly_above(first: list[Outcome], second: list[Outcome]) -> bool:
-    """first's accuracy interval lies wholly above second's, and each of first's seeds scored above
-    each of second's: seeds at 25% and 0% against 0% and 0% show nothing, however narrow one
-    evaluation's interval around their mean is (it measures the problems, not the seeds)."""
-    return pooled(first)[1][0] > pooled(second)[1][1] and seeds_apart(first, second)
-
-
-def seeds_apart(first: list[Outcome], second: list[Outcome]) -> bool:
-    return min(o.correct / o.n for o in first) > max(o.correct / o.n for o in second)
-
-
-def seed_range(outcomes: list[Outcome]) -> str:
-    scores = [o.correct / o.n for o in outcomes]
-    return f"{percent(min(scores))}–{percent(max(scores))}%"
+    """first's interval lies wholly above second's, and each of its seeds above each of second's."""
+    return pooled(first)[1][0] > pooled(second)[1][1] and min(scores(first)) > max(scores(second))
 
 
 def accuracy_relation(first: list[Outcome], second: list[Outcome], names: tuple[str, str]) -> str:
-    """How two arms' held-out accuracies compare: whose interval lies above, that the intervals lie
-    apart but the seeds do not, or that they overlap."""
+    """Whose interval lies above, that the intervals lie apart but the seeds do not, or that they overlap."""
     if clearly_above(first, second):
         return f"{names[0]}'s interval lies above {names[1]}'s"
     if clearly_above(second, first):
         return f"{names[1]}'s interval lies above {names[0]}'s"
     (low_1, high_1), (low_2, high_2) = pooled(first)[1], pooled(second)[1]
     if low_1 > high_2 or low_2 > high_1:
-        return (
-            f"the intervals lie apart but the seeds overlap ({names[0]} {seed_range(first)}, "
-            f"{names[1]} {seed_range(second)})"
-        )
+        ranges = [f"{percent(min(scores(o)))}–{percent(max(scores(o)))}%" for o in (first, second)]
+        return f"the intervals lie apart but the seeds overlap ({names[0]} {ranges[0]}, {names[1]} {ranges[1]})"
     return "the intervals overlap"
-
-
-def accuracy_verdict(better: list[Outcome], worse: list[Outcome], names: tuple[str, str]) -> str:
-    relation = accuracy_relation(better, worse, names)
-    if clearly_above(better, worse):
-        return f"holds: {relation}"
-    return f"{'does not hold' if clearly_above(worse, better) else 'not shown'}: {relation}"
 
 
 def accuracy_cell(outcomes: list[Outcome]) -> str:
     accuracy, (low, high), n = pooled(outcomes)
-    seeds = ", ".join(percent(o.correct / o.n) for o in outcomes)
-    return f"{percent(accuracy)}% ({percent(low)}–{percent(high)}, n = {n})" + (
-        f"; seeds {seeds}" if len(outcomes) > 1 else ""
-    )
+    seeds = f"; seeds {', '.join(percent(score) for score in scores(outcomes))}" if len(outcomes) > 1 else ""
+    return f"{percent(accuracy)}% ({percent(low)}–{percent(high)}, n = {n}){seeds}"
 
 
 def curve(outcome: Outcome, key: str) -> list[float]:
@@ -905,8 +806,7 @@ def curve(outcome: Outcome, key: str) -> list[float]:
 
 
 def entropy_cell(outcomes: list[Outcome]) -> str:
-    """The policy's entropy per token (policy/entropy) at the first and the last step, each the mean
-    over the seeds: where a technique keeps exploring or lets entropy collapse. "—" without one."""
+    """policy/entropy at the first and the last step, each the mean over the seeds; "—" without one."""
     curves = [c for c in (curve(o, "policy/entropy") for o in outcomes) if c]
     return f"{mean([c[0] for c in curves]):.3f} → {mean([c[-1] for c in curves]):.3f}" if curves else "—"
 
@@ -921,19 +821,15 @@ def spread(values: list[float]) -> float:
 
 
 def step_spread(outcomes: list[Outcome]) -> float:
-    """How much the reward curve jumps from step to step: the spread of its step-to-step changes
-    (reward/mean), averaged over seeds."""
+    """The spread of the reward curve's step-to-step changes (reward/mean), averaged over seeds."""
     changes = [[b - a for a, b in zip(c, c[1:])] for c in (curve(o, "reward/mean") for o in outcomes)]
     return mean([spread(change) for change in changes if change])
 
 
 def seed_spread(outcomes: list[Outcome]) -> float:
-    """How far the seeds' reward curves lie apart: the spread across seeds at each step, averaged
-    over steps; nan with one seed."""
+    """The spread of the seeds' reward curves at each step, averaged over steps; nan with one seed."""
     curves = [curve(o, "reward/mean") for o in outcomes]
-    if len(curves) < 2:
-        return float("nan")
-    return mean([spread(list(values)) for values in zip(*curves)])
+    return mean([spread(list(values)) for values in zip(*curves)]) if len(curves) > 1 else float("nan")
 
 
 def late_lengths(outcome: Outcome) -> list[float]:
@@ -943,8 +839,7 @@ def late_lengths(outcome: Outcome) -> list[float]:
 
 
 def length_samples(outcomes: list[Outcome]) -> tuple[list[float], str]:
-    """What the length comparison averages: each seed's mean late length when there are two
-    seeds or more (steps of one curve are not independent), else the steps of the one seed."""
+    """Each seed's mean late length (two seeds or more: the steps of a curve are not independent), else the steps."""
     if len(outcomes) > 1:
         return [mean(late_lengths(o)) for o in outcomes], "seeds"
     return late_lengths(outcomes[0]), "steps of one seed"
@@ -953,46 +848,39 @@ def length_samples(outcomes: list[Outcome]) -> tuple[list[float], str]:
 def groups_per_step(outcome: Outcome) -> float:
     """Groups generated a step: DAPO logs sampling/groups_generated; a step of the others is B."""
     generated = curve(outcome, "sampling/groups_generated")
-    if generated:
-        return mean(generated)
-    return json.loads((outcome.run_dir / "args.json").read_text())["batch_size"]
+    return mean(generated) if generated else json.loads((outcome.run_dir / "args.json").read_text())["batch_size"]
+
+
+def arm_row(finding: dict, name: str, outcomes: list[Outcome]) -> dict:
+    """An arm's row in a finding's table: its held-out accuracy, and what the finding's metric reads."""
+    row = {"arm": name, "seeds": len(outcomes), "held-out accuracy": accuracy_cell(outcomes)}
+    if finding["metric"] == "stability":
+        row["step-to-step spread"] = f"{step_spread(outcomes):.3f}"
+        row["spread across seeds"] = f"{seed_spread(outcomes):.3f}"
+    if finding["metric"] == "length":
+        row["length, 2nd half of training"] = f"{mean([v for o in outcomes for v in late_lengths(o)]):.1f}"
+        row["held-out length"] = f"{mean([o.eval_length for o in outcomes]):.1f}"
+    if finding["metric"] == "cost":
+        row["groups generated a step"] = f"{mean([groups_per_step(o) for o in outcomes]):.1f}"
+        row["generation s a step"] = f"{mean([v for o in outcomes for v in curve(o, 'time/generate')]):.1f}"
+    if finding["metric"] == "sweep":
+        setting = finding["setting"]
+        row = {setting: json.loads((outcomes[0].run_dir / "args.json").read_text())[setting], **row}
+    return row
 
 
 def judge(finding: dict, outcomes: dict[str, list[Outcome]]) -> tuple[list[dict], str]:
-    """One finding's table rows (an arm each) and whether it holds here, from the arms' outcomes.
-    arms[0] is the arm the claim favours (more accurate, more stable, longer, costlier), except for
-    `base` (arms[0] is the base model) and `sweep` (the arms are its points; `best` the expected
-    best). A verdict is "holds", "does not hold" (the reverse is clear) or "not shown" (neither)."""
+    """A finding's table rows and its verdict: holds, does not hold or not shown (docs/study.md's table)."""
     names, metric = finding["arms"], finding["metric"]
     missing = [name for name in names if not outcomes[name]]
     if missing:
         return [], f"not run yet: {', '.join(missing)}"
-    rows = []
-    for name in names:
-        row = {"arm": name, "seeds": len(outcomes[name]), "held-out accuracy": accuracy_cell(outcomes[name])}
-        if metric == "stability":
-            row |= {
-                "step-to-step spread": f"{step_spread(outcomes[name]):.3f}",
-                "spread across seeds": f"{seed_spread(outcomes[name]):.3f}",
-            }
-        if metric == "length":
-            late = [value for o in outcomes[name] for value in late_lengths(o)]
-            row |= {
-                "length, 2nd half of training": f"{mean(late):.1f}",
-                "held-out length": f"{mean([o.eval_length for o in outcomes[name]]):.1f}",
-            }
-        if metric == "cost":
-            row |= {
-                "groups generated a step": f"{mean([groups_per_step(o) for o in outcomes[name]]):.1f}",
-                "generation s a step": f"{mean([v for o in outcomes[name] for v in curve(o, 'time/generate')]):.1f}",
-            }
-        if metric == "sweep":
-            run_args = json.loads((outcomes[name][0].run_dir / "args.json").read_text())
-            row = {finding["setting"]: run_args[finding["setting"]], **row}
-        rows.append(row)
+    rows = [arm_row(finding, name, outcomes[name]) for name in names]
     first, second = outcomes[names[0]], outcomes[names[1]]
     if metric == "accuracy":
-        verdict = accuracy_verdict(first, second, (names[0], names[1]))
+        verdict = "holds" if clearly_above(first, second) else "not shown"
+        verdict = "does not hold" if clearly_above(second, first) else verdict
+        detail = accuracy_relation(first, second, (names[0], names[1]))
     elif metric == "stability":
         first_spread, second_spread = step_spread(first), step_spread(second)
         steadier = first_spread < second_spread
@@ -1002,54 +890,42 @@ def judge(finding: dict, outcomes: dict[str, list[Outcome]]) -> tuple[list[dict]
         )
         verdict = "holds" if steadier and clearly_above(first, second) else "not shown"
         verdict = "does not hold" if clearly_above(second, first) else verdict  # the claim's accuracy half fails
-        verdict = f"{verdict}: {detail}"
     elif metric == "length":
         (a, kind), (b, _) = length_samples(first), length_samples(second)
         error = math.sqrt(spread(a) ** 2 / len(a) + spread(b) ** 2 / len(b))
         difference = mean(a) - mean(b)
-        detail = f"{difference:+.1f} tokens, standard error {error:.1f} over {kind}"
         verdict = "holds" if difference > 2 * error else "does not hold" if difference < -2 * error else "not shown"
-        verdict = f"{verdict}: {detail}"
+        detail = f"{difference:+.1f} tokens, standard error {error:.1f} over {kind}"
     elif metric == "cost":
         ratio = mean([groups_per_step(o) for o in first]) / mean([groups_per_step(o) for o in second])
         if ratio <= 1:
-            verdict = f"does not hold: {ratio:.2f}× the groups generated"
+            verdict, detail = "does not hold", f"{ratio:.2f}× the groups generated"
         elif clearly_above(first, second):
-            verdict = f"does not hold: {ratio:.2f}× the groups, and a clear gain in accuracy"
+            verdict, detail = "does not hold", f"{ratio:.2f}× the groups, and a clear gain in accuracy"
         else:
-            verdict = f"holds: {ratio:.2f}× the groups generated, and no accuracy shown gained"
+            verdict, detail = "holds", f"{ratio:.2f}× the groups generated, and no accuracy shown gained"
     elif metric == "base":
-        base, trained = outcomes[names[0]], names[1:]
+        base, trained, claimed = first, names[1:], finding["best"]
         above = [name for name in trained if clearly_above(outcomes[name], base)]
-        claimed = finding["best"]
         beaten_by = [name for name in trained if name != claimed and clearly_above(outcomes[name], outcomes[claimed])]
         ahead = all(clearly_above(outcomes[claimed], outcomes[name]) for name in trained if name != claimed)
-        detail = f"{len(above)} of {len(trained)} arms lie clearly above the base; {claimed} " + (
-            "lies above every other arm"
-            if ahead
-            else f"lies below {', '.join(beaten_by)}"
-            if beaten_by
-            else "overlaps another arm"
-        )
+        place = f"lies below {', '.join(beaten_by)}" if beaten_by else "overlaps another arm"
+        place = "lies above every other arm" if ahead else place
+        detail = f"{len(above)} of {len(trained)} arms lie clearly above the base; {claimed} {place}"
         verdict = "holds" if len(above) == len(trained) and ahead else "does not hold" if beaten_by else "not shown"
-        verdict = f"{verdict}: {detail}"
     else:  # sweep
         points = sorted(names, key=lambda name: rows[names.index(name)][finding["setting"]])
-        claimed = finding["best"]
-        interior = claimed not in (points[0], points[-1])
+        claimed, ends = finding["best"], (points[0], points[-1])
         beaten_by = [name for name in points if name != claimed and clearly_above(outcomes[name], outcomes[claimed])]
-        ahead = all(
-            clearly_above(outcomes[claimed], outcomes[end]) for end in (points[0], points[-1]) if end != claimed
-        )
+        ahead = all(clearly_above(outcomes[claimed], outcomes[end]) for end in ends if end != claimed)
         if beaten_by:
-            verdict = f"does not hold: {', '.join(beaten_by)} lies above {claimed}"
-        elif interior and ahead:
-            verdict = f"holds: {claimed} lies above both ends of the sweep"
+            verdict, detail = "does not hold", f"{', '.join(beaten_by)} lies above {claimed}"
+        elif claimed not in ends and ahead:
+            verdict, detail = "holds", f"{claimed} lies above both ends of the sweep"
         else:
-            verdict = f"not shown: {claimed} " + (
-                "is an end of the sweep" if not interior else "overlaps an end of the sweep"
-            )
-    return rows, verdict
+            where = "is an end of the sweep" if claimed in ends else "overlaps an end of the sweep"
+            verdict, detail = "not shown", f"{claimed} {where}"
+    return rows, f"{verdict}: {detail}"
 
 
 def study_report(study: dict, study_dir: Path) -> str:
@@ -1075,12 +951,12 @@ def study_report(study: dict, study_dir: Path) -> str:
             "entropy, first → last step": entropy_cell(outcomes[arm.name]),
             "minutes in the steps": f"{minutes / 60:.1f}" if minutes else "—",
         })  # fmt: skip
-    lines += [markdown_table(arms), ""]
+    lines += [common.markdown_table(arms), ""]
     for index, finding in enumerate(study["findings"], 1):
         rows, verdict = judge(finding, outcomes)
         lines += [f"#### {index}. {finding['claim']}", "", f"**{verdict}** (metric: {finding['metric']}).", ""]
         if rows:
-            lines += [markdown_table(rows), ""]
+            lines += [common.markdown_table(rows), ""]
             runs = [
                 (o.run_dir, f"{name} seed {o.seed}") for name in finding["arms"] for o in outcomes[name] if o.run_dir
             ]
@@ -1137,8 +1013,8 @@ def main(args: Args) -> Path | None:
     names = check_args(args)
     # Data first: a missing file or column stops the run before the model is loaded.
     tasks = {
-        name: with_tools(  # --tools and --tool: checked here too, before the model loads
-            load_file_task(FileTaskSpec.from_args(args), "heldout", shots=args.shots)
+        name: rewards.with_tools(  # --tools and --tool: checked here too, before the model loads
+            rewards.load_file_task(rewards.FileTaskSpec.from_args(args), "heldout", shots=args.shots)
             if name == "file"
             else load_benchmark(name, args.data_dir, args.countdown_problems, args.shots, args.countdown_numbers),
             args,
@@ -1146,18 +1022,20 @@ def main(args: Args) -> Path | None:
         for name in names
     }
     if args.reward_fn:  # imported and checked once, before the model loads, as in training
-        score = with_reward_fn(next(iter(tasks.values())), args.reward_fn, args.reward_fn_timeout).score
+        score = rewards.with_reward_fn(next(iter(tasks.values())), args.reward_fn, args.reward_fn_timeout).score
         tasks = {name: dataclasses.replace(task, score=score) for name, task in tasks.items()}
-    device = use_device(resolve_device(args.device))  # a GPU named by --device becomes the current one
-    weight_dtype, _ = resolve_precision(args.dtype, device)
-    seed_everything(args.seed)
+    device = common.use_device(common.resolve_device(args.device))  # a GPU named by --device becomes the current one
+    weight_dtype, _ = common.resolve_precision(args.dtype, device)
+    common.seed_everything(args.seed)
     model, tokenizer, eos_ids = load_model(args.model, device, weight_dtype, prompt_format=args.prompt_format)
     model.eval().requires_grad_(False)
     for task in tasks.values():  # the template shows the tools and gives their answers, which fit: before any output
         if task.tools:
-            render_chat(tokenizer, task.messages(task.problems[0]), tools=task.tools, tools_fix="drop --tools/--tool")
-            tool_turns(tokenizer, task.tools, 1, args.max_turns, args.max_tool_tokens, args.tool_timeout)
-    run_dir = make_run_dir(args, "eval", task="+".join(names))
+            common.render_chat(
+                tokenizer, task.messages(task.problems[0]), tools=task.tools, tools_fix="drop --tools/--tool"
+            )
+            rewards.tool_turns(tokenizer, task.tools, 1, args.max_turns, args.max_tool_tokens, args.tool_timeout)
+    run_dir = common.make_run_dir(args, "eval", task="+".join(names))
     settings = {k: getattr(args, k) for k in ("model", "max_new_tokens", "num_samples", "temperature", "top_p")}
     if args.tools or args.tool:
         settings |= {k: getattr(args, k) for k in ("tools", "tool", "max_turns", "max_tool_tokens", "tool_timeout")}
@@ -1182,4 +1060,4 @@ def main(args: Args) -> Path | None:
 
 
 if __name__ == "__main__":
-    main(parse_args(Args))
+    main(common.parse_args(Args))
