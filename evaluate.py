@@ -59,9 +59,7 @@ def task_flag(name: str):
 class Args:
     # what to evaluate
     model: str = arg("Qwen2.5-1.5B-Instruct", "local dir (e.g. runs/<run>/final), Hub id, short name or 'tiny'")
-    benchmarks: str = arg(
-        "gsm8k,math500,bbh,mmlu_pro,countdown", "comma-separated: these five, file (--data_file) or digit (the toy)"
-    )
+    benchmarks: str = arg("gsm8k,math500,bbh,mmlu_pro,countdown", "these five, file (--data_file) or digit (the toy)")
     data_dir: str = arg("", "offline: a directory laid out like tests/fixtures/data (gsm8k/test.jsonl, ...); '' = Hub")
     limit: int = arg(0, "problems per benchmark at most, spread over BBH tasks / MMLU-Pro categories; 0 = all")
     countdown_problems: int = arg(500, "size of the held-out Countdown set (and of the digit toy's prompts)")
@@ -161,9 +159,7 @@ def wilson_interval(accuracy: float, n: int, z: float = Z_95) -> tuple[float, fl
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples, c correct (Chen et al. 2021, Eq. 1): 1 − C(n−c, k) / C(n, k), exactly."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def limit_problems(problems: list[dict], limit: int) -> list[dict]:
@@ -209,9 +205,8 @@ class Grader:
 # One benchmark
 
 
-def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, grader: Grader, samples_path: Path):
-    """Generates num_samples completions a problem (calling tools as in training), grades them, appends each
-    to samples.jsonl, and returns the benchmark's entry of results.json."""
+def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, grader: Grader, run_dir: Path):
+    """Generates, grades and writes to samples.jsonl num_samples completions a problem; returns results.json's entry."""
     device = next(model.parameters()).device
     _, compute_dtype = common.resolve_precision(args.dtype, device)
     k = args.num_samples
@@ -220,11 +215,10 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
     order = sorted(range(len(problems)), key=lambda i: -sum(len(m["content"]) for m in conversations[i]))
     correct = [[False] * k for _ in problems]  # [problem][sample], the flexible grade
     strict = [[False] * k for _ in problems]  # [problem][sample], the answer in the asked format only
-    lengths, truncations, formatted, calls, failures = [], [], [], [], []
+    seen, calls, failures = [], [], []  # seen: (length, truncated, formatted) a completion
     timeouts_before, start = grader.timeouts, time.perf_counter()
     sampling = (args.max_new_tokens, eos_ids, tokenizer.pad_token_id, len(tokenizer), args.temperature, args.top_p)
-    progress = tqdm(total=len(problems), desc=task.name, unit="problem")
-    for first in range(0, len(order), args.batch_size):
+    for first in tqdm(range(0, len(order), args.batch_size), desc=task.name, unit="batch"):
         batch = order[first : first + args.batch_size]
         # Encoded exactly as in training: chat template, left padding, each repeated k times.
         prompt_ids, prompt_mask = encode_prompts(tokenizer, [conversations[i] for i in batch], k, device, task.tools)
@@ -249,20 +243,11 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
             else:
                 score = grader.score(task.score, text, problem, truncated=cut)
             correct[index][sample], strict[index][sample] = score.correct, score.strict
-            lengths.append(row_lengths[row])
-            truncations.append(cut)
-            formatted.append(score.formatted)
+            seen.append((row_lengths[row], cut, score.formatted))
             record = {"benchmark": task.name, "subset": problem["subset"], "index": index, "sample": sample}
-            record |= {
-                "prompt": tokenizer.decode(prompt_ids[row][prompt_mask[row].bool()]),  # what the model saw
-                "output": text,
-                "extracted": score.extracted,
-                "gold": problem["gold"],
-                "correct": score.correct,
-                "strict": score.strict,
-                "length": row_lengths[row],
-                "truncated": cut,
-            }
+            record |= {"prompt": tokenizer.decode(prompt_ids[row][prompt_mask[row].bool()]), "output": text}
+            record |= {"extracted": score.extracted, "gold": problem["gold"], "correct": score.correct}
+            record |= {"strict": score.strict, "length": row_lengths[row], "truncated": cut}
             if args.reward_fn:  # what the user's reward gave, and whether its call failed
                 record["reward"], record["fn_failed"] = score.reward, score.failed
                 failures.append(score.failed)
@@ -270,13 +255,9 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
                 record["turns"] = common.turns_of(tokenizer, completion_ids[row], completion_mask[row], tool_mask[row])
                 record["tool_calls"], record["tool_failed"] = counts[row, 0].item(), counts[row, 1].item()
                 calls.append(counts[row, :2].tolist())
-            common.append_jsonl(samples_path, record)
-        progress.update(len(batch))
-    progress.close()
+            common.append_jsonl(run_dir / "samples.jsonl", record)
     result = summarize(correct, strict, [p["subset"] for p in problems])
-    result["mean_length"] = sum(lengths) / len(lengths)
-    result["truncated"] = sum(truncations) / len(truncations)
-    result["formatted"] = sum(formatted) / len(formatted)
+    result["mean_length"], result["truncated"], result["formatted"] = (sum(v) / len(v) for v in zip(*seen))
     result["grade_timeouts"] = grader.timeouts - timeouts_before
     result["seconds"] = time.perf_counter() - start
     if args.reward_fn:  # the share of completions whose --reward_fn call failed, as training's reward/fn_failed
@@ -288,8 +269,7 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
 
 
 def summarize(correct: list[list[bool]], strict: list[list[bool]], subsets: list[str]) -> dict:
-    """From correct[problem][sample] (flexible) and strict[...]: both accuracies with Wilson 95% intervals,
-    pass@k (flexible) for k = 1, 2, 4, … and the sample count, and per subset both accuracies, n and means."""
+    """Both accuracies of correct/strict[problem][sample] with 95% intervals, pass@k for k = 1, 2, 4, …, per subset."""
     num_samples = len(correct[0])
     per_problem = [sum(c) / num_samples for c in correct]  # (problems,)
     strict_per_problem = [sum(c) / num_samples for c in strict]  # (problems,)
@@ -461,14 +441,12 @@ class Arm:
     seeds: list[int]
 
     def config(self, seed: int) -> dict:
-        """Everything the arm's script is given: its recipe, its settings, the seed."""
         return {**common.read_config(str(self.recipe), self.module().Args), **self.settings, "seed": seed}
 
     def module(self):
         return __import__(self.script.removesuffix(".py"))
 
     def args(self, seed: int):
-        """The Args the script trains with (its check_args passed)."""
         args = self.module().Args(**self.config(seed))
         self.module().check_args(args)
         return args
@@ -595,10 +573,12 @@ def arm_state(arm: Arm, seed: int, study_dir: Path) -> tuple[str, Path | None]:
 def eval_results(study: dict, model: str, seed: int, where: Path) -> Path | None:
     """The results.json of `model`'s finished evaluation with the study's settings in `where`, or None."""
     expected = dataclasses.asdict(Args(**study["evaluate"], model=model, seed=seed))
+    tail = Path(model).parts[-5:]
     for table in sorted(where.glob("*/table.md")):
         recorded = json.loads(table.with_name("args.json").read_text())
-        changed = sorted(k for k in recorded if k != "output_dir" and recorded[k] != expected[k])
-        changed = [k for k in changed if k != "model" or not same_final(recorded[k], expected[k])]
+        moved = tail[:1] == ("arms",) and Path(recorded["model"]).parts[-5:] == tail
+        ignored = ("output_dir", "model") if moved else ("output_dir",)  # a study folder moved whole
+        changed = sorted(k for k in recorded if k not in ignored and recorded[k] != expected[k])
         if changed:
             raise SystemExit(
                 f"{table.parent} evaluated with other settings than the study's now: {', '.join(changed)}. "
@@ -606,12 +586,6 @@ def eval_results(study: dict, model: str, seed: int, where: Path) -> Path | None
             )
         return table.with_name("results.json")
     return None
-
-
-def same_final(recorded: str, expected: str) -> bool:
-    """The same arm's final/ of a study folder that was moved whole: arms/<arm>/seed<k>/<run>/final."""
-    tail = Path(expected).parts[-5:]
-    return tail[:1] == ("arms",) and Path(recorded).parts[-5:] == tail
 
 
 def gpu_hours(plan: list[tuple[Arm, int, str]]) -> float | None:
@@ -766,8 +740,6 @@ def study_outcomes(study: dict, study_dir: Path) -> dict[str, list[Outcome]]:
 
 def pooled(outcomes: list[Outcome]) -> tuple[float, tuple[float, float], int]:
     """Strict accuracy, the mean over seeds, with the interval of ONE evaluation's n (seeds share the problems)."""
-    if not outcomes:
-        return float("nan"), (float("nan"), float("nan")), 0
     accuracy = mean([o.correct / o.n for o in outcomes])
     n = min(o.n for o in outcomes)
     return accuracy, wilson_interval(accuracy, n), n
@@ -838,13 +810,6 @@ def late_lengths(outcome: Outcome) -> list[float]:
     return lengths[len(lengths) // 2 :]
 
 
-def length_samples(outcomes: list[Outcome]) -> tuple[list[float], str]:
-    """Each seed's mean late length (two seeds or more: the steps of a curve are not independent), else the steps."""
-    if len(outcomes) > 1:
-        return [mean(late_lengths(o)) for o in outcomes], "seeds"
-    return late_lengths(outcomes[0]), "steps of one seed"
-
-
 def groups_per_step(outcome: Outcome) -> float:
     """Groups generated a step: DAPO logs sampling/groups_generated; a step of the others is B."""
     generated = curve(outcome, "sampling/groups_generated")
@@ -891,7 +856,11 @@ def judge(finding: dict, outcomes: dict[str, list[Outcome]]) -> tuple[list[dict]
         verdict = "holds" if steadier and clearly_above(first, second) else "not shown"
         verdict = "does not hold" if clearly_above(second, first) else verdict  # the claim's accuracy half fails
     elif metric == "length":
-        (a, kind), (b, _) = length_samples(first), length_samples(second)
+        # each seed's mean late length; the steps with one seed (a curve's steps are not independent)
+        a, b = (
+            [mean(late_lengths(o)) for o in arm] if len(arm) > 1 else late_lengths(arm[0]) for arm in (first, second)
+        )
+        kind = "seeds" if len(first) > 1 else "steps of one seed"
         error = math.sqrt(spread(a) ** 2 / len(a) + spread(b) ** 2 / len(b))
         difference = mean(a) - mean(b)
         verdict = "holds" if difference > 2 * error else "does not hold" if difference < -2 * error else "not shown"
@@ -929,8 +898,7 @@ def judge(finding: dict, outcomes: dict[str, list[Outcome]]) -> tuple[list[dict]
 
 
 def study_report(study: dict, study_dir: Path) -> str:
-    """report.md: every arm's held-out accuracy and entropy, then each finding: the arms compared,
-    the metric it is about, whether it holds here, and a plot of the arms' training curves."""
+    """report.md: every arm's accuracy, entropy and minutes, then each finding's table, verdict and curves."""
     outcomes = study_outcomes(study, study_dir)
     root = Path(study["file"]).resolve().parent
     lines = [
@@ -942,13 +910,14 @@ def study_report(study: dict, study_dir: Path) -> str:
     ]
     arms = []
     for arm in study["arms"].values():
-        minutes = sum(v for o in outcomes[arm.name] for row in o.rows for k, v in row.items() if k.startswith("time/"))
+        done = outcomes[arm.name]
+        minutes = sum(v for o in done for row in o.rows for k, v in row.items() if k.startswith("time/"))
         arms.append({
             "arm": arm.name,
             "what (recipes relative to the study file)": arm.described(root),
-            "seeds done": f"{len(outcomes[arm.name])} of {len(arm.seeds)}",
-            "held-out accuracy": accuracy_cell(outcomes[arm.name]) if outcomes[arm.name] else "—",
-            "entropy, first → last step": entropy_cell(outcomes[arm.name]),
+            "seeds done": f"{len(done)} of {len(arm.seeds)}",
+            "held-out accuracy": accuracy_cell(done) if done else "—",
+            "entropy, first → last step": entropy_cell(done),
             "minutes in the steps": f"{minutes / 60:.1f}" if minutes else "—",
         })  # fmt: skip
     lines += [common.markdown_table(arms), ""]
@@ -968,24 +937,18 @@ def study_report(study: dict, study_dir: Path) -> str:
 
 
 def into_markers(document: Path, name: str) -> tuple[str, str]:
-    """The lines between which --study_into's report goes, <!-- study:NAME --> and <!-- /study:NAME -->,
-    or a SystemExit: no such file, or the lines are not in it, in this order."""
+    """The lines <!-- study:NAME --> and <!-- /study:NAME --> of --study_into's document, in this order."""
     begin, end = f"<!-- study:{name} -->", f"<!-- /study:{name} -->"
+    markers = f"the lines {begin} and {end}"
     if not document.is_file():
-        raise SystemExit(
-            f"--study_into {document}: no such file. Give a markdown file with the lines {begin} and {end}."
-        )
-    text = document.read_text()
-    if begin not in text or end not in text.split(begin, 1)[1]:
-        raise SystemExit(
-            f"--study_into {document}: add the lines {begin} and {end}, in this order, where the report goes."
-        )
+        raise SystemExit(f"--study_into {document}: no such file. Give a markdown file with {markers}.")
+    if begin not in (text := document.read_text()) or end not in text.split(begin, 1)[1]:
+        raise SystemExit(f"--study_into {document}: add {markers}, in this order, where the report goes.")
     return begin, end
 
 
 def write_into(document: Path, study: dict, study_dir: Path, report: str) -> None:
-    """Replaces the section of document between <!-- study:NAME --> and <!-- /study:NAME --> by the
-    report, its pictures copied beside the document (study-NAME-finding-k.png)."""
+    """Puts the report between document's markers, its pictures beside it (study-NAME-finding-k.png)."""
     begin, end = into_markers(document, study["name"])
     text = document.read_text()
     for picture in study_dir.glob("finding-*.png"):
@@ -994,9 +957,6 @@ def write_into(document: Path, study: dict, study_dir: Path, report: str) -> Non
     head, rest = text.split(begin, 1)
     document.write_text(f"{head}{begin}\n{report}\n{end}{rest.split(end, 1)[1]}")
     print(f"wrote the report into {document}")
-
-
-# ----------------------------------------------------------------------------------------
 
 
 def main(args: Args) -> Path | None:
@@ -1011,16 +971,13 @@ def main(args: Args) -> Path | None:
         print(f"wrote {plot_curves(args.plot, out_file)}")
         return out_file
     names = check_args(args)
-    # Data first: a missing file or column stops the run before the model is loaded.
-    tasks = {
-        name: rewards.with_tools(  # --tools and --tool: checked here too, before the model loads
-            rewards.load_file_task(rewards.FileTaskSpec.from_args(args), "heldout", shots=args.shots)
-            if name == "file"
-            else load_benchmark(name, args.data_dir, args.countdown_problems, args.shots, args.countdown_numbers),
-            args,
-        )
-        for name in names
-    }
+    tasks = {}  # data first, --tools and --tool too: a missing file or column stops the run before the model loads
+    for name in names:
+        if name == "file":
+            task = rewards.load_file_task(rewards.FileTaskSpec.from_args(args), "heldout", shots=args.shots)
+        else:
+            task = load_benchmark(name, args.data_dir, args.countdown_problems, args.shots, args.countdown_numbers)
+        tasks[name] = rewards.with_tools(task, args)
     if args.reward_fn:  # imported and checked once, before the model loads, as in training
         score = rewards.with_reward_fn(next(iter(tasks.values())), args.reward_fn, args.reward_fn_timeout).score
         tasks = {name: dataclasses.replace(task, score=score) for name, task in tasks.items()}
@@ -1036,19 +993,16 @@ def main(args: Args) -> Path | None:
             )
             rewards.tool_turns(tokenizer, task.tools, 1, args.max_turns, args.max_tool_tokens, args.tool_timeout)
     run_dir = common.make_run_dir(args, "eval", task="+".join(names))
-    settings = {k: getattr(args, k) for k in ("model", "max_new_tokens", "num_samples", "temperature", "top_p")}
-    if args.tools or args.tool:
-        settings |= {k: getattr(args, k) for k in ("tools", "tool", "max_turns", "max_tool_tokens", "tool_timeout")}
-    if args.reward_fn:
-        settings |= {"reward_fn": args.reward_fn, "reward_fn_timeout": args.reward_fn_timeout}
+    keys = ["model", "max_new_tokens", "num_samples", "temperature", "top_p"]  # the settings results.json records
+    keys += ["tools", "tool", "max_turns", "max_tool_tokens", "tool_timeout"] if args.tools or args.tool else []
+    keys += ["reward_fn", "reward_fn_timeout"] if args.reward_fn else []
+    settings = {k: getattr(args, k) for k in keys}
     results = {}
     grader = Grader(args.grade_timeout)
     try:
         for name, task in tasks.items():
             problems = limit_problems(task.problems, args.limit)
-            results[name] = evaluate_benchmark(
-                model, tokenizer, eos_ids, task, problems, args, grader, run_dir / "samples.jsonl"
-            )
+            results[name] = evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args, grader, run_dir)
             # Rewritten after every benchmark: an interrupted run keeps what it finished.
             (run_dir / "results.json").write_text(json.dumps({**settings, "results": results}, indent=2) + "\n")
     finally:
