@@ -17,6 +17,7 @@ Shape letters: N rows of a generation batch (prompts × num_samples) · P prompt
 """
 
 import dataclasses
+import functools
 import json
 import math
 import multiprocessing
@@ -145,7 +146,7 @@ def check_args(args: Args) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------
-# Statistics
+# Scoring: statistics, the grader's worker, one benchmark
 
 
 def wilson_interval(accuracy: float, n: int, z: float = Z_95) -> tuple[float, float]:
@@ -177,8 +178,7 @@ def limit_problems(problems: list[dict], limit: int) -> list[dict]:
 
 
 class Grader:
-    """A task's grader in a worker process with a deadline: math-verify's SIGALRM limits need a main thread and
-    cannot stop C (sympy raising 10 to 10^10^10); past it the worker is killed and the completion counts wrong."""
+    """Grades in a worker process, killed past a deadline (math-verify's alarms cannot stop sympy inside C): wrong."""
 
     def __init__(self, timeout_s: float):
         self.timeout_s, self.pool, self.timeouts = timeout_s, None, 0
@@ -201,10 +201,6 @@ class Grader:
             self.pool = None
 
 
-# ----------------------------------------------------------------------------------------
-# One benchmark
-
-
 def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, grader: Grader, run_dir: Path):
     """Generates, grades and writes to samples.jsonl num_samples completions a problem; returns results.json's entry."""
     device = next(model.parameters()).device
@@ -217,15 +213,15 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
     strict = [[False] * k for _ in problems]  # [problem][sample], the answer in the asked format only
     seen, calls, failures = [], [], []  # seen: (length, truncated, formatted) a completion
     timeouts_before, start = grader.timeouts, time.perf_counter()
+    # --reward_fn in this process, as in training (a reward may hold a model, use the GPU), with its own time limit
+    grade = task.score if args.reward_fn else functools.partial(grader.score, task.score)
     sampling = (args.max_new_tokens, eos_ids, tokenizer.pad_token_id, len(tokenizer), args.temperature, args.top_p)
     for first in tqdm(range(0, len(order), args.batch_size), desc=task.name, unit="batch"):
         batch = order[first : first + args.batch_size]
         # Encoded exactly as in training: chat template, left padding, each repeated k times.
         prompt_ids, prompt_mask = encode_prompts(tokenizer, [conversations[i] for i in batch], k, device, task.tools)
-        tool_turn, counts = None, None  # counts (N, 3): calls, failed, turns
-        if task.tools:
-            limits = len(prompt_ids), args.max_turns, args.max_tool_tokens, args.tool_timeout
-            tool_turn, counts = rewards.tool_turns(tokenizer, task.tools, *limits)
+        limits = len(prompt_ids), args.max_turns, args.max_tool_tokens, args.tool_timeout
+        tool_turn, counts = rewards.tool_turns(tokenizer, task.tools, *limits) if task.tools else (None, None)
         tools = {"tool_turn": tool_turn, "max_turns": args.max_turns, "max_tool_tokens": args.max_tool_tokens}
         with common.autocast(device, compute_dtype):  # (N, T), (N, T), (N,), _, (N, T)
             completion_ids, completion_mask, truncated, _, tool_mask = generate(
@@ -238,10 +234,7 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
         for row, text in enumerate(texts):
             index, sample = batch[row // k], row % k  # rows i·k … i·k+k−1 belong to problem i
             problem, cut = problems[index], bool(truncated[row])
-            if args.reward_fn:  # in this process, as in training: a reward may hold a model, use the GPU, keep state
-                score = task.score(text, problem, truncated=cut)  # its own time limit
-            else:
-                score = grader.score(task.score, text, problem, truncated=cut)
+            score = grade(text, problem, truncated=cut)
             correct[index][sample], strict[index][sample] = score.correct, score.strict
             seen.append((row_lengths[row], cut, score.formatted))
             record = {"benchmark": task.name, "subset": problem["subset"], "index": index, "sample": sample}
@@ -251,7 +244,7 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
             if args.reward_fn:  # what the user's reward gave, and whether its call failed
                 record["reward"], record["fn_failed"] = score.reward, score.failed
                 failures.append(score.failed)
-            if counts is not None:  # who wrote what, and the row's calls
+            if counts is not None:  # (N, 3) calls, failed, turns: who wrote what, and the row's calls
                 record["turns"] = common.turns_of(tokenizer, completion_ids[row], completion_mask[row], tool_mask[row])
                 record["tool_calls"], record["tool_failed"] = counts[row, 0].item(), counts[row, 1].item()
                 calls.append(counts[row, :2].tolist())
@@ -270,30 +263,21 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
 
 def summarize(correct: list[list[bool]], strict: list[list[bool]], subsets: list[str]) -> dict:
     """Both accuracies of correct/strict[problem][sample] with 95% intervals, pass@k for k = 1, 2, 4, …, per subset."""
-    num_samples = len(correct[0])
+    n, num_samples = len(correct), len(correct[0])
     per_problem = [sum(c) / num_samples for c in correct]  # (problems,)
     strict_per_problem = [sum(c) / num_samples for c in strict]  # (problems,)
-    accuracy = sum(per_problem) / len(per_problem)
-    strict_accuracy = sum(strict_per_problem) / len(strict_per_problem)
-    result = {"accuracy": accuracy, "ci95": wilson_interval(accuracy, len(per_problem)), "n": len(per_problem)}
-    result["strict_accuracy"] = strict_accuracy
-    result["strict_ci95"] = wilson_interval(strict_accuracy, len(strict_per_problem))
-    result["num_samples"] = num_samples
+    accuracy, strict_accuracy = mean(per_problem), mean(strict_per_problem)
+    result = {"accuracy": accuracy, "ci95": wilson_interval(accuracy, n), "n": n, "strict_accuracy": strict_accuracy}
+    result |= {"strict_ci95": wilson_interval(strict_accuracy, n), "num_samples": num_samples}
     if num_samples > 1:
         for k in sorted({2**i for i in range(num_samples.bit_length())} | {num_samples}):
             result[f"pass@{k}"] = sum(pass_at_k(num_samples, sum(c), k) for c in correct) / len(correct)
     if any(subsets):
-        groups: dict[str, list[tuple[float, float]]] = {}
-        for subset, value, strict_value in zip(subsets, per_problem, strict_per_problem):
-            groups.setdefault(subset, []).append((value, strict_value))
-        result["subsets"] = {
-            name: {
-                "accuracy": mean([v for v, _ in values]),
-                "strict_accuracy": mean([s for _, s in values]),
-                "n": len(values),
-            }
-            for name, values in groups.items()
-        }
+        result["subsets"] = {}
+        for name in dict.fromkeys(subsets):  # in the order they first appear
+            rows = [i for i, subset in enumerate(subsets) if subset == name]
+            means = mean([per_problem[i] for i in rows]), mean([strict_per_problem[i] for i in rows])
+            result["subsets"][name] = {"accuracy": means[0], "strict_accuracy": means[1], "n": len(rows)}
         result["subset_mean"] = mean([s["accuracy"] for s in result["subsets"].values()])
         result["strict_subset_mean"] = mean([s["strict_accuracy"] for s in result["subsets"].values()])
     return result
@@ -313,9 +297,8 @@ def interval(ci: list[float]) -> str:
 
 def results_table(results: dict) -> str:
     """The markdown table of one evaluation: a row per benchmark, then one per subset."""
-    pass_keys = sorted(
-        {key for r in results.values() for key in r if key.startswith("pass@")}, key=lambda s: int(s[5:])
-    )
+    pass_keys = {key for r in results.values() for key in r if key.startswith("pass@")}
+    pass_keys = sorted(pass_keys, key=lambda key: int(key[5:]))
     header = ["benchmark", "accuracy %", "95% CI", "strict %", "strict 95% CI", "n", *pass_keys]
     header += ["mean length", "truncated %", "seconds"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -457,8 +440,7 @@ class Arm:
     def described(self, root: Path) -> str:
         if not self.script:
             return f"{Path(self.settings['model']).name} as it is"
-        shown = {k: Path(v).name if k == "model" else v for k, v in self.settings.items()}  # a path's file name
-        settings = "".join(f" --{k} {v}" for k, v in shown.items())
+        settings = "".join(f" --{k} {Path(v).name if k == 'model' else v}" for k, v in self.settings.items())
         return f"{self.script} --config {os.path.relpath(self.recipe, root)}{settings}"
 
 
@@ -578,19 +560,17 @@ def eval_results(study: dict, model: str, seed: int, where: Path) -> Path | None
         recorded = json.loads(table.with_name("args.json").read_text())
         moved = tail[:1] == ("arms",) and Path(recorded["model"]).parts[-5:] == tail
         ignored = ("output_dir", "model") if moved else ("output_dir",)  # a study folder moved whole
-        changed = sorted(k for k in recorded if k not in ignored and recorded[k] != expected[k])
+        changed = ", ".join(sorted(k for k in recorded if k not in ignored and recorded[k] != expected[k]))
         if changed:
             raise SystemExit(
-                f"{table.parent} evaluated with other settings than the study's now: {', '.join(changed)}. "
-                "Move it away to evaluate again."
+                f"{table.parent} evaluated with other settings than the study's now: {changed}. Move it away."
             )
         return table.with_name("results.json")
     return None
 
 
 def gpu_hours(plan: list[tuple[Arm, int, str]]) -> float | None:
-    """Hours to train what is left: generation 2·P a token, scoring 2·P, an update 6·P (a critic as much again),
-    at ASSUMED_FLOPS_PER_S. None for a model not in KNOWN_PARAMETERS."""
+    """H100-hours left to train: a token's generation 2·P, scoring 2·P, update 6·P (a critic as much); None: no P."""
     total = 0.0
     for arm, seed, state in plan:
         if arm.script is None or state == "finished":
@@ -696,9 +676,7 @@ def run_command(command: list[str], what: str) -> None:
             process.wait()
         except KeyboardInterrupt:
             process.kill()
-        raise SystemExit(
-            f"Interrupted during {what}. Run the same --study command again to go on from there."
-        ) from None
+        raise SystemExit(f"Interrupted during {what}. Run the same --study command again to go on.") from None
     if status:
         raise SystemExit(f"{what} stopped with exit status {status}; run the same --study command again to resume.")
 
@@ -718,9 +696,8 @@ class Outcome:
 
 def study_outcomes(study: dict, study_dir: Path) -> dict[str, list[Outcome]]:
     """Every arm's finished and evaluated seeds (the first benchmark of the study's evaluate)."""
-    outcomes = {}
+    outcomes = {name: [] for name in study["arms"]}
     for arm in study["arms"].values():
-        outcomes[arm.name] = []
         for seed in arm.seeds:
             state, run_dir = arm_state(arm, seed, study_dir) if arm.script else ("finished", None)
             if state != "finished":  # not trained (yet)
@@ -731,16 +708,14 @@ def study_outcomes(study: dict, study_dir: Path) -> dict[str, list[Outcome]]:
                 continue
             result = next(iter(json.loads(results.read_text())["results"].values()))
             rows = common.read_jsonl(run_dir / "metrics.jsonl") if run_dir else []
-            correct = round(result["strict_accuracy"] * result["n"])
-            outcomes[arm.name].append(
-                Outcome(arm.name, seed, run_dir, rows, correct, result["n"], result["mean_length"])
-            )
+            n, correct = result["n"], round(result["strict_accuracy"] * result["n"])
+            outcomes[arm.name].append(Outcome(arm.name, seed, run_dir, rows, correct, n, result["mean_length"]))
     return outcomes
 
 
 def pooled(outcomes: list[Outcome]) -> tuple[float, tuple[float, float], int]:
     """Strict accuracy, the mean over seeds, with the interval of ONE evaluation's n (seeds share the problems)."""
-    accuracy = mean([o.correct / o.n for o in outcomes])
+    accuracy = mean(scores(outcomes))
     n = min(o.n for o in outcomes)
     return accuracy, wilson_interval(accuracy, n), n
 
@@ -988,17 +963,15 @@ def main(args: Args) -> Path | None:
     model.eval().requires_grad_(False)
     for task in tasks.values():  # the template shows the tools and gives their answers, which fit: before any output
         if task.tools:
-            common.render_chat(
-                tokenizer, task.messages(task.problems[0]), tools=task.tools, tools_fix="drop --tools/--tool"
-            )
+            first = task.messages(task.problems[0])
+            common.render_chat(tokenizer, first, tools=task.tools, tools_fix="drop --tools/--tool")
             rewards.tool_turns(tokenizer, task.tools, 1, args.max_turns, args.max_tool_tokens, args.tool_timeout)
     run_dir = common.make_run_dir(args, "eval", task="+".join(names))
     keys = ["model", "max_new_tokens", "num_samples", "temperature", "top_p"]  # the settings results.json records
     keys += ["tools", "tool", "max_turns", "max_tool_tokens", "tool_timeout"] if args.tools or args.tool else []
     keys += ["reward_fn", "reward_fn_timeout"] if args.reward_fn else []
     settings = {k: getattr(args, k) for k in keys}
-    results = {}
-    grader = Grader(args.grade_timeout)
+    results, grader = {}, Grader(args.grade_timeout)
     try:
         for name, task in tasks.items():
             problems = limit_problems(task.problems, args.limit)
