@@ -159,9 +159,7 @@ def limit_problems(problems: list[dict], limit: int) -> list[dict]:
     """`limit` problems, round-robin over the subsets (BBH tasks, MMLU-Pro categories): every one is represented."""
     if not limit or limit >= len(problems):
         return problems
-    by_subset: dict[str, list[dict]] = {}
-    for problem in problems:
-        by_subset.setdefault(problem["subset"], []).append(problem)
+    by_subset = {s: [p for p in problems if p["subset"] == s] for s in dict.fromkeys(p["subset"] for p in problems)}
     chosen, position = [], 0
     while len(chosen) < limit:
         chosen += [rows[position] for rows in by_subset.values() if position < len(rows)][: limit - len(chosen)]
@@ -275,10 +273,6 @@ def summarize(correct: list[list[bool]], strict: list[list[bool]], subsets: list
     return result
 
 
-# ----------------------------------------------------------------------------------------
-# Tables and curves
-
-
 def percent(value: float) -> str:
     return f"{100 * value:.1f}"
 
@@ -342,13 +336,10 @@ def compare_table(paths: list[str]) -> str:
 
 def plot_curves(run_dirs: list[str], out_file: Path, labels: list[str] | None = None) -> Path:
     """A panel per PLOT_PANELS key, a line per training run's metrics.jsonl; the format by out_file's suffix."""
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: no display, no global figures to close
 
-    matplotlib.use("Agg")  # no display needed
-    import matplotlib.pyplot as plt
-
-    kinds = plt.figure().canvas.get_supported_filetypes()  # png, pdf, svg, …: savefig picks by the suffix
-    plt.close("all")
+    fig = Figure(figsize=(16, 8.5))
+    kinds = fig.canvas.get_supported_filetypes()  # png, pdf, svg, …: savefig picks by the suffix
     if out_file.suffix.lstrip(".").lower() not in kinds:
         raise SystemExit(
             f"--plot_file {out_file}: matplotlib cannot write a {out_file.suffix or 'suffix-less'} file. "
@@ -360,8 +351,7 @@ def plot_curves(run_dirs: list[str], out_file: Path, labels: list[str] | None = 
         if not metrics.is_file():
             raise SystemExit(f"--plot {run_dir}: no metrics.jsonl there. Pass training run directories (runs/grpo-…).")
         runs.append((labels[len(runs)] if labels else Path(run_dir).name, common.read_jsonl(metrics)))
-    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
-    for ax, (key, title) in zip(axes.flat, PLOT_PANELS):
+    for ax, (key, title) in zip(fig.subplots(2, 3).flat, PLOT_PANELS):
         for index, (label, rows) in enumerate(runs):
             points = [(row["step"], row[key]) for row in rows if key in row]
             if points:
@@ -378,7 +368,6 @@ def plot_curves(run_dirs: list[str], out_file: Path, labels: list[str] | None = 
     fig.tight_layout()
     out_file.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_file, dpi=100)
-    plt.close(fig)
     return out_file
 
 
@@ -448,11 +437,9 @@ def load_study(path: str, model: str = "") -> dict:
     if not file.is_file():
         raise SystemExit(f"--study {path}: no such file.")
     study = common.parsed_file(file, "--study") or {}
-    unknown = set(study) - {"name", "seeds", "set", "evaluate", "arms", "findings"}
+    unknown = sorted(set(study) - {"name", "seeds", "set", "evaluate", "arms", "findings"})
     if unknown:
-        raise SystemExit(
-            f"{where}: unknown keys {sorted(unknown)}: a study has name, seeds, set, evaluate, arms, findings"
-        )
+        raise SystemExit(f"{where}: unknown keys {unknown}: a study has name, seeds, set, evaluate, arms, findings")
     if not isinstance(study.get("arms"), dict) or not study["arms"]:
         raise SystemExit(f"{where}: arms: a mapping of arm names to {{script, recipe, set, seeds}}, at least one")
     seeds = seed_list(study.get("seeds", [0]), where)
@@ -537,9 +524,8 @@ def arm_state(arm: Arm, seed: int, study_dir: Path) -> tuple[str, Path | None]:
                 + ", ".join(f"{k} {recorded[k]!r} -> {expected.get(k)!r}" for k in changed)
                 + ". Move that run away (or use another --output_dir) to train the arm afresh."
             )
-    for run in runs:
-        if (run / "final").is_dir():
-            return "finished", run
+    if finished := [run for run in runs if (run / "final").is_dir()]:
+        return "finished", finished[0]
     checkpoints = sorted(checkpoint for run in runs for checkpoint in run.glob("step-*") if checkpoint.is_dir())
     return ("resume", checkpoints[-1]) if checkpoints else ("new", None)
 
@@ -608,8 +594,7 @@ def run_study(args: Args) -> Path:
             state = "finished" if done else "evaluate"
         plan.append((arm, seed, state))
         print(f"  {arm.name:<16} seed {seed}  {state:<9} {arm.described(root)}")
-    hours = gpu_hours(plan)
-    if hours is not None:
+    if (hours := gpu_hours(plan)) is not None:
         print(f"GPU time to train what is not finished, an estimate, not a measurement: {hours:.1f} H100-hours")
         print(f"  (FLOPs at an assumed {ASSUMED_FLOPS_PER_S / 1e12:.0f} TFLOP/s, every completion at its cap)")
     if args.study_dry_run:
@@ -630,8 +615,7 @@ def run_study(args: Args) -> Path:
             config = write_config(folder, {**study["evaluate"], "model": model, "seed": seed})
             command = [str(root / "evaluate.py"), "--config", config, "--output_dir", str(folder)]
             run_command(command, f"evaluating {arm.name} seed {seed}")
-        freed = prune(Path(model).parent) if args.study_prune and arm.script else 0
-        if freed:
+        if args.study_prune and arm.script and (freed := prune(Path(model).parent)):
             print(f"[{arm.name} seed {seed}] pruned {freed / 2**30:.1f} GiB of checkpoints")
     report = study_report(study, study_dir)
     (study_dir / "report.md").write_text(report)
@@ -685,6 +669,19 @@ class Outcome:
     correct: int  # held-out problems answered right (strict), of n
     n: int
     eval_length: float  # mean held-out completion length, tokens
+
+    def curve(self, key: str) -> list[float]:
+        return [row[key] for row in self.rows if key in row]
+
+    def late_lengths(self) -> list[float]:
+        """completion/length_mean over the second half of the run's steps."""
+        lengths = self.curve("completion/length_mean")
+        return lengths[len(lengths) // 2 :]
+
+    def groups_per_step(self) -> float:
+        """Groups generated a step: DAPO logs sampling/groups_generated; a step of the others is B."""
+        generated = self.curve("sampling/groups_generated")
+        return mean(generated) if generated else json.loads((self.run_dir / "args.json").read_text())["batch_size"]
 
 
 def study_outcomes(study: dict, study_dir: Path) -> dict[str, list[Outcome]]:
@@ -741,13 +738,9 @@ def accuracy_cell(outcomes: list[Outcome]) -> str:
     return f"{percent(accuracy)}% ({percent(low)}–{percent(high)}, n = {n}){seeds}"
 
 
-def curve(outcome: Outcome, key: str) -> list[float]:
-    return [row[key] for row in outcome.rows if key in row]
-
-
 def entropy_cell(outcomes: list[Outcome]) -> str:
     """policy/entropy at the first and the last step, each the mean over the seeds; "—" without one."""
-    curves = [c for c in (curve(o, "policy/entropy") for o in outcomes) if c]
+    curves = [c for c in (o.curve("policy/entropy") for o in outcomes) if c]
     return f"{mean([c[0] for c in curves]):.3f} → {mean([c[-1] for c in curves]):.3f}" if curves else "—"
 
 
@@ -762,26 +755,14 @@ def spread(values: list[float]) -> float:
 
 def step_spread(outcomes: list[Outcome]) -> float:
     """The spread of the reward curve's step-to-step changes (reward/mean), averaged over seeds."""
-    changes = [[b - a for a, b in zip(c, c[1:])] for c in (curve(o, "reward/mean") for o in outcomes)]
+    changes = [[b - a for a, b in zip(c, c[1:])] for c in (o.curve("reward/mean") for o in outcomes)]
     return mean([spread(change) for change in changes if change])
 
 
 def seed_spread(outcomes: list[Outcome]) -> float:
     """The spread of the seeds' reward curves at each step, averaged over steps; nan with one seed."""
-    curves = [curve(o, "reward/mean") for o in outcomes]
+    curves = [o.curve("reward/mean") for o in outcomes]
     return mean([spread(list(values)) for values in zip(*curves)]) if len(curves) > 1 else float("nan")
-
-
-def late_lengths(outcome: Outcome) -> list[float]:
-    """completion/length_mean over the second half of a run's steps."""
-    lengths = curve(outcome, "completion/length_mean")
-    return lengths[len(lengths) // 2 :]
-
-
-def groups_per_step(outcome: Outcome) -> float:
-    """Groups generated a step: DAPO logs sampling/groups_generated; a step of the others is B."""
-    generated = curve(outcome, "sampling/groups_generated")
-    return mean(generated) if generated else json.loads((outcome.run_dir / "args.json").read_text())["batch_size"]
 
 
 def arm_row(finding: dict, name: str, outcomes: list[Outcome]) -> dict:
@@ -791,11 +772,11 @@ def arm_row(finding: dict, name: str, outcomes: list[Outcome]) -> dict:
         row["step-to-step spread"] = f"{step_spread(outcomes):.3f}"
         row["spread across seeds"] = f"{seed_spread(outcomes):.3f}"
     if finding["metric"] == "length":
-        row["length, 2nd half of training"] = f"{mean([v for o in outcomes for v in late_lengths(o)]):.1f}"
+        row["length, 2nd half of training"] = f"{mean([v for o in outcomes for v in o.late_lengths()]):.1f}"
         row["held-out length"] = f"{mean([o.eval_length for o in outcomes]):.1f}"
     if finding["metric"] == "cost":
-        row["groups generated a step"] = f"{mean([groups_per_step(o) for o in outcomes]):.1f}"
-        row["generation s a step"] = f"{mean([v for o in outcomes for v in curve(o, 'time/generate')]):.1f}"
+        row["groups generated a step"] = f"{mean([o.groups_per_step() for o in outcomes]):.1f}"
+        row["generation s a step"] = f"{mean([v for o in outcomes for v in o.curve('time/generate')]):.1f}"
     if finding["metric"] == "sweep":
         setting = finding["setting"]
         row = {setting: json.loads((outcomes[0].run_dir / "args.json").read_text())[setting], **row}
@@ -817,16 +798,14 @@ def judge(finding: dict, outcomes: dict[str, list[Outcome]]) -> tuple[list[dict]
     elif metric == "stability":
         first_spread, second_spread = step_spread(first), step_spread(second)
         steadier = first_spread < second_spread
-        detail = (
-            f"{names[0]} {'steadier' if steadier else 'no steadier'} step to step ({first_spread:.3f} against "
-            f"{second_spread:.3f}); held-out accuracy: {accuracy_relation(first, second, (names[0], names[1]))}"
-        )
+        detail = f"{names[0]} {'steadier' if steadier else 'no steadier'} step to step ({first_spread:.3f} against "
+        detail += f"{second_spread:.3f}); held-out accuracy: {accuracy_relation(first, second, (names[0], names[1]))}"
         verdict = "holds" if steadier and clearly_above(first, second) else "not shown"
         verdict = "does not hold" if clearly_above(second, first) else verdict  # the claim's accuracy half fails
     elif metric == "length":
         # each seed's mean late length; the steps with one seed (a curve's steps are not independent)
         a, b = (
-            [mean(late_lengths(o)) for o in arm] if len(arm) > 1 else late_lengths(arm[0]) for arm in (first, second)
+            [mean(o.late_lengths()) for o in arm] if len(arm) > 1 else arm[0].late_lengths() for arm in (first, second)
         )
         kind = "seeds" if len(first) > 1 else "steps of one seed"
         error = math.sqrt(spread(a) ** 2 / len(a) + spread(b) ** 2 / len(b))
@@ -834,7 +813,7 @@ def judge(finding: dict, outcomes: dict[str, list[Outcome]]) -> tuple[list[dict]
         verdict = "holds" if difference > 2 * error else "does not hold" if difference < -2 * error else "not shown"
         detail = f"{difference:+.1f} tokens, standard error {error:.1f} over {kind}"
     elif metric == "cost":
-        ratio = mean([groups_per_step(o) for o in first]) / mean([groups_per_step(o) for o in second])
+        ratio = mean([o.groups_per_step() for o in first]) / mean([o.groups_per_step() for o in second])
         if ratio <= 1:
             verdict, detail = "does not hold", f"{ratio:.2f}× the groups generated"
         elif clearly_above(first, second):
