@@ -15,6 +15,7 @@ Shape letters: N rows of a generation batch (prompts × num_samples) · P prompt
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import multiprocessing
@@ -137,10 +138,7 @@ def check_args(args: Args) -> list[str]:
     return names
 
 
-# ----------------------------------------------------------------------------------------
-# Scoring: statistics, the grader's worker, one benchmark
-
-
+# Scoring: statistics, the grader's worker, one benchmark ----------------------------------------------------------
 def wilson_interval(accuracy: float, n: int, z: float = Z_95) -> tuple[float, float]:
     """95% Wilson interval (Wilson 1927) of accuracy p over n problems, inside [0, 1] even at p = 0 or 1:
     (p + z²/2n ± z·sqrt(p(1−p)/n + z²/4n²)) / (1 + z²/n). With k samples, p is their mean and n counts problems."""
@@ -160,11 +158,8 @@ def limit_problems(problems: list[dict], limit: int) -> list[dict]:
     if not limit or limit >= len(problems):
         return problems
     by_subset = {s: [p for p in problems if p["subset"] == s] for s in dict.fromkeys(p["subset"] for p in problems)}
-    chosen, position = [], 0
-    while len(chosen) < limit:
-        chosen += [rows[position] for rows in by_subset.values() if position < len(rows)][: limit - len(chosen)]
-        position += 1
-    return chosen
+    rounds = itertools.zip_longest(*by_subset.values())  # the first problem of every subset, then the second, ...
+    return [problem for row in rounds for problem in row if problem is not None][:limit]
 
 
 class Grader:
@@ -371,10 +366,7 @@ def plot_curves(run_dirs: list[str], out_file: Path, labels: list[str] | None = 
     return out_file
 
 
-# ----------------------------------------------------------------------------------------
-# A study (--study FILE, docs/study.md): arms (recipes × seeds) trained and evaluated, then
-# compared finding by finding.
-
+# A study (--study FILE, docs/study.md): arms (recipes × seeds) trained, evaluated, compared finding by finding ------
 SCRIPTS = ("grpo.py", "dapo.py", "ppo.py")
 FINDING_METRICS = ("accuracy", "stability", "length", "cost", "base", "sweep")
 TRAINED_METRICS = ("stability", "length", "cost", "sweep")  # read training curves: every arm trains
@@ -872,12 +864,10 @@ def study_report(study: dict, study_dir: Path) -> str:
         lines += [f"#### {index}. {finding['claim']}", "", f"**{verdict}** (metric: {finding['metric']}).", ""]
         if rows:
             lines += [common.markdown_table(rows), ""]
-            runs = [
-                (o.run_dir, f"{name} seed {o.seed}") for name in finding["arms"] for o in outcomes[name] if o.run_dir
-            ]
+            runs = [o for name in finding["arms"] for o in outcomes[name] if o.run_dir]  # the arms that trained
             if runs:
                 picture = study_dir / f"finding-{index}.png"
-                plot_curves([str(run) for run, _ in runs], picture, labels=[label for _, label in runs])
+                plot_curves([str(o.run_dir) for o in runs], picture, labels=[f"{o.arm} seed {o.seed}" for o in runs])
                 lines += [f"![finding {index}]({picture.name})", ""]
     return "\n".join(lines)
 
@@ -931,11 +921,10 @@ def main(args: Args) -> Path | None:
     common.seed_everything(args.seed)
     model, tokenizer, eos_ids = load_model(args.model, device, weight_dtype, prompt_format=args.prompt_format)
     model.eval().requires_grad_(False)
-    for task in tasks.values():  # the template shows the tools and gives their answers, which fit: before any output
-        if task.tools:
-            first = task.messages(task.problems[0])
-            common.render_chat(tokenizer, first, tools=task.tools, tools_fix="drop --tools/--tool")
-            rewards.tool_turns(tokenizer, task.tools, 1, args.max_turns, args.max_tool_tokens, args.tool_timeout)
+    for task in [task for task in tasks.values() if task.tools]:  # before any output: the template shows the tools,
+        first = task.messages(task.problems[0])  # and their answers fit in a turn
+        common.render_chat(tokenizer, first, tools=task.tools, tools_fix="drop --tools/--tool")
+        rewards.tool_turns(tokenizer, task.tools, 1, args.max_turns, args.max_tool_tokens, args.tool_timeout)
     run_dir = common.make_run_dir(args, "eval", task="+".join(names))
     keys = ["model", "max_new_tokens", "num_samples", "temperature", "top_p"]  # the settings results.json records
     keys += ["tools", "tool", "max_turns", "max_tool_tokens", "tool_timeout"] if args.tools or args.tool else []
