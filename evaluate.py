@@ -187,7 +187,7 @@ class Grader:
 
 
 def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, grader: Grader, run_dir: Path):
-    """Generates, grades and writes to samples.jsonl num_samples completions a problem; returns results.json's entry."""
+    """num_samples completions per problem, graded and appended to samples.jsonl; returns results.json's entry."""
     device = next(model.parameters()).device
     _, compute_dtype = common.resolve_precision(args.dtype, device)
     k = args.num_samples
