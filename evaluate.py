@@ -282,12 +282,15 @@ def results_table(results: dict) -> str:
     pass_keys = sorted(pass_keys, key=lambda key: int(key[5:]))
     header = ["benchmark", "accuracy %", "95% CI", "strict %", "strict 95% CI", "n", *pass_keys]
     header += ["mean length", "truncated %", "seconds"]
+    tools = any("tool_calls" in r for r in results.values())  # with tools: calls a completion, the share failed
+    header += ["tool calls", "tool errors %"] if tools else []
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, r in results.items():
         cells = [name, percent(r["accuracy"]), interval(r["ci95"])]
         cells += [percent(r["strict_accuracy"]), interval(r["strict_ci95"]), str(r["n"])]
         cells += [percent(r[key]) if key in r else "" for key in pass_keys]
         cells += [f"{r['mean_length']:.0f}", percent(r["truncated"]), f"{r['seconds']:.0f}"]
+        cells += tool_cells(r) if tools else []
         lines.append("| " + " | ".join(cells) + " |")
     for name, r in results.items():
         if "subsets" in r:
@@ -301,31 +304,48 @@ def results_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def load_results(path: str) -> tuple[str, dict]:
-    """(label, results) of an eval run directory or a results.json file."""
+def tool_cells(result: dict) -> list[str]:
+    """A benchmark's tool calls per completion and the share of them that failed, or blanks without tools."""
+    return [f"{result['tool_calls']:.2f}", percent(result["tool_errors"])] if "tool_calls" in result else ["", ""]
+
+
+def tool_settings(content: dict) -> str:
+    """The tool flags a results.json records, as --compare shows them ("–" without tools)."""
+    names = ",".join(part for part in (content.get("tools"), content.get("tool")) if part)
+    if not names:
+        return "–"
+    return f"{names}: {content['max_turns']} turns × {content['max_tool_tokens']} tokens, {content['tool_timeout']} s"
+
+
+def load_results(path: str) -> tuple[str, dict, str]:
+    """(label, results, its tool flags: tool_settings) of an eval run directory or a results.json file."""
     file = Path(path) / "results.json" if Path(path).is_dir() else Path(path)
     if not file.is_file():
         raise SystemExit(f"--compare {path}: no results.json there. Pass eval run directories (runs/eval-…).")
     content = json.loads(file.read_text())
     if "results" not in content:
         raise SystemExit(f"{file}: no 'results' key; is it a results.json written by evaluate.py?")
-    return file.parent.name, content["results"]
+    return file.parent.name, content["results"], tool_settings(content)
 
 
 def compare_table(paths: list[str]) -> str:
-    """One markdown table, a column per run: per benchmark the accuracy % (95% interval, n), then its strict one."""
+    """One markdown table, a column per run: per benchmark the accuracy % (95% interval, n), then its strict
+    one; with tools, its tool calls a completion and errors %, and a last row of each run's tool flags."""
     runs = [load_results(path) for path in paths]
-    names = list(dict.fromkeys(name for _, results in runs for name in results))
-    lines = ["| benchmark | " + " | ".join(label for label, _ in runs) + " |", "|---|" + "---|" * len(runs)]
+    names = list(dict.fromkeys(name for _, results, _ in runs for name in results))
+    lines = ["| benchmark | " + " | ".join(label for label, _, _ in runs) + " |", "|---|" + "---|" * len(runs)]
     for name in names:
+        rows = [results.get(name, {}) for _, results, _ in runs]
         for label, key, ci_key in ((name, "accuracy", "ci95"), (f"{name} strict", "strict_accuracy", "strict_ci95")):
-            if key == "strict_accuracy" and not any(key in results.get(name, {}) for _, results in runs):
+            if key == "strict_accuracy" and not any(key in r for r in rows):
                 continue
-            cells = [
-                f"{percent(r[key])} ({interval(r[ci_key])}, n={r['n']})" if key in r else "–"
-                for r in (results.get(name, {}) for _, results in runs)
-            ]
+            cells = [f"{percent(r[key])} ({interval(r[ci_key])}, n={r['n']})" if key in r else "–" for r in rows]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        if any("tool_calls" in r for r in rows):
+            cells = [", ".join(tool_cells(r)) if "tool_calls" in r else "–" for r in rows]
+            lines.append(f"| {name} tool calls, errors % | " + " | ".join(cells) + " |")
+    if any(tools != "–" for _, _, tools in runs):
+        lines.append("| tools | " + " | ".join(tools for _, _, tools in runs) + " |")
     return "\n".join(lines)
 
 

@@ -23,6 +23,7 @@ from evaluate import (
     main,
     pass_at_k,
     plot_curves,
+    results_table,
     summarize,
     wilson_interval,
 )
@@ -333,6 +334,35 @@ def test_compare_joins_runs_into_one_table(tmp_path):
     ]
     with pytest.raises(SystemExit, match="no results.json there"):
         compare_table([str(tmp_path)])
+
+
+def test_tables_show_tool_calls_errors_and_settings(tmp_path):
+    # issue 59: a run with tools shows its calls a completion and the share that failed, in table.md
+    # and in --compare, with each run's tool flags; a run without them shows none of it.
+    base = {"accuracy": 0.5, "ci95": [0.4, 0.6], "n": 100}
+    tools = {"tool_calls": 1.5, "tool_errors": 0.25}
+    (tmp_path / "eval-tools").mkdir()
+    content = {"tools": "calculator", "tool": "", "max_turns": 4, "max_tool_tokens": 256, "tool_timeout": 10.0}
+    content["results"] = {"gsm8k": {**base, **tools}}
+    (tmp_path / "eval-tools" / "results.json").write_text(json.dumps(content))
+    write_results(tmp_path / "eval-plain", {"gsm8k": base})
+    assert compare_table([str(tmp_path / "eval-tools"), str(tmp_path / "eval-plain")]).splitlines()[3:] == [
+        "| gsm8k tool calls, errors % | 1.50, 25.0 | – |",
+        "| tools | calculator: 4 turns × 256 tokens, 10.0 s | – |",
+    ]
+    assert "tool" not in compare_table([str(tmp_path / "eval-plain")])
+    summary = {
+        **base,
+        "strict_accuracy": 0.5,
+        "strict_ci95": [0.4, 0.6],
+        "mean_length": 9,
+        "truncated": 0.0,
+        "seconds": 3,
+    }
+    table = results_table({"gsm8k": {**summary, **tools}, "digit": summary}).splitlines()
+    assert table[0].endswith("| tool calls | tool errors % |")
+    assert table[2].endswith("| 1.50 | 25.0 |") and table[3].endswith("| 3 |  |  |")
+    assert "tool" not in results_table({"digit": summary})
 
 
 def test_compare_adds_a_strict_row_where_a_run_has_strict_accuracy(tmp_path):
