@@ -349,6 +349,14 @@ def compare_table(paths: list[str]) -> str:
     return "\n".join(lines)
 
 
+def plot_panels(runs: list[tuple[str, list[dict]]]) -> tuple:
+    """PLOT_PANELS, and where a run had tools (issue 59) its tool calls and their errors as two more."""
+    tools = any("tools/calls" in row for _, rows in runs for row in rows)
+    return PLOT_PANELS + (
+        (("tools/calls", "tool calls a completion"), ("tools/errors", "tool errors (share of calls)")) if tools else ()
+    )
+
+
 def plot_curves(run_dirs: list[str], out_file: Path, labels: list[str] | None = None) -> Path:
     """A panel per PLOT_PANELS key, a line per training run's metrics.jsonl; the format by out_file's suffix."""
     from matplotlib.figure import Figure  # no pyplot: no display, no global figures to close
@@ -366,7 +374,8 @@ def plot_curves(run_dirs: list[str], out_file: Path, labels: list[str] | None = 
         if not metrics.is_file():
             raise SystemExit(f"--plot {run_dir}: no metrics.jsonl there. Pass training run directories (runs/grpo-…).")
         runs.append((labels[len(runs)] if labels else Path(run_dir).name, common.read_jsonl(metrics)))
-    for ax, (key, title) in zip(fig.subplots(2, 3).flat, PLOT_PANELS):
+    panels = plot_panels(runs)
+    for ax, (key, title) in zip(fig.subplots(2, len(panels) // 2).flat, panels):
         for index, (label, rows) in enumerate(runs):
             points = [(row["step"], row[key]) for row in rows if key in row]
             if points:

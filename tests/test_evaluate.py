@@ -15,6 +15,7 @@ import grpo
 from common import load_model, parse_args, read_jsonl
 from conftest import ROOT
 from evaluate import (
+    PLOT_PANELS,
     Args,
     Grader,
     check_args,
@@ -23,6 +24,7 @@ from evaluate import (
     main,
     pass_at_k,
     plot_curves,
+    plot_panels,
     results_table,
     summarize,
     wilson_interval,
@@ -412,6 +414,17 @@ def test_plot_writes_a_png_with_curves(tmp_path):
     assert not (tmp_path / "curves.txt").exists()
     svg = main(parse_args(Args, ["--plot", *runs, "--plot_file", str(tmp_path / "curves.svg")]))
     assert svg.read_text().startswith("<?xml")
+
+
+def test_plot_adds_the_tools_panels_where_a_run_had_tools(tmp_path):
+    plain = [("a", [{"step": 1, "reward/mean": 0.5}])]
+    tools = [("b", [{"step": 1, "reward/mean": 0.5, "tools/calls": 1.0, "tools/errors": 0.0}])]
+    assert plot_panels(plain) == PLOT_PANELS
+    assert [key for key, _ in plot_panels(plain + tools)[len(PLOT_PANELS) :]] == ["tools/calls", "tools/errors"]
+    run = tmp_path / "grpo-tools"
+    run.mkdir()
+    run.joinpath("metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in tools[0][1]))
+    assert plot_curves([str(run)], tmp_path / "tools.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_help_explains_every_option(capsys):
