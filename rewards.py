@@ -11,6 +11,7 @@ environment generate() uses. Model output is untrusted input: parsed with `ast`,
 
 import ast
 import asyncio
+import contextlib
 import csv
 import functools
 import hashlib
@@ -24,6 +25,8 @@ import re
 import signal
 import sys
 import threading
+import typing
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
@@ -1129,6 +1132,7 @@ def load_tools(builtin: str, user: str) -> list[Callable]:
         tools.append(BUILTIN_TOOLS[name])
     for path in [part.strip() for part in user.split(",") if part.strip()]:
         function = import_function(path, "--tool")
+        function = class_tool(function) if inspect.isclass(function) else function
         try:  # the schema is all the chat template shows the model of a tool
             get_json_schema(function)
         except Exception as error:  # its own DocstringParsingException, TypeHintParsingException; a partial's, …
@@ -1141,6 +1145,57 @@ def load_tools(builtin: str, user: str) -> list[Callable]:
         tools.append(function)
     check_tool_names(tools)
     return tools
+
+
+def class_tool(cls: type) -> Callable:
+    """A tool given as a class, for state across a completion's turns (a sandbox, a game, a search session):
+    the model calls its __call__ (whose hints and docstring are the schema) under the class's name, and
+    tool_turns gives every rollout row an instance of its own, made at the row's first call and dropped with
+    the rollout (its close(), if it has one, called then). What stands for it here describes it; calls go
+    to the row's instance."""
+    call = cls.__call__
+    hints = typing.get_type_hints(call)  # resolved here: the stand-in's module is not the tool's
+
+    def stand_in(**arguments):
+        raise TypeError(f"{cls.__name__} is called through the instance tool_turns makes for each row")
+
+    stand_in.__name__ = stand_in.__qualname__ = cls.__name__
+    stand_in.__doc__ = call.__doc__
+    parameters = list(inspect.signature(call).parameters.values())[1:]  # less self
+    stand_in.__signature__ = inspect.signature(call).replace(parameters=parameters)
+    stand_in.__annotations__ = {name: hint for name, hint in hints.items() if name != "self"}
+    stand_in.stateful = cls
+    return stand_in
+
+
+def row_tools(by_name: dict[str, Callable], instances: dict) -> dict[str, Callable]:
+    """A row's tools: the functions as they are, and its own instance of each class tool (made now, on its
+    first call; a constructor that raises answers every call of that tool with its error)."""
+    tools = {}
+    for name, tool in by_name.items():
+        if getattr(tool, "stateful", None) is None:
+            tools[name] = tool
+            continue
+        if name not in instances:
+            try:
+                instances[name] = tool.stateful()
+            except Exception as error:  # noqa: B023 (bound now, raised when called)
+
+                def failed(*arguments, error=error, **named):
+                    raise error
+
+                failed.__signature__ = tool.__signature__
+                instances[name] = failed
+        tools[name] = instances[name]
+    return tools
+
+
+def release(instances: list[dict]) -> None:
+    """Each class tool's instance closed (its close(), if it has one), when its rollout is done."""
+    for row in instances:
+        for instance in row.values():
+            with contextlib.suppress(Exception):
+                getattr(instance, "close", lambda: None)()
 
 
 def check_tool_signature(function: Callable, path: str) -> None:
@@ -1437,6 +1492,7 @@ def tool_turns(tokenizer, tools: list, num_rows: int, max_turns: int, max_tool_t
     None to end. Also returns counts (n, 4): each row's calls, failed calls, answered turns, and the calls
     it made past max_turns (not run: the completion ends there)."""
     by_name = {tool.__name__: tool for tool in tools}
+    instances = [{} for _ in range(num_rows)]  # each row's class tools (class_tool): its state across turns
     counts = torch.zeros(num_rows, 4, dtype=torch.long)  # calls, failed calls, turns answered, calls past them
     check_tool_turns(tokenizer)  # stops now where the template cannot give the model an answer…
     fitted_answer(tokenizer, [("", "")], max_tool_tokens)  # …or its own tokens around one do not fit
@@ -1450,7 +1506,8 @@ def tool_turns(tokenizer, tools: list, num_rows: int, max_turns: int, max_tool_t
             counts[row, 3] += len(calls)
         if not calls or counts[row, 2] >= max_turns:
             return None
-        answers = [run_tool_call(call, by_name, timeout_s) for call in calls]  # (text, failed) each
+        tools_of_row = row_tools(by_name, instances[row])
+        answers = [run_tool_call(call, tools_of_row, timeout_s) for call in calls]  # (text, failed) each
         counts[row, :3] += torch.tensor([len(calls), sum(failed for _, failed in answers), 1])
         names = [call.get("name", "") for call in calls]
         texts = [
@@ -1459,6 +1516,7 @@ def tool_turns(tokenizer, tools: list, num_rows: int, max_turns: int, max_tool_t
         ]
         return fitted_answer(tokenizer, list(zip(names, texts)), max_tool_tokens)
 
+    weakref.finalize(tool_turn, release, instances)  # the rollout is done with it: the instances close
     return tool_turn, counts
 
 

@@ -3,11 +3,14 @@ its fix. dapo.py logs tools/* over every completion it sampled, so a step whose 
 filtered still shows its calls; a run prints its directory when it starts."""
 
 import asyncio
+import gc
+import inspect
 import threading
 import time
 
 import pytest
 import torch
+import transformers
 from test_cli import no_model_load, tiny_args
 from transformers import AutoTokenizer
 
@@ -16,7 +19,7 @@ import dapo
 import grpo
 import ppo
 from common import TINY_SECRET_CALL
-from rewards import Score, load_tools, run_tool_call, tool_turn_text, tool_turns
+from rewards import Score, class_tool, load_tools, run_tool_call, tool_turn_text, tool_turns
 
 
 def rollout_of(completion_mask, tool_mask, tool_counts) -> dapo.Rollout:
@@ -235,3 +238,66 @@ def test_tool_turns_counts_in_integers_and_fits_the_template_at_the_limit(tools_
     assert counts.dtype == torch.long and counts.shape == (2, 4)
     with pytest.raises(SystemExit, match="--max_tool_tokens 20 is fewer than the 21 tokens"):
         tool_turns(tools_tokenizer, [secret_digit], 2, 1, 20, 5.0)
+
+
+# ----------------------------------------------------------------------------------------
+# A tool with state: a class, one instance per rollout row
+
+STATEFUL_TOOL = '''
+closed = []
+
+
+class secret_digit:
+    """Counts its calls: the state of one row's completion, across its turns."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self) -> str:
+        """Tells how many times this completion has asked.
+
+        Returns:
+            The number of calls so far, this one included.
+        """
+        self.calls += 1
+        return str(self.calls)
+
+    def close(self):
+        closed.append(self.calls)
+'''
+
+
+def test_a_class_tool_keeps_each_rows_state_across_its_turns(tools_tokenizer, tmp_path):
+    # tiny-tools' one-token call names secret_digit: a class of that name, loaded as --tool gives it.
+    # Row 0 calls in three turns: 1, 2, 3; row 1 once: its own instance, 1. When the rollout is done
+    # with tool_turn, each instance is closed (close() records its count).
+    source = tmp_path / "stateful.py"
+    source.write_text(STATEFUL_TOOL)
+    (tool,) = load_tools("", f"{source}:secret_digit")
+    assert tool.__name__ == "secret_digit" and list(inspect.signature(tool).parameters) == []
+    schema = transformers.utils.get_json_schema(tool)["function"]
+    assert schema["name"] == "secret_digit" and schema["description"].startswith("Tells how many times")
+    tool_turn, counts = tool_turns(tools_tokenizer, [tool], 2, 3, 64, 5.0)
+    call = tools_tokenizer(TINY_SECRET_CALL, add_special_tokens=False)["input_ids"]
+    said = [tools_tokenizer.decode(tool_turn(row, call)) for row in (0, 0, 1, 0)]
+    assert [text.split("<tool_response>\n")[1][0] for text in said] == ["1", "2", "1", "3"]
+    assert counts[:, 0].tolist() == [3, 1] and counts[:, 1].tolist() == [0, 0]
+    closed = tool.stateful.close.__globals__["closed"]  # the tool file's own list
+    assert closed == []
+    del tool_turn
+    gc.collect()
+    assert sorted(closed) == [1, 3]
+
+
+def test_a_class_tool_whose_constructor_raises_answers_with_the_error(tools_tokenizer):
+    class secret_digit:
+        def __init__(self):
+            raise RuntimeError("no sandbox today")
+
+        def __call__(self) -> str:
+            """Never reached."""
+            return "7"
+
+    tool_turn, counts = tool_turns(tools_tokenizer, [class_tool(secret_digit)], 1, 1, 64, 5.0)
+    answer = tool_turn(0, tools_tokenizer(TINY_SECRET_CALL, add_special_tokens=False)["input_ids"])
+    assert "error: RuntimeError: no sandbox today" in tools_tokenizer.decode(answer) and counts[0, 1] == 1
