@@ -744,7 +744,7 @@ def train(args: Args) -> Path:
             timer = time.perf_counter()
             score_old = not on_policy(args) or scores_needed(args)  # else step 6 records π_θold's
             old_logp, entropy, ref_logp = old_and_ref_logprobs(
-                policy, reference, batch, args, vocab_size, amp, score_old
+                policy, reference, batch, args, vocab_size, amp, score_policy=score_old
             )
             seconds_logprobs = time.perf_counter() - timer
 

@@ -312,7 +312,7 @@ def test_dapo_keeps_as_many_groups_on_every_rank():
     assert first_groups([[0, 2], [1]], 3) == [[0, 2], [1]]  # one process: the groups themselves
     # The counts of 2 ranks, each generating 2 groups of G = 2 and keeping 1: 4 generated, 2 kept.
     batch = SimpleNamespace(rewards=torch.tensor([1.0, 0, 0, 0]), completion_mask=torch.ones(4, 3), scores=[])
-    batch.truncated = torch.zeros(4, dtype=torch.bool)
+    batch.truncated, batch.tool_counts = torch.zeros(4, dtype=torch.bool), None  # as a rollout without tools
     counts = sampling_metrics([batch], groups_kept=1, group_size=2, ranks=2)
     assert counts["sampling/groups_generated"] == 4 and counts["sampling/groups_kept"] == 2
 
