@@ -56,10 +56,8 @@ from transformers.utils import logging as hf_logging
 from rewards import arg, check_tool_turns, plain_prompt_advice, too_few_tool_tokens, tool_turn_text
 
 hf_logging.disable_progress_bar()  # per-shard load/save bars would drown the training bar
-# CUDA memory in segments that grow instead of blocks of fixed sizes: the KV cache, the logits and
-# the activations change size from step to step, and fixed blocks leave them gaps they cannot
-# reuse (fragmentation). Read at the first CUDA allocation, so setting it here, before any, is in
-# time; a user's own PYTORCH_CUDA_ALLOC_CONF wins.
+# Segments that grow: the KV cache, logits and activations change size each step, and fixed blocks
+# fragment. Read at the first CUDA allocation; a user's own PYTORCH_CUDA_ALLOC_CONF wins.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 # Short names a user may type for --model, resolved to their Hugging Face Hub ids.
@@ -81,9 +79,7 @@ MODEL_ALIASES = {
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 TRAINER_STATE = "trainer_state.pt"  # optimizer, scheduler, step and RNG states, for resuming
 ADAPTER_DIR = "adapter"  # a LoRA checkpoint's adapters, in peft's format
-# LoRA's best learning rate is about 10× full fine-tuning's (Schulman et al. 2025, "LoRA
-# Without Regret", over ranks 1-512 with α = 32): the default --lr with --lora_rank > 0.
-FULL_LR, LORA_LR = 1e-6, 1e-5
+FULL_LR, LORA_LR = 1e-6, 1e-5  # the default --lr; LoRA's ~10× (docs/lora.md: LoRA Without Regret)
 
 
 # ----------------------------------------------------------------------------------------
@@ -134,17 +130,10 @@ class RunArgs:
 
 
 def parse_args(args_class, argv: list[str] | None = None):
-    """Parses the command line into a script's Args dataclass with HfArgumentParser (the help of
-    each flag is its field's arg(...) text).
-
-    --config FILE (YAML or JSON) sets any field of Args, a run's own args.json included, so that
-    it reruns the run; a flag on the command line overrides the file (read_config).
-
-    Two things argparse gets wrong for us: a negative number in scientific notation
-    (`--lr -1e-6`) reads as a flag, so a value that parses as a number is attached to the flag
-    before it (`--lr=-1e-6`), and check_args can then say what is wrong with it; and an unknown
-    flag such as `--maxsteps` stops with argparse's usual message plus the closest valid name.
-    Under torchrun, each node's first process alone prints a stop (said_once)."""
+    """The command line as a script's Args (HfArgumentParser). --config FILE (YAML or JSON, a run's
+    args.json too) sets any field; flags override it. A negative number (`--lr -1e-6`) is attached
+    to its flag, which argparse would misread as a flag; an unknown flag stops naming the closest
+    valid one. Under torchrun each node's first process alone prints a stop (said_once)."""
     if first_of_node():
         return parsed_args(args_class, argv)
     try:  # another process of the node: argparse's usage error (printed, then exit 2) and a message go unsaid
@@ -155,22 +144,18 @@ def parse_args(args_class, argv: list[str] | None = None):
 
 
 def said_once(message: str) -> str | int:
-    """A stop's message in the first process of a torchrun node (LOCAL_RANK 0) or without torchrun,
-    exit status 1 in the others: before the process group is joined, every process checks the same
-    arguments and files and would print the same lines, once a GPU (a node's own files are checked
-    on every node, so each node says what it found)."""
+    """A stop's message in a node's first process (or without torchrun), exit status 1 in the others:
+    before the group is joined every process checks the same things and would print them once a GPU."""
     return message if first_of_node() else 1
 
 
 def first_of_node() -> bool:
-    """Without torchrun (no WORLD_SIZE, as init_distributed reads it), or a torchrun node's first
-    process (LOCAL_RANK 0)."""
+    """Without torchrun (no WORLD_SIZE), or a torchrun node's first process (LOCAL_RANK 0)."""
     return "WORLD_SIZE" not in os.environ or os.environ.get("LOCAL_RANK", "0") == "0"
 
 
-# Flags a script had and no longer has -> (the value that did what every run now does, what replaced it).
-# Given on the command line, the flag stops with that line; in a --config file (an older run's args.json)
-# the value that behaved as runs do now is accepted, any other stops (docs/speed.md: tried and removed).
+# Removed flags -> (the value that did what runs now do, what replaced it). On the command line the flag
+# stops; in a --config file that value is accepted, any other stops (docs/speed.md: tried and removed).
 REMOVED_SETTINGS = {
     "lm_head_precision": ("tf32", "the LM head runs on TF32 tensor cores on a GPU, fp32 on the CPU, always"),
     # bench.py's A/B flags of paths measured and removed
@@ -180,8 +165,7 @@ REMOVED_SETTINGS = {
 
 
 def removed_setting(name: str, value=None) -> str | None:
-    """The one line a removed setting stops with, or None where it is not one (or, from a file, holds
-    the value that did what runs now do)."""
+    """The line a removed setting stops with, or None (not one, or from a file with today's value)."""
     if name not in REMOVED_SETTINGS or (value is not None and str(value) == REMOVED_SETTINGS[name][0]):
         return None
     return f"--{name} was removed: {REMOVED_SETTINGS[name][1]}. Leave it out."
@@ -217,9 +201,8 @@ def parsed_args(args_class, argv: list[str] | None):
 
 
 def help_groups(parser, args_class) -> None:
-    """--help lists a script's own flags first (its algorithm's hyperparameters), then those of each
-    class its Args extends (RunArgs, TaskArgs), a titled group each. A class that extends none keeps
-    argparse's one list."""
+    """--help lists a script's own flags first, then those of each class its Args extends (RunArgs,
+    TaskArgs), a titled group each."""
     bases = [cls for cls in args_class.__mro__[1:] if dataclasses.is_dataclass(cls)]
     if not bases:
         return
@@ -258,10 +241,8 @@ def pop_config(argv: list[str]) -> tuple[list[str], str | None]:
 
 
 def read_config(path: str, args_class) -> dict:
-    """The values of a --config file for args_class, checked: a YAML (.yaml, .yml) or JSON (.json)
-    mapping of field names to values. A key that is no field stops with the closest valid one named;
-    a value of the wrong type stops with the field's type. Values are converted to the field's type,
-    so that YAML's `lr: 2e-5` (a string to YAML, which wants `2.0e-5`) is the float 2e-5."""
+    """A --config file's mapping of field names to values, checked (checked_settings) and converted to
+    each field's type, so that YAML's `lr: 2e-5` (a string to YAML) is the float 2e-5."""
     file = Path(path)
     if not file.is_file():
         raise SystemExit(f"--config {path}: no such file.")
@@ -278,8 +259,7 @@ def read_config(path: str, args_class) -> dict:
 
 
 def parsed_file(file: Path, flag: str):
-    """The YAML (.yaml, .yml; JSON is YAML too) or JSON (.json) in a file a flag names, or a SystemExit
-    that says where it is not: not UTF-8, or the parser's own message, with its line and column."""
+    """The YAML or JSON in a file a flag names, or a SystemExit: not UTF-8, or the parser's message."""
     import yaml  # PyYAML, which transformers itself requires
 
     try:
@@ -324,8 +304,7 @@ def checked_settings(data: dict, args_class, where: str) -> dict:
 
 
 def as_field_type(value, kind):
-    """value as an Args field of type `kind` (bool, int, float, str, or one of them | None) holds it.
-    A ValueError says what was expected."""
+    """value as a field of type `kind` (bool, int, float, str, a list, or one | None); else ValueError."""
     if typing.get_origin(kind) is list:  # evaluate.py's --compare, --plot: a list of texts
         if not isinstance(value, list):
             raise ValueError(f"needs a list, not {value!r}")
@@ -373,10 +352,8 @@ def _takes_value(token: str) -> bool:
 
 
 def check_run_args(args, algo: str) -> list[str]:
-    """The checks every training script shares (its check_args adds its own): each value in
-    range, before anything is loaded, so a typo costs a second and not a model load; algo: the
-    script's ("grpo", "dapo", "ppo"), which a checkpoint to resume must have been written by.
-    Returns the problems found, one line each."""
+    """The range checks every training script shares, run before anything loads; algo: the script,
+    which a checkpoint to resume must have been written by. Returns the problems, one line each."""
     problems = []
     for field in dataclasses.fields(args):  # NaN passes every range check (each comparison is False):
         value = getattr(args, field.name)  # --beta nan would drop the KL term without a word
@@ -438,8 +415,7 @@ def check_run_args(args, algo: str) -> list[str]:
 
 
 def check_technique_args(args) -> list[str]:
-    """The ranges of the entropy bonus, the moving reference, SAPO's gate, the unbiased KL, truncated and
-    masked IS (grpo.py, dapo.py)."""
+    """The ranges of the techniques' flags that grpo.py and dapo.py share."""
     problems = []
     if args.sapo_tau_pos <= 0 or args.sapo_tau_neg <= 0:
         problems.append(
@@ -523,9 +499,7 @@ def is_mask_bounds(text: str) -> tuple[float, float] | None:
 
 
 def timeout_problems(args) -> list[str]:
-    """--reward_fn_timeout and --tool_timeout (training scripts, evaluate.py): the seconds of a
-    SIGALRM (rewards.call_with_time_limit), which cannot be set to infinity: every call would fail,
-    and every reward be 0."""
+    """--reward_fn_timeout and --tool_timeout: the seconds of a SIGALRM, finite (inf: every call fails)."""
     return [
         f"--{name} must be a finite number of seconds > 0 (got {getattr(args, name)})."
         for name in ("reward_fn_timeout", "tool_timeout")
@@ -534,9 +508,8 @@ def timeout_problems(args) -> list[str]:
 
 
 def stop_interrupted(script: str, checkpoint: Path | None, steps_done: int) -> NoReturn:
-    """What Ctrl-C does: one line on stderr instead of a traceback, naming the newest
-    checkpoint and the command that continues from it (the same arguments with --resume_from
-    that checkpoint), then exit status 130 as for any program stopped by SIGINT."""
+    """Ctrl-C: one line on stderr naming the newest checkpoint and the command that continues from
+    it, then exit status 130, as for any program stopped by SIGINT."""
     if checkpoint is None:
         message = f"Interrupted after {steps_done} steps; no checkpoint yet (--save_every sets how often)."
     else:
@@ -547,15 +520,10 @@ def stop_interrupted(script: str, checkpoint: Path | None, steps_done: int) -> N
     raise SystemExit(130)
 
 
-# The mean |log π_sampler − log π_trainer| over a step's tokens (policy/sample_logp_diff) that no
-# correct run reaches. fp32: ~2e-7 on the tiny model, ~1e-6 on SmolLM2-135M. bf16 autocast: 0.014 on
-# SmolLM2-135M under CPU autocast (docs/speed.md; a GPU's kernels not yet measured); the CUDA tier
-# fails above 0.05. A sliding window left out of generate: a mean of 0.003-0.13 in fp32 on the tiny
-# family models with a window of 8 (tests/families.py), 8.7 nats at most on Gemma 3 270M.
+# The mean |log π_sampler − log π_trainer| (policy/sample_logp_diff) no correct run reaches (docs/models.md).
 SAMPLER_GAP_BOUND = {"fp32": 1e-3, "bf16": 0.05}
 
-# The function a CUDA out-of-memory error rose through (the outermost of these on its traceback) ->
-# the phase it names and the flags that lower that phase's memory.
+# The outermost of these functions an out-of-memory error rose through -> its phase, the flags that help.
 MEMORY_PHASES = {
     "evaluate_heldout": ("held-out evaluation", "--eval_batch_size (problems generated at once), --max_new_tokens"),
     "rollout": (
@@ -585,9 +553,8 @@ MEMORY_PHASES = {
 
 
 def out_of_memory_message(error: BaseException, checkpoint: Path | None, script: str) -> str:
-    """One message for a CUDA out-of-memory error in place of its traceback: the phase it rose in
-    (MEMORY_PHASES), the shapes that phase was working on, the GPU's memory, the flags that lower
-    that phase's memory, and the newest checkpoint to resume from."""
+    """A CUDA out-of-memory error's message in place of its traceback: its phase (MEMORY_PHASES) and
+    shapes, the GPU's memory, the flags that help, and the newest checkpoint to resume from."""
     frames, traceback = [], error.__traceback__
     while traceback is not None:  # outermost first: train(), then what it called
         frames.append(traceback.tb_frame)
@@ -628,8 +595,7 @@ def out_of_memory_message(error: BaseException, checkpoint: Path | None, script:
 
 
 def resume_command(script: str, checkpoint: Path) -> str:
-    """The command that continues this run from `checkpoint`: the same arguments, --resume_from it,
-    under torchrun with as many processes (a checkpoint resumes on as many as saved it)."""
+    """The same arguments with --resume_from `checkpoint`, under torchrun with as many processes."""
     argv, skip = [], False
     for token in sys.argv[1:]:  # keep every argument but an earlier --resume_from
         if skip or token.startswith("--resume_from="):
@@ -651,14 +617,9 @@ def resume_command(script: str, checkpoint: Path) -> str:
 
 @contextlib.contextmanager
 def interrupts_deferred():
-    """Ctrl-C (SIGINT) within it takes effect when it ends, as a KeyboardInterrupt there: a
-    checkpoint's save and the clean-up of the one before run to the end, so the checkpoint that
-    stop_interrupted names is whole and keeps its trainer state. A second Ctrl-C stops at once
-    (a save that hangs can still be stopped), and an error raised within wins over a deferred
-    Ctrl-C. It changes nothing where SIGINT does not raise KeyboardInterrupt (ignored, as in a
-    job a script started in the background, or the caller's own handler), outside the main
-    thread (Python runs no handler there), or under torchrun: each rank would wait for its own
-    save while another, stopped already, never joins the collective the save waits in."""
+    """Ctrl-C within it raises KeyboardInterrupt when it ends, so a checkpoint's save finishes whole;
+    a second Ctrl-C stops at once. A no-op where SIGINT has another handler, off the main thread, and
+    under torchrun (a rank stopped early would never join the collective another's save waits in)."""
     main = threading.current_thread() is threading.main_thread()
     if not main or world_size() > 1 or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         yield
@@ -680,10 +641,8 @@ def interrupts_deferred():
 
 
 def record_args(run_dir: Path, args, resumed_at: int | None = None) -> None:
-    """Writes args.json, the arguments the run goes on with. On a resume the earlier file is
-    kept as args.before-step-<k>.json (k: the step resumed from), so no setting is lost.
-    resume_from is written empty: args.json is a --config that reruns the run from its start
-    (a resume of it would continue the old run in place); the file's name records the resume."""
+    """Writes args.json, resume_from empty so it reruns the run as a --config; on a resume the
+    earlier file is kept as args.before-step-<k>.json."""
     path = Path(run_dir) / "args.json"
     if resumed_at is not None and path.exists():
         path.replace(path.with_name(f"args.before-step-{resumed_at:06d}.json"))
@@ -696,9 +655,7 @@ def record_args(run_dir: Path, args, resumed_at: int | None = None) -> None:
 
 
 def resolve_device(device: str) -> torch.device:
-    """'auto' picks CUDA when there is a GPU, else the CPU. A GPU is named with its index
-    (cuda → cuda:0), so that every tensor, stream and graph of the run agrees on one device;
-    use_device (through init_distributed) makes it the current one."""
+    """'auto': CUDA if there is a GPU, else the CPU; a GPU with its index (cuda → cuda:0)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -721,24 +678,16 @@ def resolve_device(device: str) -> torch.device:
 
 
 def use_device(device: torch.device) -> torch.device:
-    """Makes a CUDA device the current one: new streams (cuda_graph's), CUDA graphs, NCCL and
-    every `.cuda()` go to the current device, not to the tensors' own, so a run on cuda:1 whose
-    current device stayed cuda:0 would capture its decode step on the wrong GPU. Returns it."""
+    """Makes a CUDA device the current one, where streams, CUDA graphs and NCCL go. Returns it."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device
 
 
 def resolve_precision(dtype: str, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
-    """Returns (weight dtype, autocast dtype or None).
-
-    'auto' on CUDA keeps fp32 weights and optimizer state and computes in bf16 (autocast):
-    an Adam step moves a weight by about lr = 1e-6, far below bf16's resolution (8 bits of
-    significand: ~4e-3 relative, ~1e-4 for a weight of 0.02), so bf16 weights would round most
-    updates away.
-    'bfloat16' stores the weights in bf16 too (half the memory; for models that don't fit
-    otherwise). On the CPU everything is fp32.
-    """
+    """(weight dtype, autocast dtype or None). 'auto' on CUDA: fp32 weights, bf16 compute, since an
+    update of ~lr = 1e-6 is below bf16's resolution (~4e-3 relative); 'bfloat16': bf16 weights too.
+    On the CPU everything is fp32."""
     if dtype == "auto":
         return (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32, None)
     if dtype == "bfloat16":
@@ -760,10 +709,8 @@ def seed_everything(seed: int) -> None:
 
 
 def init_distributed(device: torch.device) -> torch.device:
-    """Joins the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK in the
-    environment): NCCL with one GPU a process (cuda:LOCAL_RANK) on CUDA, gloo on the CPU.
-    Returns the device this process computes on, made the current one (use_device); without
-    torchrun, `device`."""
+    """Joins torchrun's process group (NCCL, cuda:LOCAL_RANK, on CUDA; gloo on the CPU). Returns the
+    device this process computes on, made current; without torchrun, `device`."""
     if "WORLD_SIZE" not in os.environ:
         return use_device(device)
     if device.type == "cuda":
@@ -783,22 +730,19 @@ def rank() -> int:
 
 
 def rank_seed(seed: int) -> int:
-    """The seed of this rank's sampling: --seed on rank 0 (a single process's), --seed + 1000·rank
-    on the others, so that no two ranks sample the same completions."""
+    """--seed + 1000·rank: no two ranks sample the same completions; rank 0's is a single process's."""
     return seed + 1000 * rank()
 
 
 def my_share(items: list) -> list:
-    """This rank's contiguous 1/K of `items` (B prompts: rank r takes prompts r·B/K … (r+1)·B/K − 1,
-    each with its whole group). check_distributed made sure that K divides the length."""
+    """This rank's contiguous 1/K of `items` (check_distributed: K divides the length)."""
     size = len(items) // world_size()
     return items[rank() * size : (rank() + 1) * size]
 
 
 def all_reduce(value, op: str = "sum"):
-    """A number or a tensor summed ("sum"), or its "max" or "min", over every rank; returned as the
-    same type. The normalisers of the losses go through it, so that K ranks compute the gradient
-    that one process computes over the whole batch. One process: `value` itself, untouched."""
+    """A number or tensor's "sum", "max" or "min" over every rank, as the same type: the losses'
+    normalisers go through it, so K ranks compute one process's gradient. One process: `value`."""
     if not dist.is_initialized():
         return value
     tensor = torch.as_tensor(value, dtype=torch.float64 if not torch.is_tensor(value) else None).clone()
@@ -812,8 +756,7 @@ def all_reduce(value, op: str = "sum"):
 
 
 def all_reduce_totals(totals: dict) -> dict:
-    """Update statistics summed over ranks (the *_max ones: their maximum), as accumulate adds
-    micro-batches: what one process would have summed over the whole batch."""
+    """Update statistics summed over ranks (*_max: their maximum), as accumulate sums micro-batches."""
     return {k: all_reduce(v, "max" if k.endswith("_max") else "sum") for k, v in totals.items()}
 
 
@@ -823,17 +766,11 @@ UNSIZED_ROWS = {"micro_batch": 4, "logprob_chunk": 8}  # rows per pass where no 
 
 
 def size_micro_batches(args, task, tokenizer, trained: list, update, score) -> None:
-    """Before step 1: how much each forward pass takes where the flags leave it open (--micro_batch_size
-    and --micro_batch_tokens both 0; --logprob_chunk_size and --logprob_chunk_tokens both 0). On a GPU
-    the preflight measures it: update(sequences) and score(sequences), the script's step 6 forward and
-    backward and its step 4 no-grad scoring pass, run on rows of the longest sequence the run can
-    produce (the task's longest prompt, a distinct one in every row, and every completion at
-    max_new_tokens, plus max_turns tool answers of max_tool_tokens with tools), and the largest
-    number of rows that fits becomes --micro_batch_tokens and
-    --logprob_chunk_tokens (rows × that length: shorter rows then go more to a micro-batch,
-    chunks_of). AdamW's moments for `trained`, allocated at the first optimizer step, are counted
-    in. The run stops here, naming the flags to turn, when one row does not fit: an out-of-memory
-    error in the first minute, not hours into the run. On a CPU: UNSIZED_ROWS rows, no preflight."""
+    """Before step 1, sizes the passes the flags leave open (both *_size and *_tokens 0). On a GPU the
+    preflight runs update (step 6's forward and backward) and score (step 4's scoring) on rows of the
+    longest sequence the run can make, AdamW's moments for `trained` counted in; the most rows that fit
+    × that length become --micro_batch_tokens and --logprob_chunk_tokens. One row that does not fit
+    stops the run now, not hours in. On a CPU: UNSIZED_ROWS rows."""
     device = next(trained[0].parameters()).device
     open_ = [kind for kind in UNSIZED_ROWS if not (getattr(args, f"{kind}_size") or getattr(args, f"{kind}_tokens"))]
     if device.type != "cuda" or not open_:
@@ -880,10 +817,8 @@ def size_micro_batches(args, task, tokenizer, trained: list, update, score) -> N
 
 
 def logprob_passes(policy, sequence_logprobs, temperature: float, vocab_size: int, amp) -> tuple:
-    """What the preflight (size_micro_batches) measures for a policy scored by the script's
-    sequence_logprobs, as two passes over sequences (prompt_ids, prompt_mask, completion_ids,
-    completion_mask): step 6's forward and backward, and step 4's no-grad scoring pass, each as
-    one chunk of all the rows it is given."""
+    """The preflight's two passes over (prompt_ids, prompt_mask, completion_ids, completion_mask) for
+    the script's sequence_logprobs: step 6's forward and backward, step 4's scoring; one chunk each."""
 
     def update(sequences):
         with amp():
@@ -900,11 +835,8 @@ def logprob_passes(policy, sequence_logprobs, temperature: float, vocab_size: in
 
 
 def pass_speeds(timings: dict, length: int) -> str:
-    """The preflight's passes as tokens per second by rows (timings: kind -> rows -> (seconds, host
-    seconds), as they ran; the first pass of a kind carries the set-up of its kernels): whether a
-    larger micro-batch buys speed or only fills memory; and when the host had launched all of the
-    pass: near its seconds, the GPU was waiting for the host (Python, launches), far below them,
-    the host for the GPU."""
+    """The preflight's passes as tokens per second by rows, and the host's share of each (near the
+    pass's seconds: the GPU waited for the host). timings: kind -> rows -> (seconds, host seconds)."""
     return "; ".join(
         f"{kind}: "
         + ", ".join(
@@ -916,13 +848,10 @@ def pass_speeds(timings: dict, length: int) -> str:
 
 
 def preflight(run, most_rows: int, flags: str, budget: float, measure, what: str) -> int:
-    """The most rows (up to most_rows) whose pass run(sequences) peaks within budget bytes, by
-    measure(run, rows) -> peak bytes (inf for an out-of-memory error): 1, 2, 4, … rows while the
-    line through the last two peaks says the next fits (a pass that would not is not run: an
-    out-of-memory error under torchrun would leave the other ranks waiting); then the rows that
-    line puts at the budget, run once to confirm. Under torchrun each peak is the largest rank's,
-    so every rank runs the same passes and keeps the same rows. Stops, naming `flags`, when one
-    row is over."""
+    """The most rows (≤ most_rows) whose pass peaks within budget, by measure(run, rows) -> peak bytes:
+    1, 2, 4, … while the line through the last two peaks says the next fits (an out-of-memory error
+    would leave other ranks waiting), then the rows that line puts at the budget, confirmed. Each
+    peak is the largest rank's, so all keep the same rows. Stops, naming `flags`, if one row is over."""
     peaks, rows = {}, 1
 
     def line(rows: int) -> float:  # the peak at `rows` on the line through the last two measured
@@ -956,9 +885,8 @@ def preflight(run, most_rows: int, flags: str, budget: float, measure, what: str
 
 
 def cuda_peak(run, rows: int, sequences, device, seconds: dict | None = None) -> float:
-    """The peak bytes allocated on `device` while run(sequences(rows)) runs; inf if it runs out of memory.
-    seconds: where the pass's time goes, by rows: (from a synchronised start to a synchronise after it,
-    to the host's return from the pass: its launches done, the GPU maybe still at work)."""
+    """Peak bytes on `device` while run(sequences(rows)) runs, inf if out of memory. seconds[rows]:
+    (the pass's seconds, the host's until it returned)."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     batch = sequences(rows)
@@ -981,15 +909,14 @@ def cuda_peak(run, rows: int, sequences, device, seconds: dict | None = None) ->
 
 
 def local_bytes(tensor) -> int:
-    """Bytes of this process's part of a tensor: an FSDP2 shard's (DTensor), or the whole."""
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    """Bytes of this process's part of a tensor (local_shard)."""
+    local = local_shard(tensor)
     return local.numel() * local.element_size()
 
 
 def turns_of(tokenizer, completion_ids, completion_mask, tool_mask) -> list[dict]:
-    """A multi-turn completion for samples.jsonl, in its turns: [{"model": text}, {"tool": text}, …],
-    each a run of the model's own tokens or of a tool turn's (tool_mask), decoded with the chat
-    template's markers kept. (T,) each -> the turns; the padding after the end left out."""
+    """A multi-turn completion as [{"model": text}, {"tool": text}, …], runs of the model's or a tool
+    turn's (tool_mask) tokens, decoded with the template's markers. (T,) each -> the turns."""
     length = int((completion_mask + tool_mask).sum())
     ids, owner = completion_ids[:length].tolist(), tool_mask[:length].tolist()
     turns, start = [], 0
@@ -1001,24 +928,20 @@ def turns_of(tokenizer, completion_ids, completion_mask, tool_mask) -> list[dict
 
 
 def longest_prompt(tokenizer, task) -> int:
-    """Tokens in the task's longest prompt, chat template (and the tools it shows) included: what a
-    step's prompts are at most."""
+    """Tokens in the task's longest prompt, chat template and tools included."""
     texts = [render_chat(tokenizer, task.messages(problem), tools=task.tools or None) for problem in task.problems]
     return max(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
 
 
 def host_numbers(totals: dict) -> dict:
-    """The update's statistics, summed over its micro-batches as 0-d tensors on the device (a
-    `.item()` in every micro-batch would stop the host there until the GPU caught up, leaving
-    the GPU idle while the next micro-batch is launched), read back as numbers after the last
-    micro-batch: the first read waits for the GPU, the others find their values ready."""
+    """The update's statistics, 0-d tensors summed on the device, read as numbers once after the last
+    micro-batch: an `.item()` in each would leave the GPU idle while the host waits."""
     return {key: value.item() if torch.is_tensor(value) else value for key, value in totals.items()}
 
 
 def all_reduce_metrics(metrics: dict) -> dict:
-    """A step's metrics over ranks: the mean of each rank's value (exact for a mean over rows,
-    every rank holding as many rows; a mean over tokens weighs each rank alike), the maximum of
-    the *_max ones."""
+    """A step's metrics over ranks: the mean of the ranks' values (exact for a mean over rows; a mean
+    over tokens weighs each rank alike), the maximum of the *_max ones."""
     if not dist.is_initialized():
         return metrics
     return {
@@ -1028,10 +951,8 @@ def all_reduce_metrics(metrics: dict) -> dict:
 
 
 def check_distributed(args, *prompt_counts: int) -> None:
-    """Stops the launch that cannot work, before anything loads: the B prompts of a step (and
-    DAPO's generation round) must split into K equal shares, a group never spanning two ranks, and
-    each rank's B·G/K rows into --num_mini_batches equal ones.
-    Every rank stops (no rank waits on the others); rank 0 alone prints the message."""
+    """Stops, before anything loads, a launch whose B prompts (and DAPO's generation round) do not
+    split into K equal shares, or a rank's B·G/K rows into --num_mini_batches. Rank 0 prints."""
     uneven = [count for count in prompt_counts if count % world_size()]
     if uneven:
         message = (
@@ -1055,18 +976,11 @@ def check_distributed(args, *prompt_counts: int) -> None:
 
 
 def shard_model(model, compute_dtype: torch.dtype | None = None, fp32_modules: tuple[str, ...] = ()):
-    """FSDP2 over K ranks (torch.distributed.fsdp.fully_shard): one unit per decoder layer, then
-    the root (embeddings, final norm, LM head or value head). Each rank keeps 1/K of every weight,
-    gradient and AdamW moment; a layer's full weights exist only while it computes. Gradients are
-    summed over ranks, not averaged: each rank's loss is already its share of the global loss,
-    divided by the global normaliser. One process: the model unchanged.
-
-    compute_dtype (bf16 on a GPU): FSDP2's mixed precision. A layer is gathered in bf16 (half the
-    traffic of fp32) and computes in it, and its gradients are reduced in fp32 into the fp32
-    master shards AdamW steps. Without it, the gathered fp32 layer would be cast to bf16 by
-    autocast, and autocast keeps every such copy until backward: a bf16 copy of the whole model
-    on every GPU (~15 GB for 7B). fp32_modules: the names of submodules that compute in fp32
-    whatever compute_dtype is (ppo.py's value head), each sharded as a unit of its own."""
+    """FSDP2 (fully_shard) over K ranks: a unit per decoder layer, then the root. Each rank keeps 1/K
+    of every weight, gradient and AdamW moment. Gradients are summed, not averaged: each rank's loss
+    is already divided by the global normaliser. compute_dtype (bf16 on a GPU): layers gathered and
+    computed in it, gradients reduced in fp32 (docs/distributed.md). fp32_modules: submodules that
+    compute in fp32 (ppo.py's value head), a unit each. One process: the model unchanged."""
     if not dist.is_initialized():
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -1088,10 +1002,8 @@ def shard_model(model, compute_dtype: torch.dtype | None = None, fp32_modules: t
 
 @contextlib.contextmanager
 def unsharded(model):
-    """Full weights for a rollout: the first forward pass gathers each layer and the decode loop
-    keeps them (one all-gather a rollout, not one a token), then every unit is sharded again.
-    With full weights no forward pass talks to other ranks, so ranks may decode different
-    numbers of tokens. One process: nothing."""
+    """Full weights for a rollout: one all-gather a rollout, not one a token, and ranks may decode
+    different numbers of tokens; sharded again after. One process: nothing."""
     if not dist.is_initialized():
         yield
         return
@@ -1116,8 +1028,7 @@ def full_state_dict(model) -> dict | None:
 
 
 def trainer_state_file() -> str:
-    """trainer_state.pt for rank 0 (a single process's), trainer_state-rank<r>.pt for rank r:
-    each rank saves its own shard of the AdamW state and its own RNG states."""
+    """trainer_state.pt for rank 0, trainer_state-rank<r>.pt for rank r (its AdamW shard and RNG)."""
     return TRAINER_STATE if rank() == 0 else TRAINER_STATE.replace(".pt", f"-rank{rank()}.pt")
 
 
@@ -1139,13 +1050,8 @@ LAST_BARRIER = []  # the exit barrier's work, freed by the main thread as the in
 
 
 def leave_process_group() -> None:
-    """A finished run's exit under torchrun: a barrier, then the process group destroyed. The
-    barrier's work holds the collectives before it; gloo's worker thread that ran it used to drop
-    the last reference while the interpreter was exiting, and freeing their tensors takes the GIL,
-    which a thread cannot take then: it aborted ("terminate called without an active exception"),
-    and torchrun failed the launch (seen in a core dump, once in ~60 CPU launches). Holding the
-    work here leaves its freeing to the main thread. NCCL (GPUs) runs no such thread, and its exit
-    stays the plain barrier the GPU runs used."""
+    """A finished run's exit under torchrun: a barrier, then the group destroyed. gloo's barrier work
+    is held here so the main thread frees it, not gloo's thread at exit (docs/distributed.md)."""
     if dist.get_backend() == "gloo":
         work = dist.barrier(async_op=True)
         work.wait()
@@ -1160,9 +1066,7 @@ def leave_process_group() -> None:
 
 
 def resolve_model_name(name: str) -> str:
-    """--model as typed -> what from_pretrained takes (a local directory or a Hub id), or the
-    path of a GGUF file (--model file.gguf, or a directory without config.json that holds
-    exactly one .gguf file); model_source turns that into from_pretrained's arguments."""
+    """--model as typed -> a local directory, a Hub id, or a GGUF file's path (model_source)."""
     if name in TINY_MODELS:
         return str(build_tiny_model(name=name))
     local = Path(name).expanduser()
@@ -1194,11 +1098,8 @@ def resolve_model_name(name: str) -> str:
 
 
 def model_source(path: str) -> tuple[str, dict]:
-    """from_pretrained's (path, keyword arguments) for what resolve_model_name returned. A GGUF
-    file is read by transformers' GGUF loader (from_pretrained(directory, gguf_file=name)),
-    which dequantises every tensor to the requested dtype: a Q4_1 file gives a model with the
-    quantised file's values, not the original fp16/bf16 weights. It needs the gguf package,
-    imported only here."""
+    """from_pretrained's (path, keyword arguments) for resolve_model_name's answer: a GGUF file via
+    gguf_file=, dequantised by transformers (it needs the gguf package)."""
     if not path.endswith(".gguf"):
         return path, {}
     try:
@@ -1211,17 +1112,14 @@ def model_source(path: str) -> tuple[str, dict]:
 
 
 def dequantised(model):
-    """A model loaded from a GGUF file holds plain dequantised tensors, but transformers still
-    marks it as quantised and refuses save_pretrained: drop the mark, so checkpoints are
-    ordinary safetensors models."""
+    """A GGUF model without its quantised mark, which would make save_pretrained refuse it."""
     model.hf_quantizer = None
     model.config.__dict__.pop("quantization_config", None)
     return model
 
 
 def eos_token_ids(model_path: str, tokenizer) -> list[int]:
-    """Every id that ends a completion: the generation config's (Qwen2.5-Instruct lists both
-    <|im_end|> and <|endoftext|>) plus the tokenizer's own EOS."""
+    """Every id that ends a completion: the generation config's plus the tokenizer's EOS."""
     ids = []
     try:
         generation_eos = GenerationConfig.from_pretrained(model_path).eos_token_id
@@ -1241,13 +1139,8 @@ PAD_CANDIDATES = ["<|endoftext|>", "<|fim_pad|>", "<pad>", "[PAD]", "<|pad|>", "
 
 
 def set_pad_token(tokenizer, eos_ids: list[int]) -> None:
-    """Left padding, and a pad token that is not an EOS token.
-
-    With pad == EOS, code that masks padding by token id also masks the real EOS, the model is
-    never trained to stop. nanoPO builds its masks from positions, not ids,
-    but a distinct pad keeps every tool downstream honest too. If no existing token fits, the
-    pad token stays equal to EOS and we rely on the positional masks alone.
-    """
+    """Left padding, and a pad token that is not an EOS where one exists (masking by id would drop
+    the real EOS; nanoPO's masks are positional, so pad == EOS still works)."""
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in eos_ids:
         return
@@ -1267,9 +1160,8 @@ def check_prompt_format(prompt_format: str) -> list[str]:
 
 
 def set_prompt_format(tokenizer, prompt_format: str, name: str) -> None:
-    """Decides how render_chat writes this tokenizer's prompts and records it on the tokenizer
-    (tokenizer.plain_prompt; not saved with it, so a checkpoint keeps the model's own template).
-    auto: the chat template when there is one, else plain text; chat without a template stops."""
+    """Sets tokenizer.plain_prompt (not saved) for render_chat: auto is the chat template if there is
+    one, else plain text; chat without a template stops."""
     if prompt_format not in PROMPT_FORMATS:
         raise SystemExit(check_prompt_format(prompt_format)[0])
     if prompt_format == "chat" and tokenizer.chat_template is None:
@@ -1283,10 +1175,8 @@ def set_prompt_format(tokenizer, prompt_format: str, name: str) -> None:
 
 
 def render_plain(tokenizer, messages: list[dict]) -> str:
-    """A conversation as plain text that a base model continues: the system text, each user
-    turn as 'Question: …', each assistant turn as 'Answer: …' (few-shot examples), and a final
-    'Answer:' where the completion begins. Starts with the BOS token when the tokenizer's own
-    encoding adds one (Llama's), as the prompts are encoded without special tokens."""
+    """A conversation as plain text for a base model: the system text, 'Question: …' and 'Answer: …'
+    turns, a final 'Answer:'; the BOS first where the tokenizer's encoding adds one."""
     parts = []
     for message in messages:
         if message["role"] == "user":
@@ -1309,16 +1199,10 @@ def render_chat(
     *,
     tools_fix: str = TOOLS_NOT_SHOWN_FIX,
 ) -> str:
-    """One conversation through the model's chat template, ending where the assistant's turn
-    begins (or as plain text, render_plain, when the tokenizer's prompt format is plain). Some
-    templates have no system role: Gemma's raises on one, others drop it without
-    a word. For those the system text goes at the top of the first user message, which is what
-    such models are fine-tuned to see, rather than being lost or stopping the run.
-
-    tools: functions the model may call (a task's tools), which the template shows the model from
-    their JSON schemas (transformers' get_json_schema; Qwen's writes them whole, tiny-tools' the
-    names). A template that ignores them (tiny's plain ChatML) would leave the model calling tools
-    it was never shown: that stops, as plain prompts do."""
+    """One conversation through the chat template up to the assistant's turn (plain prompts:
+    render_plain). A template without a system role (Gemma's raises, others drop it) gets the system
+    text atop the first user message. tools: functions the template shows the model; a template that
+    ignores them stops the run, as plain prompts do."""
     if getattr(tokenizer, "plain_prompt", False):
         if tools:
             raise SystemExit(
@@ -1347,10 +1231,8 @@ def render_chat(
 
 
 def check_task_tools(tokenizer, task, max_tool_tokens: int) -> None:
-    """Stops, before a run directory exists, where the model cannot take the task's tools (a task's
-    own, --tools'): its chat template does not show them (render_chat), drops their answers
-    (check_tool_turns), or writes more tokens around an answer than --max_tool_tokens. The first
-    rollout would stop there anyway, with a run started for nothing."""
+    """Stops, before a run directory exists, where the template does not show the task's tools, drops
+    their answers, or writes more tokens around an answer than --max_tool_tokens."""
     if task is None or not task.tools:
         return
     render_chat(tokenizer, task.messages(task.problems[0]), tools=task.tools)
@@ -1389,10 +1271,7 @@ def load_model(
     source, gguf = model_source(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **gguf)
-        # In the checkpoint's own dtype (bf16 for Qwen2.5), cast to `dtype` on the device below: the
-        # same weights (bf16 → fp32 is exact), and half the host memory while loading, which under
-        # torchrun every rank spends (8 ranks × a 7B model in fp32 would be 244 GB of host memory).
-        # A GGUF file is dequantised into `dtype` directly.
+        # In the checkpoint's own dtype, cast to `dtype` below (exact): half the host memory a rank.
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype if gguf else "auto", **gguf)
     except (OSError, ValueError, KeyError, RuntimeError) as error:  # KeyError: a corrupt tokenizer.json
         if "Unrecognized configuration class" in str(error):  # transformers has no causal LM of its kind
@@ -1429,10 +1308,8 @@ def not_servable(name: str, reason: str) -> str:
 
 
 def check_servable(model, name: str) -> None:
-    """Stops, before any step, on a model the scripts cannot serve: an encoder-decoder (T5, BART: the
-    completion would be the decoder's, the prompt the encoder's), or layers that are not attention
-    over a window of one KV cache (Llama 4's chunked attention, Qwen3-Next's linear attention,
-    state-space layers), which generate's cache and masks do not reproduce."""
+    """Stops on a model generate cannot serve: an encoder-decoder, no LM head, or layers that are not
+    attention over a window of one KV cache (chunked, linear, state-space)."""
     config = model.config.get_text_config()
     if getattr(model.config, "is_encoder_decoder", False) or getattr(config, "is_encoder_decoder", False):
         raise SystemExit(not_servable(name, f"{model.config.model_type} is an encoder-decoder model"))
@@ -1444,18 +1321,14 @@ def check_servable(model, name: str) -> None:
 
 
 def enable_activation_checkpointing(model) -> None:
-    """Recompute activations in backward (less memory, one more forward). transformers 5.2x
-    renamed gradient_checkpointing_enable to activation_checkpointing_enable; 5.17 and older
-    have only the first name."""
+    """Recompute activations in backward, under either name transformers gives the method."""
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     enable({"use_reentrant": False})  # first parameter under both names
 
 
 def check_cache_fits(args, task, device: torch.device) -> None:
-    """Stops, before any weight loads, where one completion's KV cache alone is larger than the memory
-    free on the device: --max_new_tokens columns, plus --max_turns × --max_tool_tokens with tools, each
-    holding a key and a value of every layer (the model's config read alone). Without this, generate
-    dies on its allocation, after the model loaded. A config that cannot be read is left to the load."""
+    """Stops, before any weight loads, where one completion's KV cache (from the config alone) is
+    larger than the device's free memory. A config that cannot be read is left to the load."""
     columns = args.max_new_tokens + (args.max_turns * args.max_tool_tokens if task is not None and task.tools else 0)
     try:
         path, keywords = model_source(resolve_model_name(args.model))
@@ -1485,15 +1358,9 @@ def check_cache_fits(args, task, device: torch.device) -> None:
 
 
 def load_policy(args, device: torch.device, dtype: torch.dtype, compute_dtype: torch.dtype | None = None, task=None):
-    """The policy to train and its tokenizer: returns (policy, tokenizer, eos_ids). With a task that
-    has tools, stops where the model cannot take them (check_task_tools), before a run starts.
-    Full fine-tuning (--lora_rank 0): --model's weights, or --resume_from's, all trainable.
-    LoRA (--lora_rank r > 0, Hu et al. 2021, through the peft library): --model's weights,
-    frozen, under low-rank adapters W + (α/r)·B·A on the --lora_targets layers; B starts at 0,
-    so the policy starts as --model exactly. On resume the adapters come from the checkpoint's
-    adapter/ folder and the frozen weights again from --model. The frozen weights are kept in
-    compute_dtype (bf16 on a GPU, frozen_dtype): peft keeps the adapters in fp32. --compile:
-    its blocks compiled (compile_blocks)."""
+    """(policy, tokenizer, eos_ids). Full fine-tuning: --model's (or --resume_from's) weights, all
+    trained. LoRA (Hu et al. 2021, peft): --model's weights frozen in frozen_dtype under adapters
+    W + (α/r)·B·A, B = 0 at first so the policy starts as --model; on resume the checkpoint's adapter/."""
     check_cache_fits(args, task, device)  # before any weight loads
     if task is not None and task.tools and args.max_turns == 0:
         names = ", ".join(tool.__name__ for tool in task.tools)
@@ -1515,9 +1382,8 @@ def load_policy(args, device: torch.device, dtype: torch.dtype, compute_dtype: t
 
 
 def frozen_dtype(dtype: torch.dtype, compute_dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype of LoRA's frozen weights: the compute dtype where autocast computes in one. They
-    never change, so they need no fp32 master, and autocast keeps its bf16 copy of a weight only
-    while the weight trains: a frozen fp32 weight would be cast again in every forward pass."""
+    """LoRA's frozen weights in the compute dtype: they need no fp32 master, and autocast would cast a
+    frozen fp32 weight again in every forward pass."""
     return compute_dtype or dtype
 
 
@@ -1546,11 +1412,8 @@ def with_adapters(model, args, saved: Path | None = None):
 
 
 def load_reference(args, policy, device: torch.device, dtype: torch.dtype):
-    """The frozen reference policy π_ref for the KL term: the starting model, never trained.
-    Full fine-tuning: a second copy loaded from --model (not copied from the policy, so a
-    resumed run keeps the true start). LoRA: no second copy. The policy's own weights are
-    --model's, frozen, and the adapters are all it learns, so the policy with its adapters
-    switched off (peft's disable_adapter) computes exactly --model's forward pass."""
+    """π_ref for the KL term, the starting model: a second copy loaded from --model (so a resumed run
+    keeps the true start), or with LoRA the policy with its adapters off, exactly --model."""
     if args.lora_rank:
         return AdaptersOff(policy)
     reference, _, _ = load_model(args.model, device, dtype)
@@ -1584,10 +1447,8 @@ def is_lora(model) -> bool:
 
 
 def save_merged(policy, directory: Path) -> None:
-    """A LoRA policy as one full model, save_pretrained's format (transformers, vLLM, lm-eval and
-    evaluate.py load it): every adapted weight W + (α/r)·B·A, computed beside the policy one
-    layer at a time (in fp32, stored in the model's dtype) and gathered on the CPU, so the
-    policy's own weights stay bit for bit what they were."""
+    """A LoRA policy as one full model in save_pretrained's format: each W + (α/r)·B·A summed in fp32
+    beside the policy, on the CPU, so the policy's own weights stay bit for bit."""
     from peft.tuners.lora import LoraLayer
 
     base = policy.get_base_model()
