@@ -1476,8 +1476,7 @@ def save_merged(policy, directory: Path) -> None:
 
 @contextlib.contextmanager
 def autocast(device: torch.device, compute_dtype: torch.dtype | None):
-    """bf16 autocast on a GPU when asked for (fp32 master weights, bf16 products); a no-op context
-    otherwise. The LM head keeps fp32 logits within it (fp32_lm_head)."""
+    """bf16 autocast where compute_dtype asks for it; a no-op context otherwise."""
     if compute_dtype is None:
         yield
         return
@@ -1487,12 +1486,8 @@ def autocast(device: torch.device, compute_dtype: torch.dtype | None):
 
 @contextlib.contextmanager
 def fp32_lm_head(model):
-    """Saves the bf16 rounding of the logits under autocast: within it the LM head's product runs
-    in fp32 (weights and hidden states upcast), where autocast would round every logit to bf16 and
-    sampler and trainer would read log-probs that differ by that rounding. On a GPU the product
-    runs on TF32 tensor cores (HeadProduct: fp32 in and out, inputs rounded to 10 bits; its error,
-    docs/speed.md); elsewhere in fp32, exact. A no-op without autocast (the CPU: all fp32 already)
-    and for a head that is not a plain Linear (a LoRA-adapted one runs as it is)."""
+    """Within it, under autocast, a plain Linear LM head computes fp32 logits (TF32 on a GPU,
+    HeadProduct), so sampler and trainer do not differ by bf16's rounding of every logit."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not torch.nn.Linear or not torch.is_autocast_enabled(head.weight.device.type):
         yield
@@ -1516,12 +1511,9 @@ def fp32_lm_head(model):
 
 
 class HeadProduct(torch.autograd.Function):
-    """hidden · Wᵀ + b, fp32 in and out, its forward and both backward GEMMs under cuBLAS's fp32
-    matmul precision `precision` ("tf32": inputs rounded to 10 bits of mantissa, products summed
-    in fp32; "ieee": fp32). Saves the GPU's slow fp32 path for the LM head (docs/speed.md). The
-    precision is set around these three GEMMs alone, so RoPE's angles and every other fp32 product
-    stay exact; sampler, scorer and update all go through it (fp32_lm_head), so their log-probs
-    agree."""
+    """hidden · Wᵀ + b, fp32 in and out, its three GEMMs alone under `precision` ("tf32": inputs
+    rounded to 10 bits, sums in fp32; "ieee"), so every other fp32 product stays exact. Sampler,
+    scorer and update all go through it, so their log-probs agree (docs/speed.md)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, precision: str):  # (…, d), (V', d), (V',) or None -> (…, V')
@@ -1543,8 +1535,7 @@ class HeadProduct(torch.autograd.Function):
 
 @contextlib.contextmanager
 def matmul_precision(precision: str):
-    """cuBLAS's precision for fp32 matmuls ("ieee": fp32; "tf32") within it only. torch's newer
-    setting: reading the older one (get_float32_matmul_precision) raises once the newer is set."""
+    """cuBLAS's precision for fp32 matmuls ("ieee" or "tf32") within it only."""
     previous = torch.backends.cuda.matmul.fp32_precision
     torch.backends.cuda.matmul.fp32_precision = precision
     try:
@@ -1554,11 +1545,9 @@ def matmul_precision(precision: str):
 
 
 def cuda_graph(step, pool=None):
-    """step(), a function of tensors at fixed addresses, captured once as a CUDA graph: the function
-    returned replays its kernels (no Python, no per-kernel launch cost) and returns the output
-    tensor of the capture, which every replay overwrites. By hand, not torch.compile's
-    "reduce-overhead": nothing traces the model (docs/speed.md). pool: a memory pool
-    (torch.cuda.graph_pool_handle) shared with graphs replayed one after another."""
+    """step(), on tensors at fixed addresses, captured as a CUDA graph: the function returned replays
+    its kernels and returns the capture's output, which each replay overwrites. pool: a memory pool
+    shared with graphs replayed one after another."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside the capture: lazy set-up (cuBLAS, autocast's casts)
@@ -1579,12 +1568,8 @@ CAPTURE_FAILED = []  # the error of a CUDA-graph capture that raised: every late
 
 
 def captured_or_none(step, pool):
-    """step() captured as a CUDA graph (cuda_graph), or None if the capture raises (an operation a
-    graph cannot hold, a driver or library that refuses it), after one warning naming the cause;
-    generate then runs the step eagerly in this call and every later one: the same tokens, slower.
-    Saves a run that nobody is watching. Out of memory is not a capture failure: it goes on up to
-    the run's message about memory. Nor is a failed compilation (--compile: compiled_decode): it
-    stops with torch.compile's own message."""
+    """step() captured (cuda_graph), or None if the capture raises, after one warning: every later
+    step then runs eagerly, the same tokens, slower. Out of memory and compilation errors propagate."""
     if CAPTURE_FAILED:
         return None
     try:
@@ -1604,20 +1589,15 @@ def captured_or_none(step, pool):
 
 
 def cache_argument(model) -> str:
-    """The keyword the model's forward takes a KV cache by: `cache` from transformers 5.24 (which
-    deprecates `past_key_values`), `past_key_values` before it and in models that are not
-    transformers'. Read off the transformers model itself, under any wrapper (peft, FSDP2)."""
+    """The keyword the model's forward takes a KV cache by (`cache` from transformers 5.24, else
+    `past_key_values`), read off the transformers model under any wrapper."""
     inner = next((module for module in model.modules() if isinstance(module, PreTrainedModel)), model)
     return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
 
 
 def attention_windows(model) -> dict[str, int | None]:
-    """Each attention type of the model's layers -> its window (None: every earlier token), so that
-    generate attends as the model does. A sliding-window layer sees only the last `window`
-    positions, itself included, and transformers applies no window to a 4D mask it is given:
-    generate builds one mask per type. Types come from config.layer_types, else one for every
-    layer, sliding if config.sliding_window is set; a model with no config attends over every
-    earlier token. Other layer kinds (chunked, linear, state-space) raise ValueError."""
+    """Each attention type of the model's layers -> its window (None: every earlier token): transformers
+    applies no window to a 4D mask, so generate builds one per type. Other layer kinds: ValueError."""
     if getattr(model, "config", None) is None:
         return {"full_attention": None}
     config = model.config.get_text_config()
@@ -1630,10 +1610,8 @@ def attention_windows(model) -> dict[str, int | None]:
 
 
 def decode_widths(prompt_length: int, max_new_tokens: int, smallest: int = 64) -> list[int]:
-    """The few column counts the masked one-token step attends over: P + 64, P + 128, … doubling up
-    to P + max_new_tokens; token t uses the first that holds P + t + 1 columns. Saves attention
-    over the unfilled cache: at most twice the filled columns are read, and on CUDA each width is
-    one captured graph."""
+    """The column counts the masked one-token step attends over, P + 64, P + 128, … up to
+    P + max_new_tokens: at most twice the filled columns are read, and each width is one graph."""
     widths, new = [], smallest
     while new < max_new_tokens:
         widths.append(prompt_length + new)
@@ -1643,9 +1621,7 @@ def decode_widths(prompt_length: int, max_new_tokens: int, smallest: int = 64) -
 
 @contextlib.contextmanager
 def sdpa_replaced(model, name: str, function):
-    """Within it the model's attention layers run `function`, registered with transformers'
-    AttentionInterface as `name`, where they ran sdpa, the function it computes. A model that runs
-    another attention (eager for gpt-oss's attention sinks, Gemma 2's soft-capped scores) keeps its own."""
+    """Within it a model that runs sdpa runs `function` (registered as `name`) instead; others keep theirs."""
     AttentionInterface.register(name, function)
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) != "sdpa":  # not sdpa, or not a transformers model
@@ -1659,11 +1635,9 @@ def sdpa_replaced(model, name: str, function):
 
 
 def grouped_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **unused):
-    """The one-token step's attention with the query heads that share a KV head attending as the
-    rows of one query: the same products and softmax as attention head by head. Saves copying K
-    and V once per query head (transformers' sdpa before 5.23 does under a mask). query
-    (n, heads, 1, d), key and value (n, kv heads, S, d), attention_mask (n, 1, 1, S) additive
-    -> (n, 1, heads, d), transformers' attention layout."""
+    """The one-token step's attention, the query heads of a KV head as the rows of one query: the same
+    products and softmax, without copying K and V per query head. query (n, heads, 1, d), key and
+    value (n, kv heads, S, d), attention_mask (n, 1, 1, S) additive -> (n, 1, heads, d)."""
     num_rows, heads, _, head_dim = query.shape
     kv_heads = key.shape[1]
     folded = query.reshape(num_rows, kv_heads, heads // kv_heads, head_dim)  # head h = kv head h // group
@@ -1672,21 +1646,16 @@ def grouped_decode_attention(module, query, key, value, attention_mask, scaling=
 
 
 def grouped_attention(model):
-    """Within it the model's attention layers run grouped_decode_attention: generate's one-token
-    step, whose query is one token (sdpa_replaced)."""
+    """Within it the model's attention layers run grouped_decode_attention (sdpa_replaced)."""
     return sdpa_replaced(model, "nanopo_grouped_decode", grouped_decode_attention)
 
 
 def varlen_decode_attention(
     module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, used, starts, **unused
 ):
-    """generate's one-token attention over a left-aligned cache (KVCache.align_left) by flash
-    attention's variable-length entry, row i over its first used[i] columns (used (n,) int32, a
-    tensor a CUDA graph holds): the attention of the masked step over the same columns, with no
-    mask. Saves reading past each row's filled columns (docs/speed.md). Query head h attends with
-    KV head h // group, as in grouped_decode_attention. query (n, heads, 1, d); key and value
-    (n, kv heads, S, d), views of (n, S, kv heads, d) buffers; starts (n + 1,) int32, 0 … n
-    -> (n, 1, heads, d)."""
+    """The one-token attention over a left-aligned cache by flash attention's variable-length entry,
+    row i over its first used[i] columns (n,): the masked step's attention, reading no column past
+    them. query (n, heads, 1, d); key, value (n, kv heads, S, d) views; starts (n + 1,) -> (n, 1, heads, d)."""
     num_rows, heads, _, head_dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     out = torch.ops.aten._flash_attention_forward(
@@ -1707,17 +1676,15 @@ def varlen_decode_attention(
 
 
 def varlen_attention(model, used: torch.Tensor):
-    """Within it the model's attention layers run varlen_decode_attention, row i over its first
-    used[i] columns (sdpa_replaced)."""
+    """Within it the model's attention layers run varlen_decode_attention (sdpa_replaced)."""
     starts = torch.arange(len(used) + 1, dtype=torch.int32, device=used.device)  # once a step, not a layer
     attention = functools.partial(varlen_decode_attention, used=used, starts=starts)
     return sdpa_replaced(model, "nanopo_varlen_decode", attention)
 
 
 def varlen_decode(model, cache) -> bool:
-    """Whether generate's one-token step runs varlen_decode_attention over a left-aligned cache:
-    for a model whose every layer is full attention computed by sdpa (a window, or an attention of
-    its own, keeps the mask), where flash attention takes the cache (flash_varlen_serves)."""
+    """Whether the one-token step runs varlen_decode_attention: every layer full sdpa attention, and a
+    cache flash attention takes."""
     config = getattr(model, "config", None)
     return (
         getattr(config, "_attn_implementation", None) == "sdpa"
@@ -1727,10 +1694,8 @@ def varlen_decode(model, cache) -> bool:
 
 
 def flash_varlen_serves(values: torch.Tensor) -> bool:
-    """Whether flash attention's variable-length entry takes a cache like `values`: on an NVIDIA GPU
-    of compute capability 8 or more (ROCm's entry is not known to honour seqused_k), in a PyTorch
-    built with it and flash SDPA not turned off, in bf16 or fp16, with a head size a multiple of 8
-    up to 256."""
+    """Whether flash attention's variable-length entry takes `values`: NVIDIA sm80+, flash SDPA on,
+    bf16 or fp16, a head size a multiple of 8 up to 256."""
     return (
         values.is_cuda
         and torch.version.hip is None
@@ -1744,14 +1709,9 @@ def flash_varlen_serves(values: torch.Tensor) -> bool:
 
 
 def routing_free_experts(self, hidden_states, top_k_index, top_k_weights):
-    """A mixture-of-experts layer whose shapes do not depend on the routing, so that its decode
-    step can be captured as a CUDA graph: transformers' grouped GEMM may copy its group ends to the
-    host (outside bf16 on a Hopper-class GPU), which a graph cannot hold. Every token goes through
-    every expert in two batched products and keeps the outputs of its top-k experts, weighted and
-    summed in top-k order as transformers sums them: the same function, nothing crosses to the
-    host, at E/k times the experts' FLOPs over the same weights read (docs/speed.md). A forward of
-    transformers' ExpertsInterface: hidden_states (n, H), top_k_index and top_k_weights (n, k)
-    -> (n, H)."""
+    """Mixture-of-experts with shapes independent of the routing, so a CUDA graph can hold it: every
+    token through every expert, its top-k outputs weighted and summed in transformers' order: the same
+    function at E/k times the FLOPs (docs/models.md). hidden_states (n, H), top_k_* (n, k) -> (n, H)."""
     up_weight = self.gate_up_proj if self.has_gate else self.up_proj  # (E, 2I or I, H), transposed (E, H, …)
     with torch.autocast(hidden_states.device.type, enabled=False):  # the weights' dtype, as grouped_mm runs
         hidden = hidden_states.to(up_weight.dtype)  # (n, H)
@@ -1771,10 +1731,7 @@ def routing_free_experts(self, hidden_states, top_k_index, top_k_weights):
 
 @contextlib.contextmanager
 def captured_experts(model):
-    """Within it the model's mixture-of-experts layers run routing_free_experts (registered with
-    transformers' ExpertsInterface): generate's captured one-token step, so that every family's
-    decode step captures. A no-op for a model without such layers (dense models, models that are
-    not transformers'); the eager step (CPU, torchrun, a capture that failed) keeps the model's own."""
+    """Within it (the captured decode step) the model's experts run routing_free_experts."""
     ALL_EXPERTS_FUNCTIONS.register("nanopo_routing_free", routing_free_experts)
     configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "config")}
     # the attribute behind the property, whose setter would also set every sub-config to this one's value
@@ -1797,10 +1754,8 @@ def by_type(masks: dict):
 
 
 def prefill_mask(model, prompt_mask: torch.Tensor, length: int):
-    """The prefill's additive attention masks (B, 1, P, P), one per attention type of the model's layers
-    (attention_windows): causal, the left padding hidden, and in a sliding-window layer the keys within
-    its window only, since transformers adds nothing to a 4D mask it is given. length: the columns the
-    cache holds (a window of None reaches them all). prompt_mask (B, P) -> by_type of the masks."""
+    """The prefill's additive masks (B, 1, P, P), one per attention type: causal, left padding hidden,
+    a sliding layer's window applied. length: the cache's columns. prompt_mask (B, P) -> by_type."""
     num_rows, prompt_length = prompt_mask.shape
     device = prompt_mask.device
     causal = torch.ones(prompt_length, prompt_length, dtype=torch.bool, device=device).tril()  # (P, P) keys ≤ query
@@ -1816,13 +1771,9 @@ def prefill_mask(model, prompt_mask: torch.Tensor, length: int):
 
 
 class DecodeStep:
-    """generate's one-token step: each row's last token, at its next column, through the model and the
-    KV cache (the script's, passed in: its slots, width, align_left and keep_rows), to the next logits.
-    Its buffers (the token, the positions, a mask per attention type) are allocated once and changed
-    in place, so that on CUDA a captured graph replays them (cuda_graph, captured_experts). Attention
-    runs varlen_decode_attention where varlen_decode says so (one width), else
-    grouped_decode_attention over decode_widths; --compile adds compiled_decode. Each computes the
-    model's own attention and layers: the same function, faster (docs/speed.md).
+    """generate's one-token step: each row's last token through the model and the script's KV cache to
+    the next logits. Its buffers are changed in place so a CUDA graph replays them; attention is
+    varlen_decode_attention or grouped_decode_attention over decode_widths, the model's own function.
     prompt_mask (N, P); position (N, 1) each row's next position."""
 
     def __init__(self, model, cache, prompt_mask, position, steps: int, pad_id: int, vocab_size: int):
@@ -1872,8 +1823,7 @@ class DecodeStep:
         return logits
 
     def forward(self, width: int, captured: bool = False) -> torch.Tensor:
-        """The model on the step's buffers over the first `width` columns; captured: the step a CUDA graph
-        holds. -> (n, V) fp32 logits, ids ≥ vocab_size cut off."""
+        """The model on the step's buffers over `width` columns -> (n, V) fp32 logits."""
         model, cache = self.model, self.cache
         cache.width = width
         experts = captured_experts(model) if captured else contextlib.nullcontext()
@@ -1889,8 +1839,7 @@ class DecodeStep:
         return out.logits[:, -1, : self.vocab_size].float()
 
     def keep(self, rows: torch.Tensor) -> None:
-        """Saves the decode work of finished rows: only these rows (n',) stay, in new, smaller buffers
-        (the cache's too), with new graphs."""
+        """Only these rows (n',) stay, in smaller buffers and new graphs: finished rows cost nothing."""
         self.token_in, self.position = self.token_in[rows], self.position[rows]
         self.biases = {kind: bias[rows] for kind, bias in self.biases.items()}
         self.cache.keep_rows(rows)
@@ -1898,30 +1847,18 @@ class DecodeStep:
 
 
 COMPILED_BLOCKS = ("MLP", "RMSNorm")  # the ends of the class names compile_blocks compiles
-
 COMPILE_BACKEND = "inductor"  # tests: "aot_eager" (traced and differentiated, no kernels generated: seconds on a CPU)
-
-
 COMPILED = {}  # (block class or function, backend) -> it through torch.compile, shared by every block of the class
-
 DECODE_BACKBONES = weakref.WeakKeyDictionary()  # a model compile_blocks compiled -> what compiled_decode compiles
 
 
 def compile_blocks(model, on: bool = True):
-    """--compile: each feed-forward block and RMSNorm of `model` through torch.compile (dynamic
-    shapes), which fuses a block's elementwise ops into a few kernels, forward and backward. Saves
-    most of the update's elementwise traffic (docs/speed.md). Blocks, not decoder layers: a layer's
-    attention reads its own KV cache, which torch.compile would specialise layer by layer; a block
-    reads only its weights and input, so every layer shares one compilation. The first step
-    compiles; numbers change by float rounding (fused ops). Mixture-of-experts blocks (routing
-    picks rows by value) and blocks named otherwise stay eager. A model with an LM head is
-    registered (DECODE_BACKBONES) for compiled_decode and compiled_sampler. Returns the model,
-    weights and state dict unchanged."""
+    """--compile: each dense MLP and RMSNorm block through torch.compile (dynamic shapes), fusing its
+    elementwise ops; blocks, not layers, so every layer shares one compilation. Numbers change by
+    float rounding. A model with an LM head is registered for compiled_decode and compiled_sampler."""
     if not on:
         return model
-    # A block kind's compiled code holds one entry a variant: trained or frozen weights (policy,
-    # reference), grad or none, checkpointing's inputs, a size of 1 (the preflight's one row, the
-    # head probe's one token, the decode). Past dynamo's limit (8) a variant would run eager.
+    # A block kind has a variant per weights, grad mode and size-1 input; past dynamo's 8 one runs eager.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for module in model.modules():
         kind, dense = type(module), not any("expert" in name for name, _ in module.named_modules())
@@ -1938,15 +1875,9 @@ def compile_blocks(model, on: bool = True):
 
 @contextlib.contextmanager
 def compiled_decode(model):
-    """Within it the model's backbone, every layer, runs as one compiled graph (--compile): generate's
-    one-token step. Saves most of the step's small kernels, each costing its launch latency even in a
-    CUDA graph (docs/speed.md). Whole, not layer by layer, so each layer's index into the cache is a
-    constant of the one graph (compile_blocks). Shapes are dynamic; the blocks' compiled forwards are
-    set aside within it (the graph would check each by identity, recompiling for another model). The
-    prefill and the head stay eager; the sampler compiles on its own (compiled_sampler). A model
-    compile_blocks did not compile, with mixture-of-experts layers (routing picks rows by value),
-    under torchrun (FSDP2's hooks on every layer), or whose backbone's forward a library replaced
-    (accelerate's hooks) runs its step as it is."""
+    """Within it (--compile, the one-token step) the backbone runs as one compiled graph, fusing the
+    step's small kernels; the blocks' own compiled forwards are set aside. A no-op for a model
+    compile_blocks did not register, under torchrun, or with a hooked backbone forward."""
     backbone = DECODE_BACKBONES.get(model)
     if backbone is None or dist.is_initialized() or "forward" in backbone.__dict__:  # or a hook library's own
         yield
@@ -1972,12 +1903,8 @@ def compiled_decode(model):
 
 
 def compiled_sampler(model, sample):
-    """For a model that compile_blocks registered (--compile), `sample` (generate's, called every
-    token outside the captured step) through torch.compile, else `sample` itself. Saves most of the
-    sampler's passes over the (n, V) logits: all but the logsumexp and the noise's draw fuse into
-    one (docs/speed.md). The random numbers are torch's own (fallback_random), so the tokens for a
-    seed are eager's, bar a near-tie that float rounding breaks the other way. A few variants
-    compile once each: the prefill's logits and the step's (a strided view), one row, each top-p."""
+    """`sample` through torch.compile for a model compile_blocks registered, else itself: its passes
+    over the (n, V) logits fuse; torch's own random numbers (fallback_random) keep eager's tokens."""
     if model not in DECODE_BACKBONES:
         return sample
     if (sample, COMPILE_BACKEND) not in COMPILED:
@@ -1994,10 +1921,8 @@ PLAIN_HEADS = weakref.WeakKeyDictionary()  # model -> whether its logits are its
 
 
 def plain_head(model) -> bool:
-    """Whether the model hands back its LM head's output as its logits, nothing done after it (Gemma 2
-    soft-caps, Cohere scales): what logprob_head needs. One forward of one token, once per model,
-    its head made to answer a marker from −100 to 100, shows whether the marker comes back
-    unchanged, rather than a list of families that would go stale."""
+    """Whether the model's logits are its LM head's output unchanged (not soft-capped or scaled), as
+    logprob_head needs: one forward, once per model, with the head answering a marker."""
     if model not in PLAIN_HEADS:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if getattr(head, "weight", None) is None:  # no head, or not one with a weight of V' rows
@@ -2020,15 +1945,10 @@ def plain_head(model) -> bool:
 
 @contextlib.contextmanager
 def logprob_head(model, formula, tokens, scale: float, vocab_size: int, with_entropy: bool, entropy_grad: bool):
-    """Within it the model's LM head returns, for the positions that predict `tokens` (n, t), their
-    log-probs and entropies (n, t, 2) by `formula` (the script's token_logprobs: logits (…, V'),
-    tokens (…), scale, vocab_size, with_entropy, entropy_grad -> (…, 2)), HEAD_CHUNK_BYTES of
-    logits at a time; backward recomputes each chunk's logits (HeadLogprobs where the head is a
-    plain Linear whose product is fp32, else each chunk checkpointed). Saves the (n, t, V) logits
-    and their gradient (docs/speed.md). Exact: the same head product and formula as the whole
-    logits, chunk by chunk, up to the order the weight's gradient sums its chunks. A model whose
-    logits are not its head's output as is (plain_head) keeps its head; `read` turns its logits
-    into the same (n, t, 2)."""
+    """Within it the LM head returns, for the positions predicting `tokens` (n, t), log-probs and
+    entropies (n, t, 2) by `formula` (the script's token_logprobs), HEAD_CHUNK_BYTES of logits at a
+    time, backward recomputing each chunk: no (n, t, V) logits. Exact: the same product and formula,
+    chunk by chunk. Yields `read`, which turns the model's output into that (n, t, 2)."""
     head = model.get_output_embeddings() if plain_head(model) else None
     score = functools.partial(
         formula, scale=scale, vocab_size=vocab_size, with_entropy=with_entropy, entropy_grad=entropy_grad
@@ -2074,16 +1994,10 @@ def logprob_head(model, formula, tokens, scale: float, vocab_size: int, with_ent
 
 
 class HeadLogprobs(torch.autograd.Function):
-    """log π of `tokens` and the entropy (`formula`, the script's token_logprobs) from the hidden
-    states through a plain Linear head, `rows` positions at a time, with a backward written out:
-    it recomputes each chunk's logits z (one GEMM), turns them in place into
-    dL/dz = g·(onehot − p) − g_H·p·(log p + H) with p = exp(z − logsumexp), and adds each chunk's
-    weight gradient into one buffer (addmm_). Saves most of what autograd's backward through the
-    chunks moves (docs/speed.md). The forward is the head and token_logprobs op for op, in the same
-    precision (fp32, or TF32 as HeadProduct on a GPU): the same values; the gradients agree to
-    float rounding. A bf16 weight (FSDP2's gathered head, LoRA's frozen one) is upcast once a pass,
-    its gradient summed in fp32 and rounded to bf16 once.
-    hidden (M, d) fp32, weight (V', d), bias (V',) or None, tokens (M,) -> (M, 2): log π and H."""
+    """log π of `tokens` and the entropy through a plain Linear head, `rows` positions at a time. The
+    forward is the head and `formula` op for op (the same values); backward recomputes each chunk's
+    logits z in place into dL/dz = g·(onehot − p) − g_H·p·(log p + H), p = exp(z − logsumexp), and
+    sums the weight's gradient in fp32 (addmm_). (M, d) fp32, (V', d), (V',) or None, (M,) -> (M, 2)."""
 
     @staticmethod
     def forward(
@@ -2147,11 +2061,9 @@ class HeadLogprobs(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class Layout:
-    """What a chunk's forward pass needs to know on the host, read for all the chunks of a batch at
-    once (chunks_of) before the first runs. Saves a host sync a micro-batch, so the host launches
-    micro-batch k+1 while the GPU runs k's backward. prompt, completion: the columns trim_padding
-    keeps; prompts: how many runs of consecutive rows share a prompt (forward_completions' prompt
-    pass has a row for each); shortest: the fewest tokens a row's prompt has."""
+    """A chunk's host-side facts, read for a whole batch at once (chunks_of): no host sync a micro-batch.
+    prompt, completion: the columns trim_padding keeps; prompts: runs of rows sharing a prompt;
+    shortest: the fewest tokens a row's prompt has."""
 
     prompt: int
     completion: int
@@ -2160,13 +2072,9 @@ class Layout:
 
 
 def chunks_of(order, prompt_ids, prompt_mask, completion_mask, rows: int, tokens: int = 0) -> list[tuple]:
-    """The row indices of `order` in consecutive chunks, each with its Layout: `rows` at a time; with
-    rows 0, by `tokens`: as many as keep rows × (their longest prompt + longest completion, the columns
-    trim_padding keeps) within it, one at least, so every chunk has about the same work and memory;
-    with neither, 4 rows (size_micro_batches sets one before step 1). One host sync for all chunks.
-    Under torchrun the budget buys rows, as many as the longest row of any rank allows: FSDP pairs
-    each forward pass of a rank with one of every other, so all make the same passes.
-    Returns [(rows (m,), Layout)]."""
+    """`order` in consecutive chunks with their Layouts: `rows` at a time, or by `tokens` as many as keep
+    rows × their kept columns within it (torchrun: rows by the longest row of any rank, so all ranks make
+    the same passes), else 4 rows. One host sync. Returns [(rows (m,), Layout)]."""
     multiple = shape_multiple(order.device)
     starts = new_prompts(prompt_ids[order], prompt_mask[order])  # (n,) where a run of one prompt starts
     facts = torch.stack([prompt_mask.sum(-1)[order], completion_mask.sum(-1)[order], starts.long()]).tolist()
@@ -2212,10 +2120,8 @@ def new_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Te
 
 
 def length_order(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
-    """The row indices with the rows of each prompt (its group) together, the groups by their longest
-    completion, longest first, and a group's rows by length. Saves padding work, and lets a prompt
-    be forwarded once for its rows (forward_completions): consecutive chunks hold whole groups of
-    similar length. (N, P), (N, P), (N, T) -> (N,)."""
+    """The rows of each group together, the groups by their longest completion, longest first: chunks
+    of similar length and shared prompts (forward_completions). (N, P), (N, P), (N, T) -> (N,)."""
     lengths = completion_mask.sum(-1)  # (N,)
     prompts = torch.cat([prompt_ids, prompt_mask], dim=-1)  # (N, 2P) a prompt is its ids and its padding
     _, group = torch.unique(prompts, dim=0, return_inverse=True)  # (N,) each row's prompt
@@ -2227,20 +2133,15 @@ def length_order(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion
 
 
 def trim_padding(prompt_ids, prompt_mask, completion_ids, completion_mask, layout: Layout):
-    """The chunk without the columns that are padding in every row: the prompt columns before its
-    longest prompt and the completion columns after its longest completion, as many as its Layout
-    keeps (a multiple of shape_multiple, or all there are). Saves their compute. Exact: a column no
-    row attends to changes no other position, and positions count real tokens only.
-    (n, P), (n, P), (n, T), (n, T) -> the same, (n, p) and (n, t)."""
+    """The chunk without the columns that are padding in every row (as its Layout keeps). Exact: no row
+    attends to them, and positions count real tokens only. (n, P), (n, P), (n, T), (n, T) -> (n, p), (n, t)."""
     first = prompt_ids.shape[1] - layout.prompt  # the first prompt column kept
     kept = layout.completion
     return prompt_ids[:, first:], prompt_mask[:, first:], completion_ids[:, :kept], completion_mask[:, :kept]
 
 
 def shape_multiple(device: torch.device) -> int:
-    """The multiple trim_padding rounds a chunk's columns up to: 64 on CUDA, so chunks of a batch
-    share a few shapes and the attention kernels' plans are reused; 1 elsewhere, where nothing is
-    planned per shape."""
+    """trim_padding's column multiple: 64 on CUDA, so chunks share a few kernel shapes; 1 elsewhere."""
     return 64 if device.type == "cuda" else 1
 
 
@@ -2248,21 +2149,12 @@ def forward_completions(
     model, prompt_ids, prompt_mask, completion_ids, completion_mask, output: str = "logits", share: bool = True,
     layout: Layout | None = None,
 ):  # fmt: skip
-    """The model's `output` (its logits, or a backbone's last_hidden_state) at the t positions that
-    predict the completion tokens, position p-1+j predicting token j: (n, p), (n, p), (n, t),
-    (n, t) -> (n, t, ·), the numbers of one forward pass over prompt + completion.
-
-    Rows that share a prompt (a run of them: a group) run it once, as one row with the cache on,
-    all but its last token; each row's pass then starts at that last token and attends to the
-    prompt's keys and values, copied to its rows by an index, and backward sums the G completions'
-    gradients into the one prompt pass. Saves forwarding a prompt once per completion: P + G·T
-    token positions instead of G·(P + T). Exact up to float reassociation: the same keys, values
-    and positions, and transformers builds every mask from the 2D one, sliding windows included.
-    One pass over prompt + completion where G = 1, where a prompt is one token, under gradient
-    checkpointing in train mode (transformers drops the cache), and with share=False (the plain
-    computation).
-
-    layout: the chunk's Layout (chunks_of); without it, one host sync here."""
+    """The model's `output` (logits, or last_hidden_state) at the t positions predicting the completion:
+    (n, p), (n, p), (n, t), (n, t) -> (n, t, ·). Rows sharing a prompt run it once, all but its last
+    token, into a cache each row's pass attends to, and backward sums their gradients into it:
+    P + G·T positions, not G·(P + T). Exact up to float reassociation: the same keys, values,
+    positions and masks. One plain pass where no prompt is shared, a prompt is one token, gradient
+    checkpointing trains, or share=False. layout: the chunk's (chunks_of); else one host sync here."""
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (n, p+t)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same positions as in generate
     num_prompt, kept = prompt_ids.shape[1], completion_ids.shape[1]  # p, t
@@ -2308,18 +2200,14 @@ def forward_completions(
 
 
 # ----------------------------------------------------------------------------------------
-# The tiny models: randomly initialised models of a few hundred thousand parameters with a
-# small byte-level BPE tokenizer trained here, so that tests and CPU runs download nothing.
-#   tiny                 Qwen2, ChatML template, embedding padded beyond the tokenizer (as Qwen's)
-#   tiny-llama           Llama, untied embeddings, a Llama-3-style template that inserts a
-#                        default system prompt, BOS from the template, pad chosen by set_pad_token
-#   tiny-llama-nosystem  the same model with a Gemma-style template that has no system role
-#                        (it raises on one), as several real chat models do
-#   tiny-tools           tiny (the same weights and BPE) with three added tokens, not special, as
-#                        Qwen2.5's tool tokens: <tool_response>, </tool_response> and one whose text is
-#                        the secret task's whole call and the turn's end (TINY_SECRET_CALL, a stop
-#                        token), so that a random model can call its tool by sampling one token; a
-#                        ChatML template that shows tools and their answers in Qwen2.5's shape
+# The tiny models: random models of a few hundred thousand parameters and a byte-level BPE trained
+# here, so that tests and CPU runs download nothing (docs/models.md).
+#   tiny                 Qwen2, ChatML, embedding padded beyond the tokenizer (as Qwen's)
+#   tiny-llama           Llama, untied embeddings, a Llama-3-style template with a default system prompt
+#   tiny-llama-nosystem  the same with a Gemma-style template that raises on a system role
+#   tiny-base            tiny without a chat template
+#   tiny-tools           tiny plus tool tokens, one of them the secret task's whole call (TINY_SECRET_CALL,
+#                        a stop token: a random model calls by sampling one token); Qwen2.5's tool shape
 
 TINY_VERSION = 1  # bump when anything below changes; the cache directory is keyed by it
 TINY_VOCAB = 384  # tokenizer size; the embedding is padded to 448 rows, like Qwen's
@@ -2355,13 +2243,10 @@ NO_SYSTEM_TEMPLATE = (  # the shape of Gemma's: user and model turns only
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
-# tiny-tools' call token: the secret task's whole call and the end of the turn, which the template writes
-# after it; a stop token (a real model writes a call token by token, parse_tool_calls reads both alike)
+# tiny-tools' call token: the secret task's whole call and the turn's end (parse_tool_calls reads it as any call)
 TINY_SECRET_CALL = '<tool_call>\n{"name": "secret_digit", "arguments": {}}\n</tool_call><|im_end|>'
 TINY_TOOL_TOKENS = ["<tool_response>", "</tool_response>", TINY_SECRET_CALL]
-# ChatML, plus the tools in a system turn and each answer as a user turn (Qwen2.5's shape). The tools
-# by name only, not JSON schemas and instructions (~425 tokens of prompt in a first version, ~80 now):
-# a random model attends about evenly over its context, and a short one leaves the answer less buried.
+# ChatML, the tools by name in a system turn and each answer as a user turn (Qwen2.5's shape; docs/tools.md).
 TOOLS_TEMPLATE = (
     "{% set system = messages[0]['content'] if messages[0]['role'] == 'system' else none %}"
     "{% if tools %}"
@@ -2475,10 +2360,8 @@ def build_tiny_model(cache_dir: str | None = None, name: str = "tiny") -> Path:
         bos_token_id=tokenizer.bos_token_id,
     )
 
-    # Write into a temporary directory and rename it into place, so that a crash or a second
-    # process never leaves a half-written model behind. Not by model.save_pretrained: under
-    # torchrun transformers writes the weights and config on rank 0 alone, and another rank's
-    # copy, renamed into place first, would hold neither.
+    # Written into a temporary directory renamed into place: never half-written. Not save_pretrained,
+    # which under torchrun writes on rank 0 alone, leaving another rank's copy empty.
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}-"))
     model.config.architectures, model.config.dtype = [type(model).__name__], torch.float32  # as save_pretrained records
@@ -2496,13 +2379,11 @@ def build_tiny_model(cache_dir: str | None = None, name: str = "tiny") -> Path:
 
 
 # ----------------------------------------------------------------------------------------
-# The training loop's harness: what train() calls around the algorithm. The prompts a step
-# samples, the optimizer step, the update's running sums, the metrics, held-out evaluation.
+# The training loop's harness: what train() calls around the algorithm.
 
 
 def prompt_indices(step: int, batch_size: int, num_problems: int, seed: int) -> list[int]:
-    """The B problem indices of a step: consecutive slices of a fresh shuffle per epoch.
-    A pure function of (step, seed), so a resumed run draws exactly what it would have."""
+    """A step's B problem indices from a shuffle per epoch: a function of (step, seed), so resumable."""
     indices, permutations = [], {}
     for k in range(step * batch_size, (step + 1) * batch_size):
         epoch, position = divmod(k, num_problems)
@@ -2513,17 +2394,14 @@ def prompt_indices(step: int, batch_size: int, num_problems: int, seed: int) -> 
 
 
 def tool_limits(args) -> dict:
-    """rollout's limits on tool turns, from the flags (they matter only for a task with tools)."""
+    """rollout's limits on tool turns, from the flags."""
     return {"max_turns": args.max_turns, "max_tool_tokens": args.max_tool_tokens, "tool_timeout": args.tool_timeout}
 
 
 def whole_groups(order: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Keeps the rows of a group in one mini-batch, so that its prompt is forwarded once
-    (forward_completions): the groups in the order in which their first row comes in `order`, a
-    uniformly random permutation of the rows, each group's rows after one another. That is a
-    uniformly random permutation of the groups (all of G rows, so by symmetry every order of them
-    is as likely), drawn from the same random numbers as before: the random stream is unchanged.
-    order (N,) -> (N,)."""
+    """A group's rows together (its prompt forwarded once), the groups in the order their first row
+    comes in the random permutation `order`: by symmetry a uniformly random order of the groups, from
+    the same random numbers. order (N,) -> (N,)."""
     position = torch.empty_like(order)
     position[order] = torch.arange(len(order), device=order.device)  # where each row comes in `order`
     groups = position.view(-1, group_size).amin(dim=-1).argsort()  # (N/G,) by their first row
@@ -2531,10 +2409,9 @@ def whole_groups(order: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def optimizer_step(model, optimizer, max_grad_norm: float, skip: bool = False) -> float:
-    """Clips the gradient norm, steps, and frees the gradients (set to None, not zeros), so
-    that actor and critic gradients never exist at the same time, nor one step's during the
-    next generation. skip: no step, where a mini-batch had no token to learn from (momentum
-    alone must not move θ). Returns the norm before clipping."""
+    """Clips the gradient norm, steps, and frees the gradients (None, not zeros: actor's and critic's
+    never coexist). skip: no step (no token to learn from; momentum alone must not move θ). Returns
+    the norm before clipping."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item()
     if not skip:
         optimizer.step()
@@ -2543,9 +2420,7 @@ def optimizer_step(model, optimizer, max_grad_norm: float, skip: bool = False) -
 
 
 def accumulate(totals: dict, stats: dict) -> None:
-    """Adds one micro-batch's statistics into running totals: sums, except the maxima (*_max).
-    Numbers or 0-d tensors: the update's stay on the device until host_numbers reads them once,
-    summed in float64 as the numbers are."""
+    """Adds a micro-batch's statistics into totals: sums (float64), maxima for *_max."""
     for key, value in stats.items():
         if torch.is_tensor(value) and value.is_floating_point():
             value = value.double()
@@ -2572,10 +2447,8 @@ def loss_stats(
     clips_weight: bool = False,  # CISPO: the clip bounds its weight, whatever the sign of Â
     cut: torch.Tensor | None = None,  # (n, T) bool, DPPO: the tokens its trust region dropped, in place of the clip's
 ) -> dict:
-    """The loss's statistics over the tokens of loss_mask, as sums (and maxima, *_max) that
-    accumulate over micro-batches into update_metrics: tokens, the tokens the clip binds on each
-    side, those dual-clip bounds, Σ KL, the largest ratio, and the truncated IS weights. Each a 0-d
-    tensor where the loss is: no host sync per micro-batch (policy_backward reads them once)."""
+    """The loss's statistics over loss_mask as 0-d tensor sums (maxima: *_max) that accumulate over
+    micro-batches: tokens, tokens clipped each side and dual-clipped, Σ KL, the largest ratio, TIS."""
     valid = loss_mask.bool()
     low, high = (ratio < 1 - eps_low), (ratio > 1 + eps_high)
     if not clips_weight:  # the clipped surrogate binds only where it cuts the gradient
@@ -2597,8 +2470,7 @@ def loss_stats(
 
 
 def tis_stats(is_weight: torch.Tensor, valid: torch.Tensor) -> dict:
-    """Sums and the max of the truncated IS weights over the valid tokens, for update_metrics (0-d
-    tensors, as loss_stats')."""
+    """The sum and max of the truncated IS weights over the valid tokens (0-d tensors)."""
     return {
         "tis_weight": (is_weight * valid).sum(),
         "tis_weight_max": torch.where(valid.any(), is_weight.masked_fill(~valid, -torch.inf).max(), 1.0),  # C: capped
@@ -2606,8 +2478,7 @@ def tis_stats(is_weight: torch.Tensor, valid: torch.Tensor) -> dict:
 
 
 def step_metrics(batch, entropy: torch.Tensor, old_logp: torch.Tensor, group_size: int) -> dict:
-    """Statistics of the batch (a script's Rollout) a step trains on, with the entropy and old_logp (N, T)
-    that step 4 computed for it (on-policy: the update's forward pass, see old_and_ref_logprobs)."""
+    """Statistics of a step's batch (a script's Rollout), with step 4's entropy and old_logp (N, T)."""
     mask = batch.completion_mask.bool()
     lengths = batch.completion_mask.sum(-1).float()  # (N,)
     rewards, scores = batch.rewards, batch.scores
@@ -2630,10 +2501,8 @@ def step_metrics(batch, entropy: torch.Tensor, old_logp: torch.Tensor, group_siz
 
 
 def tool_metrics(*batches) -> dict:
-    """With tools, over the completions of every batch (a script's Rollouts): calls, answered turns and
-    calls past --max_turns per completion, the share of calls that failed (a malformed call, an unknown tool, wrong
-    arguments, an exception, a timeout) and the share of the completions' tokens that the tools put
-    in. Without: none."""
+    """With tools, over the batches' completions: calls, turns and calls past --max_turns per
+    completion, the share of calls that failed, and the tools' share of the tokens. Without: none."""
     if batches[0].tool_counts is None:
         return {}
     counts = torch.cat([batch.tool_counts for batch in batches]).float()  # (completions, 4)
@@ -2650,8 +2519,7 @@ def tool_metrics(*batches) -> dict:
 
 
 def is_mask_metrics(update: dict) -> dict:
-    """is_mask/* from masked_importance's counts (none without --is_mask): the fractions of the valid
-    tokens and of the completions that masked IS took out of the loss, over every update of the step."""
+    """is_mask/*: the shares of tokens and completions masked IS took out of the loss this step."""
     if "masked_tokens" not in update:
         return {}
     return {
@@ -2661,8 +2529,7 @@ def is_mask_metrics(update: dict) -> dict:
 
 
 def opsm_metrics(update: dict) -> dict:
-    """opsm/sequence_fraction (none without --off_policy_mask_threshold): the share of completions
-    DeepSeek-V3.2's masking took out of the policy term, over every update of the step."""
+    """opsm/sequence_fraction: the share of completions off-policy masking took out this step."""
     if "opsm_masked" not in update:
         return {}
     return {"opsm/sequence_fraction": update["opsm_masked"] / max(update["opsm_sequences"], 1)}
@@ -2676,16 +2543,10 @@ def top_share(
     wanted: int = 0,
     rank_index: int | None = None,
 ):
-    """The tokens of `valid` whose value is among the top `share` of the mini-batch's valid tokens (under
-    torchrun every rank's, through reduce = common.all_reduce): exactly k = ⌈share·count⌉ of them, the k
-    largest (wanted > 0: that many instead). Of the tokens tied at the k-th value, the earliest in the
-    mini-batch's order are taken: row by row, position by position, rank 0's rows before rank 1's (the
-    prompts' order, my_share), so K ranks take the tokens one process takes. Ties are common: the G
-    completions of a prompt share its first token's entropy, and an all-0-advantage mini-batch (every
-    group's rewards equal) has Cov = 0 on every token, where keeping every tie would take all of them.
-    The values are ranked as fp32 numbers; the k-th is found by bisection over their order (the fp32 bit
-    pattern read as an integer, sign and magnitude), exact in at most 33 steps, each a count over every
-    rank. values, valid (n, T) -> (n, T) bool."""
+    """Exactly k = ⌈share·count⌉ (or `wanted`) of the valid tokens, the largest values over every rank
+    (reduce); ties at the k-th value go to the earliest, rank 0's rows first, so K ranks take what one
+    process takes (ties are common: a group shares its first token's entropy). The k-th value by
+    bisection over the fp32 bits as integers: exact, ≤ 33 counts. values, valid (n, T) -> (n, T) bool."""
     valid = valid.bool()
     bits = values[valid].float().view(torch.int32).long()  # (tokens,) sign bit, then magnitude
     order = torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)  # (tokens,) ordered as the values; −0 = +0
@@ -2713,21 +2574,16 @@ def top_share(
 
 
 def share_of(share: float, count: int) -> int:
-    """⌈share·count⌉, the product rounded to 9 places first: in floats 0.07·100 is 7.000000000000001
-    and 0.14·100 is 14.000000000000002, which a bare ceil makes 8 and 15 tokens."""
+    """⌈share·count⌉, rounded to 9 places first: 0.07·100 is 7.000000000000001 in floats."""
     return math.ceil(round(share * count, 9))
 
 
 def evaluate_heldout(
     rollout, policy, tokenizer, eos_ids, task, max_new_tokens: int, batch_size: int, amp=contextlib.nullcontext, **tools
 ):
-    """Greedy (temperature 0) accuracy on the held-out problems of `task` (rewards.py's
-    load_heldout_task: problems no training step samples), the same decoding evaluate.py
-    uses by default. Greedy decoding draws no random numbers, so evaluating does not change
-    what training samples next (a resumed run stays exact). rollout: the script's rollout();
-    amp() the autocast context; tools: its tool limits (tool_limits). What tools draw from Python's
-    random module is undone after. Returns the eval/ metrics, means over the problems (with tools,
-    eval/tools/*: tool_metrics')."""
+    """Greedy accuracy on `task`'s held-out problems, as evaluate.py decodes; it draws no random numbers
+    (and restores Python's, which tools may draw), so training's stay exact. rollout: the script's;
+    tools: tool_limits. Returns the eval/ metrics, means over the problems."""
     start = time.perf_counter()
     scores, lengths, truncations, batches = [], [], [], []
     python_random = random.getstate()  # a tool may draw from it (the secret task's): training's draws stay
