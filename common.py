@@ -2610,14 +2610,12 @@ def evaluate_heldout(
 
 
 # ----------------------------------------------------------------------------------------
-# Runs on disk: runs/<algo>-<task>-<model>-<time>/ with args.json, metrics.jsonl,
-# samples.jsonl and checkpoints.
+# Runs on disk: runs/<algo>-<task>-<model>-<time>/ with args.json, metrics.jsonl, samples.jsonl, checkpoints.
 
 
 def make_run_dir(args, algo: str, task: str | None = None) -> Path:
-    """Creates runs/<algo>-<task>-<model>-<time>/ (task defaults to args.task) and writes
-    args.json. Returns its path. A checkpoint's model tag names its run too
-    (runs/grpo-x/final -> grpo-x-final), so evaluations of two runs' finals stay apart."""
+    """Creates runs/<algo>-<task>-<model>-<time>/ with args.json; a checkpoint's tag names its run too
+    (runs/grpo-x/final -> grpo-x-final). Returns its path."""
     model_path = Path(args.model.rstrip("/"))
     model_tag = model_path.name
     if model_tag == "final" or model_tag.startswith("step-"):
@@ -2638,9 +2636,8 @@ def make_run_dir(args, algo: str, task: str | None = None) -> Path:
 
 
 def make_optimizer(model, lr: float | None, args) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW (β1 0.9, β2 --adam_beta2, --weight_decay) over the trainable weights (with LoRA:
-    the adapters) and its linear warm-up over --warmup_steps steps, for a policy (--lr; None:
-    FULL_LR, or LORA_LR with LoRA) or ppo.py's critic (--critic_lr)."""
+    """AdamW (β1 0.9, β2 --adam_beta2, --weight_decay) over the trainable weights, and its linear
+    warm-up over --warmup_steps; lr None: FULL_LR, or LORA_LR with LoRA."""
     if lr is None:
         lr = LORA_LR if args.lora_rank else FULL_LR
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -2649,8 +2646,7 @@ def make_optimizer(model, lr: float | None, args) -> tuple[torch.optim.AdamW, to
     return optimizer, warmup
 
 
-# Settings a resumed run must share with the run it continues (the reference model, the prompt
-# order and the meaning of a step depend on them); a script adds its own (Run's same_on_resume).
+# Settings a resumed run must share with the run it continues; a script adds its own (same_on_resume).
 SAME_ON_RESUME = ("model", "task", "dataset", "num_problems", "seed", "batch_size", "group_size")
 SAME_ON_RESUME += ("lora_rank", "lora_alpha", "lora_targets")  # the adapters saved must fit the run
 SAME_ON_RESUME += ("data_file", "data_split", "prompt_key", "answer_key", "eval_data_file")  # --task file's rows
@@ -2668,27 +2664,14 @@ class Run:
             run.save_final()
         return run.dir
 
-    A new run gets runs/<algo>-<task>-<model>-<time>/ with args.json. With --resume_from it
-    continues in the checkpoint's run directory: the `resumable` objects (optimizers and
-    schedulers: anything with state_dict/load_state_dict), `state` and the RNG states come
-    back, and metrics.jsonl and samples.jsonl lose the steps after the checkpoint, which run
-    again. Checkpoints are step-<k>/ every save_every steps and final/ at the end; only the
-    newest keeps what resuming alone needs: the trainer state (AdamW's moments are twice the
-    weights) and the resume_only folders (ppo.py's critic/).
-
-    compute_dtype (bf16 on a GPU, None on the CPU): the dtype the checkpoints' weights are
-    written in, the one the model computes in and users load (Qwen2.5's own files are bf16).
-    When it is not the weights' own (fp32 masters under autocast), the newest checkpoint's
-    trainer state also keeps the fp32 weights, so that a resumed run continues exactly.
-
-    same_on_resume: the Args fields a resumed run must share with the run it continues, beyond
-    SAME_ON_RESUME.
-    evaluate(): the held-out eval/ metrics, called every eval_every steps and at the end
-    (never with --eval_every 0). state: more trainer state that the script updates as it goes
-    (dapo.py's position in the prompt stream), saved with every checkpoint and restored on
-    resume. write_extra(directory): more files for each checkpoint (ppo.py's critic), written
-    before the checkpoint is renamed into place; resume_only: those of them (names inside a
-    checkpoint) that an older checkpoint drops. reward_key: the metric the progress bar shows."""
+    With --resume_from it continues in the checkpoint's run directory: `resumable` (anything with
+    state_dict/load_state_dict), `state` and the RNG states come back, and the logs lose the steps
+    after the checkpoint. Checkpoints: step-<k>/ every save_every steps, final/ at the end; only the
+    newest keeps the trainer state and the resume_only files. compute_dtype: the checkpoints' weights'
+    dtype; where it is not the weights' own, the trainer state keeps the fp32 masters, to resume
+    exactly. same_on_resume: fields beyond SAME_ON_RESUME; evaluate(): the eval/ metrics; state: more
+    trainer state (dapo.py's prompt stream); write_extra(directory): more checkpoint files (ppo.py's
+    critic); reward_key: the metric the progress bar shows."""
 
     def __init__(
         self,
@@ -2762,13 +2745,9 @@ class Run:
         return self.progress
 
     def end_step(self, step: int, metrics: dict, seconds: dict, batch=None) -> None:
-        """Steps 7-9 of every script, after step `step` (0-based; logged as step + 1), with the
-        step's metrics and the seconds each of its phases took.
-        7. After every eval_every-th step and the last, the held-out evaluation.
-        8. The row {"step", metrics, time/…, eval/…} to metrics.jsonl; after steps 1,
-           1 + sample_every, 1 + 2·sample_every, …, the first completion of num_samples groups of
-           `batch` (the script's Rollout; None: no samples) to samples.jsonl.
-        9. After every save_every-th step (the last saves final/ instead), a checkpoint."""
+        """Steps 7-9 after step `step` (0-based; logged as step + 1): 7. the held-out evaluation when
+        due; 8. the metrics row, and every sample_every steps a completion of num_samples groups of
+        `batch` to samples.jsonl; 9. a checkpoint every save_every steps (the last saves final/)."""
         args, done = self.args, step + 1
         metrics = {"step": done, **metrics, **{f"time/{phase}": value for phase, value in seconds.items()}}
         if args.eval_every and (done % args.eval_every == 0 or done == args.max_steps):
@@ -2802,9 +2781,7 @@ class Run:
             self.save(f"step-{done:06d}", done)
 
     def check_sampler_gap(self, metrics: dict) -> None:
-        """Warns once when the mean gap between the log-probs the sampler drew tokens with and the
-        trainer's (policy/sample_logp_diff) passes SAMPLER_GAP_BOUND: no correct run reaches it,
-        and past it every ratio and importance weight compares the wrong distributions."""
+        """Warns once when policy/sample_logp_diff passes SAMPLER_GAP_BOUND, which no correct run reaches."""
         gap = metrics.get("policy/sample_logp_diff")
         fp32 = self.save_dtype == torch.float32  # the dtype the model computes in
         bound = SAMPLER_GAP_BOUND["fp32" if fp32 else "bf16"]
@@ -2825,10 +2802,8 @@ class Run:
         self.save("final", self.args.max_steps)
 
     def save(self, name: str, step: int) -> None:
-        """A checkpoint: the policy as save_pretrained writes it (in save_dtype), the tokenizer,
-        write_extra's files, and the trainer state (step, `state`, each resumable's state_dict, the
-        RNG states, the args; the fp32 master weights where the saved ones are bf16). The
-        checkpoint before keeps its weights and loses its trainer state and resume_only files."""
+        """A checkpoint (save_checkpoint) with the trainer state; the one before loses its trainer state
+        and resume_only files, keeping its weights."""
         trainer_state = {"step": step, **self.state, **{k: v.state_dict() for k, v in self.resumable.items()}}
         trainer_state |= {"rng": rng_states(), "args": vars(self.args), "world_size": world_size(), "algo": self.algo}
         if self.keep_masters:
@@ -2870,8 +2845,7 @@ TRACKERS = ("tensorboard", "wandb")
 
 
 def trackers_named(text: str) -> list[str]:
-    """--report_to "none", "tensorboard", "wandb" or several comma-separated -> the tracker names.
-    A ValueError names the unknown one."""
+    """--report_to -> the tracker names; a ValueError names an unknown one."""
     names = [name.strip() for name in text.split(",") if name.strip()]
     if names == ["none"]:
         return []
@@ -2885,8 +2859,7 @@ def trackers_named(text: str) -> list[str]:
 
 
 def open_trackers(args, run_dir: Path, algo: str, resumed_at: int | None = None) -> list:
-    """The trackers --report_to asks for (rank 0 only: the caller's check), each given the run's
-    arguments as its config. Each library is imported here, only when asked for."""
+    """The trackers --report_to asks for (rank 0 only), each with the run's arguments as its config."""
     kinds = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker}
     return [kinds[name](args, Path(run_dir), algo, resumed_at) for name in trackers_named(args.report_to)]
 
@@ -2908,8 +2881,7 @@ def numeric(metrics: dict) -> dict:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """Rows of equal keys as a Markdown table, how TensorBoard's text tab renders a table; `|` and
-    line breaks inside a cell escaped, so a completion cannot break its row."""
+    """Rows of equal keys as a Markdown table for TensorBoard's text tab, `|` and line breaks escaped."""
 
     def cell(value):
         return re.sub(r"\r\n|\r|\n", "<br>", str(value).replace("|", "\\|"))
@@ -2919,10 +2891,8 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 class TensorBoardTracker:
-    """Event files in <run dir>/tensorboard/ (tensorboard --logdir runs/): a scalar per metric at
-    its step, the samples as a Markdown table under the text tab's `samples`, the arguments as
-    `args`. A resumed run purges the events after its checkpoint's step, which run again, as
-    metrics.jsonl loses those rows."""
+    """Event files in <run dir>/tensorboard/: a scalar per metric, the samples and arguments as text.
+    A resumed run purges the events after its checkpoint's step, as metrics.jsonl loses those rows."""
 
     def __init__(self, args, run_dir: Path, algo: str, resumed_at: int | None = None):
         try:
@@ -2947,11 +2917,9 @@ class TensorBoardTracker:
 
 
 class WandbTracker:
-    """A Weights & Biases run named after the run directory, its files in <run dir>/wandb/, the
-    arguments as its config, each metrics row logged at its step, the samples as a wandb.Table
-    (key `samples`). WANDB_MODE=offline writes it there without a network (`wandb sync` uploads
-    it later); WANDB_PROJECT names the project (default nanoPO). W&B's steps only go forward,
-    so a resumed run is a new W&B run, `<run dir>-from-step-<k>`, whose config says resumed_at."""
+    """A W&B run named after the run directory, files in <run dir>/wandb/, the samples as a wandb.Table;
+    WANDB_PROJECT names the project (nanoPO). W&B's steps only go forward, so a resumed run is a new
+    one, `<run dir>-from-step-<k>`."""
 
     def __init__(self, args, run_dir: Path, algo: str, resumed_at: int | None = None):
         try:
@@ -2998,13 +2966,9 @@ def read_jsonl(path: Path) -> list[dict]:
 def save_checkpoint(
     path: Path, model, tokenizer, trainer_state: dict, extra=None, final: bool = False, dtype: torch.dtype | None = None
 ) -> None:
-    """save_pretrained (safetensors; loadable by transformers, vLLM, lm-eval) plus the trainer
-    state needed to resume. A LoRA policy saves its adapters in peft's format in adapter/,
-    and, when final, the merged full model beside them. Written to a sibling temporary
-    directory and renamed into place, so an interrupted save never destroys the previous
-    checkpoint of the same name. extra(directory), if given, writes more files (ppo.py's
-    critic) into that temporary directory, so they arrive with the same rename: a checkpoint
-    is whole or absent. dtype: the weights' dtype on disk (None: the model's own)."""
+    """save_pretrained's weights (in dtype; LoRA: adapter/, and the merged model when final), the
+    tokenizer, extra(directory)'s files and the trainer state, written to a temporary directory
+    renamed into place: a checkpoint is whole or absent."""
     path = Path(path)
     staging = broadcast(Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-")) if rank() == 0 else None)
     if is_lora(model):
@@ -3033,10 +2997,8 @@ def save_checkpoint(
 
 
 def save_full_model(model, directory: Path, dtype: torch.dtype | None = None) -> None:
-    """save_pretrained's format, the weights in `dtype` (None: the model's own). Under torchrun
-    every rank calls it: the weights are gathered to rank 0 on the CPU (full_state_dict) and
-    rank 0 writes them with the model's own class name in config.json (FSDP2 renames the class
-    to FSDP<name>), so transformers and vLLM load it."""
+    """save_pretrained's format in `dtype` (None: the model's own). Under torchrun every rank calls it;
+    rank 0 writes the gathered weights, with the class name FSDP2 renamed restored."""
     own = next(model.parameters()).dtype
     if not dist.is_initialized() and dtype in (None, own):
         model.save_pretrained(directory, safe_serialization=True)
@@ -3057,8 +3019,7 @@ def save_full_model(model, directory: Path, dtype: torch.dtype | None = None) ->
 
 
 def tied_copies(model) -> set[str]:
-    """The names under which a parameter appears a second time (tied embeddings: lm_head.weight is
-    embed_tokens.weight), the first name kept."""
+    """The names under which a parameter appears a second time (tied embeddings)."""
     seen, copies = set(), set()
     for name, parameter in model.named_parameters(remove_duplicate=False):
         if id(parameter) in seen:
@@ -3101,8 +3062,7 @@ def set_rng_states(states: dict) -> None:
 
 
 def output_dir_problems(output_dir: str) -> list[str]:
-    """What stops --output_dir, where runs (or evaluations) get a directory each: a file where it,
-    or a folder above it, would be (found before a model loads, not after)."""
+    """What stops --output_dir: a file where it, or a folder above it, would be."""
     path = Path(output_dir)
     existing = next(p for p in (path, *path.parents) if p.exists())  # "." or "/" at the latest
     if existing.is_dir():
@@ -3111,21 +3071,14 @@ def output_dir_problems(output_dir: str) -> list[str]:
 
 
 def trainer_state_globals() -> list:
-    """What a trainer state holds beyond what torch.load(weights_only=True) reads by itself (tensors,
-    DTensors, numbers, strings, None, lists, tuples, dicts, OrderedDicts: the step, the args, the
-    optimizer, scheduler and reference state dicts, the fp32 master weights, the torch and CUDA RNG
-    states; random.getstate() is a tuple of ints). np.random.get_state() alone needs more: its key
-    is a uint32 ndarray, which pickles as numpy's _reconstruct, the ndarray and dtype classes and the
-    uint32 dtype's class (numpy.dtypes.UInt32DType). The four transformers' Trainer allows for its
-    RNG states (trainer_pt_utils.safe_globals); nothing else, so that a trainer state is read as
-    data, and a pickle that would call anything else (open, os.system, ...) is refused unrun."""
+    """The globals a trainer state needs beyond torch.load(weights_only=True)'s own: numpy's RNG key, a
+    uint32 ndarray (as transformers' Trainer allows). Nothing else, so a pickle that would run code is refused."""
     return [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
 def read_trainer_state(checkpoint, path: Path, mmap: bool = False) -> dict:
-    """The trainer state at `path` (in --resume_from `checkpoint`), read as data only: weights_only,
-    with trainer_state_globals and no other global. A file that holds anything else (a pickle from
-    elsewhere, which could run code as it loads) stops with a message, its code not run."""
+    """The trainer state at `path`, read as data only (weights_only, trainer_state_globals); anything
+    else stops with a message, its code not run."""
     if dist.is_available():
         import torch.distributed.tensor  # noqa: F401  a torchrun run's optimizer state holds DTensors
 
@@ -3143,11 +3096,8 @@ def read_trainer_state(checkpoint, path: Path, mmap: bool = False) -> dict:
 
 
 def resume_problems(args, algo: str) -> list[str]:
-    """What stops --resume_from, read before a model loads: no such directory, no trainer state in
-    it, a checkpoint of another script (resuming it would overwrite that run's arguments and
-    checkpoint, ppo.py's critic included), or one already at --max_steps (the run would train
-    nothing and write final/ with a step count its weights are not at). The state is memory-mapped:
-    its tensors are not read."""
+    """What stops --resume_from, before a model loads: no directory or trainer state, another script's
+    checkpoint, another process count, or one already at --max_steps. Memory-mapped, tensors unread."""
     checkpoint = Path(args.resume_from)
     if not checkpoint.is_dir():
         return [
@@ -3184,8 +3134,7 @@ def processes_differ(checkpoint, saved_by: int, now: int) -> str:
 
 
 def written_by_script(saved_args: dict) -> str:
-    """The script whose arguments these are (an args.json, or a trainer state saved before it
-    named its script), by the arguments only that script has."""
+    """The script whose arguments these are, by the arguments only that script has."""
     return "ppo" if "critic_lr" in saved_args else "dapo" if "dynamic_sampling" in saved_args else "grpo"
 
 
@@ -3206,9 +3155,8 @@ def no_trainer_state(checkpoint) -> str:
 def load_trainer_state(
     checkpoint: str, args: dict | None = None, must_match: tuple[str, ...] = (), filename: str = TRAINER_STATE
 ) -> dict:
-    """The trainer state saved beside a checkpoint's weights (filename: a rank's own under torchrun).
-    Stops with a message if it is absent, or if `args` differ from the saved run's in any of the
-    `must_match` fields."""
+    """A checkpoint's trainer state (filename: a rank's own). Stops if it is absent or `args` differ
+    from the saved run's in a `must_match` field."""
     path = Path(checkpoint) / filename
     if not path.exists():
         raise SystemExit(no_trainer_state(checkpoint))
@@ -3224,8 +3172,7 @@ def load_trainer_state(
 
 
 def drop_trainer_state(checkpoint: Path, resume_only: tuple[str, ...] = ()) -> None:
-    """Deletes a checkpoint's trainer state (every rank's) and its resume_only files or folders,
-    keeping its weights (a newer checkpoint exists)."""
+    """Deletes a checkpoint's trainer state (every rank's) and resume_only files, keeping its weights."""
     for path in Path(checkpoint).glob(TRAINER_STATE.replace(".pt", "*.pt")):
         path.unlink(missing_ok=True)
     for name in resume_only:
@@ -3234,8 +3181,7 @@ def drop_trainer_state(checkpoint: Path, resume_only: tuple[str, ...] = ()) -> N
 
 
 def truncate_jsonl(path: Path, last_step: int) -> None:
-    """Keeps the records with step <= last_step: on resume, the steps after the checkpoint
-    will run again. Rewritten through a temporary file, so a crash leaves the old file whole."""
+    """Keeps the records with step <= last_step, rewritten through a temporary file."""
     if not Path(path).exists():
         return
     kept = [r for r in read_jsonl(path) if r["step"] <= last_step]
