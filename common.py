@@ -144,8 +144,7 @@ def parse_args(args_class, argv: list[str] | None = None):
 
 
 def said_once(message: str) -> str | int:
-    """A stop's message in a node's first process (or without torchrun), exit status 1 in the others:
-    before the group is joined every process checks the same things and would print them once a GPU."""
+    """A stop's message in a node's first process, exit status 1 in the others (no line printed per GPU)."""
     return message if first_of_node() else 1
 
 
@@ -201,8 +200,7 @@ def parsed_args(args_class, argv: list[str] | None):
 
 
 def help_groups(parser, args_class) -> None:
-    """--help lists a script's own flags first, then those of each class its Args extends (RunArgs,
-    TaskArgs), a titled group each."""
+    """--help lists a script's own flags first, then each class its Args extends, a titled group each."""
     bases = [cls for cls in args_class.__mro__[1:] if dataclasses.is_dataclass(cls)]
     if not bases:
         return
@@ -273,8 +271,7 @@ def parsed_file(file: Path, flag: str):
 
 
 def checked_settings(data: dict, args_class, where: str) -> dict:
-    """data's values converted to args_class's field types; a key that is no field stops with the
-    closest valid one named, a value of the wrong type with the type it needs, `where` first."""
+    """data's values as args_class's field types; an unknown key or a wrong type stops, `where` first."""
     fields = {field.name for field in dataclasses.fields(args_class)}
     types = typing.get_type_hints(args_class)  # not field.type: HfArgumentParser rewrites it (float | None -> float)
     values, problems = {}, []
@@ -352,8 +349,7 @@ def _takes_value(token: str) -> bool:
 
 
 def check_run_args(args, algo: str) -> list[str]:
-    """The range checks every training script shares, run before anything loads; algo: the script,
-    which a checkpoint to resume must have been written by. Returns the problems, one line each."""
+    """The range checks every script shares, before anything loads (algo: the script). One line a problem."""
     problems = []
     for field in dataclasses.fields(args):  # NaN passes every range check (each comparison is False):
         value = getattr(args, field.name)  # --beta nan would drop the KL term without a word
@@ -485,8 +481,7 @@ def check_is_mask(args) -> list[str]:
 
 
 def is_mask_bounds(text: str) -> tuple[float, float] | None:
-    """--is_mask "α,β" -> (α, β), with 0 <= α < 1 < β so that a token on which sampler and trainer
-    agree (ratio 1) always stays; "" -> None (off). A ValueError says what was wrong."""
+    """--is_mask "α,β" -> (α, β), 0 <= α < 1 < β so a ratio of 1 always stays; "" -> None (off)."""
     if not text:
         return None
     try:
@@ -508,8 +503,7 @@ def timeout_problems(args) -> list[str]:
 
 
 def stop_interrupted(script: str, checkpoint: Path | None, steps_done: int) -> NoReturn:
-    """Ctrl-C: one line on stderr naming the newest checkpoint and the command that continues from
-    it, then exit status 130, as for any program stopped by SIGINT."""
+    """Ctrl-C: one line naming the newest checkpoint and the command to continue, then exit status 130."""
     if checkpoint is None:
         message = f"Interrupted after {steps_done} steps; no checkpoint yet (--save_every sets how often)."
     else:
@@ -641,8 +635,7 @@ def interrupts_deferred():
 
 
 def record_args(run_dir: Path, args, resumed_at: int | None = None) -> None:
-    """Writes args.json, resume_from empty so it reruns the run as a --config; on a resume the
-    earlier file is kept as args.before-step-<k>.json."""
+    """Writes args.json (a --config that reruns the run); a resume keeps the old as args.before-step-<k>.json."""
     path = Path(run_dir) / "args.json"
     if resumed_at is not None and path.exists():
         path.replace(path.with_name(f"args.before-step-{resumed_at:06d}.json"))
@@ -709,8 +702,7 @@ def seed_everything(seed: int) -> None:
 
 
 def init_distributed(device: torch.device) -> torch.device:
-    """Joins torchrun's process group (NCCL, cuda:LOCAL_RANK, on CUDA; gloo on the CPU). Returns the
-    device this process computes on, made current; without torchrun, `device`."""
+    """Joins torchrun's group (NCCL on cuda:LOCAL_RANK, gloo on the CPU). Returns this process's device."""
     if "WORLD_SIZE" not in os.environ:
         return use_device(device)
     if device.type == "cuda":
@@ -817,8 +809,7 @@ def size_micro_batches(args, task, tokenizer, trained: list, update, score) -> N
 
 
 def logprob_passes(policy, sequence_logprobs, temperature: float, vocab_size: int, amp) -> tuple:
-    """The preflight's two passes over (prompt_ids, prompt_mask, completion_ids, completion_mask) for
-    the script's sequence_logprobs: step 6's forward and backward, step 4's scoring; one chunk each."""
+    """The preflight's passes for the script's sequence_logprobs: step 6's forward and backward, step 4's scoring."""
 
     def update(sequences):
         with amp():
@@ -885,8 +876,7 @@ def preflight(run, most_rows: int, flags: str, budget: float, measure, what: str
 
 
 def cuda_peak(run, rows: int, sequences, device, seconds: dict | None = None) -> float:
-    """Peak bytes on `device` while run(sequences(rows)) runs, inf if out of memory. seconds[rows]:
-    (the pass's seconds, the host's until it returned)."""
+    """Peak bytes while run(sequences(rows)) runs, inf if out of memory; seconds[rows]: (pass, host)."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     batch = sequences(rows)
@@ -915,8 +905,7 @@ def local_bytes(tensor) -> int:
 
 
 def turns_of(tokenizer, completion_ids, completion_mask, tool_mask) -> list[dict]:
-    """A multi-turn completion as [{"model": text}, {"tool": text}, …], runs of the model's or a tool
-    turn's (tool_mask) tokens, decoded with the template's markers. (T,) each -> the turns."""
+    """A completion's turns, [{"model": text}, {"tool": text}, …], by tool_mask. (T,) each -> the turns."""
     length = int((completion_mask + tool_mask).sum())
     ids, owner = completion_ids[:length].tolist(), tool_mask[:length].tolist()
     turns, start = [], 0
@@ -934,14 +923,12 @@ def longest_prompt(tokenizer, task) -> int:
 
 
 def host_numbers(totals: dict) -> dict:
-    """The update's statistics, 0-d tensors summed on the device, read as numbers once after the last
-    micro-batch: an `.item()` in each would leave the GPU idle while the host waits."""
+    """The update's 0-d tensor sums read once, after the last micro-batch: no host sync in each."""
     return {key: value.item() if torch.is_tensor(value) else value for key, value in totals.items()}
 
 
 def all_reduce_metrics(metrics: dict) -> dict:
-    """A step's metrics over ranks: the mean of the ranks' values (exact for a mean over rows; a mean
-    over tokens weighs each rank alike), the maximum of the *_max ones."""
+    """A step's metrics over ranks: the mean of the ranks' values, the maximum of the *_max ones."""
     if not dist.is_initialized():
         return metrics
     return {
@@ -951,8 +938,7 @@ def all_reduce_metrics(metrics: dict) -> dict:
 
 
 def check_distributed(args, *prompt_counts: int) -> None:
-    """Stops, before anything loads, a launch whose B prompts (and DAPO's generation round) do not
-    split into K equal shares, or a rank's B·G/K rows into --num_mini_batches. Rank 0 prints."""
+    """Stops a launch whose prompts do not split into K equal shares, or a rank's rows into mini-batches."""
     uneven = [count for count in prompt_counts if count % world_size()]
     if uneven:
         message = (
@@ -1002,8 +988,7 @@ def shard_model(model, compute_dtype: torch.dtype | None = None, fp32_modules: t
 
 @contextlib.contextmanager
 def unsharded(model):
-    """Full weights for a rollout: one all-gather a rollout, not one a token, and ranks may decode
-    different numbers of tokens; sharded again after. One process: nothing."""
+    """Full weights for a rollout: one all-gather a rollout, not a token; ranks may decode unequal lengths."""
     if not dist.is_initialized():
         yield
         return
@@ -1050,8 +1035,7 @@ LAST_BARRIER = []  # the exit barrier's work, freed by the main thread as the in
 
 
 def leave_process_group() -> None:
-    """A finished run's exit under torchrun: a barrier, then the group destroyed. gloo's barrier work
-    is held here so the main thread frees it, not gloo's thread at exit (docs/distributed.md)."""
+    """A barrier, then the group destroyed; gloo's work held for the main thread (docs/distributed.md)."""
     if dist.get_backend() == "gloo":
         work = dist.barrier(async_op=True)
         work.wait()
@@ -1098,8 +1082,7 @@ def resolve_model_name(name: str) -> str:
 
 
 def model_source(path: str) -> tuple[str, dict]:
-    """from_pretrained's (path, keyword arguments) for resolve_model_name's answer: a GGUF file via
-    gguf_file=, dequantised by transformers (it needs the gguf package)."""
+    """from_pretrained's (path, keywords): a GGUF file via gguf_file=, dequantised (the gguf package)."""
     if not path.endswith(".gguf"):
         return path, {}
     try:
@@ -1160,8 +1143,7 @@ def check_prompt_format(prompt_format: str) -> list[str]:
 
 
 def set_prompt_format(tokenizer, prompt_format: str, name: str) -> None:
-    """Sets tokenizer.plain_prompt (not saved) for render_chat: auto is the chat template if there is
-    one, else plain text; chat without a template stops."""
+    """Sets tokenizer.plain_prompt: auto is the chat template if there is one; chat without one stops."""
     if prompt_format not in PROMPT_FORMATS:
         raise SystemExit(check_prompt_format(prompt_format)[0])
     if prompt_format == "chat" and tokenizer.chat_template is None:
@@ -1193,11 +1175,7 @@ TOOLS_NOT_SHOWN_FIX = "drop --tools/--tool (a task with tools of its own, such a
 
 
 def render_chat(
-    tokenizer,
-    messages: list[dict],
-    tools: list[Callable] | None = None,
-    *,
-    tools_fix: str = TOOLS_NOT_SHOWN_FIX,
+    tokenizer, messages: list[dict], tools: list[Callable] | None = None, *, tools_fix: str = TOOLS_NOT_SHOWN_FIX
 ) -> str:
     """One conversation through the chat template up to the assistant's turn (plain prompts:
     render_plain). A template without a system role (Gemma's raises, others drop it) gets the system
@@ -1249,8 +1227,7 @@ def load_model(
     gradient_checkpointing: bool = False,
     prompt_format: str = "auto",
 ):
-    """Returns (model, tokenizer, eos_ids) for a name as --model takes it; the tokenizer renders
-    prompts in prompt_format (set_prompt_format)."""
+    """(model, tokenizer, eos_ids) for --model `name`, prompts rendered in prompt_format."""
     path = resolve_model_name(name)
     if Path(path).is_dir() and not (Path(path) / "config.json").exists() and (Path(path) / ADAPTER_DIR).is_dir():
         raise SystemExit(
@@ -1382,14 +1359,12 @@ def load_policy(args, device: torch.device, dtype: torch.dtype, compute_dtype: t
 
 
 def frozen_dtype(dtype: torch.dtype, compute_dtype: torch.dtype | None) -> torch.dtype:
-    """LoRA's frozen weights in the compute dtype: they need no fp32 master, and autocast would cast a
-    frozen fp32 weight again in every forward pass."""
+    """LoRA's frozen weights in the compute dtype: no fp32 master needed, no cast in every forward."""
     return compute_dtype or dtype
 
 
 def with_adapters(model, args, saved: Path | None = None):
-    """`model`, frozen, under LoRA adapters (peft): new ones as --lora_rank, --lora_alpha and
-    --lora_targets say (B = 0: the model is unchanged at first), or those saved in `saved`."""
+    """`model`, frozen, under new LoRA adapters (B = 0: unchanged at first) or those saved in `saved`."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     with warnings.catch_warnings():  # peft reads model.is_gradient_checkpointing, which transformers deprecates
@@ -1421,8 +1396,7 @@ def load_reference(args, policy, device: torch.device, dtype: torch.dtype):
 
 
 class AdaptersOff:
-    """A LoRA policy called with its adapters switched off: the base model it adapts. A plain
-    callable, not a module, so that nothing (requires_grad_, eval) reaches the policy through it."""
+    """A LoRA policy with its adapters off; a callable, not a module, so nothing changes the policy."""
 
     def __init__(self, policy):
         self.policy = policy
@@ -1589,8 +1563,7 @@ def captured_or_none(step, pool):
 
 
 def cache_argument(model) -> str:
-    """The keyword the model's forward takes a KV cache by (`cache` from transformers 5.24, else
-    `past_key_values`), read off the transformers model under any wrapper."""
+    """The keyword the model takes a KV cache by: `cache` from transformers 5.24, else `past_key_values`."""
     inner = next((module for module in model.modules() if isinstance(module, PreTrainedModel)), model)
     return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
 
@@ -1683,8 +1656,7 @@ def varlen_attention(model, used: torch.Tensor):
 
 
 def varlen_decode(model, cache) -> bool:
-    """Whether the one-token step runs varlen_decode_attention: every layer full sdpa attention, and a
-    cache flash attention takes."""
+    """Whether the one-token step runs varlen_decode_attention: all full sdpa layers, a cache flash takes."""
     config = getattr(model, "config", None)
     return (
         getattr(config, "_attn_implementation", None) == "sdpa"
@@ -1694,8 +1666,7 @@ def varlen_decode(model, cache) -> bool:
 
 
 def flash_varlen_serves(values: torch.Tensor) -> bool:
-    """Whether flash attention's variable-length entry takes `values`: NVIDIA sm80+, flash SDPA on,
-    bf16 or fp16, a head size a multiple of 8 up to 256."""
+    """Whether flash varlen takes `values`: NVIDIA sm80+, flash SDPA on, bf16/fp16, head size a multiple of 8, ≤ 256."""
     return (
         values.is_cuda
         and torch.version.hip is None
@@ -1903,8 +1874,7 @@ def compiled_decode(model):
 
 
 def compiled_sampler(model, sample):
-    """`sample` through torch.compile for a model compile_blocks registered, else itself: its passes
-    over the (n, V) logits fuse; torch's own random numbers (fallback_random) keep eager's tokens."""
+    """`sample` compiled for a model compile_blocks registered (fallback_random: eager's tokens)."""
     if model not in DECODE_BACKBONES:
         return sample
     if (sample, COMPILE_BACKEND) not in COMPILED:
@@ -1921,8 +1891,7 @@ PLAIN_HEADS = weakref.WeakKeyDictionary()  # model -> whether its logits are its
 
 
 def plain_head(model) -> bool:
-    """Whether the model's logits are its LM head's output unchanged (not soft-capped or scaled), as
-    logprob_head needs: one forward, once per model, with the head answering a marker."""
+    """Whether the logits are the LM head's output unchanged (one probe forward, once per model)."""
     if model not in PLAIN_HEADS:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if getattr(head, "weight", None) is None:  # no head, or not one with a weight of V' rows
@@ -2112,8 +2081,7 @@ def chunks_of(order, prompt_ids, prompt_mask, completion_mask, rows: int, tokens
 
 
 def new_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
-    """Where a run of rows sharing a prompt starts: row i's prompt (its ids and padding) differs from
-    row i-1's, row 0 always. (n, P), (n, P) -> (n,) bool, on the device, no host sync."""
+    """Where a run of rows sharing a prompt starts. (n, P), (n, P) -> (n,) bool, no host sync."""
     starts = torch.ones(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device)
     starts[1:] = ((prompt_ids[1:] != prompt_ids[:-1]) | (prompt_mask[1:] != prompt_mask[:-1])).any(-1)
     return starts
@@ -2409,9 +2377,8 @@ def whole_groups(order: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def optimizer_step(model, optimizer, max_grad_norm: float, skip: bool = False) -> float:
-    """Clips the gradient norm, steps, and frees the gradients (None, not zeros: actor's and critic's
-    never coexist). skip: no step (no token to learn from; momentum alone must not move θ). Returns
-    the norm before clipping."""
+    """Clips, steps (skip: not, as momentum alone must not move θ) and frees the gradients (None, not
+    zeros). Returns the norm before clipping."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item()
     if not skip:
         optimizer.step()
@@ -2501,8 +2468,7 @@ def step_metrics(batch, entropy: torch.Tensor, old_logp: torch.Tensor, group_siz
 
 
 def tool_metrics(*batches) -> dict:
-    """With tools, over the batches' completions: calls, turns and calls past --max_turns per
-    completion, the share of calls that failed, and the tools' share of the tokens. Without: none."""
+    """tools/*: calls, turns, calls past --max_turns per completion, failed calls and the tools' tokens."""
     if batches[0].tool_counts is None:
         return {}
     counts = torch.cat([batch.tool_counts for batch in batches]).float()  # (completions, 4)
@@ -2614,8 +2580,7 @@ def evaluate_heldout(
 
 
 def make_run_dir(args, algo: str, task: str | None = None) -> Path:
-    """Creates runs/<algo>-<task>-<model>-<time>/ with args.json; a checkpoint's tag names its run too
-    (runs/grpo-x/final -> grpo-x-final). Returns its path."""
+    """Creates runs/<algo>-<task>-<model>-<time>/ with args.json (model runs/x/final: x-final)."""
     model_path = Path(args.model.rstrip("/"))
     model_tag = model_path.name
     if model_tag == "final" or model_tag.startswith("step-"):
@@ -2636,8 +2601,7 @@ def make_run_dir(args, algo: str, task: str | None = None) -> Path:
 
 
 def make_optimizer(model, lr: float | None, args) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW (β1 0.9, β2 --adam_beta2, --weight_decay) over the trainable weights, and its linear
-    warm-up over --warmup_steps; lr None: FULL_LR, or LORA_LR with LoRA."""
+    """AdamW over the trainable weights and its linear warm-up; lr None: FULL_LR, or LORA_LR with LoRA."""
     if lr is None:
         lr = LORA_LR if args.lora_rank else FULL_LR
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -2802,8 +2766,7 @@ class Run:
         self.save("final", self.args.max_steps)
 
     def save(self, name: str, step: int) -> None:
-        """A checkpoint (save_checkpoint) with the trainer state; the one before loses its trainer state
-        and resume_only files, keeping its weights."""
+        """A checkpoint with the trainer state; the one before keeps only its weights."""
         trainer_state = {"step": step, **self.state, **{k: v.state_dict() for k, v in self.resumable.items()}}
         trainer_state |= {"rng": rng_states(), "args": vars(self.args), "world_size": world_size(), "algo": self.algo}
         if self.keep_masters:
@@ -2891,8 +2854,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 class TensorBoardTracker:
-    """Event files in <run dir>/tensorboard/: a scalar per metric, the samples and arguments as text.
-    A resumed run purges the events after its checkpoint's step, as metrics.jsonl loses those rows."""
+    """Event files in <run dir>/tensorboard/; a resume purges the events after its checkpoint's step."""
 
     def __init__(self, args, run_dir: Path, algo: str, resumed_at: int | None = None):
         try:
@@ -2997,8 +2959,7 @@ def save_checkpoint(
 
 
 def save_full_model(model, directory: Path, dtype: torch.dtype | None = None) -> None:
-    """save_pretrained's format in `dtype` (None: the model's own). Under torchrun every rank calls it;
-    rank 0 writes the gathered weights, with the class name FSDP2 renamed restored."""
+    """save_pretrained's format in `dtype`; under torchrun rank 0 writes the gathered weights."""
     own = next(model.parameters()).dtype
     if not dist.is_initialized() and dtype in (None, own):
         model.save_pretrained(directory, safe_serialization=True)
@@ -3077,8 +3038,7 @@ def trainer_state_globals() -> list:
 
 
 def read_trainer_state(checkpoint, path: Path, mmap: bool = False) -> dict:
-    """The trainer state at `path`, read as data only (weights_only, trainer_state_globals); anything
-    else stops with a message, its code not run."""
+    """The trainer state at `path`, read as data only; anything else stops, its code not run."""
     if dist.is_available():
         import torch.distributed.tensor  # noqa: F401  a torchrun run's optimizer state holds DTensors
 
@@ -3155,8 +3115,7 @@ def no_trainer_state(checkpoint) -> str:
 def load_trainer_state(
     checkpoint: str, args: dict | None = None, must_match: tuple[str, ...] = (), filename: str = TRAINER_STATE
 ) -> dict:
-    """A checkpoint's trainer state (filename: a rank's own). Stops if it is absent or `args` differ
-    from the saved run's in a `must_match` field."""
+    """A checkpoint's trainer state; stops if absent or `args` differ in a `must_match` field."""
     path = Path(checkpoint) / filename
     if not path.exists():
         raise SystemExit(no_trainer_state(checkpoint))
