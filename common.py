@@ -182,7 +182,8 @@ def parsed_args(args_class, argv: list[str] | None):
         parser.set_defaults(**read_config(config, args_class))
     attached = []
     for token in argv:
-        if attached and _is_number(token) and token.startswith("-") and _takes_value(attached[-1]):
+        flag = attached[-1] if attached else ""  # a flag without an attached value: '--lr', not '--lr=1e-6'
+        if _is_number(token) and token.startswith("-") and flag.startswith("--") and "=" not in flag:
             attached[-1] = f"{attached[-1]}={token}"
         else:
             attached.append(token)
@@ -341,11 +342,6 @@ def _is_number(token: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _takes_value(token: str) -> bool:
-    """A flag without an attached value ('--lr', not '--lr=1e-6' and not a value itself)."""
-    return token.startswith("--") and "=" not in token
 
 
 def check_run_args(args, algo: str) -> list[str]:
@@ -1474,14 +1470,21 @@ def fp32_lm_head(model):
                 return HeadProduct.apply(hidden.float(), head.weight.float(), bias, "tf32")
             return torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
 
-    previous = head.__dict__.get("forward")  # a hook library's own wrapper, if any
-    head.forward = forward
+    with forward_replaced(head, forward):
+        yield
+
+
+@contextlib.contextmanager
+def forward_replaced(module, forward):
+    """Within it module.forward is `forward`; after, what it was (a hook library's own wrapper too)."""
+    previous = module.__dict__.get("forward")
+    module.forward = forward
     try:
         yield
     finally:
-        del head.forward
+        del module.forward
         if previous is not None:
-            head.forward = previous
+            module.forward = previous
 
 
 class HeadProduct(torch.autograd.Function):
@@ -1898,16 +1901,9 @@ def plain_head(model) -> bool:
             PLAIN_HEADS[model] = False
             return False
         marker = torch.linspace(-100.0, 100.0, head.weight.shape[0], device=head.weight.device)  # (V',)
-        previous = head.__dict__.get("forward")
-        head.forward = lambda hidden: marker.expand(*hidden.shape[:-1], -1)  # (…, V')
-        try:
-            with torch.no_grad():
-                token = torch.zeros(1, 1, dtype=torch.long, device=head.weight.device)
-                logits = model(input_ids=token, use_cache=False).logits  # (1, 1, V')
-        finally:
-            del head.forward
-            if previous is not None:
-                head.forward = previous
+        with forward_replaced(head, lambda hidden: marker.expand(*hidden.shape[:-1], -1)), torch.no_grad():  # (…, V')
+            token = torch.zeros(1, 1, dtype=torch.long, device=head.weight.device)
+            logits = model(input_ids=token, use_cache=False).logits  # (1, 1, V')
         PLAIN_HEADS[model] = logits.shape[-1] == len(marker) and torch.equal(logits.float(), marker.expand_as(logits))
     return PLAIN_HEADS[model]
 
@@ -1952,14 +1948,8 @@ def logprob_head(model, formula, tokens, scale: float, vocab_size: int, with_ent
                 chunks.append(piece(*part))
         return torch.cat(chunks).reshape(*tokens.shape, 2)  # (n, t, 2)
 
-    previous = head.__dict__.get("forward")
-    head.forward = forward
-    try:  # the model's "logits" are the (n, t, 2) already, unless it handed its head other positions
-        yield lambda out: out if chunked else score(out, tokens)
-    finally:
-        del head.forward
-        if previous is not None:
-            head.forward = previous
+    with forward_replaced(head, forward):  # the model's "logits" are the (n, t, 2) already, unless it
+        yield lambda out: out if chunked else score(out, tokens)  # handed its head other positions
 
 
 class HeadLogprobs(torch.autograd.Function):
