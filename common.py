@@ -1,10 +1,6 @@
-"""What ppo.py, grpo.py and dapo.py share: the flags every script takes (RunArgs), loading and
-saving models, the tiny test model, seeding, the run directory, the metrics log and checkpoints,
-and the model's runtime: how it runs fast, which the scripts call by name.
-
-Nothing here is algorithm: sampling, log-probs, advantages and losses live in the training
-scripts themselves, so that each script reads top to bottom on its own.
-"""
+"""What ppo.py, grpo.py and dapo.py share: their common flags (RunArgs), the models and their runtime
+(how they run fast, called by name), the tiny test models, seeding, the run on disk and checkpoints.
+No algorithm: sampling, log-probs, advantages and losses live in the scripts, each read on its own."""
 
 import contextlib
 import contextvars
@@ -60,8 +56,7 @@ hf_logging.disable_progress_bar()  # per-shard load/save bars would drown the tr
 # fragment. Read at the first CUDA allocation; a user's own PYTORCH_CUDA_ALLOC_CONF wins.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
-# Short names a user may type for --model, resolved to their Hugging Face Hub ids.
-# Anything else is a local directory, a Hub id ("org/name"), or "tiny".
+# Short names for --model -> Hub ids; anything else is a local directory, a Hub id or a tiny model.
 MODEL_ALIASES = {
     "Qwen2.5-0.5B-Instruct": "Qwen/Qwen2.5-0.5B-Instruct",
     "Qwen2.5-1.5B-Instruct": "Qwen/Qwen2.5-1.5B-Instruct",
@@ -95,9 +90,8 @@ PROMPT_FORMAT_HELP = (
 
 @dataclass
 class RunArgs:
-    """The flags every training script has, beyond its algorithm's: the model, how the passes are
-    sized and compiled, LoRA, the run on disk, held-out evaluation. A script's Args extends it (and
-    rewards.TaskArgs); --help lists them after the algorithm's own."""
+    """The flags every training script has, beyond its algorithm's: a script's Args extends it (and
+    rewards.TaskArgs), and --help lists them after the algorithm's own."""
 
     # the model
     model: str = arg("Qwen2.5-1.5B-Instruct", "local dir, Hub id, short name (common.MODEL_ALIASES) or 'tiny'")
@@ -130,10 +124,9 @@ class RunArgs:
 
 
 def parse_args(args_class, argv: list[str] | None = None):
-    """The command line as a script's Args (HfArgumentParser). --config FILE (YAML or JSON, a run's
-    args.json too) sets any field; flags override it. A negative number (`--lr -1e-6`) is attached
-    to its flag, which argparse would misread as a flag; an unknown flag stops naming the closest
-    valid one. Under torchrun each node's first process alone prints a stop (said_once)."""
+    """The command line as a script's Args. --config FILE (YAML or JSON, an args.json too) sets any field,
+    flags override it; `--lr -1e-6` is attached to its flag (argparse reads a flag); an unknown flag
+    stops naming the closest. Under torchrun a node's first process alone prints a stop (said_once)."""
     if first_of_node():
         return parsed_args(args_class, argv)
     try:  # another process of the node: argparse's usage error (printed, then exit 2) and a message go unsaid
@@ -240,8 +233,7 @@ def pop_config(argv: list[str]) -> tuple[list[str], str | None]:
 
 
 def read_config(path: str, args_class) -> dict:
-    """A --config file's mapping of field names to values, checked (checked_settings) and converted to
-    each field's type, so that YAML's `lr: 2e-5` (a string to YAML) is the float 2e-5."""
+    """A --config file's values, checked and converted to each field's type (YAML's `lr: 2e-5`: 2e-5)."""
     file = Path(path)
     if not file.is_file():
         raise SystemExit(f"--config {path}: no such file.")
@@ -543,8 +535,7 @@ MEMORY_PHASES = {
 
 
 def out_of_memory_message(error: BaseException, checkpoint: Path | None, script: str) -> str:
-    """A CUDA out-of-memory error's message in place of its traceback: its phase (MEMORY_PHASES) and
-    shapes, the GPU's memory, the flags that help, and the newest checkpoint to resume from."""
+    """An out-of-memory error's message: its phase, shapes, the GPU's memory, the flags, the checkpoint."""
     frames, traceback = [], error.__traceback__
     while traceback is not None:  # outermost first: train(), then what it called
         frames.append(traceback.tb_frame)
@@ -607,9 +598,8 @@ def resume_command(script: str, checkpoint: Path) -> str:
 
 @contextlib.contextmanager
 def interrupts_deferred():
-    """Ctrl-C within it raises KeyboardInterrupt when it ends, so a checkpoint's save finishes whole;
-    a second Ctrl-C stops at once. A no-op where SIGINT has another handler, off the main thread, and
-    under torchrun (a rank stopped early would never join the collective another's save waits in)."""
+    """Ctrl-C within it raises when it ends, so a save finishes whole; a second stops at once. A no-op
+    with another SIGINT handler, off the main thread, and under torchrun (a save waits on every rank)."""
     main = threading.current_thread() is threading.main_thread()
     if not main or world_size() > 1 or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         yield
@@ -674,9 +664,8 @@ def use_device(device: torch.device) -> torch.device:
 
 
 def resolve_precision(dtype: str, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
-    """(weight dtype, autocast dtype or None). 'auto' on CUDA: fp32 weights, bf16 compute, since an
-    update of ~lr = 1e-6 is below bf16's resolution (~4e-3 relative); 'bfloat16': bf16 weights too.
-    On the CPU everything is fp32."""
+    """(weight dtype, autocast dtype or None). 'auto' on CUDA: fp32 weights (an update of ~1e-6 is below
+    bf16's ~4e-3 resolution), bf16 compute; 'bfloat16': bf16 weights too. The CPU: all fp32."""
     if dtype == "auto":
         return (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32, None)
     if dtype == "bfloat16":
@@ -729,8 +718,7 @@ def my_share(items: list) -> list:
 
 
 def all_reduce(value, op: str = "sum"):
-    """A number or tensor's "sum", "max" or "min" over every rank, as the same type: the losses'
-    normalisers go through it, so K ranks compute one process's gradient. One process: `value`."""
+    """A number or tensor's "sum", "max" or "min" over every rank, as the same type (one process: itself)."""
     if not dist.is_initialized():
         return value
     tensor = torch.as_tensor(value, dtype=torch.float64 if not torch.is_tensor(value) else None).clone()
@@ -754,11 +742,10 @@ UNSIZED_ROWS = {"micro_batch": 4, "logprob_chunk": 8}  # rows per pass where no 
 
 
 def size_micro_batches(args, task, tokenizer, trained: list, update, score) -> None:
-    """Before step 1, sizes the passes the flags leave open (both *_size and *_tokens 0). On a GPU the
-    preflight runs update (step 6's forward and backward) and score (step 4's scoring) on rows of the
-    longest sequence the run can make, AdamW's moments for `trained` counted in; the most rows that fit
-    × that length become --micro_batch_tokens and --logprob_chunk_tokens. One row that does not fit
-    stops the run now, not hours in. On a CPU: UNSIZED_ROWS rows."""
+    """Before step 1, sizes the passes the flags leave open. On a GPU the preflight runs update and score
+    on rows of the run's longest sequence, AdamW's moments counted in: the most rows that fit × that
+    length become --micro_batch_tokens and --logprob_chunk_tokens (one row too many stops the run now,
+    not hours in). On a CPU: UNSIZED_ROWS rows."""
     device = next(trained[0].parameters()).device
     open_ = [kind for kind in UNSIZED_ROWS if not (getattr(args, f"{kind}_size") or getattr(args, f"{kind}_tokens"))]
     if device.type != "cuda" or not open_:
@@ -835,10 +822,9 @@ def pass_speeds(timings: dict, length: int) -> str:
 
 
 def preflight(run, most_rows: int, flags: str, budget: float, measure, what: str) -> int:
-    """The most rows (≤ most_rows) whose pass peaks within budget, by measure(run, rows) -> peak bytes:
-    1, 2, 4, … while the line through the last two peaks says the next fits (an out-of-memory error
-    would leave other ranks waiting), then the rows that line puts at the budget, confirmed. Each
-    peak is the largest rank's, so all keep the same rows. Stops, naming `flags`, if one row is over."""
+    """The most rows (≤ most_rows) whose pass peaks within budget: 1, 2, 4, … while the line through the
+    last two peaks says the next fits, then where that line meets the budget, confirmed. Each peak is
+    the largest rank's, so all keep the same rows. Stops, naming `flags`, if one row is over."""
     peaks, rows = {}, 1
 
     def line(rows: int) -> float:  # the peak at `rows` on the line through the last two measured
@@ -958,11 +944,9 @@ def check_distributed(args, *prompt_counts: int) -> None:
 
 
 def shard_model(model, compute_dtype: torch.dtype | None = None, fp32_modules: tuple[str, ...] = ()):
-    """FSDP2 (fully_shard) over K ranks: a unit per decoder layer, then the root. Each rank keeps 1/K
-    of every weight, gradient and AdamW moment. Gradients are summed, not averaged: each rank's loss
-    is already divided by the global normaliser. compute_dtype (bf16 on a GPU): layers gathered and
-    computed in it, gradients reduced in fp32 (docs/distributed.md). fp32_modules: submodules that
-    compute in fp32 (ppo.py's value head), a unit each. One process: the model unchanged."""
+    """FSDP2 over K ranks, a unit per decoder layer, then the root. Gradients are summed, not averaged:
+    each rank's loss is already divided by the global normaliser. compute_dtype: layers gathered and
+    computed in it, gradients reduced in fp32 (docs/distributed.md); fp32_modules: units kept in fp32."""
     if not dist.is_initialized():
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -1173,10 +1157,8 @@ TOOLS_NOT_SHOWN_FIX = "drop --tools/--tool (a task with tools of its own, such a
 def render_chat(
     tokenizer, messages: list[dict], tools: list[Callable] | None = None, *, tools_fix: str = TOOLS_NOT_SHOWN_FIX
 ) -> str:
-    """One conversation through the chat template up to the assistant's turn (plain prompts:
-    render_plain). A template without a system role (Gemma's raises, others drop it) gets the system
-    text atop the first user message. tools: functions the template shows the model; a template that
-    ignores them stops the run, as plain prompts do."""
+    """One conversation through the chat template up to the assistant's turn (or render_plain). Without
+    a system role the system text tops the first user message; tools a template ignores stop the run."""
     if getattr(tokenizer, "plain_prompt", False):
         if tools:
             raise SystemExit(
@@ -1331,9 +1313,8 @@ def check_cache_fits(args, task, device: torch.device) -> None:
 
 
 def load_policy(args, device: torch.device, dtype: torch.dtype, compute_dtype: torch.dtype | None = None, task=None):
-    """(policy, tokenizer, eos_ids). Full fine-tuning: --model's (or --resume_from's) weights, all
-    trained. LoRA (Hu et al. 2021, peft): --model's weights frozen in frozen_dtype under adapters
-    W + (α/r)·B·A, B = 0 at first so the policy starts as --model; on resume the checkpoint's adapter/."""
+    """(policy, tokenizer, eos_ids): --model's (or --resume_from's) weights, or with LoRA (Hu et al. 2021)
+    --model's frozen under adapters W + (α/r)·B·A, B = 0 so it starts as --model (resumed: adapter/)."""
     check_cache_fits(args, task, device)  # before any weight loads
     if task is not None and task.tools and args.max_turns == 0:
         names = ", ".join(tool.__name__ for tool in task.tools)
@@ -1435,9 +1416,8 @@ def save_merged(policy, directory: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------
-# The model's runtime: how it runs fast, on a GPU above all. The scripts call these by name; each
-# says what it saves and why it is exact (docs/speed.md has the measurements). Nothing here reads a
-# script: what it needs of one (the log-prob formula, the KV cache) is passed in.
+# The model's runtime: how it runs fast, called by name; each says why it is exact (docs/speed.md
+# measures it). What it needs of a script (the log-prob formula, the KV cache) is passed in.
 #   precision   autocast, the LM head's fp32/TF32 product (fp32_lm_head)
 #   decode      CUDA graphs, the attention bindings, MoE routing for capture, torch.compile
 #   head        log-probs from the hidden states, chunk by chunk (logprob_head, HeadLogprobs)
@@ -1488,9 +1468,8 @@ def forward_replaced(module, forward):
 
 
 class HeadProduct(torch.autograd.Function):
-    """hidden · Wᵀ + b, fp32 in and out, its three GEMMs alone under `precision` ("tf32": inputs
-    rounded to 10 bits, sums in fp32; "ieee"), so every other fp32 product stays exact. Sampler,
-    scorer and update all go through it, so their log-probs agree (docs/speed.md)."""
+    """hidden · Wᵀ + b, fp32 in and out, its three GEMMs alone in `precision` ("tf32" or "ieee"): every
+    other product stays exact, and sampler, scorer and update share it, so their log-probs agree."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, precision: str):  # (…, d), (V', d), (V',) or None -> (…, V')
@@ -1522,9 +1501,8 @@ def matmul_precision(precision: str):
 
 
 def cuda_graph(step, pool=None):
-    """step(), on tensors at fixed addresses, captured as a CUDA graph: the function returned replays
-    its kernels and returns the capture's output, which each replay overwrites. pool: a memory pool
-    shared with graphs replayed one after another."""
+    """step(), on tensors at fixed addresses, as a CUDA graph: the function returned replays it and returns
+    its output, overwritten each time. pool: shared with graphs replayed one after another."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside the capture: lazy set-up (cuBLAS, autocast's casts)
@@ -1611,9 +1589,8 @@ def sdpa_replaced(model, name: str, function):
 
 
 def grouped_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **unused):
-    """The one-token step's attention, the query heads of a KV head as the rows of one query: the same
-    products and softmax, without copying K and V per query head. query (n, heads, 1, d), key and
-    value (n, kv heads, S, d), attention_mask (n, 1, 1, S) additive -> (n, 1, heads, d)."""
+    """The one-token attention, a KV head's query heads as rows of one query: the same products, K and V
+    not copied per head. (n, heads, 1, d), (n, kv heads, S, d) ×2, mask (n, 1, 1, S) -> (n, 1, heads, d)."""
     num_rows, heads, _, head_dim = query.shape
     kv_heads = key.shape[1]
     folded = query.reshape(num_rows, kv_heads, heads // kv_heads, head_dim)  # head h = kv head h // group
@@ -1629,9 +1606,8 @@ def grouped_attention(model):
 def varlen_decode_attention(
     module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, used, starts, **unused
 ):
-    """The one-token attention over a left-aligned cache by flash attention's variable-length entry,
-    row i over its first used[i] columns (n,): the masked step's attention, reading no column past
-    them. query (n, heads, 1, d); key, value (n, kv heads, S, d) views; starts (n + 1,) -> (n, 1, heads, d)."""
+    """The masked step's attention by flash varlen over a left-aligned cache, row i over its first used[i]
+    columns, none past them. (n, heads, 1, d), (n, kv heads, S, d) ×2, starts (n + 1,) -> (n, 1, heads, d)."""
     num_rows, heads, _, head_dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     out = torch.ops.aten._flash_attention_forward(
@@ -1683,9 +1659,8 @@ def flash_varlen_serves(values: torch.Tensor) -> bool:
 
 
 def routing_free_experts(self, hidden_states, top_k_index, top_k_weights):
-    """Mixture-of-experts with shapes independent of the routing, so a CUDA graph can hold it: every
-    token through every expert, its top-k outputs weighted and summed in transformers' order: the same
-    function at E/k times the FLOPs (docs/models.md). hidden_states (n, H), top_k_* (n, k) -> (n, H)."""
+    """Experts whose shapes do not depend on the routing (a CUDA graph holds them): every token through
+    every expert, its top-k summed in transformers' order, at E/k the FLOPs. (n, H), (n, k) ×2 -> (n, H)."""
     up_weight = self.gate_up_proj if self.has_gate else self.up_proj  # (E, 2I or I, H), transposed (E, H, …)
     with torch.autocast(hidden_states.device.type, enabled=False):  # the weights' dtype, as grouped_mm runs
         hidden = hidden_states.to(up_weight.dtype)  # (n, H)
@@ -1745,10 +1720,8 @@ def prefill_mask(model, prompt_mask: torch.Tensor, length: int):
 
 
 class DecodeStep:
-    """generate's one-token step: each row's last token through the model and the script's KV cache to
-    the next logits. Its buffers are changed in place so a CUDA graph replays them; attention is
-    varlen_decode_attention or grouped_decode_attention over decode_widths, the model's own function.
-    prompt_mask (N, P); position (N, 1) each row's next position."""
+    """generate's one-token step through the model and the script's KV cache, its buffers changed in place
+    for a CUDA graph; varlen or grouped attention, the model's own function. prompt_mask (N, P); position (N, 1)."""
 
     def __init__(self, model, cache, prompt_mask, position, steps: int, pad_id: int, vocab_size: int):
         num_rows, prompt_length = prompt_mask.shape
@@ -1827,9 +1800,8 @@ DECODE_BACKBONES = weakref.WeakKeyDictionary()  # a model compile_blocks compile
 
 
 def compile_blocks(model, on: bool = True):
-    """--compile: each dense MLP and RMSNorm block through torch.compile (dynamic shapes), fusing its
-    elementwise ops; blocks, not layers, so every layer shares one compilation. Numbers change by
-    float rounding. A model with an LM head is registered for compiled_decode and compiled_sampler."""
+    """--compile: each dense MLP and RMSNorm block compiled (blocks, not layers: one compilation for all),
+    numbers changed by float rounding; a model with an LM head registered for compiled_decode."""
     if not on:
         return model
     # A block kind has a variant per weights, grad mode and size-1 input; past dynamo's 8 one runs eager.
@@ -1849,8 +1821,7 @@ def compile_blocks(model, on: bool = True):
 
 @contextlib.contextmanager
 def compiled_decode(model):
-    """Within it (--compile, the one-token step) the backbone runs as one compiled graph, fusing the
-    step's small kernels; the blocks' own compiled forwards are set aside. A no-op for a model
+    """Within it (--compile's one-token step) the backbone runs as one compiled graph; a no-op for a model
     compile_blocks did not register, under torchrun, or with a hooked backbone forward."""
     backbone = DECODE_BACKBONES.get(model)
     if backbone is None or dist.is_initialized() or "forward" in backbone.__dict__:  # or a hook library's own
@@ -1910,10 +1881,9 @@ def plain_head(model) -> bool:
 
 @contextlib.contextmanager
 def logprob_head(model, formula, tokens, scale: float, vocab_size: int, with_entropy: bool, entropy_grad: bool):
-    """Within it the LM head returns, for the positions predicting `tokens` (n, t), log-probs and
-    entropies (n, t, 2) by `formula` (the script's token_logprobs), HEAD_CHUNK_BYTES of logits at a
-    time, backward recomputing each chunk: no (n, t, V) logits. Exact: the same product and formula,
-    chunk by chunk. Yields `read`, which turns the model's output into that (n, t, 2)."""
+    """Within it the LM head returns `tokens`' (n, t) log-probs and entropies (n, t, 2) by `formula`, a chunk
+    of logits at a time, recomputed in backward: no (n, t, V) logits, and exact, the same product and
+    formula. Yields `read`, which turns the model's output into that (n, t, 2)."""
     head = model.get_output_embeddings() if plain_head(model) else None
     score = functools.partial(
         formula, scale=scale, vocab_size=vocab_size, with_entropy=with_entropy, entropy_grad=entropy_grad
@@ -2020,9 +1990,8 @@ class HeadLogprobs(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class Layout:
-    """A chunk's host-side facts, read for a whole batch at once (chunks_of): no host sync a micro-batch.
-    prompt, completion: the columns trim_padding keeps; prompts: runs of rows sharing a prompt;
-    shortest: the fewest tokens a row's prompt has."""
+    """A chunk's host-side facts, read for a batch at once (no sync a micro-batch): the columns trim_padding
+    keeps, the runs of rows sharing a prompt, the fewest tokens a row's prompt has."""
 
     prompt: int
     completion: int
@@ -2031,9 +2000,8 @@ class Layout:
 
 
 def chunks_of(order, prompt_ids, prompt_mask, completion_mask, rows: int, tokens: int = 0) -> list[tuple]:
-    """`order` in consecutive chunks with their Layouts: `rows` at a time, or by `tokens` as many as keep
-    rows × their kept columns within it (torchrun: rows by the longest row of any rank, so all ranks make
-    the same passes), else 4 rows. One host sync. Returns [(rows (m,), Layout)]."""
+    """`order` in chunks with their Layouts: `rows` at a time, or as many as keep rows × columns within
+    `tokens` (torchrun: the same rows on all ranks), else 4. One host sync. -> [(rows (m,), Layout)]."""
     multiple = shape_multiple(order.device)
     starts = new_prompts(prompt_ids[order], prompt_mask[order])  # (n,) where a run of one prompt starts
     facts = torch.stack([prompt_mask.sum(-1)[order], completion_mask.sum(-1)[order], starts.long()]).tolist()
@@ -2357,9 +2325,8 @@ def tool_limits(args) -> dict:
 
 
 def whole_groups(order: torch.Tensor, group_size: int) -> torch.Tensor:
-    """A group's rows together (its prompt forwarded once), the groups in the order their first row
-    comes in the random permutation `order`: by symmetry a uniformly random order of the groups, from
-    the same random numbers. order (N,) -> (N,)."""
+    """A group's rows together, the groups in the order their first row comes in the random `order`: by
+    symmetry a uniformly random order of groups, from the same random numbers. (N,) -> (N,)."""
     position = torch.empty_like(order)
     position[order] = torch.arange(len(order), device=order.device)  # where each row comes in `order`
     groups = position.view(-1, group_size).amin(dim=-1).argsort()  # (N/G,) by their first row
@@ -2499,10 +2466,9 @@ def top_share(
     wanted: int = 0,
     rank_index: int | None = None,
 ):
-    """Exactly k = ⌈share·count⌉ (or `wanted`) of the valid tokens, the largest values over every rank
-    (reduce); ties at the k-th value go to the earliest, rank 0's rows first, so K ranks take what one
-    process takes (ties are common: a group shares its first token's entropy). The k-th value by
-    bisection over the fp32 bits as integers: exact, ≤ 33 counts. values, valid (n, T) -> (n, T) bool."""
+    """Exactly k = ⌈share·count⌉ (or `wanted`) valid tokens, the largest over every rank; ties go to the
+    earliest, rank 0's first, so K ranks take what one takes. The k-th value by bisection over the fp32
+    bits as integers: exact in ≤ 33 counts. values, valid (n, T) -> (n, T) bool."""
     valid = valid.bool()
     bits = values[valid].float().view(torch.int32).long()  # (tokens,) sign bit, then magnitude
     order = torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)  # (tokens,) ordered as the values; −0 = +0
@@ -2537,9 +2503,8 @@ def share_of(share: float, count: int) -> int:
 def evaluate_heldout(
     rollout, policy, tokenizer, eos_ids, task, max_new_tokens: int, batch_size: int, amp=contextlib.nullcontext, **tools
 ):
-    """Greedy accuracy on `task`'s held-out problems, as evaluate.py decodes; it draws no random numbers
-    (and restores Python's, which tools may draw), so training's stay exact. rollout: the script's;
-    tools: tool_limits. Returns the eval/ metrics, means over the problems."""
+    """The eval/ metrics: greedy accuracy on `task`'s held-out problems, as evaluate.py decodes; it draws
+    no random numbers (Python's restored after tools), so training's stay exact."""
     start = time.perf_counter()
     scores, lengths, truncations, batches = [], [], [], []
     python_random = random.getstate()  # a tool may draw from it (the secret task's): training's draws stay
@@ -2618,14 +2583,10 @@ class Run:
             run.save_final()
         return run.dir
 
-    With --resume_from it continues in the checkpoint's run directory: `resumable` (anything with
-    state_dict/load_state_dict), `state` and the RNG states come back, and the logs lose the steps
-    after the checkpoint. Checkpoints: step-<k>/ every save_every steps, final/ at the end; only the
-    newest keeps the trainer state and the resume_only files. compute_dtype: the checkpoints' weights'
-    dtype; where it is not the weights' own, the trainer state keeps the fp32 masters, to resume
-    exactly. same_on_resume: fields beyond SAME_ON_RESUME; evaluate(): the eval/ metrics; state: more
-    trainer state (dapo.py's prompt stream); write_extra(directory): more checkpoint files (ppo.py's
-    critic); reward_key: the metric the progress bar shows."""
+    --resume_from continues in the checkpoint's directory: `resumable` (state_dict/load_state_dict),
+    `state` and the RNG states come back, the logs lose the later steps. Only the newest checkpoint keeps
+    the trainer state (with the fp32 masters where compute_dtype is not the weights') and resume_only
+    files. write_extra(directory): more checkpoint files (ppo.py's critic)."""
 
     def __init__(
         self,
@@ -2699,9 +2660,8 @@ class Run:
         return self.progress
 
     def end_step(self, step: int, metrics: dict, seconds: dict, batch=None) -> None:
-        """Steps 7-9 after step `step` (0-based; logged as step + 1): 7. the held-out evaluation when
-        due; 8. the metrics row, and every sample_every steps a completion of num_samples groups of
-        `batch` to samples.jsonl; 9. a checkpoint every save_every steps (the last saves final/)."""
+        """Steps 7-9 after step `step` (0-based; logged as step + 1): 7. evaluate when due; 8. log the
+        metrics, and samples of `batch` every sample_every steps; 9. a checkpoint every save_every steps."""
         args, done = self.args, step + 1
         metrics = {"step": done, **metrics, **{f"time/{phase}": value for phase, value in seconds.items()}}
         if args.eval_every and (done % args.eval_every == 0 or done == args.max_steps):
@@ -2869,9 +2829,8 @@ class TensorBoardTracker:
 
 
 class WandbTracker:
-    """A W&B run named after the run directory, files in <run dir>/wandb/, the samples as a wandb.Table;
-    WANDB_PROJECT names the project (nanoPO). W&B's steps only go forward, so a resumed run is a new
-    one, `<run dir>-from-step-<k>`."""
+    """A W&B run named after the run directory (project: WANDB_PROJECT); W&B's steps only go forward, so
+    a resumed run is a new one, `<run dir>-from-step-<k>`."""
 
     def __init__(self, args, run_dir: Path, algo: str, resumed_at: int | None = None):
         try:
@@ -2918,9 +2877,8 @@ def read_jsonl(path: Path) -> list[dict]:
 def save_checkpoint(
     path: Path, model, tokenizer, trainer_state: dict, extra=None, final: bool = False, dtype: torch.dtype | None = None
 ) -> None:
-    """save_pretrained's weights (in dtype; LoRA: adapter/, and the merged model when final), the
-    tokenizer, extra(directory)'s files and the trainer state, written to a temporary directory
-    renamed into place: a checkpoint is whole or absent."""
+    """The weights (LoRA: adapter/, and the merged model when final), tokenizer, extra's files and trainer
+    state, in a temporary directory renamed into place: a checkpoint is whole or absent."""
     path = Path(path)
     staging = broadcast(Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-")) if rank() == 0 else None)
     if is_lora(model):
