@@ -90,8 +90,7 @@ PROMPT_FORMAT_HELP = (
 
 @dataclass
 class RunArgs:
-    """The flags every training script has, beyond its algorithm's: a script's Args extends it (and
-    rewards.TaskArgs), and --help lists them after the algorithm's own."""
+    """The flags every training script has, beyond its algorithm's: a script's Args extends it."""
 
     # the model
     model: str = arg("Qwen2.5-1.5B-Instruct", "local dir, Hub id, short name (common.MODEL_ALIASES) or 'tiny'")
@@ -321,9 +320,8 @@ def as_field_type(value, kind):
         number = kind(value)
     except (TypeError, ValueError):
         raise ValueError(f"needs {wanted}, not {value!r}") from None
-    if kind is int and isinstance(value, float) and value != number:
-        raise ValueError(f"needs {wanted}, not {value!r}")
-    if number != number:  # NaN ("nan", YAML's .nan): every comparison is False, so `beta > 0` would drop the KL
+    # an int given as 2.5, or NaN ("nan", YAML's .nan): every comparison is False, so `beta > 0` would drop the KL
+    if (kind is int and isinstance(value, float) and value != number) or number != number:
         raise ValueError(f"needs {wanted}, not {value!r}")
     return number
 
@@ -354,11 +352,7 @@ def check_run_args(args, algo: str) -> list[str]:
             f"names such as q_proj,v_proj (got {args.lora_rank}, {args.lora_alpha}, {args.lora_targets!r})."
         )
     defaults = {field.name: field.default for field in dataclasses.fields(args)}
-    shaping = [
-        f"--{name} {getattr(args, name)}"
-        for name in ("lora_alpha", "lora_targets")
-        if getattr(args, name) != defaults[name]
-    ]
+    shaping = [f"--{n} {getattr(args, n)}" for n in ("lora_alpha", "lora_targets") if getattr(args, n) != defaults[n]]
     if not args.lora_rank and shaping:  # given, and ignored: the run would train every weight
         problems.append(
             f"{', '.join(shaping)}: these shape LoRA adapters, and LoRA is off (--lora_rank 0: every weight "
@@ -809,8 +803,7 @@ def logprob_passes(policy, sequence_logprobs, temperature: float, vocab_size: in
 
 
 def pass_speeds(timings: dict, length: int) -> str:
-    """The preflight's passes as tokens per second by rows, and the host's share of each (near the
-    pass's seconds: the GPU waited for the host). timings: kind -> rows -> (seconds, host seconds)."""
+    """The preflight's passes in tokens per second by rows, and the host's share (high: the GPU waited)."""
     return "; ".join(
         f"{kind}: "
         + ", ".join(
@@ -1102,8 +1095,7 @@ PAD_CANDIDATES = ["<|endoftext|>", "<|fim_pad|>", "<pad>", "[PAD]", "<|pad|>", "
 
 
 def set_pad_token(tokenizer, eos_ids: list[int]) -> None:
-    """Left padding, and a pad token that is not an EOS where one exists (masking by id would drop
-    the real EOS; nanoPO's masks are positional, so pad == EOS still works)."""
+    """Left padding, and a pad token that is not an EOS where one exists (nanoPO masks by position)."""
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in eos_ids:
         return
@@ -1137,8 +1129,7 @@ def set_prompt_format(tokenizer, prompt_format: str, name: str) -> None:
 
 
 def render_plain(tokenizer, messages: list[dict]) -> str:
-    """A conversation as plain text for a base model: the system text, 'Question: …' and 'Answer: …'
-    turns, a final 'Answer:'; the BOS first where the tokenizer's encoding adds one."""
+    """A conversation as plain text for a base model: the system text, 'Question: …' and 'Answer: …'."""
     parts = []
     for message in messages:
         if message["role"] == "user":
@@ -1187,8 +1178,7 @@ def render_chat(
 
 
 def check_task_tools(tokenizer, task, max_tool_tokens: int) -> None:
-    """Stops, before a run directory exists, where the template does not show the task's tools, drops
-    their answers, or writes more tokens around an answer than --max_tool_tokens."""
+    """Stops, before a run starts, where the template hides the task's tools or answers, or overfills one."""
     if task is None or not task.tools:
         return
     render_chat(tokenizer, task.messages(task.problems[0]), tools=task.tools)
@@ -1263,8 +1253,7 @@ def not_servable(name: str, reason: str) -> str:
 
 
 def check_servable(model, name: str) -> None:
-    """Stops on a model generate cannot serve: an encoder-decoder, no LM head, or layers that are not
-    attention over a window of one KV cache (chunked, linear, state-space)."""
+    """Stops on a model generate cannot serve: an encoder-decoder, no LM head, or not windowed attention."""
     config = model.config.get_text_config()
     if getattr(model.config, "is_encoder_decoder", False) or getattr(config, "is_encoder_decoder", False):
         raise SystemExit(not_servable(name, f"{model.config.model_type} is an encoder-decoder model"))
@@ -1282,8 +1271,7 @@ def enable_activation_checkpointing(model) -> None:
 
 
 def check_cache_fits(args, task, device: torch.device) -> None:
-    """Stops, before any weight loads, where one completion's KV cache (from the config alone) is
-    larger than the device's free memory. A config that cannot be read is left to the load."""
+    """Stops, before any weight loads, where one completion's KV cache outgrows the device's free memory."""
     columns = args.max_new_tokens + (args.max_turns * args.max_tool_tokens if task is not None and task.tools else 0)
     try:
         path, keywords = model_source(resolve_model_name(args.model))
@@ -1501,8 +1489,7 @@ def matmul_precision(precision: str):
 
 
 def cuda_graph(step, pool=None):
-    """step(), on tensors at fixed addresses, as a CUDA graph: the function returned replays it and returns
-    its output, overwritten each time. pool: shared with graphs replayed one after another."""
+    """step() on fixed tensors as a CUDA graph: the function returned replays it, returning its output."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside the capture: lazy set-up (cuBLAS, autocast's casts)
@@ -1550,8 +1537,7 @@ def cache_argument(model) -> str:
 
 
 def attention_windows(model) -> dict[str, int | None]:
-    """Each attention type of the model's layers -> its window (None: every earlier token): transformers
-    applies no window to a 4D mask, so generate builds one per type. Other layer kinds: ValueError."""
+    """Each attention type -> its window (None: all), a mask each, as transformers windows no 4D mask."""
     if getattr(model, "config", None) is None:
         return {"full_attention": None}
     config = model.config.get_text_config()
@@ -1821,8 +1807,7 @@ def compile_blocks(model, on: bool = True):
 
 @contextlib.contextmanager
 def compiled_decode(model):
-    """Within it (--compile's one-token step) the backbone runs as one compiled graph; a no-op for a model
-    compile_blocks did not register, under torchrun, or with a hooked backbone forward."""
+    """Within it (--compile's one-token step) the backbone, registered by compile_blocks, runs compiled."""
     backbone = DECODE_BACKBONES.get(model)
     if backbone is None or dist.is_initialized() or "forward" in backbone.__dict__:  # or a hook library's own
         yield
@@ -2334,8 +2319,7 @@ def whole_groups(order: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def optimizer_step(model, optimizer, max_grad_norm: float, skip: bool = False) -> float:
-    """Clips, steps (skip: not, as momentum alone must not move θ) and frees the gradients (None, not
-    zeros). Returns the norm before clipping."""
+    """Clips, steps (skip: momentum alone must not move θ), frees the gradients; -> the norm before clip."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item()
     if not skip:
         optimizer.step()
@@ -2574,8 +2558,7 @@ SAME_ON_RESUME += ("data_file", "data_split", "prompt_key", "answer_key", "eval_
 class Run:
     """What a training loop does besides the algorithm: one run on disk, new or resumed.
 
-        run = Run(args, "grpo", policy, tokenizer, resumable={"optimizer": optimizer, ...},
-                  evaluate=evaluate)
+        run = Run(args, "grpo", policy, tokenizer, resumable={"optimizer": optimizer, ...}, evaluate=evaluate)
         with run:                         # Ctrl-C: one line naming the newest checkpoint, exit 130
             for step in run.steps():      # start_step … max_steps-1, with a progress bar
                 ...                       # the algorithm: rollout, log-probs, advantages, update
@@ -2829,8 +2812,7 @@ class TensorBoardTracker:
 
 
 class WandbTracker:
-    """A W&B run named after the run directory (project: WANDB_PROJECT); W&B's steps only go forward, so
-    a resumed run is a new one, `<run dir>-from-step-<k>`."""
+    """A W&B run named after the run directory; a resumed one is `<run dir>-from-step-<k>` (steps go up)."""
 
     def __init__(self, args, run_dir: Path, algo: str, resumed_at: int | None = None):
         try:
