@@ -676,8 +676,7 @@ def seed_everything(seed: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------
-# Several processes (torchrun): data parallel, parameters, gradients and AdamW state sharded by
-# FSDP2. Without torchrun every helper here does nothing, and a script runs as one process.
+# Several processes (torchrun): data parallel, sharded by FSDP2. Without torchrun each helper does nothing.
 
 
 def init_distributed(device: torch.device) -> torch.device:
@@ -737,9 +736,8 @@ UNSIZED_ROWS = {"micro_batch": 4, "logprob_chunk": 8}  # rows per pass where no 
 
 def size_micro_batches(args, task, tokenizer, trained: list, update, score) -> None:
     """Before step 1, sizes the passes the flags leave open. On a GPU the preflight runs update and score
-    on rows of the run's longest sequence, AdamW's moments counted in: the most rows that fit × that
-    length become --micro_batch_tokens and --logprob_chunk_tokens (one row too many stops the run now,
-    not hours in). On a CPU: UNSIZED_ROWS rows."""
+    on rows of the run's longest sequence, AdamW's moments counted in: the most rows that fit × that length
+    become --micro_batch_tokens and --logprob_chunk_tokens (one row too many stops now). A CPU: UNSIZED_ROWS."""
     device = next(trained[0].parameters()).device
     open_ = [kind for kind in UNSIZED_ROWS if not (getattr(args, f"{kind}_size") or getattr(args, f"{kind}_tokens"))]
     if device.type != "cuda" or not open_:
@@ -1352,8 +1350,7 @@ def with_adapters(model, args, saved: Path | None = None):
 
 
 def load_reference(args, policy, device: torch.device, dtype: torch.dtype):
-    """π_ref for the KL term, the starting model: a second copy loaded from --model (so a resumed run
-    keeps the true start), or with LoRA the policy with its adapters off, exactly --model."""
+    """π_ref, the starting model: a copy loaded from --model (a resume keeps the true start), or LoRA's off."""
     if args.lora_rank:
         return AdaptersOff(policy)
     reference, _, _ = load_model(args.model, device, dtype)
@@ -1386,8 +1383,7 @@ def is_lora(model) -> bool:
 
 
 def save_merged(policy, directory: Path) -> None:
-    """A LoRA policy as one full model in save_pretrained's format: each W + (α/r)·B·A summed in fp32
-    beside the policy, on the CPU, so the policy's own weights stay bit for bit."""
+    """A LoRA policy saved as one full model, W + (α/r)·B·A summed in fp32 on the CPU (the policy unchanged)."""
     from peft.tuners.lora import LoraLayer
 
     base = policy.get_base_model()
@@ -1424,8 +1420,7 @@ def autocast(device: torch.device, compute_dtype: torch.dtype | None):
 
 @contextlib.contextmanager
 def fp32_lm_head(model):
-    """Within it, under autocast, a plain Linear LM head computes fp32 logits (TF32 on a GPU,
-    HeadProduct), so sampler and trainer do not differ by bf16's rounding of every logit."""
+    """Within it a Linear LM head's logits are fp32 under autocast (TF32 on a GPU), not rounded to bf16."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not torch.nn.Linear or not torch.is_autocast_enabled(head.weight.device.type):
         yield
@@ -1510,8 +1505,7 @@ CAPTURE_FAILED = []  # the error of a CUDA-graph capture that raised: every late
 
 
 def captured_or_none(step, pool):
-    """step() captured (cuda_graph), or None if the capture raises, after one warning: every later
-    step then runs eagerly, the same tokens, slower. Out of memory and compilation errors propagate."""
+    """step() captured, or None after one warning if capture fails: eager from then on, the same tokens."""
     if CAPTURE_FAILED:
         return None
     try:
@@ -1550,8 +1544,7 @@ def attention_windows(model) -> dict[str, int | None]:
 
 
 def decode_widths(prompt_length: int, max_new_tokens: int, smallest: int = 64) -> list[int]:
-    """The column counts the masked one-token step attends over, P + 64, P + 128, … up to
-    P + max_new_tokens: at most twice the filled columns are read, and each width is one graph."""
+    """The masked step's widths, P + 64, P + 128, … to P + max_new_tokens: ≤ twice the filled columns read."""
     widths, new = [], smallest
     while new < max_new_tokens:
         widths.append(prompt_length + new)
@@ -1786,8 +1779,8 @@ DECODE_BACKBONES = weakref.WeakKeyDictionary()  # a model compile_blocks compile
 
 
 def compile_blocks(model, on: bool = True):
-    """--compile: each dense MLP and RMSNorm block compiled (blocks, not layers: one compilation for all),
-    numbers changed by float rounding; a model with an LM head registered for compiled_decode."""
+    """--compile: each dense MLP and RMSNorm block compiled (one compilation for all layers), float rounding
+    aside the same numbers; a model with an LM head registered for compiled_decode."""
     if not on:
         return model
     # A block kind has a variant per weights, grad mode and size-1 input; past dynamo's 8 one runs eager.
@@ -1975,8 +1968,7 @@ class HeadLogprobs(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class Layout:
-    """A chunk's host-side facts, read for a batch at once (no sync a micro-batch): the columns trim_padding
-    keeps, the runs of rows sharing a prompt, the fewest tokens a row's prompt has."""
+    """A chunk's host-side facts, read for a batch at once (chunks_of): no host sync a micro-batch."""
 
     prompt: int
     completion: int
@@ -2031,8 +2023,7 @@ def new_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Te
 
 
 def length_order(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
-    """The rows of each group together, the groups by their longest completion, longest first: chunks
-    of similar length and shared prompts (forward_completions). (N, P), (N, P), (N, T) -> (N,)."""
+    """A group's rows together, the groups by longest completion, longest first. (N, P), (N, P), (N, T) -> (N,)."""
     lengths = completion_mask.sum(-1)  # (N,)
     prompts = torch.cat([prompt_ids, prompt_mask], dim=-1)  # (N, 2P) a prompt is its ids and its padding
     _, group = torch.unique(prompts, dim=0, return_inverse=True)  # (N,) each row's prompt
@@ -2061,11 +2052,10 @@ def forward_completions(
     layout: Layout | None = None,
 ):  # fmt: skip
     """The model's `output` (logits, or last_hidden_state) at the t positions predicting the completion:
-    (n, p), (n, p), (n, t), (n, t) -> (n, t, ·). Rows sharing a prompt run it once, all but its last
-    token, into a cache each row's pass attends to, and backward sums their gradients into it:
-    P + G·T positions, not G·(P + T). Exact up to float reassociation: the same keys, values,
-    positions and masks. One plain pass where no prompt is shared, a prompt is one token, gradient
-    checkpointing trains, or share=False. layout: the chunk's (chunks_of); else one host sync here."""
+    (n, p), (n, p), (n, t), (n, t) -> (n, t, ·). Rows sharing a prompt run it once (but its last token)
+    into a cache their passes attend to: P + G·T positions, not G·(P + T), exact up to float
+    reassociation (the same keys, values, positions and masks). One plain pass where nothing is shared,
+    a prompt is one token, checkpointing trains, or share=False. layout: chunks_of's; else a host sync."""
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (n, p+t)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same positions as in generate
     num_prompt, kept = prompt_ids.shape[1], completion_ids.shape[1]  # p, t
@@ -2111,14 +2101,8 @@ def forward_completions(
 
 
 # ----------------------------------------------------------------------------------------
-# The tiny models: random models of a few hundred thousand parameters and a byte-level BPE trained
-# here, so that tests and CPU runs download nothing (docs/models.md).
-#   tiny                 Qwen2, ChatML, embedding padded beyond the tokenizer (as Qwen's)
-#   tiny-llama           Llama, untied embeddings, a Llama-3-style template with a default system prompt
-#   tiny-llama-nosystem  the same with a Gemma-style template that raises on a system role
-#   tiny-base            tiny without a chat template
-#   tiny-tools           tiny plus tool tokens, one of them the secret task's whole call (TINY_SECRET_CALL,
-#                        a stop token: a random model calls by sampling one token); Qwen2.5's tool shape
+# The tiny models (TINY_MODELS, each described in docs/models.md): random models of a few hundred
+# thousand parameters and a byte-level BPE trained here, so that tests and CPU runs download nothing.
 
 TINY_VERSION = 1  # bump when anything below changes; the cache directory is keyed by it
 TINY_VOCAB = 384  # tokenizer size; the embedding is padded to 448 rows, like Qwen's
@@ -2355,8 +2339,7 @@ def loss_stats(
     clips_weight: bool = False,  # CISPO: the clip bounds its weight, whatever the sign of Â
     cut: torch.Tensor | None = None,  # (n, T) bool, DPPO: the tokens its trust region dropped, in place of the clip's
 ) -> dict:
-    """The loss's statistics over loss_mask as 0-d tensor sums (maxima: *_max) that accumulate over
-    micro-batches: tokens, tokens clipped each side and dual-clipped, Σ KL, the largest ratio, TIS."""
+    """The loss's statistics over loss_mask, 0-d tensor sums (maxima: *_max) that accumulate over micro-batches."""
     valid = loss_mask.bool()
     low, high = (ratio < 1 - eps_low), (ratio > 1 + eps_high)
     if not clips_weight:  # the clipped surrogate binds only where it cuts the gradient
@@ -2487,8 +2470,7 @@ def share_of(share: float, count: int) -> int:
 def evaluate_heldout(
     rollout, policy, tokenizer, eos_ids, task, max_new_tokens: int, batch_size: int, amp=contextlib.nullcontext, **tools
 ):
-    """The eval/ metrics: greedy accuracy on `task`'s held-out problems, as evaluate.py decodes; it draws
-    no random numbers (Python's restored after tools), so training's stay exact."""
+    """The eval/ metrics of greedy decoding on `task`'s held-out problems: no random numbers drawn."""
     start = time.perf_counter()
     scores, lengths, truncations, batches = [], [], [], []
     python_random = random.getstate()  # a tool may draw from it (the secret task's): training's draws stay
@@ -2859,8 +2841,7 @@ def read_jsonl(path: Path) -> list[dict]:
 def save_checkpoint(
     path: Path, model, tokenizer, trainer_state: dict, extra=None, final: bool = False, dtype: torch.dtype | None = None
 ) -> None:
-    """The weights (LoRA: adapter/, and the merged model when final), tokenizer, extra's files and trainer
-    state, in a temporary directory renamed into place: a checkpoint is whole or absent."""
+    """A checkpoint (LoRA: adapter/, merged when final), renamed into place: whole or absent."""
     path = Path(path)
     staging = broadcast(Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-")) if rank() == 0 else None)
     if is_lora(model):
@@ -2962,8 +2943,7 @@ def output_dir_problems(output_dir: str) -> list[str]:
 
 
 def trainer_state_globals() -> list:
-    """The globals a trainer state needs beyond torch.load(weights_only=True)'s own: numpy's RNG key, a
-    uint32 ndarray (as transformers' Trainer allows). Nothing else, so a pickle that would run code is refused."""
+    """What a trainer state needs beyond weights_only's own: numpy's RNG key; nothing that could run code."""
     return [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
@@ -2986,8 +2966,7 @@ def read_trainer_state(checkpoint, path: Path, mmap: bool = False) -> dict:
 
 
 def resume_problems(args, algo: str) -> list[str]:
-    """What stops --resume_from, before a model loads: no directory or trainer state, another script's
-    checkpoint, another process count, or one already at --max_steps. Memory-mapped, tensors unread."""
+    """What stops --resume_from, found before a model loads (the state memory-mapped, its tensors unread)."""
     checkpoint = Path(args.resume_from)
     if not checkpoint.is_dir():
         return [
