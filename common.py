@@ -534,8 +534,7 @@ def out_of_memory_message(error: BaseException, checkpoint: Path | None, script:
     while traceback is not None:  # outermost first: train(), then what it called
         frames.append(traceback.tb_frame)
         traceback = traceback.tb_next
-    phase, flags = "an unnamed phase", "--micro_batch_tokens, --logprob_chunk_tokens, --batch_size"
-    shapes = ""
+    phase, flags, shapes = "an unnamed phase", "--micro_batch_tokens, --logprob_chunk_tokens, --batch_size", ""
     for frame in frames:
         if frame.f_code.co_name in MEMORY_PHASES:
             phase, flags = MEMORY_PHASES[frame.f_code.co_name]
@@ -658,8 +657,8 @@ def use_device(device: torch.device) -> torch.device:
 
 
 def resolve_precision(dtype: str, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
-    """(weight dtype, autocast dtype or None). 'auto' on CUDA: fp32 weights (an update of ~1e-6 is below
-    bf16's ~4e-3 resolution), bf16 compute; 'bfloat16': bf16 weights too. The CPU: all fp32."""
+    """(weight dtype, autocast dtype). 'auto' on CUDA: fp32 weights (an update of ~1e-6 is below bf16's
+    resolution), bf16 compute; 'bfloat16': bf16 weights too. The CPU: all fp32."""
     if dtype == "auto":
         return (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32, None)
     if dtype == "bfloat16":
@@ -735,9 +734,8 @@ UNSIZED_ROWS = {"micro_batch": 4, "logprob_chunk": 8}  # rows per pass where no 
 
 
 def size_micro_batches(args, task, tokenizer, trained: list, update, score) -> None:
-    """Before step 1, sizes the passes the flags leave open. On a GPU the preflight runs update and score
-    on rows of the run's longest sequence, AdamW's moments counted in: the most rows that fit × that length
-    become --micro_batch_tokens and --logprob_chunk_tokens (one row too many stops now). A CPU: UNSIZED_ROWS."""
+    """Before step 1, sizes the passes the flags leave open: on a GPU the most rows of the run's longest sequence
+    whose update and score fit (AdamW counted) -> --*_tokens; one row too many stops now. A CPU: UNSIZED_ROWS."""
     device = next(trained[0].parameters()).device
     open_ = [kind for kind in UNSIZED_ROWS if not (getattr(args, f"{kind}_size") or getattr(args, f"{kind}_tokens"))]
     if device.type != "cuda" or not open_:
@@ -813,9 +811,8 @@ def pass_speeds(timings: dict, length: int) -> str:
 
 
 def preflight(run, most_rows: int, flags: str, budget: float, measure, what: str) -> int:
-    """The most rows (≤ most_rows) whose pass peaks within budget: 1, 2, 4, … while the line through the
-    last two peaks says the next fits, then where that line meets the budget, confirmed. Each peak is
-    the largest rank's, so all keep the same rows. Stops, naming `flags`, if one row is over."""
+    """The most rows (≤ most_rows) whose pass peaks within budget: 1, 2, 4, … while the line through the last
+    two peaks says the next fits, then where it meets the budget; each peak the largest rank's. Else stops."""
     peaks, rows = {}, 1
 
     def line(rows: int) -> float:  # the peak at `rows` on the line through the last two measured
@@ -935,9 +932,8 @@ def check_distributed(args, *prompt_counts: int) -> None:
 
 
 def shard_model(model, compute_dtype: torch.dtype | None = None, fp32_modules: tuple[str, ...] = ()):
-    """FSDP2 over K ranks, a unit per decoder layer, then the root. Gradients are summed, not averaged:
-    each rank's loss is already divided by the global normaliser. compute_dtype: layers gathered and
-    computed in it, gradients reduced in fp32 (docs/distributed.md); fp32_modules: units kept in fp32."""
+    """FSDP2: a unit per decoder layer and per fp32_modules (kept fp32), then the root. compute_dtype: gathered
+    and computed in it, reduced in fp32; gradients summed, each rank's loss being over the global normaliser."""
     if not dist.is_initialized():
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -1779,8 +1775,7 @@ DECODE_BACKBONES = weakref.WeakKeyDictionary()  # a model compile_blocks compile
 
 
 def compile_blocks(model, on: bool = True):
-    """--compile: each dense MLP and RMSNorm block compiled (one compilation for all layers), float rounding
-    aside the same numbers; a model with an LM head registered for compiled_decode."""
+    """--compile: each dense MLP and RMSNorm block compiled, one code for all layers (compiled_decode's too)."""
     if not on:
         return model
     # A block kind has a variant per weights, grad mode and size-1 input; past dynamo's 8 one runs eager.
@@ -1901,10 +1896,9 @@ def logprob_head(model, formula, tokens, scale: float, vocab_size: int, with_ent
 
 
 class HeadLogprobs(torch.autograd.Function):
-    """log π of `tokens` and the entropy through a plain Linear head, `rows` positions at a time. The
-    forward is the head and `formula` op for op (the same values); backward recomputes each chunk's
-    logits z in place into dL/dz = g·(onehot − p) − g_H·p·(log p + H), p = exp(z − logsumexp), and
-    sums the weight's gradient in fp32 (addmm_). (M, d) fp32, (V', d), (V',) or None, (M,) -> (M, 2)."""
+    """log π of `tokens` and the entropy through a Linear head, `rows` at a time, op for op as `formula`;
+    backward recomputes each chunk's z in place into dL/dz = g·(onehot − p) − g_H·p·(log p + H), summing
+    the weight's gradient in fp32. (M, d) fp32, (V', d), (V',) or None, (M,) -> (M, 2): log π and H."""
 
     @staticmethod
     def forward(
@@ -2052,10 +2046,9 @@ def forward_completions(
     layout: Layout | None = None,
 ):  # fmt: skip
     """The model's `output` (logits, or last_hidden_state) at the t positions predicting the completion:
-    (n, p), (n, p), (n, t), (n, t) -> (n, t, ·). Rows sharing a prompt run it once (but its last token)
-    into a cache their passes attend to: P + G·T positions, not G·(P + T), exact up to float
-    reassociation (the same keys, values, positions and masks). One plain pass where nothing is shared,
-    a prompt is one token, checkpointing trains, or share=False. layout: chunks_of's; else a host sync."""
+    (n, p), (n, p), (n, t), (n, t) -> (n, t, ·). Rows sharing a prompt run it once (but its last token) into
+    a cache their passes attend to: P + G·T positions, not G·(P + T), exact up to float reassociation. One
+    plain pass where nothing is shared, a prompt is one token, checkpointing trains, or share=False."""
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (n, p+t)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same positions as in generate
     num_prompt, kept = prompt_ids.shape[1], completion_ids.shape[1]  # p, t
@@ -2548,10 +2541,9 @@ class Run:
             run.save_final()
         return run.dir
 
-    --resume_from continues in the checkpoint's directory: `resumable` (state_dict/load_state_dict),
-    `state` and the RNG states come back, the logs lose the later steps. Only the newest checkpoint keeps
-    the trainer state (with the fp32 masters where compute_dtype is not the weights') and resume_only
-    files. write_extra(directory): more checkpoint files (ppo.py's critic)."""
+    --resume_from continues in the checkpoint's directory: `resumable`, `state` and the RNG states come
+    back, the logs lose the later steps. Only the newest checkpoint keeps the trainer state (the fp32
+    masters where compute_dtype is not the weights') and resume_only files (write_extra's, ppo's critic)."""
 
     def __init__(
         self,
