@@ -1,10 +1,6 @@
-"""What ppo.py, grpo.py and dapo.py share: the flags every script takes (RunArgs), loading and
-saving models, the tiny test model, seeding, the run directory, the metrics log and checkpoints,
-and the model's runtime: how it runs fast, which the scripts call by name.
-
-Nothing here is algorithm: sampling, log-probs, advantages and losses live in the training
-scripts themselves, so that each script reads top to bottom on its own.
-"""
+"""What ppo.py, grpo.py and dapo.py share: their common flags (RunArgs), the models and their runtime
+(how they run fast, called by name), the tiny test models, seeding, the run on disk and checkpoints.
+No algorithm: sampling, log-probs, advantages and losses live in the scripts, each read on its own."""
 
 import contextlib
 import contextvars
@@ -56,14 +52,11 @@ from transformers.utils import logging as hf_logging
 from rewards import arg, check_tool_turns, plain_prompt_advice, too_few_tool_tokens, tool_turn_text
 
 hf_logging.disable_progress_bar()  # per-shard load/save bars would drown the training bar
-# CUDA memory in segments that grow instead of blocks of fixed sizes: the KV cache, the logits and
-# the activations change size from step to step, and fixed blocks leave them gaps they cannot
-# reuse (fragmentation). Read at the first CUDA allocation, so setting it here, before any, is in
-# time; a user's own PYTORCH_CUDA_ALLOC_CONF wins.
+# Segments that grow: the KV cache, logits and activations change size each step, and fixed blocks
+# fragment. Read at the first CUDA allocation; a user's own PYTORCH_CUDA_ALLOC_CONF wins.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
-# Short names a user may type for --model, resolved to their Hugging Face Hub ids.
-# Anything else is a local directory, a Hub id ("org/name"), or "tiny".
+# Short names for --model -> Hub ids; anything else is a local directory, a Hub id or a tiny model.
 MODEL_ALIASES = {
     "Qwen2.5-0.5B-Instruct": "Qwen/Qwen2.5-0.5B-Instruct",
     "Qwen2.5-1.5B-Instruct": "Qwen/Qwen2.5-1.5B-Instruct",
@@ -81,9 +74,7 @@ MODEL_ALIASES = {
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 TRAINER_STATE = "trainer_state.pt"  # optimizer, scheduler, step and RNG states, for resuming
 ADAPTER_DIR = "adapter"  # a LoRA checkpoint's adapters, in peft's format
-# LoRA's best learning rate is about 10× full fine-tuning's (Schulman et al. 2025, "LoRA
-# Without Regret", over ranks 1-512 with α = 32): the default --lr with --lora_rank > 0.
-FULL_LR, LORA_LR = 1e-6, 1e-5
+FULL_LR, LORA_LR = 1e-6, 1e-5  # the default --lr; LoRA's ~10× (docs/lora.md: LoRA Without Regret)
 
 
 # ----------------------------------------------------------------------------------------
@@ -99,9 +90,7 @@ PROMPT_FORMAT_HELP = (
 
 @dataclass
 class RunArgs:
-    """The flags every training script has, beyond its algorithm's: the model, how the passes are
-    sized and compiled, LoRA, the run on disk, held-out evaluation. A script's Args extends it (and
-    rewards.TaskArgs); --help lists them after the algorithm's own."""
+    """The flags every training script has, beyond its algorithm's: a script's Args extends it."""
 
     # the model
     model: str = arg("Qwen2.5-1.5B-Instruct", "local dir, Hub id, short name (common.MODEL_ALIASES) or 'tiny'")
@@ -134,17 +123,9 @@ class RunArgs:
 
 
 def parse_args(args_class, argv: list[str] | None = None):
-    """Parses the command line into a script's Args dataclass with HfArgumentParser (the help of
-    each flag is its field's arg(...) text).
-
-    --config FILE (YAML or JSON) sets any field of Args, a run's own args.json included, so that
-    it reruns the run; a flag on the command line overrides the file (read_config).
-
-    Two things argparse gets wrong for us: a negative number in scientific notation
-    (`--lr -1e-6`) reads as a flag, so a value that parses as a number is attached to the flag
-    before it (`--lr=-1e-6`), and check_args can then say what is wrong with it; and an unknown
-    flag such as `--maxsteps` stops with argparse's usual message plus the closest valid name.
-    Under torchrun, each node's first process alone prints a stop (said_once)."""
+    """The command line as a script's Args. --config FILE (YAML or JSON, an args.json too) sets any field,
+    flags override it; `--lr -1e-6` is attached to its flag (argparse reads a flag); an unknown flag
+    stops naming the closest. Under torchrun a node's first process alone prints a stop (said_once)."""
     if first_of_node():
         return parsed_args(args_class, argv)
     try:  # another process of the node: argparse's usage error (printed, then exit 2) and a message go unsaid
@@ -155,22 +136,17 @@ def parse_args(args_class, argv: list[str] | None = None):
 
 
 def said_once(message: str) -> str | int:
-    """A stop's message in the first process of a torchrun node (LOCAL_RANK 0) or without torchrun,
-    exit status 1 in the others: before the process group is joined, every process checks the same
-    arguments and files and would print the same lines, once a GPU (a node's own files are checked
-    on every node, so each node says what it found)."""
+    """A stop's message in a node's first process, exit status 1 in the others (no line printed per GPU)."""
     return message if first_of_node() else 1
 
 
 def first_of_node() -> bool:
-    """Without torchrun (no WORLD_SIZE, as init_distributed reads it), or a torchrun node's first
-    process (LOCAL_RANK 0)."""
+    """Without torchrun (no WORLD_SIZE), or a torchrun node's first process (LOCAL_RANK 0)."""
     return "WORLD_SIZE" not in os.environ or os.environ.get("LOCAL_RANK", "0") == "0"
 
 
-# Flags a script had and no longer has -> (the value that did what every run now does, what replaced it).
-# Given on the command line, the flag stops with that line; in a --config file (an older run's args.json)
-# the value that behaved as runs do now is accepted, any other stops (docs/speed.md: tried and removed).
+# Removed flags -> (the value that did what runs now do, what replaced it). On the command line the flag
+# stops; in a --config file that value is accepted, any other stops (docs/speed.md: tried and removed).
 REMOVED_SETTINGS = {
     "lm_head_precision": ("tf32", "the LM head runs on TF32 tensor cores on a GPU, fp32 on the CPU, always"),
     # bench.py's A/B flags of paths measured and removed
@@ -180,8 +156,7 @@ REMOVED_SETTINGS = {
 
 
 def removed_setting(name: str, value=None) -> str | None:
-    """The one line a removed setting stops with, or None where it is not one (or, from a file, holds
-    the value that did what runs now do)."""
+    """The line a removed setting stops with, or None (not one, or from a file with today's value)."""
     if name not in REMOVED_SETTINGS or (value is not None and str(value) == REMOVED_SETTINGS[name][0]):
         return None
     return f"--{name} was removed: {REMOVED_SETTINGS[name][1]}. Leave it out."
@@ -199,7 +174,8 @@ def parsed_args(args_class, argv: list[str] | None):
         parser.set_defaults(**read_config(config, args_class))
     attached = []
     for token in argv:
-        if attached and _is_number(token) and token.startswith("-") and _takes_value(attached[-1]):
+        flag = attached[-1] if attached else ""  # a flag without an attached value: '--lr', not '--lr=1e-6'
+        if _is_number(token) and token.startswith("-") and flag.startswith("--") and "=" not in flag:
             attached[-1] = f"{attached[-1]}={token}"
         else:
             attached.append(token)
@@ -217,9 +193,7 @@ def parsed_args(args_class, argv: list[str] | None):
 
 
 def help_groups(parser, args_class) -> None:
-    """--help lists a script's own flags first (its algorithm's hyperparameters), then those of each
-    class its Args extends (RunArgs, TaskArgs), a titled group each. A class that extends none keeps
-    argparse's one list."""
+    """--help lists a script's own flags first, then each class its Args extends, a titled group each."""
     bases = [cls for cls in args_class.__mro__[1:] if dataclasses.is_dataclass(cls)]
     if not bases:
         return
@@ -258,10 +232,7 @@ def pop_config(argv: list[str]) -> tuple[list[str], str | None]:
 
 
 def read_config(path: str, args_class) -> dict:
-    """The values of a --config file for args_class, checked: a YAML (.yaml, .yml) or JSON (.json)
-    mapping of field names to values. A key that is no field stops with the closest valid one named;
-    a value of the wrong type stops with the field's type. Values are converted to the field's type,
-    so that YAML's `lr: 2e-5` (a string to YAML, which wants `2.0e-5`) is the float 2e-5."""
+    """A --config file's values, checked and converted to each field's type (YAML's `lr: 2e-5`: 2e-5)."""
     file = Path(path)
     if not file.is_file():
         raise SystemExit(f"--config {path}: no such file.")
@@ -278,8 +249,7 @@ def read_config(path: str, args_class) -> dict:
 
 
 def parsed_file(file: Path, flag: str):
-    """The YAML (.yaml, .yml; JSON is YAML too) or JSON (.json) in a file a flag names, or a SystemExit
-    that says where it is not: not UTF-8, or the parser's own message, with its line and column."""
+    """The YAML or JSON in a file a flag names, or a SystemExit: not UTF-8, or the parser's message."""
     import yaml  # PyYAML, which transformers itself requires
 
     try:
@@ -293,8 +263,7 @@ def parsed_file(file: Path, flag: str):
 
 
 def checked_settings(data: dict, args_class, where: str) -> dict:
-    """data's values converted to args_class's field types; a key that is no field stops with the
-    closest valid one named, a value of the wrong type with the type it needs, `where` first."""
+    """data's values as args_class's field types; an unknown key or a wrong type stops, `where` first."""
     fields = {field.name for field in dataclasses.fields(args_class)}
     types = typing.get_type_hints(args_class)  # not field.type: HfArgumentParser rewrites it (float | None -> float)
     values, problems = {}, []
@@ -324,8 +293,7 @@ def checked_settings(data: dict, args_class, where: str) -> dict:
 
 
 def as_field_type(value, kind):
-    """value as an Args field of type `kind` (bool, int, float, str, or one of them | None) holds it.
-    A ValueError says what was expected."""
+    """value as a field of type `kind` (bool, int, float, str, a list, or one | None); else ValueError."""
     if typing.get_origin(kind) is list:  # evaluate.py's --compare, --plot: a list of texts
         if not isinstance(value, list):
             raise ValueError(f"needs a list, not {value!r}")
@@ -352,9 +320,8 @@ def as_field_type(value, kind):
         number = kind(value)
     except (TypeError, ValueError):
         raise ValueError(f"needs {wanted}, not {value!r}") from None
-    if kind is int and isinstance(value, float) and value != number:
-        raise ValueError(f"needs {wanted}, not {value!r}")
-    if number != number:  # NaN ("nan", YAML's .nan): every comparison is False, so `beta > 0` would drop the KL
+    # an int given as 2.5, or NaN ("nan", YAML's .nan): every comparison is False, so `beta > 0` would drop the KL
+    if (kind is int and isinstance(value, float) and value != number) or number != number:
         raise ValueError(f"needs {wanted}, not {value!r}")
     return number
 
@@ -367,16 +334,8 @@ def _is_number(token: str) -> bool:
     return True
 
 
-def _takes_value(token: str) -> bool:
-    """A flag without an attached value ('--lr', not '--lr=1e-6' and not a value itself)."""
-    return token.startswith("--") and "=" not in token
-
-
 def check_run_args(args, algo: str) -> list[str]:
-    """The checks every training script shares (its check_args adds its own): each value in
-    range, before anything is loaded, so a typo costs a second and not a model load; algo: the
-    script's ("grpo", "dapo", "ppo"), which a checkpoint to resume must have been written by.
-    Returns the problems found, one line each."""
+    """The range checks every script shares, before anything loads (algo: the script). One line a problem."""
     problems = []
     for field in dataclasses.fields(args):  # NaN passes every range check (each comparison is False):
         value = getattr(args, field.name)  # --beta nan would drop the KL term without a word
@@ -393,11 +352,7 @@ def check_run_args(args, algo: str) -> list[str]:
             f"names such as q_proj,v_proj (got {args.lora_rank}, {args.lora_alpha}, {args.lora_targets!r})."
         )
     defaults = {field.name: field.default for field in dataclasses.fields(args)}
-    shaping = [
-        f"--{name} {getattr(args, name)}"
-        for name in ("lora_alpha", "lora_targets")
-        if getattr(args, name) != defaults[name]
-    ]
+    shaping = [f"--{n} {getattr(args, n)}" for n in ("lora_alpha", "lora_targets") if getattr(args, n) != defaults[n]]
     if not args.lora_rank and shaping:  # given, and ignored: the run would train every weight
         problems.append(
             f"{', '.join(shaping)}: these shape LoRA adapters, and LoRA is off (--lora_rank 0: every weight "
@@ -438,8 +393,7 @@ def check_run_args(args, algo: str) -> list[str]:
 
 
 def check_technique_args(args) -> list[str]:
-    """The ranges of the entropy bonus, the moving reference, SAPO's gate, the unbiased KL, truncated and
-    masked IS (grpo.py, dapo.py)."""
+    """The ranges of the techniques' flags that grpo.py and dapo.py share."""
     problems = []
     if args.sapo_tau_pos <= 0 or args.sapo_tau_neg <= 0:
         problems.append(
@@ -509,8 +463,7 @@ def check_is_mask(args) -> list[str]:
 
 
 def is_mask_bounds(text: str) -> tuple[float, float] | None:
-    """--is_mask "α,β" -> (α, β), with 0 <= α < 1 < β so that a token on which sampler and trainer
-    agree (ratio 1) always stays; "" -> None (off). A ValueError says what was wrong."""
+    """--is_mask "α,β" -> (α, β), 0 <= α < 1 < β so a ratio of 1 always stays; "" -> None (off)."""
     if not text:
         return None
     try:
@@ -523,9 +476,7 @@ def is_mask_bounds(text: str) -> tuple[float, float] | None:
 
 
 def timeout_problems(args) -> list[str]:
-    """--reward_fn_timeout and --tool_timeout (training scripts, evaluate.py): the seconds of a
-    SIGALRM (rewards.call_with_time_limit), which cannot be set to infinity: every call would fail,
-    and every reward be 0."""
+    """--reward_fn_timeout and --tool_timeout: the seconds of a SIGALRM, finite (inf: every call fails)."""
     return [
         f"--{name} must be a finite number of seconds > 0 (got {getattr(args, name)})."
         for name in ("reward_fn_timeout", "tool_timeout")
@@ -534,9 +485,7 @@ def timeout_problems(args) -> list[str]:
 
 
 def stop_interrupted(script: str, checkpoint: Path | None, steps_done: int) -> NoReturn:
-    """What Ctrl-C does: one line on stderr instead of a traceback, naming the newest
-    checkpoint and the command that continues from it (the same arguments with --resume_from
-    that checkpoint), then exit status 130 as for any program stopped by SIGINT."""
+    """Ctrl-C: one line naming the newest checkpoint and the command to continue, then exit status 130."""
     if checkpoint is None:
         message = f"Interrupted after {steps_done} steps; no checkpoint yet (--save_every sets how often)."
     else:
@@ -547,15 +496,10 @@ def stop_interrupted(script: str, checkpoint: Path | None, steps_done: int) -> N
     raise SystemExit(130)
 
 
-# The mean |log π_sampler − log π_trainer| over a step's tokens (policy/sample_logp_diff) that no
-# correct run reaches. fp32: ~2e-7 on the tiny model, ~1e-6 on SmolLM2-135M. bf16 autocast: 0.014 on
-# SmolLM2-135M under CPU autocast (docs/speed.md; a GPU's kernels not yet measured); the CUDA tier
-# fails above 0.05. A sliding window left out of generate: a mean of 0.003-0.13 in fp32 on the tiny
-# family models with a window of 8 (tests/families.py), 8.7 nats at most on Gemma 3 270M.
+# The mean |log π_sampler − log π_trainer| (policy/sample_logp_diff) no correct run reaches (docs/models.md).
 SAMPLER_GAP_BOUND = {"fp32": 1e-3, "bf16": 0.05}
 
-# The function a CUDA out-of-memory error rose through (the outermost of these on its traceback) ->
-# the phase it names and the flags that lower that phase's memory.
+# The outermost of these functions an out-of-memory error rose through -> its phase, the flags that help.
 MEMORY_PHASES = {
     "evaluate_heldout": ("held-out evaluation", "--eval_batch_size (problems generated at once), --max_new_tokens"),
     "rollout": (
@@ -585,15 +529,12 @@ MEMORY_PHASES = {
 
 
 def out_of_memory_message(error: BaseException, checkpoint: Path | None, script: str) -> str:
-    """One message for a CUDA out-of-memory error in place of its traceback: the phase it rose in
-    (MEMORY_PHASES), the shapes that phase was working on, the GPU's memory, the flags that lower
-    that phase's memory, and the newest checkpoint to resume from."""
+    """An out-of-memory error's message: its phase, shapes, the GPU's memory, the flags, the checkpoint."""
     frames, traceback = [], error.__traceback__
     while traceback is not None:  # outermost first: train(), then what it called
         frames.append(traceback.tb_frame)
         traceback = traceback.tb_next
-    phase, flags = "an unnamed phase", "--micro_batch_tokens, --logprob_chunk_tokens, --batch_size"
-    shapes = ""
+    phase, flags, shapes = "an unnamed phase", "--micro_batch_tokens, --logprob_chunk_tokens, --batch_size", ""
     for frame in frames:
         if frame.f_code.co_name in MEMORY_PHASES:
             phase, flags = MEMORY_PHASES[frame.f_code.co_name]
@@ -628,8 +569,7 @@ def out_of_memory_message(error: BaseException, checkpoint: Path | None, script:
 
 
 def resume_command(script: str, checkpoint: Path) -> str:
-    """The command that continues this run from `checkpoint`: the same arguments, --resume_from it,
-    under torchrun with as many processes (a checkpoint resumes on as many as saved it)."""
+    """The same arguments with --resume_from `checkpoint`, under torchrun with as many processes."""
     argv, skip = [], False
     for token in sys.argv[1:]:  # keep every argument but an earlier --resume_from
         if skip or token.startswith("--resume_from="):
@@ -651,14 +591,8 @@ def resume_command(script: str, checkpoint: Path) -> str:
 
 @contextlib.contextmanager
 def interrupts_deferred():
-    """Ctrl-C (SIGINT) within it takes effect when it ends, as a KeyboardInterrupt there: a
-    checkpoint's save and the clean-up of the one before run to the end, so the checkpoint that
-    stop_interrupted names is whole and keeps its trainer state. A second Ctrl-C stops at once
-    (a save that hangs can still be stopped), and an error raised within wins over a deferred
-    Ctrl-C. It changes nothing where SIGINT does not raise KeyboardInterrupt (ignored, as in a
-    job a script started in the background, or the caller's own handler), outside the main
-    thread (Python runs no handler there), or under torchrun: each rank would wait for its own
-    save while another, stopped already, never joins the collective the save waits in."""
+    """Ctrl-C within it raises when it ends, so a save finishes whole; a second stops at once. A no-op
+    with another SIGINT handler, off the main thread, and under torchrun (a save waits on every rank)."""
     main = threading.current_thread() is threading.main_thread()
     if not main or world_size() > 1 or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         yield
@@ -680,10 +614,7 @@ def interrupts_deferred():
 
 
 def record_args(run_dir: Path, args, resumed_at: int | None = None) -> None:
-    """Writes args.json, the arguments the run goes on with. On a resume the earlier file is
-    kept as args.before-step-<k>.json (k: the step resumed from), so no setting is lost.
-    resume_from is written empty: args.json is a --config that reruns the run from its start
-    (a resume of it would continue the old run in place); the file's name records the resume."""
+    """Writes args.json (a --config that reruns the run); a resume keeps the old as args.before-step-<k>.json."""
     path = Path(run_dir) / "args.json"
     if resumed_at is not None and path.exists():
         path.replace(path.with_name(f"args.before-step-{resumed_at:06d}.json"))
@@ -696,9 +627,7 @@ def record_args(run_dir: Path, args, resumed_at: int | None = None) -> None:
 
 
 def resolve_device(device: str) -> torch.device:
-    """'auto' picks CUDA when there is a GPU, else the CPU. A GPU is named with its index
-    (cuda → cuda:0), so that every tensor, stream and graph of the run agrees on one device;
-    use_device (through init_distributed) makes it the current one."""
+    """'auto': CUDA if there is a GPU, else the CPU; a GPU with its index (cuda → cuda:0)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -721,24 +650,15 @@ def resolve_device(device: str) -> torch.device:
 
 
 def use_device(device: torch.device) -> torch.device:
-    """Makes a CUDA device the current one: new streams (cuda_graph's), CUDA graphs, NCCL and
-    every `.cuda()` go to the current device, not to the tensors' own, so a run on cuda:1 whose
-    current device stayed cuda:0 would capture its decode step on the wrong GPU. Returns it."""
+    """Makes a CUDA device the current one, where streams, CUDA graphs and NCCL go. Returns it."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device
 
 
 def resolve_precision(dtype: str, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
-    """Returns (weight dtype, autocast dtype or None).
-
-    'auto' on CUDA keeps fp32 weights and optimizer state and computes in bf16 (autocast):
-    an Adam step moves a weight by about lr = 1e-6, far below bf16's resolution (8 bits of
-    significand: ~4e-3 relative, ~1e-4 for a weight of 0.02), so bf16 weights would round most
-    updates away.
-    'bfloat16' stores the weights in bf16 too (half the memory; for models that don't fit
-    otherwise). On the CPU everything is fp32.
-    """
+    """(weight dtype, autocast dtype). 'auto' on CUDA: fp32 weights (an update of ~1e-6 is below bf16's
+    resolution), bf16 compute; 'bfloat16': bf16 weights too. The CPU: all fp32."""
     if dtype == "auto":
         return (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32, None)
     if dtype == "bfloat16":
@@ -755,15 +675,11 @@ def seed_everything(seed: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------
-# Several processes (torchrun): data parallel, parameters, gradients and AdamW state sharded by
-# FSDP2. Without torchrun every helper here does nothing, and a script runs as one process.
+# Several processes (torchrun): data parallel, sharded by FSDP2. Without torchrun each helper does nothing.
 
 
 def init_distributed(device: torch.device) -> torch.device:
-    """Joins the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK in the
-    environment): NCCL with one GPU a process (cuda:LOCAL_RANK) on CUDA, gloo on the CPU.
-    Returns the device this process computes on, made the current one (use_device); without
-    torchrun, `device`."""
+    """Joins torchrun's group (NCCL on cuda:LOCAL_RANK, gloo on the CPU). Returns this process's device."""
     if "WORLD_SIZE" not in os.environ:
         return use_device(device)
     if device.type == "cuda":
@@ -783,22 +699,18 @@ def rank() -> int:
 
 
 def rank_seed(seed: int) -> int:
-    """The seed of this rank's sampling: --seed on rank 0 (a single process's), --seed + 1000·rank
-    on the others, so that no two ranks sample the same completions."""
+    """--seed + 1000·rank: no two ranks sample the same completions; rank 0's is a single process's."""
     return seed + 1000 * rank()
 
 
 def my_share(items: list) -> list:
-    """This rank's contiguous 1/K of `items` (B prompts: rank r takes prompts r·B/K … (r+1)·B/K − 1,
-    each with its whole group). check_distributed made sure that K divides the length."""
+    """This rank's contiguous 1/K of `items` (check_distributed: K divides the length)."""
     size = len(items) // world_size()
     return items[rank() * size : (rank() + 1) * size]
 
 
 def all_reduce(value, op: str = "sum"):
-    """A number or a tensor summed ("sum"), or its "max" or "min", over every rank; returned as the
-    same type. The normalisers of the losses go through it, so that K ranks compute the gradient
-    that one process computes over the whole batch. One process: `value` itself, untouched."""
+    """A number or tensor's "sum", "max" or "min" over every rank, as the same type (one process: itself)."""
     if not dist.is_initialized():
         return value
     tensor = torch.as_tensor(value, dtype=torch.float64 if not torch.is_tensor(value) else None).clone()
@@ -812,8 +724,7 @@ def all_reduce(value, op: str = "sum"):
 
 
 def all_reduce_totals(totals: dict) -> dict:
-    """Update statistics summed over ranks (the *_max ones: their maximum), as accumulate adds
-    micro-batches: what one process would have summed over the whole batch."""
+    """Update statistics summed over ranks (*_max: their maximum), as accumulate sums micro-batches."""
     return {k: all_reduce(v, "max" if k.endswith("_max") else "sum") for k, v in totals.items()}
 
 
@@ -823,17 +734,8 @@ UNSIZED_ROWS = {"micro_batch": 4, "logprob_chunk": 8}  # rows per pass where no 
 
 
 def size_micro_batches(args, task, tokenizer, trained: list, update, score) -> None:
-    """Before step 1: how much each forward pass takes where the flags leave it open (--micro_batch_size
-    and --micro_batch_tokens both 0; --logprob_chunk_size and --logprob_chunk_tokens both 0). On a GPU
-    the preflight measures it: update(sequences) and score(sequences), the script's step 6 forward and
-    backward and its step 4 no-grad scoring pass, run on rows of the longest sequence the run can
-    produce (the task's longest prompt, a distinct one in every row, and every completion at
-    max_new_tokens, plus max_turns tool answers of max_tool_tokens with tools), and the largest
-    number of rows that fits becomes --micro_batch_tokens and
-    --logprob_chunk_tokens (rows × that length: shorter rows then go more to a micro-batch,
-    chunks_of). AdamW's moments for `trained`, allocated at the first optimizer step, are counted
-    in. The run stops here, naming the flags to turn, when one row does not fit: an out-of-memory
-    error in the first minute, not hours into the run. On a CPU: UNSIZED_ROWS rows, no preflight."""
+    """Before step 1, sizes the passes the flags leave open: on a GPU the most rows of the run's longest sequence
+    whose update and score fit (AdamW counted) -> --*_tokens; one row too many stops now. A CPU: UNSIZED_ROWS."""
     device = next(trained[0].parameters()).device
     open_ = [kind for kind in UNSIZED_ROWS if not (getattr(args, f"{kind}_size") or getattr(args, f"{kind}_tokens"))]
     if device.type != "cuda" or not open_:
@@ -880,10 +782,7 @@ def size_micro_batches(args, task, tokenizer, trained: list, update, score) -> N
 
 
 def logprob_passes(policy, sequence_logprobs, temperature: float, vocab_size: int, amp) -> tuple:
-    """What the preflight (size_micro_batches) measures for a policy scored by the script's
-    sequence_logprobs, as two passes over sequences (prompt_ids, prompt_mask, completion_ids,
-    completion_mask): step 6's forward and backward, and step 4's no-grad scoring pass, each as
-    one chunk of all the rows it is given."""
+    """The preflight's passes for the script's sequence_logprobs: step 6's forward and backward, step 4's scoring."""
 
     def update(sequences):
         with amp():
@@ -900,11 +799,7 @@ def logprob_passes(policy, sequence_logprobs, temperature: float, vocab_size: in
 
 
 def pass_speeds(timings: dict, length: int) -> str:
-    """The preflight's passes as tokens per second by rows (timings: kind -> rows -> (seconds, host
-    seconds), as they ran; the first pass of a kind carries the set-up of its kernels): whether a
-    larger micro-batch buys speed or only fills memory; and when the host had launched all of the
-    pass: near its seconds, the GPU was waiting for the host (Python, launches), far below them,
-    the host for the GPU."""
+    """The preflight's passes in tokens per second by rows, and the host's share (high: the GPU waited)."""
     return "; ".join(
         f"{kind}: "
         + ", ".join(
@@ -916,13 +811,8 @@ def pass_speeds(timings: dict, length: int) -> str:
 
 
 def preflight(run, most_rows: int, flags: str, budget: float, measure, what: str) -> int:
-    """The most rows (up to most_rows) whose pass run(sequences) peaks within budget bytes, by
-    measure(run, rows) -> peak bytes (inf for an out-of-memory error): 1, 2, 4, … rows while the
-    line through the last two peaks says the next fits (a pass that would not is not run: an
-    out-of-memory error under torchrun would leave the other ranks waiting); then the rows that
-    line puts at the budget, run once to confirm. Under torchrun each peak is the largest rank's,
-    so every rank runs the same passes and keeps the same rows. Stops, naming `flags`, when one
-    row is over."""
+    """The most rows (≤ most_rows) whose pass peaks within budget: 1, 2, 4, … while the line through the last
+    two peaks says the next fits, then where it meets the budget; each peak the largest rank's. Else stops."""
     peaks, rows = {}, 1
 
     def line(rows: int) -> float:  # the peak at `rows` on the line through the last two measured
@@ -956,9 +846,7 @@ def preflight(run, most_rows: int, flags: str, budget: float, measure, what: str
 
 
 def cuda_peak(run, rows: int, sequences, device, seconds: dict | None = None) -> float:
-    """The peak bytes allocated on `device` while run(sequences(rows)) runs; inf if it runs out of memory.
-    seconds: where the pass's time goes, by rows: (from a synchronised start to a synchronise after it,
-    to the host's return from the pass: its launches done, the GPU maybe still at work)."""
+    """Peak bytes while run(sequences(rows)) runs, inf if out of memory; seconds[rows]: (pass, host)."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     batch = sequences(rows)
@@ -981,15 +869,13 @@ def cuda_peak(run, rows: int, sequences, device, seconds: dict | None = None) ->
 
 
 def local_bytes(tensor) -> int:
-    """Bytes of this process's part of a tensor: an FSDP2 shard's (DTensor), or the whole."""
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    """Bytes of this process's part of a tensor (local_shard)."""
+    local = local_shard(tensor)
     return local.numel() * local.element_size()
 
 
 def turns_of(tokenizer, completion_ids, completion_mask, tool_mask) -> list[dict]:
-    """A multi-turn completion for samples.jsonl, in its turns: [{"model": text}, {"tool": text}, …],
-    each a run of the model's own tokens or of a tool turn's (tool_mask), decoded with the chat
-    template's markers kept. (T,) each -> the turns; the padding after the end left out."""
+    """A completion's turns, [{"model": text}, {"tool": text}, …], by tool_mask. (T,) each -> the turns."""
     length = int((completion_mask + tool_mask).sum())
     ids, owner = completion_ids[:length].tolist(), tool_mask[:length].tolist()
     turns, start = [], 0
@@ -1001,24 +887,18 @@ def turns_of(tokenizer, completion_ids, completion_mask, tool_mask) -> list[dict
 
 
 def longest_prompt(tokenizer, task) -> int:
-    """Tokens in the task's longest prompt, chat template (and the tools it shows) included: what a
-    step's prompts are at most."""
+    """Tokens in the task's longest prompt, chat template and tools included."""
     texts = [render_chat(tokenizer, task.messages(problem), tools=task.tools or None) for problem in task.problems]
     return max(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
 
 
 def host_numbers(totals: dict) -> dict:
-    """The update's statistics, summed over its micro-batches as 0-d tensors on the device (a
-    `.item()` in every micro-batch would stop the host there until the GPU caught up, leaving
-    the GPU idle while the next micro-batch is launched), read back as numbers after the last
-    micro-batch: the first read waits for the GPU, the others find their values ready."""
+    """The update's 0-d tensor sums read once, after the last micro-batch: no host sync in each."""
     return {key: value.item() if torch.is_tensor(value) else value for key, value in totals.items()}
 
 
 def all_reduce_metrics(metrics: dict) -> dict:
-    """A step's metrics over ranks: the mean of each rank's value (exact for a mean over rows,
-    every rank holding as many rows; a mean over tokens weighs each rank alike), the maximum of
-    the *_max ones."""
+    """A step's metrics over ranks: the mean of the ranks' values, the maximum of the *_max ones."""
     if not dist.is_initialized():
         return metrics
     return {
@@ -1028,10 +908,7 @@ def all_reduce_metrics(metrics: dict) -> dict:
 
 
 def check_distributed(args, *prompt_counts: int) -> None:
-    """Stops the launch that cannot work, before anything loads: the B prompts of a step (and
-    DAPO's generation round) must split into K equal shares, a group never spanning two ranks, and
-    each rank's B·G/K rows into --num_mini_batches equal ones.
-    Every rank stops (no rank waits on the others); rank 0 alone prints the message."""
+    """Stops a launch whose prompts do not split into K equal shares, or a rank's rows into mini-batches."""
     uneven = [count for count in prompt_counts if count % world_size()]
     if uneven:
         message = (
@@ -1055,18 +932,8 @@ def check_distributed(args, *prompt_counts: int) -> None:
 
 
 def shard_model(model, compute_dtype: torch.dtype | None = None, fp32_modules: tuple[str, ...] = ()):
-    """FSDP2 over K ranks (torch.distributed.fsdp.fully_shard): one unit per decoder layer, then
-    the root (embeddings, final norm, LM head or value head). Each rank keeps 1/K of every weight,
-    gradient and AdamW moment; a layer's full weights exist only while it computes. Gradients are
-    summed over ranks, not averaged: each rank's loss is already its share of the global loss,
-    divided by the global normaliser. One process: the model unchanged.
-
-    compute_dtype (bf16 on a GPU): FSDP2's mixed precision. A layer is gathered in bf16 (half the
-    traffic of fp32) and computes in it, and its gradients are reduced in fp32 into the fp32
-    master shards AdamW steps. Without it, the gathered fp32 layer would be cast to bf16 by
-    autocast, and autocast keeps every such copy until backward: a bf16 copy of the whole model
-    on every GPU (~15 GB for 7B). fp32_modules: the names of submodules that compute in fp32
-    whatever compute_dtype is (ppo.py's value head), each sharded as a unit of its own."""
+    """FSDP2: a unit per decoder layer and per fp32_modules (kept fp32), then the root. compute_dtype: gathered
+    and computed in it, reduced in fp32; gradients summed, each rank's loss being over the global normaliser."""
     if not dist.is_initialized():
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -1088,10 +955,7 @@ def shard_model(model, compute_dtype: torch.dtype | None = None, fp32_modules: t
 
 @contextlib.contextmanager
 def unsharded(model):
-    """Full weights for a rollout: the first forward pass gathers each layer and the decode loop
-    keeps them (one all-gather a rollout, not one a token), then every unit is sharded again.
-    With full weights no forward pass talks to other ranks, so ranks may decode different
-    numbers of tokens. One process: nothing."""
+    """Full weights for a rollout: one all-gather a rollout, not a token; ranks may decode unequal lengths."""
     if not dist.is_initialized():
         yield
         return
@@ -1116,8 +980,7 @@ def full_state_dict(model) -> dict | None:
 
 
 def trainer_state_file() -> str:
-    """trainer_state.pt for rank 0 (a single process's), trainer_state-rank<r>.pt for rank r:
-    each rank saves its own shard of the AdamW state and its own RNG states."""
+    """trainer_state.pt for rank 0, trainer_state-rank<r>.pt for rank r (its AdamW shard and RNG)."""
     return TRAINER_STATE if rank() == 0 else TRAINER_STATE.replace(".pt", f"-rank{rank()}.pt")
 
 
@@ -1139,13 +1002,7 @@ LAST_BARRIER = []  # the exit barrier's work, freed by the main thread as the in
 
 
 def leave_process_group() -> None:
-    """A finished run's exit under torchrun: a barrier, then the process group destroyed. The
-    barrier's work holds the collectives before it; gloo's worker thread that ran it used to drop
-    the last reference while the interpreter was exiting, and freeing their tensors takes the GIL,
-    which a thread cannot take then: it aborted ("terminate called without an active exception"),
-    and torchrun failed the launch (seen in a core dump, once in ~60 CPU launches). Holding the
-    work here leaves its freeing to the main thread. NCCL (GPUs) runs no such thread, and its exit
-    stays the plain barrier the GPU runs used."""
+    """A barrier, then the group destroyed; gloo's work held for the main thread (docs/distributed.md)."""
     if dist.get_backend() == "gloo":
         work = dist.barrier(async_op=True)
         work.wait()
@@ -1160,9 +1017,7 @@ def leave_process_group() -> None:
 
 
 def resolve_model_name(name: str) -> str:
-    """--model as typed -> what from_pretrained takes (a local directory or a Hub id), or the
-    path of a GGUF file (--model file.gguf, or a directory without config.json that holds
-    exactly one .gguf file); model_source turns that into from_pretrained's arguments."""
+    """--model as typed -> a local directory, a Hub id, or a GGUF file's path (model_source)."""
     if name in TINY_MODELS:
         return str(build_tiny_model(name=name))
     local = Path(name).expanduser()
@@ -1194,11 +1049,7 @@ def resolve_model_name(name: str) -> str:
 
 
 def model_source(path: str) -> tuple[str, dict]:
-    """from_pretrained's (path, keyword arguments) for what resolve_model_name returned. A GGUF
-    file is read by transformers' GGUF loader (from_pretrained(directory, gguf_file=name)),
-    which dequantises every tensor to the requested dtype: a Q4_1 file gives a model with the
-    quantised file's values, not the original fp16/bf16 weights. It needs the gguf package,
-    imported only here."""
+    """from_pretrained's (path, keywords): a GGUF file via gguf_file=, dequantised (the gguf package)."""
     if not path.endswith(".gguf"):
         return path, {}
     try:
@@ -1211,17 +1062,14 @@ def model_source(path: str) -> tuple[str, dict]:
 
 
 def dequantised(model):
-    """A model loaded from a GGUF file holds plain dequantised tensors, but transformers still
-    marks it as quantised and refuses save_pretrained: drop the mark, so checkpoints are
-    ordinary safetensors models."""
+    """A GGUF model without its quantised mark, which would make save_pretrained refuse it."""
     model.hf_quantizer = None
     model.config.__dict__.pop("quantization_config", None)
     return model
 
 
 def eos_token_ids(model_path: str, tokenizer) -> list[int]:
-    """Every id that ends a completion: the generation config's (Qwen2.5-Instruct lists both
-    <|im_end|> and <|endoftext|>) plus the tokenizer's own EOS."""
+    """Every id that ends a completion: the generation config's plus the tokenizer's EOS."""
     ids = []
     try:
         generation_eos = GenerationConfig.from_pretrained(model_path).eos_token_id
@@ -1241,13 +1089,7 @@ PAD_CANDIDATES = ["<|endoftext|>", "<|fim_pad|>", "<pad>", "[PAD]", "<|pad|>", "
 
 
 def set_pad_token(tokenizer, eos_ids: list[int]) -> None:
-    """Left padding, and a pad token that is not an EOS token.
-
-    With pad == EOS, code that masks padding by token id also masks the real EOS, the model is
-    never trained to stop. nanoPO builds its masks from positions, not ids,
-    but a distinct pad keeps every tool downstream honest too. If no existing token fits, the
-    pad token stays equal to EOS and we rely on the positional masks alone.
-    """
+    """Left padding, and a pad token that is not an EOS where one exists (nanoPO masks by position)."""
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in eos_ids:
         return
@@ -1267,9 +1109,7 @@ def check_prompt_format(prompt_format: str) -> list[str]:
 
 
 def set_prompt_format(tokenizer, prompt_format: str, name: str) -> None:
-    """Decides how render_chat writes this tokenizer's prompts and records it on the tokenizer
-    (tokenizer.plain_prompt; not saved with it, so a checkpoint keeps the model's own template).
-    auto: the chat template when there is one, else plain text; chat without a template stops."""
+    """Sets tokenizer.plain_prompt: auto is the chat template if there is one; chat without one stops."""
     if prompt_format not in PROMPT_FORMATS:
         raise SystemExit(check_prompt_format(prompt_format)[0])
     if prompt_format == "chat" and tokenizer.chat_template is None:
@@ -1283,10 +1123,7 @@ def set_prompt_format(tokenizer, prompt_format: str, name: str) -> None:
 
 
 def render_plain(tokenizer, messages: list[dict]) -> str:
-    """A conversation as plain text that a base model continues: the system text, each user
-    turn as 'Question: …', each assistant turn as 'Answer: …' (few-shot examples), and a final
-    'Answer:' where the completion begins. Starts with the BOS token when the tokenizer's own
-    encoding adds one (Llama's), as the prompts are encoded without special tokens."""
+    """A conversation as plain text for a base model: the system text, 'Question: …' and 'Answer: …'."""
     parts = []
     for message in messages:
         if message["role"] == "user":
@@ -1303,22 +1140,10 @@ TOOLS_NOT_SHOWN_FIX = "drop --tools/--tool (a task with tools of its own, such a
 
 
 def render_chat(
-    tokenizer,
-    messages: list[dict],
-    tools: list[Callable] | None = None,
-    *,
-    tools_fix: str = TOOLS_NOT_SHOWN_FIX,
+    tokenizer, messages: list[dict], tools: list[Callable] | None = None, *, tools_fix: str = TOOLS_NOT_SHOWN_FIX
 ) -> str:
-    """One conversation through the model's chat template, ending where the assistant's turn
-    begins (or as plain text, render_plain, when the tokenizer's prompt format is plain). Some
-    templates have no system role: Gemma's raises on one, others drop it without
-    a word. For those the system text goes at the top of the first user message, which is what
-    such models are fine-tuned to see, rather than being lost or stopping the run.
-
-    tools: functions the model may call (a task's tools), which the template shows the model from
-    their JSON schemas (transformers' get_json_schema; Qwen's writes them whole, tiny-tools' the
-    names). A template that ignores them (tiny's plain ChatML) would leave the model calling tools
-    it was never shown: that stops, as plain prompts do."""
+    """One conversation through the chat template up to the assistant's turn (or render_plain). Without
+    a system role the system text tops the first user message; tools a template ignores stop the run."""
     if getattr(tokenizer, "plain_prompt", False):
         if tools:
             raise SystemExit(
@@ -1347,10 +1172,7 @@ def render_chat(
 
 
 def check_task_tools(tokenizer, task, max_tool_tokens: int) -> None:
-    """Stops, before a run directory exists, where the model cannot take the task's tools (a task's
-    own, --tools'): its chat template does not show them (render_chat), drops their answers
-    (check_tool_turns), or writes more tokens around an answer than --max_tool_tokens. The first
-    rollout would stop there anyway, with a run started for nothing."""
+    """Stops, before a run starts, where the template hides the task's tools or answers, or overfills one."""
     if task is None or not task.tools:
         return
     render_chat(tokenizer, task.messages(task.problems[0]), tools=task.tools)
@@ -1367,8 +1189,7 @@ def load_model(
     gradient_checkpointing: bool = False,
     prompt_format: str = "auto",
 ):
-    """Returns (model, tokenizer, eos_ids) for a name as --model takes it; the tokenizer renders
-    prompts in prompt_format (set_prompt_format)."""
+    """(model, tokenizer, eos_ids) for --model `name`, prompts rendered in prompt_format."""
     path = resolve_model_name(name)
     if Path(path).is_dir() and not (Path(path) / "config.json").exists() and (Path(path) / ADAPTER_DIR).is_dir():
         raise SystemExit(
@@ -1389,10 +1210,7 @@ def load_model(
     source, gguf = model_source(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **gguf)
-        # In the checkpoint's own dtype (bf16 for Qwen2.5), cast to `dtype` on the device below: the
-        # same weights (bf16 → fp32 is exact), and half the host memory while loading, which under
-        # torchrun every rank spends (8 ranks × a 7B model in fp32 would be 244 GB of host memory).
-        # A GGUF file is dequantised into `dtype` directly.
+        # In the checkpoint's own dtype, cast to `dtype` below (exact): half the host memory a rank.
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype if gguf else "auto", **gguf)
     except (OSError, ValueError, KeyError, RuntimeError) as error:  # KeyError: a corrupt tokenizer.json
         if "Unrecognized configuration class" in str(error):  # transformers has no causal LM of its kind
@@ -1429,10 +1247,7 @@ def not_servable(name: str, reason: str) -> str:
 
 
 def check_servable(model, name: str) -> None:
-    """Stops, before any step, on a model the scripts cannot serve: an encoder-decoder (T5, BART: the
-    completion would be the decoder's, the prompt the encoder's), or layers that are not attention
-    over a window of one KV cache (Llama 4's chunked attention, Qwen3-Next's linear attention,
-    state-space layers), which generate's cache and masks do not reproduce."""
+    """Stops on a model generate cannot serve: an encoder-decoder, no LM head, or not windowed attention."""
     config = model.config.get_text_config()
     if getattr(model.config, "is_encoder_decoder", False) or getattr(config, "is_encoder_decoder", False):
         raise SystemExit(not_servable(name, f"{model.config.model_type} is an encoder-decoder model"))
@@ -1444,18 +1259,13 @@ def check_servable(model, name: str) -> None:
 
 
 def enable_activation_checkpointing(model) -> None:
-    """Recompute activations in backward (less memory, one more forward). transformers 5.2x
-    renamed gradient_checkpointing_enable to activation_checkpointing_enable; 5.17 and older
-    have only the first name."""
+    """Recompute activations in backward, under either name transformers gives the method."""
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     enable({"use_reentrant": False})  # first parameter under both names
 
 
 def check_cache_fits(args, task, device: torch.device) -> None:
-    """Stops, before any weight loads, where one completion's KV cache alone is larger than the memory
-    free on the device: --max_new_tokens columns, plus --max_turns × --max_tool_tokens with tools, each
-    holding a key and a value of every layer (the model's config read alone). Without this, generate
-    dies on its allocation, after the model loaded. A config that cannot be read is left to the load."""
+    """Stops, before any weight loads, where one completion's KV cache outgrows the device's free memory."""
     columns = args.max_new_tokens + (args.max_turns * args.max_tool_tokens if task is not None and task.tools else 0)
     try:
         path, keywords = model_source(resolve_model_name(args.model))
@@ -1485,15 +1295,8 @@ def check_cache_fits(args, task, device: torch.device) -> None:
 
 
 def load_policy(args, device: torch.device, dtype: torch.dtype, compute_dtype: torch.dtype | None = None, task=None):
-    """The policy to train and its tokenizer: returns (policy, tokenizer, eos_ids). With a task that
-    has tools, stops where the model cannot take them (check_task_tools), before a run starts.
-    Full fine-tuning (--lora_rank 0): --model's weights, or --resume_from's, all trainable.
-    LoRA (--lora_rank r > 0, Hu et al. 2021, through the peft library): --model's weights,
-    frozen, under low-rank adapters W + (α/r)·B·A on the --lora_targets layers; B starts at 0,
-    so the policy starts as --model exactly. On resume the adapters come from the checkpoint's
-    adapter/ folder and the frozen weights again from --model. The frozen weights are kept in
-    compute_dtype (bf16 on a GPU, frozen_dtype): peft keeps the adapters in fp32. --compile:
-    its blocks compiled (compile_blocks)."""
+    """(policy, tokenizer, eos_ids): --model's (or --resume_from's) weights, or with LoRA (Hu et al. 2021)
+    --model's frozen under adapters W + (α/r)·B·A, B = 0 so it starts as --model (resumed: adapter/)."""
     check_cache_fits(args, task, device)  # before any weight loads
     if task is not None and task.tools and args.max_turns == 0:
         names = ", ".join(tool.__name__ for tool in task.tools)
@@ -1515,15 +1318,12 @@ def load_policy(args, device: torch.device, dtype: torch.dtype, compute_dtype: t
 
 
 def frozen_dtype(dtype: torch.dtype, compute_dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype of LoRA's frozen weights: the compute dtype where autocast computes in one. They
-    never change, so they need no fp32 master, and autocast keeps its bf16 copy of a weight only
-    while the weight trains: a frozen fp32 weight would be cast again in every forward pass."""
+    """LoRA's frozen weights in the compute dtype: no fp32 master needed, no cast in every forward."""
     return compute_dtype or dtype
 
 
 def with_adapters(model, args, saved: Path | None = None):
-    """`model`, frozen, under LoRA adapters (peft): new ones as --lora_rank, --lora_alpha and
-    --lora_targets say (B = 0: the model is unchanged at first), or those saved in `saved`."""
+    """`model`, frozen, under new LoRA adapters (B = 0: unchanged at first) or those saved in `saved`."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     with warnings.catch_warnings():  # peft reads model.is_gradient_checkpointing, which transformers deprecates
@@ -1546,11 +1346,7 @@ def with_adapters(model, args, saved: Path | None = None):
 
 
 def load_reference(args, policy, device: torch.device, dtype: torch.dtype):
-    """The frozen reference policy π_ref for the KL term: the starting model, never trained.
-    Full fine-tuning: a second copy loaded from --model (not copied from the policy, so a
-    resumed run keeps the true start). LoRA: no second copy. The policy's own weights are
-    --model's, frozen, and the adapters are all it learns, so the policy with its adapters
-    switched off (peft's disable_adapter) computes exactly --model's forward pass."""
+    """π_ref, the starting model: a copy loaded from --model (a resume keeps the true start), or LoRA's off."""
     if args.lora_rank:
         return AdaptersOff(policy)
     reference, _, _ = load_model(args.model, device, dtype)
@@ -1558,8 +1354,7 @@ def load_reference(args, policy, device: torch.device, dtype: torch.dtype):
 
 
 class AdaptersOff:
-    """A LoRA policy called with its adapters switched off: the base model it adapts. A plain
-    callable, not a module, so that nothing (requires_grad_, eval) reaches the policy through it."""
+    """A LoRA policy with its adapters off; a callable, not a module, so nothing changes the policy."""
 
     def __init__(self, policy):
         self.policy = policy
@@ -1584,10 +1379,7 @@ def is_lora(model) -> bool:
 
 
 def save_merged(policy, directory: Path) -> None:
-    """A LoRA policy as one full model, save_pretrained's format (transformers, vLLM, lm-eval and
-    evaluate.py load it): every adapted weight W + (α/r)·B·A, computed beside the policy one
-    layer at a time (in fp32, stored in the model's dtype) and gathered on the CPU, so the
-    policy's own weights stay bit for bit what they were."""
+    """A LoRA policy saved as one full model, W + (α/r)·B·A summed in fp32 on the CPU (the policy unchanged)."""
     from peft.tuners.lora import LoraLayer
 
     base = policy.get_base_model()
@@ -1604,9 +1396,8 @@ def save_merged(policy, directory: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------
-# The model's runtime: how it runs fast, on a GPU above all. The scripts call these by name; each
-# says what it saves and why it is exact (docs/speed.md has the measurements). Nothing here reads a
-# script: what it needs of one (the log-prob formula, the KV cache) is passed in.
+# The model's runtime: how it runs fast, called by name; each says why it is exact (docs/speed.md
+# measures it). What it needs of a script (the log-prob formula, the KV cache) is passed in.
 #   precision   autocast, the LM head's fp32/TF32 product (fp32_lm_head)
 #   decode      CUDA graphs, the attention bindings, MoE routing for capture, torch.compile
 #   head        log-probs from the hidden states, chunk by chunk (logprob_head, HeadLogprobs)
@@ -1615,8 +1406,7 @@ def save_merged(policy, directory: Path) -> None:
 
 @contextlib.contextmanager
 def autocast(device: torch.device, compute_dtype: torch.dtype | None):
-    """bf16 autocast on a GPU when asked for (fp32 master weights, bf16 products); a no-op context
-    otherwise. The LM head keeps fp32 logits within it (fp32_lm_head)."""
+    """bf16 autocast where compute_dtype asks for it; a no-op context otherwise."""
     if compute_dtype is None:
         yield
         return
@@ -1626,12 +1416,7 @@ def autocast(device: torch.device, compute_dtype: torch.dtype | None):
 
 @contextlib.contextmanager
 def fp32_lm_head(model):
-    """Saves the bf16 rounding of the logits under autocast: within it the LM head's product runs
-    in fp32 (weights and hidden states upcast), where autocast would round every logit to bf16 and
-    sampler and trainer would read log-probs that differ by that rounding. On a GPU the product
-    runs on TF32 tensor cores (HeadProduct: fp32 in and out, inputs rounded to 10 bits; its error,
-    docs/speed.md); elsewhere in fp32, exact. A no-op without autocast (the CPU: all fp32 already)
-    and for a head that is not a plain Linear (a LoRA-adapted one runs as it is)."""
+    """Within it a Linear LM head's logits are fp32 under autocast (TF32 on a GPU), not rounded to bf16."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not torch.nn.Linear or not torch.is_autocast_enabled(head.weight.device.type):
         yield
@@ -1644,23 +1429,26 @@ def fp32_lm_head(model):
                 return HeadProduct.apply(hidden.float(), head.weight.float(), bias, "tf32")
             return torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
 
-    previous = head.__dict__.get("forward")  # a hook library's own wrapper, if any
-    head.forward = forward
+    with forward_replaced(head, forward):
+        yield
+
+
+@contextlib.contextmanager
+def forward_replaced(module, forward):
+    """Within it module.forward is `forward`; after, what it was (a hook library's own wrapper too)."""
+    previous = module.__dict__.get("forward")
+    module.forward = forward
     try:
         yield
     finally:
-        del head.forward
+        del module.forward
         if previous is not None:
-            head.forward = previous
+            module.forward = previous
 
 
 class HeadProduct(torch.autograd.Function):
-    """hidden · Wᵀ + b, fp32 in and out, its forward and both backward GEMMs under cuBLAS's fp32
-    matmul precision `precision` ("tf32": inputs rounded to 10 bits of mantissa, products summed
-    in fp32; "ieee": fp32). Saves the GPU's slow fp32 path for the LM head (docs/speed.md). The
-    precision is set around these three GEMMs alone, so RoPE's angles and every other fp32 product
-    stay exact; sampler, scorer and update all go through it (fp32_lm_head), so their log-probs
-    agree."""
+    """hidden · Wᵀ + b, fp32 in and out, its three GEMMs alone in `precision` ("tf32" or "ieee"): every
+    other product stays exact, and sampler, scorer and update share it, so their log-probs agree."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, precision: str):  # (…, d), (V', d), (V',) or None -> (…, V')
@@ -1682,8 +1470,7 @@ class HeadProduct(torch.autograd.Function):
 
 @contextlib.contextmanager
 def matmul_precision(precision: str):
-    """cuBLAS's precision for fp32 matmuls ("ieee": fp32; "tf32") within it only. torch's newer
-    setting: reading the older one (get_float32_matmul_precision) raises once the newer is set."""
+    """cuBLAS's precision for fp32 matmuls ("ieee" or "tf32") within it only."""
     previous = torch.backends.cuda.matmul.fp32_precision
     torch.backends.cuda.matmul.fp32_precision = precision
     try:
@@ -1693,11 +1480,7 @@ def matmul_precision(precision: str):
 
 
 def cuda_graph(step, pool=None):
-    """step(), a function of tensors at fixed addresses, captured once as a CUDA graph: the function
-    returned replays its kernels (no Python, no per-kernel launch cost) and returns the output
-    tensor of the capture, which every replay overwrites. By hand, not torch.compile's
-    "reduce-overhead": nothing traces the model (docs/speed.md). pool: a memory pool
-    (torch.cuda.graph_pool_handle) shared with graphs replayed one after another."""
+    """step() on fixed tensors as a CUDA graph: the function returned replays it, returning its output."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside the capture: lazy set-up (cuBLAS, autocast's casts)
@@ -1718,12 +1501,7 @@ CAPTURE_FAILED = []  # the error of a CUDA-graph capture that raised: every late
 
 
 def captured_or_none(step, pool):
-    """step() captured as a CUDA graph (cuda_graph), or None if the capture raises (an operation a
-    graph cannot hold, a driver or library that refuses it), after one warning naming the cause;
-    generate then runs the step eagerly in this call and every later one: the same tokens, slower.
-    Saves a run that nobody is watching. Out of memory is not a capture failure: it goes on up to
-    the run's message about memory. Nor is a failed compilation (--compile: compiled_decode): it
-    stops with torch.compile's own message."""
+    """step() captured, or None after one warning if capture fails: eager from then on, the same tokens."""
     if CAPTURE_FAILED:
         return None
     try:
@@ -1743,20 +1521,13 @@ def captured_or_none(step, pool):
 
 
 def cache_argument(model) -> str:
-    """The keyword the model's forward takes a KV cache by: `cache` from transformers 5.24 (which
-    deprecates `past_key_values`), `past_key_values` before it and in models that are not
-    transformers'. Read off the transformers model itself, under any wrapper (peft, FSDP2)."""
+    """The keyword the model takes a KV cache by: `cache` from transformers 5.24, else `past_key_values`."""
     inner = next((module for module in model.modules() if isinstance(module, PreTrainedModel)), model)
     return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
 
 
 def attention_windows(model) -> dict[str, int | None]:
-    """Each attention type of the model's layers -> its window (None: every earlier token), so that
-    generate attends as the model does. A sliding-window layer sees only the last `window`
-    positions, itself included, and transformers applies no window to a 4D mask it is given:
-    generate builds one mask per type. Types come from config.layer_types, else one for every
-    layer, sliding if config.sliding_window is set; a model with no config attends over every
-    earlier token. Other layer kinds (chunked, linear, state-space) raise ValueError."""
+    """Each attention type -> its window (None: all), a mask each, as transformers windows no 4D mask."""
     if getattr(model, "config", None) is None:
         return {"full_attention": None}
     config = model.config.get_text_config()
@@ -1769,10 +1540,7 @@ def attention_windows(model) -> dict[str, int | None]:
 
 
 def decode_widths(prompt_length: int, max_new_tokens: int, smallest: int = 64) -> list[int]:
-    """The few column counts the masked one-token step attends over: P + 64, P + 128, … doubling up
-    to P + max_new_tokens; token t uses the first that holds P + t + 1 columns. Saves attention
-    over the unfilled cache: at most twice the filled columns are read, and on CUDA each width is
-    one captured graph."""
+    """The masked step's widths, P + 64, P + 128, … to P + max_new_tokens: ≤ twice the filled columns read."""
     widths, new = [], smallest
     while new < max_new_tokens:
         widths.append(prompt_length + new)
@@ -1782,9 +1550,7 @@ def decode_widths(prompt_length: int, max_new_tokens: int, smallest: int = 64) -
 
 @contextlib.contextmanager
 def sdpa_replaced(model, name: str, function):
-    """Within it the model's attention layers run `function`, registered with transformers'
-    AttentionInterface as `name`, where they ran sdpa, the function it computes. A model that runs
-    another attention (eager for gpt-oss's attention sinks, Gemma 2's soft-capped scores) keeps its own."""
+    """Within it a model that runs sdpa runs `function` (registered as `name`) instead; others keep theirs."""
     AttentionInterface.register(name, function)
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) != "sdpa":  # not sdpa, or not a transformers model
@@ -1798,11 +1564,8 @@ def sdpa_replaced(model, name: str, function):
 
 
 def grouped_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **unused):
-    """The one-token step's attention with the query heads that share a KV head attending as the
-    rows of one query: the same products and softmax as attention head by head. Saves copying K
-    and V once per query head (transformers' sdpa before 5.23 does under a mask). query
-    (n, heads, 1, d), key and value (n, kv heads, S, d), attention_mask (n, 1, 1, S) additive
-    -> (n, 1, heads, d), transformers' attention layout."""
+    """The one-token attention, a KV head's query heads as rows of one query: the same products, K and V
+    not copied per head. (n, heads, 1, d), (n, kv heads, S, d) ×2, mask (n, 1, 1, S) -> (n, 1, heads, d)."""
     num_rows, heads, _, head_dim = query.shape
     kv_heads = key.shape[1]
     folded = query.reshape(num_rows, kv_heads, heads // kv_heads, head_dim)  # head h = kv head h // group
@@ -1811,21 +1574,15 @@ def grouped_decode_attention(module, query, key, value, attention_mask, scaling=
 
 
 def grouped_attention(model):
-    """Within it the model's attention layers run grouped_decode_attention: generate's one-token
-    step, whose query is one token (sdpa_replaced)."""
+    """Within it the model's attention layers run grouped_decode_attention (sdpa_replaced)."""
     return sdpa_replaced(model, "nanopo_grouped_decode", grouped_decode_attention)
 
 
 def varlen_decode_attention(
     module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, used, starts, **unused
 ):
-    """generate's one-token attention over a left-aligned cache (KVCache.align_left) by flash
-    attention's variable-length entry, row i over its first used[i] columns (used (n,) int32, a
-    tensor a CUDA graph holds): the attention of the masked step over the same columns, with no
-    mask. Saves reading past each row's filled columns (docs/speed.md). Query head h attends with
-    KV head h // group, as in grouped_decode_attention. query (n, heads, 1, d); key and value
-    (n, kv heads, S, d), views of (n, S, kv heads, d) buffers; starts (n + 1,) int32, 0 … n
-    -> (n, 1, heads, d)."""
+    """The masked step's attention by flash varlen over a left-aligned cache, row i over its first used[i]
+    columns, none past them. (n, heads, 1, d), (n, kv heads, S, d) ×2, starts (n + 1,) -> (n, 1, heads, d)."""
     num_rows, heads, _, head_dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     out = torch.ops.aten._flash_attention_forward(
@@ -1846,17 +1603,14 @@ def varlen_decode_attention(
 
 
 def varlen_attention(model, used: torch.Tensor):
-    """Within it the model's attention layers run varlen_decode_attention, row i over its first
-    used[i] columns (sdpa_replaced)."""
+    """Within it the model's attention layers run varlen_decode_attention (sdpa_replaced)."""
     starts = torch.arange(len(used) + 1, dtype=torch.int32, device=used.device)  # once a step, not a layer
     attention = functools.partial(varlen_decode_attention, used=used, starts=starts)
     return sdpa_replaced(model, "nanopo_varlen_decode", attention)
 
 
 def varlen_decode(model, cache) -> bool:
-    """Whether generate's one-token step runs varlen_decode_attention over a left-aligned cache:
-    for a model whose every layer is full attention computed by sdpa (a window, or an attention of
-    its own, keeps the mask), where flash attention takes the cache (flash_varlen_serves)."""
+    """Whether the one-token step runs varlen_decode_attention: all full sdpa layers, a cache flash takes."""
     config = getattr(model, "config", None)
     return (
         getattr(config, "_attn_implementation", None) == "sdpa"
@@ -1866,10 +1620,7 @@ def varlen_decode(model, cache) -> bool:
 
 
 def flash_varlen_serves(values: torch.Tensor) -> bool:
-    """Whether flash attention's variable-length entry takes a cache like `values`: on an NVIDIA GPU
-    of compute capability 8 or more (ROCm's entry is not known to honour seqused_k), in a PyTorch
-    built with it and flash SDPA not turned off, in bf16 or fp16, with a head size a multiple of 8
-    up to 256."""
+    """Whether flash varlen takes `values`: NVIDIA sm80+, flash SDPA on, bf16/fp16, head size a multiple of 8, ≤ 256."""
     return (
         values.is_cuda
         and torch.version.hip is None
@@ -1883,14 +1634,8 @@ def flash_varlen_serves(values: torch.Tensor) -> bool:
 
 
 def routing_free_experts(self, hidden_states, top_k_index, top_k_weights):
-    """A mixture-of-experts layer whose shapes do not depend on the routing, so that its decode
-    step can be captured as a CUDA graph: transformers' grouped GEMM may copy its group ends to the
-    host (outside bf16 on a Hopper-class GPU), which a graph cannot hold. Every token goes through
-    every expert in two batched products and keeps the outputs of its top-k experts, weighted and
-    summed in top-k order as transformers sums them: the same function, nothing crosses to the
-    host, at E/k times the experts' FLOPs over the same weights read (docs/speed.md). A forward of
-    transformers' ExpertsInterface: hidden_states (n, H), top_k_index and top_k_weights (n, k)
-    -> (n, H)."""
+    """Experts whose shapes do not depend on the routing (a CUDA graph holds them): every token through
+    every expert, its top-k summed in transformers' order, at E/k the FLOPs. (n, H), (n, k) ×2 -> (n, H)."""
     up_weight = self.gate_up_proj if self.has_gate else self.up_proj  # (E, 2I or I, H), transposed (E, H, …)
     with torch.autocast(hidden_states.device.type, enabled=False):  # the weights' dtype, as grouped_mm runs
         hidden = hidden_states.to(up_weight.dtype)  # (n, H)
@@ -1910,10 +1655,7 @@ def routing_free_experts(self, hidden_states, top_k_index, top_k_weights):
 
 @contextlib.contextmanager
 def captured_experts(model):
-    """Within it the model's mixture-of-experts layers run routing_free_experts (registered with
-    transformers' ExpertsInterface): generate's captured one-token step, so that every family's
-    decode step captures. A no-op for a model without such layers (dense models, models that are
-    not transformers'); the eager step (CPU, torchrun, a capture that failed) keeps the model's own."""
+    """Within it (the captured decode step) the model's experts run routing_free_experts."""
     ALL_EXPERTS_FUNCTIONS.register("nanopo_routing_free", routing_free_experts)
     configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "config")}
     # the attribute behind the property, whose setter would also set every sub-config to this one's value
@@ -1936,10 +1678,8 @@ def by_type(masks: dict):
 
 
 def prefill_mask(model, prompt_mask: torch.Tensor, length: int):
-    """The prefill's additive attention masks (B, 1, P, P), one per attention type of the model's layers
-    (attention_windows): causal, the left padding hidden, and in a sliding-window layer the keys within
-    its window only, since transformers adds nothing to a 4D mask it is given. length: the columns the
-    cache holds (a window of None reaches them all). prompt_mask (B, P) -> by_type of the masks."""
+    """The prefill's additive masks (B, 1, P, P), one per attention type: causal, left padding hidden,
+    a sliding layer's window applied. length: the cache's columns. prompt_mask (B, P) -> by_type."""
     num_rows, prompt_length = prompt_mask.shape
     device = prompt_mask.device
     causal = torch.ones(prompt_length, prompt_length, dtype=torch.bool, device=device).tril()  # (P, P) keys ≤ query
@@ -1955,14 +1695,8 @@ def prefill_mask(model, prompt_mask: torch.Tensor, length: int):
 
 
 class DecodeStep:
-    """generate's one-token step: each row's last token, at its next column, through the model and the
-    KV cache (the script's, passed in: its slots, width, align_left and keep_rows), to the next logits.
-    Its buffers (the token, the positions, a mask per attention type) are allocated once and changed
-    in place, so that on CUDA a captured graph replays them (cuda_graph, captured_experts). Attention
-    runs varlen_decode_attention where varlen_decode says so (one width), else
-    grouped_decode_attention over decode_widths; --compile adds compiled_decode. Each computes the
-    model's own attention and layers: the same function, faster (docs/speed.md).
-    prompt_mask (N, P); position (N, 1) each row's next position."""
+    """generate's one-token step through the model and the script's KV cache, its buffers changed in place
+    for a CUDA graph; varlen or grouped attention, the model's own function. prompt_mask (N, P); position (N, 1)."""
 
     def __init__(self, model, cache, prompt_mask, position, steps: int, pad_id: int, vocab_size: int):
         num_rows, prompt_length = prompt_mask.shape
@@ -2011,8 +1745,7 @@ class DecodeStep:
         return logits
 
     def forward(self, width: int, captured: bool = False) -> torch.Tensor:
-        """The model on the step's buffers over the first `width` columns; captured: the step a CUDA graph
-        holds. -> (n, V) fp32 logits, ids ≥ vocab_size cut off."""
+        """The model on the step's buffers over `width` columns -> (n, V) fp32 logits."""
         model, cache = self.model, self.cache
         cache.width = width
         experts = captured_experts(model) if captured else contextlib.nullcontext()
@@ -2028,8 +1761,7 @@ class DecodeStep:
         return out.logits[:, -1, : self.vocab_size].float()
 
     def keep(self, rows: torch.Tensor) -> None:
-        """Saves the decode work of finished rows: only these rows (n',) stay, in new, smaller buffers
-        (the cache's too), with new graphs."""
+        """Only these rows (n',) stay, in smaller buffers and new graphs: finished rows cost nothing."""
         self.token_in, self.position = self.token_in[rows], self.position[rows]
         self.biases = {kind: bias[rows] for kind, bias in self.biases.items()}
         self.cache.keep_rows(rows)
@@ -2037,30 +1769,16 @@ class DecodeStep:
 
 
 COMPILED_BLOCKS = ("MLP", "RMSNorm")  # the ends of the class names compile_blocks compiles
-
 COMPILE_BACKEND = "inductor"  # tests: "aot_eager" (traced and differentiated, no kernels generated: seconds on a CPU)
-
-
 COMPILED = {}  # (block class or function, backend) -> it through torch.compile, shared by every block of the class
-
 DECODE_BACKBONES = weakref.WeakKeyDictionary()  # a model compile_blocks compiled -> what compiled_decode compiles
 
 
 def compile_blocks(model, on: bool = True):
-    """--compile: each feed-forward block and RMSNorm of `model` through torch.compile (dynamic
-    shapes), which fuses a block's elementwise ops into a few kernels, forward and backward. Saves
-    most of the update's elementwise traffic (docs/speed.md). Blocks, not decoder layers: a layer's
-    attention reads its own KV cache, which torch.compile would specialise layer by layer; a block
-    reads only its weights and input, so every layer shares one compilation. The first step
-    compiles; numbers change by float rounding (fused ops). Mixture-of-experts blocks (routing
-    picks rows by value) and blocks named otherwise stay eager. A model with an LM head is
-    registered (DECODE_BACKBONES) for compiled_decode and compiled_sampler. Returns the model,
-    weights and state dict unchanged."""
+    """--compile: each dense MLP and RMSNorm block compiled, one code for all layers (compiled_decode's too)."""
     if not on:
         return model
-    # A block kind's compiled code holds one entry a variant: trained or frozen weights (policy,
-    # reference), grad or none, checkpointing's inputs, a size of 1 (the preflight's one row, the
-    # head probe's one token, the decode). Past dynamo's limit (8) a variant would run eager.
+    # A block kind has a variant per weights, grad mode and size-1 input; past dynamo's 8 one runs eager.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for module in model.modules():
         kind, dense = type(module), not any("expert" in name for name, _ in module.named_modules())
@@ -2077,15 +1795,7 @@ def compile_blocks(model, on: bool = True):
 
 @contextlib.contextmanager
 def compiled_decode(model):
-    """Within it the model's backbone, every layer, runs as one compiled graph (--compile): generate's
-    one-token step. Saves most of the step's small kernels, each costing its launch latency even in a
-    CUDA graph (docs/speed.md). Whole, not layer by layer, so each layer's index into the cache is a
-    constant of the one graph (compile_blocks). Shapes are dynamic; the blocks' compiled forwards are
-    set aside within it (the graph would check each by identity, recompiling for another model). The
-    prefill and the head stay eager; the sampler compiles on its own (compiled_sampler). A model
-    compile_blocks did not compile, with mixture-of-experts layers (routing picks rows by value),
-    under torchrun (FSDP2's hooks on every layer), or whose backbone's forward a library replaced
-    (accelerate's hooks) runs its step as it is."""
+    """Within it (--compile's one-token step) the backbone, registered by compile_blocks, runs compiled."""
     backbone = DECODE_BACKBONES.get(model)
     if backbone is None or dist.is_initialized() or "forward" in backbone.__dict__:  # or a hook library's own
         yield
@@ -2111,12 +1821,7 @@ def compiled_decode(model):
 
 
 def compiled_sampler(model, sample):
-    """For a model that compile_blocks registered (--compile), `sample` (generate's, called every
-    token outside the captured step) through torch.compile, else `sample` itself. Saves most of the
-    sampler's passes over the (n, V) logits: all but the logsumexp and the noise's draw fuse into
-    one (docs/speed.md). The random numbers are torch's own (fallback_random), so the tokens for a
-    seed are eager's, bar a near-tie that float rounding breaks the other way. A few variants
-    compile once each: the prefill's logits and the step's (a strided view), one row, each top-p."""
+    """`sample` compiled for a model compile_blocks registered (fallback_random: eager's tokens)."""
     if model not in DECODE_BACKBONES:
         return sample
     if (sample, COMPILE_BACKEND) not in COMPILED:
@@ -2133,41 +1838,25 @@ PLAIN_HEADS = weakref.WeakKeyDictionary()  # model -> whether its logits are its
 
 
 def plain_head(model) -> bool:
-    """Whether the model hands back its LM head's output as its logits, nothing done after it (Gemma 2
-    soft-caps, Cohere scales): what logprob_head needs. One forward of one token, once per model,
-    its head made to answer a marker from −100 to 100, shows whether the marker comes back
-    unchanged, rather than a list of families that would go stale."""
+    """Whether the logits are the LM head's output unchanged (one probe forward, once per model)."""
     if model not in PLAIN_HEADS:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if getattr(head, "weight", None) is None:  # no head, or not one with a weight of V' rows
             PLAIN_HEADS[model] = False
             return False
         marker = torch.linspace(-100.0, 100.0, head.weight.shape[0], device=head.weight.device)  # (V',)
-        previous = head.__dict__.get("forward")
-        head.forward = lambda hidden: marker.expand(*hidden.shape[:-1], -1)  # (…, V')
-        try:
-            with torch.no_grad():
-                token = torch.zeros(1, 1, dtype=torch.long, device=head.weight.device)
-                logits = model(input_ids=token, use_cache=False).logits  # (1, 1, V')
-        finally:
-            del head.forward
-            if previous is not None:
-                head.forward = previous
+        with forward_replaced(head, lambda hidden: marker.expand(*hidden.shape[:-1], -1)), torch.no_grad():  # (…, V')
+            token = torch.zeros(1, 1, dtype=torch.long, device=head.weight.device)
+            logits = model(input_ids=token, use_cache=False).logits  # (1, 1, V')
         PLAIN_HEADS[model] = logits.shape[-1] == len(marker) and torch.equal(logits.float(), marker.expand_as(logits))
     return PLAIN_HEADS[model]
 
 
 @contextlib.contextmanager
 def logprob_head(model, formula, tokens, scale: float, vocab_size: int, with_entropy: bool, entropy_grad: bool):
-    """Within it the model's LM head returns, for the positions that predict `tokens` (n, t), their
-    log-probs and entropies (n, t, 2) by `formula` (the script's token_logprobs: logits (…, V'),
-    tokens (…), scale, vocab_size, with_entropy, entropy_grad -> (…, 2)), HEAD_CHUNK_BYTES of
-    logits at a time; backward recomputes each chunk's logits (HeadLogprobs where the head is a
-    plain Linear whose product is fp32, else each chunk checkpointed). Saves the (n, t, V) logits
-    and their gradient (docs/speed.md). Exact: the same head product and formula as the whole
-    logits, chunk by chunk, up to the order the weight's gradient sums its chunks. A model whose
-    logits are not its head's output as is (plain_head) keeps its head; `read` turns its logits
-    into the same (n, t, 2)."""
+    """Within it the LM head returns `tokens`' (n, t) log-probs and entropies (n, t, 2) by `formula`, a chunk
+    of logits at a time, recomputed in backward: no (n, t, V) logits, and exact, the same product and
+    formula. Yields `read`, which turns the model's output into that (n, t, 2)."""
     head = model.get_output_embeddings() if plain_head(model) else None
     score = functools.partial(
         formula, scale=scale, vocab_size=vocab_size, with_entropy=with_entropy, entropy_grad=entropy_grad
@@ -2202,27 +1891,14 @@ def logprob_head(model, formula, tokens, scale: float, vocab_size: int, with_ent
                 chunks.append(piece(*part))
         return torch.cat(chunks).reshape(*tokens.shape, 2)  # (n, t, 2)
 
-    previous = head.__dict__.get("forward")
-    head.forward = forward
-    try:  # the model's "logits" are the (n, t, 2) already, unless it handed its head other positions
-        yield lambda out: out if chunked else score(out, tokens)
-    finally:
-        del head.forward
-        if previous is not None:
-            head.forward = previous
+    with forward_replaced(head, forward):  # the model's "logits" are the (n, t, 2) already, unless it
+        yield lambda out: out if chunked else score(out, tokens)  # handed its head other positions
 
 
 class HeadLogprobs(torch.autograd.Function):
-    """log π of `tokens` and the entropy (`formula`, the script's token_logprobs) from the hidden
-    states through a plain Linear head, `rows` positions at a time, with a backward written out:
-    it recomputes each chunk's logits z (one GEMM), turns them in place into
-    dL/dz = g·(onehot − p) − g_H·p·(log p + H) with p = exp(z − logsumexp), and adds each chunk's
-    weight gradient into one buffer (addmm_). Saves most of what autograd's backward through the
-    chunks moves (docs/speed.md). The forward is the head and token_logprobs op for op, in the same
-    precision (fp32, or TF32 as HeadProduct on a GPU): the same values; the gradients agree to
-    float rounding. A bf16 weight (FSDP2's gathered head, LoRA's frozen one) is upcast once a pass,
-    its gradient summed in fp32 and rounded to bf16 once.
-    hidden (M, d) fp32, weight (V', d), bias (V',) or None, tokens (M,) -> (M, 2): log π and H."""
+    """log π of `tokens` and the entropy through a Linear head, `rows` at a time, op for op as `formula`;
+    backward recomputes each chunk's z in place into dL/dz = g·(onehot − p) − g_H·p·(log p + H), summing
+    the weight's gradient in fp32. (M, d) fp32, (V', d), (V',) or None, (M,) -> (M, 2): log π and H."""
 
     @staticmethod
     def forward(
@@ -2286,11 +1962,7 @@ class HeadLogprobs(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class Layout:
-    """What a chunk's forward pass needs to know on the host, read for all the chunks of a batch at
-    once (chunks_of) before the first runs. Saves a host sync a micro-batch, so the host launches
-    micro-batch k+1 while the GPU runs k's backward. prompt, completion: the columns trim_padding
-    keeps; prompts: how many runs of consecutive rows share a prompt (forward_completions' prompt
-    pass has a row for each); shortest: the fewest tokens a row's prompt has."""
+    """A chunk's host-side facts, read for a batch at once (chunks_of): no host sync a micro-batch."""
 
     prompt: int
     completion: int
@@ -2299,13 +1971,8 @@ class Layout:
 
 
 def chunks_of(order, prompt_ids, prompt_mask, completion_mask, rows: int, tokens: int = 0) -> list[tuple]:
-    """The row indices of `order` in consecutive chunks, each with its Layout: `rows` at a time; with
-    rows 0, by `tokens`: as many as keep rows × (their longest prompt + longest completion, the columns
-    trim_padding keeps) within it, one at least, so every chunk has about the same work and memory;
-    with neither, 4 rows (size_micro_batches sets one before step 1). One host sync for all chunks.
-    Under torchrun the budget buys rows, as many as the longest row of any rank allows: FSDP pairs
-    each forward pass of a rank with one of every other, so all make the same passes.
-    Returns [(rows (m,), Layout)]."""
+    """`order` in chunks with their Layouts: `rows` at a time, or as many as keep rows × columns within
+    `tokens` (torchrun: the same rows on all ranks), else 4. One host sync. -> [(rows (m,), Layout)]."""
     multiple = shape_multiple(order.device)
     starts = new_prompts(prompt_ids[order], prompt_mask[order])  # (n,) where a run of one prompt starts
     facts = torch.stack([prompt_mask.sum(-1)[order], completion_mask.sum(-1)[order], starts.long()]).tolist()
@@ -2343,18 +2010,14 @@ def chunks_of(order, prompt_ids, prompt_mask, completion_mask, rows: int, tokens
 
 
 def new_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
-    """Where a run of rows sharing a prompt starts: row i's prompt (its ids and padding) differs from
-    row i-1's, row 0 always. (n, P), (n, P) -> (n,) bool, on the device, no host sync."""
+    """Where a run of rows sharing a prompt starts. (n, P), (n, P) -> (n,) bool, no host sync."""
     starts = torch.ones(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device)
     starts[1:] = ((prompt_ids[1:] != prompt_ids[:-1]) | (prompt_mask[1:] != prompt_mask[:-1])).any(-1)
     return starts
 
 
 def length_order(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
-    """The row indices with the rows of each prompt (its group) together, the groups by their longest
-    completion, longest first, and a group's rows by length. Saves padding work, and lets a prompt
-    be forwarded once for its rows (forward_completions): consecutive chunks hold whole groups of
-    similar length. (N, P), (N, P), (N, T) -> (N,)."""
+    """A group's rows together, the groups by longest completion, longest first. (N, P), (N, P), (N, T) -> (N,)."""
     lengths = completion_mask.sum(-1)  # (N,)
     prompts = torch.cat([prompt_ids, prompt_mask], dim=-1)  # (N, 2P) a prompt is its ids and its padding
     _, group = torch.unique(prompts, dim=0, return_inverse=True)  # (N,) each row's prompt
@@ -2366,20 +2029,15 @@ def length_order(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion
 
 
 def trim_padding(prompt_ids, prompt_mask, completion_ids, completion_mask, layout: Layout):
-    """The chunk without the columns that are padding in every row: the prompt columns before its
-    longest prompt and the completion columns after its longest completion, as many as its Layout
-    keeps (a multiple of shape_multiple, or all there are). Saves their compute. Exact: a column no
-    row attends to changes no other position, and positions count real tokens only.
-    (n, P), (n, P), (n, T), (n, T) -> the same, (n, p) and (n, t)."""
+    """The chunk without the columns that are padding in every row (as its Layout keeps). Exact: no row
+    attends to them, and positions count real tokens only. (n, P), (n, P), (n, T), (n, T) -> (n, p), (n, t)."""
     first = prompt_ids.shape[1] - layout.prompt  # the first prompt column kept
     kept = layout.completion
     return prompt_ids[:, first:], prompt_mask[:, first:], completion_ids[:, :kept], completion_mask[:, :kept]
 
 
 def shape_multiple(device: torch.device) -> int:
-    """The multiple trim_padding rounds a chunk's columns up to: 64 on CUDA, so chunks of a batch
-    share a few shapes and the attention kernels' plans are reused; 1 elsewhere, where nothing is
-    planned per shape."""
+    """trim_padding's column multiple: 64 on CUDA, so chunks share a few kernel shapes; 1 elsewhere."""
     return 64 if device.type == "cuda" else 1
 
 
@@ -2387,21 +2045,10 @@ def forward_completions(
     model, prompt_ids, prompt_mask, completion_ids, completion_mask, output: str = "logits", share: bool = True,
     layout: Layout | None = None,
 ):  # fmt: skip
-    """The model's `output` (its logits, or a backbone's last_hidden_state) at the t positions that
-    predict the completion tokens, position p-1+j predicting token j: (n, p), (n, p), (n, t),
-    (n, t) -> (n, t, ·), the numbers of one forward pass over prompt + completion.
-
-    Rows that share a prompt (a run of them: a group) run it once, as one row with the cache on,
-    all but its last token; each row's pass then starts at that last token and attends to the
-    prompt's keys and values, copied to its rows by an index, and backward sums the G completions'
-    gradients into the one prompt pass. Saves forwarding a prompt once per completion: P + G·T
-    token positions instead of G·(P + T). Exact up to float reassociation: the same keys, values
-    and positions, and transformers builds every mask from the 2D one, sliding windows included.
-    One pass over prompt + completion where G = 1, where a prompt is one token, under gradient
-    checkpointing in train mode (transformers drops the cache), and with share=False (the plain
-    computation).
-
-    layout: the chunk's Layout (chunks_of); without it, one host sync here."""
+    """The model's `output` (logits, or last_hidden_state) at the t positions predicting the completion:
+    (n, p), (n, p), (n, t), (n, t) -> (n, t, ·). Rows sharing a prompt run it once (but its last token) into
+    a cache their passes attend to: P + G·T positions, not G·(P + T), exact up to float reassociation. One
+    plain pass where nothing is shared, a prompt is one token, checkpointing trains, or share=False."""
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (n, p+t)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same positions as in generate
     num_prompt, kept = prompt_ids.shape[1], completion_ids.shape[1]  # p, t
@@ -2447,18 +2094,8 @@ def forward_completions(
 
 
 # ----------------------------------------------------------------------------------------
-# The tiny models: randomly initialised models of a few hundred thousand parameters with a
-# small byte-level BPE tokenizer trained here, so that tests and CPU runs download nothing.
-#   tiny                 Qwen2, ChatML template, embedding padded beyond the tokenizer (as Qwen's)
-#   tiny-llama           Llama, untied embeddings, a Llama-3-style template that inserts a
-#                        default system prompt, BOS from the template, pad chosen by set_pad_token
-#   tiny-llama-nosystem  the same model with a Gemma-style template that has no system role
-#                        (it raises on one), as several real chat models do
-#   tiny-tools           tiny (the same weights and BPE) with three added tokens, not special, as
-#                        Qwen2.5's tool tokens: <tool_response>, </tool_response> and one whose text is
-#                        the secret task's whole call and the turn's end (TINY_SECRET_CALL, a stop
-#                        token), so that a random model can call its tool by sampling one token; a
-#                        ChatML template that shows tools and their answers in Qwen2.5's shape
+# The tiny models (TINY_MODELS, each described in docs/models.md): random models of a few hundred
+# thousand parameters and a byte-level BPE trained here, so that tests and CPU runs download nothing.
 
 TINY_VERSION = 1  # bump when anything below changes; the cache directory is keyed by it
 TINY_VOCAB = 384  # tokenizer size; the embedding is padded to 448 rows, like Qwen's
@@ -2494,13 +2131,10 @@ NO_SYSTEM_TEMPLATE = (  # the shape of Gemma's: user and model turns only
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
-# tiny-tools' call token: the secret task's whole call and the end of the turn, which the template writes
-# after it; a stop token (a real model writes a call token by token, parse_tool_calls reads both alike)
+# tiny-tools' call token: the secret task's whole call and the turn's end (parse_tool_calls reads it as any call)
 TINY_SECRET_CALL = '<tool_call>\n{"name": "secret_digit", "arguments": {}}\n</tool_call><|im_end|>'
 TINY_TOOL_TOKENS = ["<tool_response>", "</tool_response>", TINY_SECRET_CALL]
-# ChatML, plus the tools in a system turn and each answer as a user turn (Qwen2.5's shape). The tools
-# by name only, not JSON schemas and instructions (~425 tokens of prompt in a first version, ~80 now):
-# a random model attends about evenly over its context, and a short one leaves the answer less buried.
+# ChatML, the tools by name in a system turn and each answer as a user turn (Qwen2.5's shape; docs/tools.md).
 TOOLS_TEMPLATE = (
     "{% set system = messages[0]['content'] if messages[0]['role'] == 'system' else none %}"
     "{% if tools %}"
@@ -2614,10 +2248,8 @@ def build_tiny_model(cache_dir: str | None = None, name: str = "tiny") -> Path:
         bos_token_id=tokenizer.bos_token_id,
     )
 
-    # Write into a temporary directory and rename it into place, so that a crash or a second
-    # process never leaves a half-written model behind. Not by model.save_pretrained: under
-    # torchrun transformers writes the weights and config on rank 0 alone, and another rank's
-    # copy, renamed into place first, would hold neither.
+    # Written into a temporary directory renamed into place: never half-written. Not save_pretrained,
+    # which under torchrun writes on rank 0 alone, leaving another rank's copy empty.
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}-"))
     model.config.architectures, model.config.dtype = [type(model).__name__], torch.float32  # as save_pretrained records
@@ -2635,13 +2267,11 @@ def build_tiny_model(cache_dir: str | None = None, name: str = "tiny") -> Path:
 
 
 # ----------------------------------------------------------------------------------------
-# The training loop's harness: what train() calls around the algorithm. The prompts a step
-# samples, the optimizer step, the update's running sums, the metrics, held-out evaluation.
+# The training loop's harness: what train() calls around the algorithm.
 
 
 def prompt_indices(step: int, batch_size: int, num_problems: int, seed: int) -> list[int]:
-    """The B problem indices of a step: consecutive slices of a fresh shuffle per epoch.
-    A pure function of (step, seed), so a resumed run draws exactly what it would have."""
+    """A step's B problem indices from a shuffle per epoch: a function of (step, seed), so resumable."""
     indices, permutations = [], {}
     for k in range(step * batch_size, (step + 1) * batch_size):
         epoch, position = divmod(k, num_problems)
@@ -2652,17 +2282,13 @@ def prompt_indices(step: int, batch_size: int, num_problems: int, seed: int) -> 
 
 
 def tool_limits(args) -> dict:
-    """rollout's limits on tool turns, from the flags (they matter only for a task with tools)."""
+    """rollout's limits on tool turns, from the flags."""
     return {"max_turns": args.max_turns, "max_tool_tokens": args.max_tool_tokens, "tool_timeout": args.tool_timeout}
 
 
 def whole_groups(order: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Keeps the rows of a group in one mini-batch, so that its prompt is forwarded once
-    (forward_completions): the groups in the order in which their first row comes in `order`, a
-    uniformly random permutation of the rows, each group's rows after one another. That is a
-    uniformly random permutation of the groups (all of G rows, so by symmetry every order of them
-    is as likely), drawn from the same random numbers as before: the random stream is unchanged.
-    order (N,) -> (N,)."""
+    """A group's rows together, the groups in the order their first row comes in the random `order`: by
+    symmetry a uniformly random order of groups, from the same random numbers. (N,) -> (N,)."""
     position = torch.empty_like(order)
     position[order] = torch.arange(len(order), device=order.device)  # where each row comes in `order`
     groups = position.view(-1, group_size).amin(dim=-1).argsort()  # (N/G,) by their first row
@@ -2670,10 +2296,7 @@ def whole_groups(order: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def optimizer_step(model, optimizer, max_grad_norm: float, skip: bool = False) -> float:
-    """Clips the gradient norm, steps, and frees the gradients (set to None, not zeros), so
-    that actor and critic gradients never exist at the same time, nor one step's during the
-    next generation. skip: no step, where a mini-batch had no token to learn from (momentum
-    alone must not move θ). Returns the norm before clipping."""
+    """Clips, steps (skip: momentum alone must not move θ), frees the gradients; -> the norm before clip."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item()
     if not skip:
         optimizer.step()
@@ -2682,9 +2305,7 @@ def optimizer_step(model, optimizer, max_grad_norm: float, skip: bool = False) -
 
 
 def accumulate(totals: dict, stats: dict) -> None:
-    """Adds one micro-batch's statistics into running totals: sums, except the maxima (*_max).
-    Numbers or 0-d tensors: the update's stay on the device until host_numbers reads them once,
-    summed in float64 as the numbers are."""
+    """Adds a micro-batch's statistics into totals: sums (float64), maxima for *_max."""
     for key, value in stats.items():
         if torch.is_tensor(value) and value.is_floating_point():
             value = value.double()
@@ -2711,10 +2332,7 @@ def loss_stats(
     clips_weight: bool = False,  # CISPO: the clip bounds its weight, whatever the sign of Â
     cut: torch.Tensor | None = None,  # (n, T) bool, DPPO: the tokens its trust region dropped, in place of the clip's
 ) -> dict:
-    """The loss's statistics over the tokens of loss_mask, as sums (and maxima, *_max) that
-    accumulate over micro-batches into update_metrics: tokens, the tokens the clip binds on each
-    side, those dual-clip bounds, Σ KL, the largest ratio, and the truncated IS weights. Each a 0-d
-    tensor where the loss is: no host sync per micro-batch (policy_backward reads them once)."""
+    """The loss's statistics over loss_mask, 0-d tensor sums (maxima: *_max) that accumulate over micro-batches."""
     valid = loss_mask.bool()
     low, high = (ratio < 1 - eps_low), (ratio > 1 + eps_high)
     if not clips_weight:  # the clipped surrogate binds only where it cuts the gradient
@@ -2736,8 +2354,7 @@ def loss_stats(
 
 
 def tis_stats(is_weight: torch.Tensor, valid: torch.Tensor) -> dict:
-    """Sums and the max of the truncated IS weights over the valid tokens, for update_metrics (0-d
-    tensors, as loss_stats')."""
+    """The sum and max of the truncated IS weights over the valid tokens (0-d tensors)."""
     return {
         "tis_weight": (is_weight * valid).sum(),
         "tis_weight_max": torch.where(valid.any(), is_weight.masked_fill(~valid, -torch.inf).max(), 1.0),  # C: capped
@@ -2745,8 +2362,7 @@ def tis_stats(is_weight: torch.Tensor, valid: torch.Tensor) -> dict:
 
 
 def step_metrics(batch, entropy: torch.Tensor, old_logp: torch.Tensor, group_size: int) -> dict:
-    """Statistics of the batch (a script's Rollout) a step trains on, with the entropy and old_logp (N, T)
-    that step 4 computed for it (on-policy: the update's forward pass, see old_and_ref_logprobs)."""
+    """Statistics of a step's batch (a script's Rollout), with step 4's entropy and old_logp (N, T)."""
     mask = batch.completion_mask.bool()
     lengths = batch.completion_mask.sum(-1).float()  # (N,)
     rewards, scores = batch.rewards, batch.scores
@@ -2769,10 +2385,7 @@ def step_metrics(batch, entropy: torch.Tensor, old_logp: torch.Tensor, group_siz
 
 
 def tool_metrics(*batches) -> dict:
-    """With tools, over the completions of every batch (a script's Rollouts): calls, answered turns and
-    calls past --max_turns per completion, the share of calls that failed (a malformed call, an unknown tool, wrong
-    arguments, an exception, a timeout) and the share of the completions' tokens that the tools put
-    in. Without: none."""
+    """tools/*: calls, turns, calls past --max_turns per completion, failed calls and the tools' tokens."""
     if batches[0].tool_counts is None:
         return {}
     counts = torch.cat([batch.tool_counts for batch in batches]).float()  # (completions, 4)
@@ -2789,8 +2402,7 @@ def tool_metrics(*batches) -> dict:
 
 
 def is_mask_metrics(update: dict) -> dict:
-    """is_mask/* from masked_importance's counts (none without --is_mask): the fractions of the valid
-    tokens and of the completions that masked IS took out of the loss, over every update of the step."""
+    """is_mask/*: the shares of tokens and completions masked IS took out of the loss this step."""
     if "masked_tokens" not in update:
         return {}
     return {
@@ -2800,8 +2412,7 @@ def is_mask_metrics(update: dict) -> dict:
 
 
 def opsm_metrics(update: dict) -> dict:
-    """opsm/sequence_fraction (none without --off_policy_mask_threshold): the share of completions
-    DeepSeek-V3.2's masking took out of the policy term, over every update of the step."""
+    """opsm/sequence_fraction: the share of completions off-policy masking took out this step."""
     if "opsm_masked" not in update:
         return {}
     return {"opsm/sequence_fraction": update["opsm_masked"] / max(update["opsm_sequences"], 1)}
@@ -2815,16 +2426,9 @@ def top_share(
     wanted: int = 0,
     rank_index: int | None = None,
 ):
-    """The tokens of `valid` whose value is among the top `share` of the mini-batch's valid tokens (under
-    torchrun every rank's, through reduce = common.all_reduce): exactly k = ⌈share·count⌉ of them, the k
-    largest (wanted > 0: that many instead). Of the tokens tied at the k-th value, the earliest in the
-    mini-batch's order are taken: row by row, position by position, rank 0's rows before rank 1's (the
-    prompts' order, my_share), so K ranks take the tokens one process takes. Ties are common: the G
-    completions of a prompt share its first token's entropy, and an all-0-advantage mini-batch (every
-    group's rewards equal) has Cov = 0 on every token, where keeping every tie would take all of them.
-    The values are ranked as fp32 numbers; the k-th is found by bisection over their order (the fp32 bit
-    pattern read as an integer, sign and magnitude), exact in at most 33 steps, each a count over every
-    rank. values, valid (n, T) -> (n, T) bool."""
+    """Exactly k = ⌈share·count⌉ (or `wanted`) valid tokens, the largest over every rank; ties go to the
+    earliest, rank 0's first, so K ranks take what one takes. The k-th value by bisection over the fp32
+    bits as integers: exact in ≤ 33 counts. values, valid (n, T) -> (n, T) bool."""
     valid = valid.bool()
     bits = values[valid].float().view(torch.int32).long()  # (tokens,) sign bit, then magnitude
     order = torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)  # (tokens,) ordered as the values; −0 = +0
@@ -2852,21 +2456,14 @@ def top_share(
 
 
 def share_of(share: float, count: int) -> int:
-    """⌈share·count⌉, the product rounded to 9 places first: in floats 0.07·100 is 7.000000000000001
-    and 0.14·100 is 14.000000000000002, which a bare ceil makes 8 and 15 tokens."""
+    """⌈share·count⌉, rounded to 9 places first: 0.07·100 is 7.000000000000001 in floats."""
     return math.ceil(round(share * count, 9))
 
 
 def evaluate_heldout(
     rollout, policy, tokenizer, eos_ids, task, max_new_tokens: int, batch_size: int, amp=contextlib.nullcontext, **tools
 ):
-    """Greedy (temperature 0) accuracy on the held-out problems of `task` (rewards.py's
-    load_heldout_task: problems no training step samples), the same decoding evaluate.py
-    uses by default. Greedy decoding draws no random numbers, so evaluating does not change
-    what training samples next (a resumed run stays exact). rollout: the script's rollout();
-    amp() the autocast context; tools: its tool limits (tool_limits). What tools draw from Python's
-    random module is undone after. Returns the eval/ metrics, means over the problems (with tools,
-    eval/tools/*: tool_metrics')."""
+    """The eval/ metrics of greedy decoding on `task`'s held-out problems: no random numbers drawn."""
     start = time.perf_counter()
     scores, lengths, truncations, batches = [], [], [], []
     python_random = random.getstate()  # a tool may draw from it (the secret task's): training's draws stay
@@ -2893,14 +2490,11 @@ def evaluate_heldout(
 
 
 # ----------------------------------------------------------------------------------------
-# Runs on disk: runs/<algo>-<task>-<model>-<time>/ with args.json, metrics.jsonl,
-# samples.jsonl and checkpoints.
+# Runs on disk: runs/<algo>-<task>-<model>-<time>/ with args.json, metrics.jsonl, samples.jsonl, checkpoints.
 
 
 def make_run_dir(args, algo: str, task: str | None = None) -> Path:
-    """Creates runs/<algo>-<task>-<model>-<time>/ (task defaults to args.task) and writes
-    args.json. Returns its path. A checkpoint's model tag names its run too
-    (runs/grpo-x/final -> grpo-x-final), so evaluations of two runs' finals stay apart."""
+    """Creates runs/<algo>-<task>-<model>-<time>/ with args.json (model runs/x/final: x-final)."""
     model_path = Path(args.model.rstrip("/"))
     model_tag = model_path.name
     if model_tag == "final" or model_tag.startswith("step-"):
@@ -2921,9 +2515,7 @@ def make_run_dir(args, algo: str, task: str | None = None) -> Path:
 
 
 def make_optimizer(model, lr: float | None, args) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW (β1 0.9, β2 --adam_beta2, --weight_decay) over the trainable weights (with LoRA:
-    the adapters) and its linear warm-up over --warmup_steps steps, for a policy (--lr; None:
-    FULL_LR, or LORA_LR with LoRA) or ppo.py's critic (--critic_lr)."""
+    """AdamW over the trainable weights and its linear warm-up; lr None: FULL_LR, or LORA_LR with LoRA."""
     if lr is None:
         lr = LORA_LR if args.lora_rank else FULL_LR
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -2932,8 +2524,7 @@ def make_optimizer(model, lr: float | None, args) -> tuple[torch.optim.AdamW, to
     return optimizer, warmup
 
 
-# Settings a resumed run must share with the run it continues (the reference model, the prompt
-# order and the meaning of a step depend on them); a script adds its own (Run's same_on_resume).
+# Settings a resumed run must share with the run it continues; a script adds its own (same_on_resume).
 SAME_ON_RESUME = ("model", "task", "dataset", "num_problems", "seed", "batch_size", "group_size")
 SAME_ON_RESUME += ("lora_rank", "lora_alpha", "lora_targets")  # the adapters saved must fit the run
 SAME_ON_RESUME += ("data_file", "data_split", "prompt_key", "answer_key", "eval_data_file")  # --task file's rows
@@ -2942,8 +2533,7 @@ SAME_ON_RESUME += ("data_file", "data_split", "prompt_key", "answer_key", "eval_
 class Run:
     """What a training loop does besides the algorithm: one run on disk, new or resumed.
 
-        run = Run(args, "grpo", policy, tokenizer, resumable={"optimizer": optimizer, ...},
-                  evaluate=evaluate)
+        run = Run(args, "grpo", policy, tokenizer, resumable={"optimizer": optimizer, ...}, evaluate=evaluate)
         with run:                         # Ctrl-C: one line naming the newest checkpoint, exit 130
             for step in run.steps():      # start_step … max_steps-1, with a progress bar
                 ...                       # the algorithm: rollout, log-probs, advantages, update
@@ -2951,27 +2541,9 @@ class Run:
             run.save_final()
         return run.dir
 
-    A new run gets runs/<algo>-<task>-<model>-<time>/ with args.json. With --resume_from it
-    continues in the checkpoint's run directory: the `resumable` objects (optimizers and
-    schedulers: anything with state_dict/load_state_dict), `state` and the RNG states come
-    back, and metrics.jsonl and samples.jsonl lose the steps after the checkpoint, which run
-    again. Checkpoints are step-<k>/ every save_every steps and final/ at the end; only the
-    newest keeps what resuming alone needs: the trainer state (AdamW's moments are twice the
-    weights) and the resume_only folders (ppo.py's critic/).
-
-    compute_dtype (bf16 on a GPU, None on the CPU): the dtype the checkpoints' weights are
-    written in, the one the model computes in and users load (Qwen2.5's own files are bf16).
-    When it is not the weights' own (fp32 masters under autocast), the newest checkpoint's
-    trainer state also keeps the fp32 weights, so that a resumed run continues exactly.
-
-    same_on_resume: the Args fields a resumed run must share with the run it continues, beyond
-    SAME_ON_RESUME.
-    evaluate(): the held-out eval/ metrics, called every eval_every steps and at the end
-    (never with --eval_every 0). state: more trainer state that the script updates as it goes
-    (dapo.py's position in the prompt stream), saved with every checkpoint and restored on
-    resume. write_extra(directory): more files for each checkpoint (ppo.py's critic), written
-    before the checkpoint is renamed into place; resume_only: those of them (names inside a
-    checkpoint) that an older checkpoint drops. reward_key: the metric the progress bar shows."""
+    --resume_from continues in the checkpoint's directory: `resumable`, `state` and the RNG states come
+    back, the logs lose the later steps. Only the newest checkpoint keeps the trainer state (the fp32
+    masters where compute_dtype is not the weights') and resume_only files (write_extra's, ppo's critic)."""
 
     def __init__(
         self,
@@ -3045,13 +2617,8 @@ class Run:
         return self.progress
 
     def end_step(self, step: int, metrics: dict, seconds: dict, batch=None) -> None:
-        """Steps 7-9 of every script, after step `step` (0-based; logged as step + 1), with the
-        step's metrics and the seconds each of its phases took.
-        7. After every eval_every-th step and the last, the held-out evaluation.
-        8. The row {"step", metrics, time/…, eval/…} to metrics.jsonl; after steps 1,
-           1 + sample_every, 1 + 2·sample_every, …, the first completion of num_samples groups of
-           `batch` (the script's Rollout; None: no samples) to samples.jsonl.
-        9. After every save_every-th step (the last saves final/ instead), a checkpoint."""
+        """Steps 7-9 after step `step` (0-based; logged as step + 1): 7. evaluate when due; 8. log the
+        metrics, and samples of `batch` every sample_every steps; 9. a checkpoint every save_every steps."""
         args, done = self.args, step + 1
         metrics = {"step": done, **metrics, **{f"time/{phase}": value for phase, value in seconds.items()}}
         if args.eval_every and (done % args.eval_every == 0 or done == args.max_steps):
@@ -3085,9 +2652,7 @@ class Run:
             self.save(f"step-{done:06d}", done)
 
     def check_sampler_gap(self, metrics: dict) -> None:
-        """Warns once when the mean gap between the log-probs the sampler drew tokens with and the
-        trainer's (policy/sample_logp_diff) passes SAMPLER_GAP_BOUND: no correct run reaches it,
-        and past it every ratio and importance weight compares the wrong distributions."""
+        """Warns once when policy/sample_logp_diff passes SAMPLER_GAP_BOUND, which no correct run reaches."""
         gap = metrics.get("policy/sample_logp_diff")
         fp32 = self.save_dtype == torch.float32  # the dtype the model computes in
         bound = SAMPLER_GAP_BOUND["fp32" if fp32 else "bf16"]
@@ -3108,10 +2673,7 @@ class Run:
         self.save("final", self.args.max_steps)
 
     def save(self, name: str, step: int) -> None:
-        """A checkpoint: the policy as save_pretrained writes it (in save_dtype), the tokenizer,
-        write_extra's files, and the trainer state (step, `state`, each resumable's state_dict, the
-        RNG states, the args; the fp32 master weights where the saved ones are bf16). The
-        checkpoint before keeps its weights and loses its trainer state and resume_only files."""
+        """A checkpoint with the trainer state; the one before keeps only its weights."""
         trainer_state = {"step": step, **self.state, **{k: v.state_dict() for k, v in self.resumable.items()}}
         trainer_state |= {"rng": rng_states(), "args": vars(self.args), "world_size": world_size(), "algo": self.algo}
         if self.keep_masters:
@@ -3153,8 +2715,7 @@ TRACKERS = ("tensorboard", "wandb")
 
 
 def trackers_named(text: str) -> list[str]:
-    """--report_to "none", "tensorboard", "wandb" or several comma-separated -> the tracker names.
-    A ValueError names the unknown one."""
+    """--report_to -> the tracker names; a ValueError names an unknown one."""
     names = [name.strip() for name in text.split(",") if name.strip()]
     if names == ["none"]:
         return []
@@ -3168,8 +2729,7 @@ def trackers_named(text: str) -> list[str]:
 
 
 def open_trackers(args, run_dir: Path, algo: str, resumed_at: int | None = None) -> list:
-    """The trackers --report_to asks for (rank 0 only: the caller's check), each given the run's
-    arguments as its config. Each library is imported here, only when asked for."""
+    """The trackers --report_to asks for (rank 0 only), each with the run's arguments as its config."""
     kinds = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker}
     return [kinds[name](args, Path(run_dir), algo, resumed_at) for name in trackers_named(args.report_to)]
 
@@ -3191,8 +2751,7 @@ def numeric(metrics: dict) -> dict:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """Rows of equal keys as a Markdown table, how TensorBoard's text tab renders a table; `|` and
-    line breaks inside a cell escaped, so a completion cannot break its row."""
+    """Rows of equal keys as a Markdown table for TensorBoard's text tab, `|` and line breaks escaped."""
 
     def cell(value):
         return re.sub(r"\r\n|\r|\n", "<br>", str(value).replace("|", "\\|"))
@@ -3202,10 +2761,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 class TensorBoardTracker:
-    """Event files in <run dir>/tensorboard/ (tensorboard --logdir runs/): a scalar per metric at
-    its step, the samples as a Markdown table under the text tab's `samples`, the arguments as
-    `args`. A resumed run purges the events after its checkpoint's step, which run again, as
-    metrics.jsonl loses those rows."""
+    """Event files in <run dir>/tensorboard/; a resume purges the events after its checkpoint's step."""
 
     def __init__(self, args, run_dir: Path, algo: str, resumed_at: int | None = None):
         try:
@@ -3230,11 +2786,7 @@ class TensorBoardTracker:
 
 
 class WandbTracker:
-    """A Weights & Biases run named after the run directory, its files in <run dir>/wandb/, the
-    arguments as its config, each metrics row logged at its step, the samples as a wandb.Table
-    (key `samples`). WANDB_MODE=offline writes it there without a network (`wandb sync` uploads
-    it later); WANDB_PROJECT names the project (default nanoPO). W&B's steps only go forward,
-    so a resumed run is a new W&B run, `<run dir>-from-step-<k>`, whose config says resumed_at."""
+    """A W&B run named after the run directory; a resumed one is `<run dir>-from-step-<k>` (steps go up)."""
 
     def __init__(self, args, run_dir: Path, algo: str, resumed_at: int | None = None):
         try:
@@ -3281,13 +2833,7 @@ def read_jsonl(path: Path) -> list[dict]:
 def save_checkpoint(
     path: Path, model, tokenizer, trainer_state: dict, extra=None, final: bool = False, dtype: torch.dtype | None = None
 ) -> None:
-    """save_pretrained (safetensors; loadable by transformers, vLLM, lm-eval) plus the trainer
-    state needed to resume. A LoRA policy saves its adapters in peft's format in adapter/,
-    and, when final, the merged full model beside them. Written to a sibling temporary
-    directory and renamed into place, so an interrupted save never destroys the previous
-    checkpoint of the same name. extra(directory), if given, writes more files (ppo.py's
-    critic) into that temporary directory, so they arrive with the same rename: a checkpoint
-    is whole or absent. dtype: the weights' dtype on disk (None: the model's own)."""
+    """A checkpoint (LoRA: adapter/, merged when final), renamed into place: whole or absent."""
     path = Path(path)
     staging = broadcast(Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-")) if rank() == 0 else None)
     if is_lora(model):
@@ -3316,10 +2862,7 @@ def save_checkpoint(
 
 
 def save_full_model(model, directory: Path, dtype: torch.dtype | None = None) -> None:
-    """save_pretrained's format, the weights in `dtype` (None: the model's own). Under torchrun
-    every rank calls it: the weights are gathered to rank 0 on the CPU (full_state_dict) and
-    rank 0 writes them with the model's own class name in config.json (FSDP2 renames the class
-    to FSDP<name>), so transformers and vLLM load it."""
+    """save_pretrained's format in `dtype`; under torchrun rank 0 writes the gathered weights."""
     own = next(model.parameters()).dtype
     if not dist.is_initialized() and dtype in (None, own):
         model.save_pretrained(directory, safe_serialization=True)
@@ -3340,8 +2883,7 @@ def save_full_model(model, directory: Path, dtype: torch.dtype | None = None) ->
 
 
 def tied_copies(model) -> set[str]:
-    """The names under which a parameter appears a second time (tied embeddings: lm_head.weight is
-    embed_tokens.weight), the first name kept."""
+    """The names under which a parameter appears a second time (tied embeddings)."""
     seen, copies = set(), set()
     for name, parameter in model.named_parameters(remove_duplicate=False):
         if id(parameter) in seen:
@@ -3384,8 +2926,7 @@ def set_rng_states(states: dict) -> None:
 
 
 def output_dir_problems(output_dir: str) -> list[str]:
-    """What stops --output_dir, where runs (or evaluations) get a directory each: a file where it,
-    or a folder above it, would be (found before a model loads, not after)."""
+    """What stops --output_dir: a file where it, or a folder above it, would be."""
     path = Path(output_dir)
     existing = next(p for p in (path, *path.parents) if p.exists())  # "." or "/" at the latest
     if existing.is_dir():
@@ -3394,21 +2935,12 @@ def output_dir_problems(output_dir: str) -> list[str]:
 
 
 def trainer_state_globals() -> list:
-    """What a trainer state holds beyond what torch.load(weights_only=True) reads by itself (tensors,
-    DTensors, numbers, strings, None, lists, tuples, dicts, OrderedDicts: the step, the args, the
-    optimizer, scheduler and reference state dicts, the fp32 master weights, the torch and CUDA RNG
-    states; random.getstate() is a tuple of ints). np.random.get_state() alone needs more: its key
-    is a uint32 ndarray, which pickles as numpy's _reconstruct, the ndarray and dtype classes and the
-    uint32 dtype's class (numpy.dtypes.UInt32DType). The four transformers' Trainer allows for its
-    RNG states (trainer_pt_utils.safe_globals); nothing else, so that a trainer state is read as
-    data, and a pickle that would call anything else (open, os.system, ...) is refused unrun."""
+    """What a trainer state needs beyond weights_only's own: numpy's RNG key; nothing that could run code."""
     return [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
 def read_trainer_state(checkpoint, path: Path, mmap: bool = False) -> dict:
-    """The trainer state at `path` (in --resume_from `checkpoint`), read as data only: weights_only,
-    with trainer_state_globals and no other global. A file that holds anything else (a pickle from
-    elsewhere, which could run code as it loads) stops with a message, its code not run."""
+    """The trainer state at `path`, read as data only; anything else stops, its code not run."""
     if dist.is_available():
         import torch.distributed.tensor  # noqa: F401  a torchrun run's optimizer state holds DTensors
 
@@ -3426,11 +2958,7 @@ def read_trainer_state(checkpoint, path: Path, mmap: bool = False) -> dict:
 
 
 def resume_problems(args, algo: str) -> list[str]:
-    """What stops --resume_from, read before a model loads: no such directory, no trainer state in
-    it, a checkpoint of another script (resuming it would overwrite that run's arguments and
-    checkpoint, ppo.py's critic included), or one already at --max_steps (the run would train
-    nothing and write final/ with a step count its weights are not at). The state is memory-mapped:
-    its tensors are not read."""
+    """What stops --resume_from, found before a model loads (the state memory-mapped, its tensors unread)."""
     checkpoint = Path(args.resume_from)
     if not checkpoint.is_dir():
         return [
@@ -3467,8 +2995,7 @@ def processes_differ(checkpoint, saved_by: int, now: int) -> str:
 
 
 def written_by_script(saved_args: dict) -> str:
-    """The script whose arguments these are (an args.json, or a trainer state saved before it
-    named its script), by the arguments only that script has."""
+    """The script whose arguments these are, by the arguments only that script has."""
     return "ppo" if "critic_lr" in saved_args else "dapo" if "dynamic_sampling" in saved_args else "grpo"
 
 
@@ -3489,9 +3016,7 @@ def no_trainer_state(checkpoint) -> str:
 def load_trainer_state(
     checkpoint: str, args: dict | None = None, must_match: tuple[str, ...] = (), filename: str = TRAINER_STATE
 ) -> dict:
-    """The trainer state saved beside a checkpoint's weights (filename: a rank's own under torchrun).
-    Stops with a message if it is absent, or if `args` differ from the saved run's in any of the
-    `must_match` fields."""
+    """A checkpoint's trainer state; stops if absent or `args` differ in a `must_match` field."""
     path = Path(checkpoint) / filename
     if not path.exists():
         raise SystemExit(no_trainer_state(checkpoint))
@@ -3507,8 +3032,7 @@ def load_trainer_state(
 
 
 def drop_trainer_state(checkpoint: Path, resume_only: tuple[str, ...] = ()) -> None:
-    """Deletes a checkpoint's trainer state (every rank's) and its resume_only files or folders,
-    keeping its weights (a newer checkpoint exists)."""
+    """Deletes a checkpoint's trainer state (every rank's) and resume_only files, keeping its weights."""
     for path in Path(checkpoint).glob(TRAINER_STATE.replace(".pt", "*.pt")):
         path.unlink(missing_ok=True)
     for name in resume_only:
@@ -3517,8 +3041,7 @@ def drop_trainer_state(checkpoint: Path, resume_only: tuple[str, ...] = ()) -> N
 
 
 def truncate_jsonl(path: Path, last_step: int) -> None:
-    """Keeps the records with step <= last_step: on resume, the steps after the checkpoint
-    will run again. Rewritten through a temporary file, so a crash leaves the old file whole."""
+    """Keeps the records with step <= last_step, rewritten through a temporary file."""
     if not Path(path).exists():
         return
     kept = [r for r in read_jsonl(path) if r["step"] <= last_step]
