@@ -489,11 +489,9 @@ def attention_shape(args: Args, device) -> tuple:
 
 
 def bench_attention(config, num_rows: int, prompt_length: int, max_new_tokens: int, device, amp, dtype, calls=20):
-    """The one-token step's attention, one layer's call, at each width of decode_widths: SDPA as the
-    masked step calls it (grouped_decode_attention), the varlen flash call generate runs on a GPU in bf16
-    (varlen_decode_attention over the left-aligned cache), and SDPA without a mask (what the mask costs).
-    Inputs as the step has them; on CUDA each call is a CUDA graph's replay, as the step runs. ms a call
-    (mean of `calls`), GB/s of keys and values read, ms a step (× layers), max |Δ| against float64."""
+    """The one-token step's attention, one layer's call, at each width of decode_widths: the masked SDPA
+    call, the varlen flash call generate runs on a GPU in bf16, and SDPA without a mask. ms a call, GB/s
+    of keys and values read, ms a step (× layers), max |Δ| against float64."""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     generator = torch.Generator(device).manual_seed(0)
@@ -699,10 +697,8 @@ class Counted(TorchDispatchMode):
 
 
 def bench_decode_kernels(layers: int, device, amp) -> list[dict]:
-    """The one-token step's kernels a layer, eager (aten ops, views apart) against --compile's (the calls
-    in the code TorchInductor writes for the step), on a Qwen2 of the 1.5B shape's layers, `layers` deep
-    against one deep: a layer is the difference over layers − 1, a step the ops of 2 new tokens less 1.
-    On the CPU TorchInductor writes C++ rather than Triton: the counts say what fusing removes."""
+    """The one-token step's kernels a layer, eager against --compile's, on a Qwen2 of the 1.5B shape's
+    layers: a layer is the difference between `layers` deep and one deep."""
     from torch._inductor.utils import run_and_get_code
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -835,13 +831,9 @@ def read_events(profiler) -> list[tuple]:
 
 
 def summarise(events: list[tuple], cuda: bool) -> dict:
-    """From read_events: ops {name: (µs, calls)} (CUDA: device time of kernels, memcpys, memsets; CPU:
-    self time), busy s (their sum), and within the phase's own range (PHASE_RANGE):
-      host syncs  SYNC_OPS and aten::unique* (is_sync_op), once however nested: a read of a value,
-                  which waits for the device on a GPU (not inside aten::_assert_async)
-      CUDA syncs  CUDA_SYNCS calls of the runtime; sync wait s, the host's time inside them
-      launches    kernels launched (a CUDA graph's replay is one)
-    Nesting is by time on each thread; an op whose only child has its name is one call, as torch counts."""
+    """From read_events: ops {name: (µs, calls)} (CUDA: device time; CPU: self time), busy s, and within
+    the phase's range (PHASE_RANGE): host syncs (SYNC_OPS, aten::unique*), CUDA syncs and the host's wait
+    in them, kernel launches (a graph's replay is one). An op whose only child has its name is one call."""
     ranges = [(start, end) for name, _, start, end, _ in events if name == PHASE_RANGE]
     inside = lambda start: any(low <= start <= high for low, high in ranges)  # noqa: E731
     ops, syncs, runtime, waited, launches, stack = {}, 0, 0, 0, 0, []

@@ -42,11 +42,9 @@ Papers (equation numbers as cited in the code):
 Run:
   python dapo.py --model Qwen2.5-1.5B-Instruct                            # one GPU, Countdown
   python dapo.py --model Qwen2.5-1.5B-Instruct --dynamic_sampling false   # the seed study's best variant
-  python dapo.py --model tiny --max_steps 20 --dynamic_sampling false     # CPU smoke run, no download
+  python dapo.py --model tiny --max_steps 20 --dynamic_sampling false     # CPU smoke run (tiny scores 0 on Countdown)
   python dapo.py --model tiny --task digit --lr 3e-3 --max_new_tokens 8 --overlong_buffer 4 --max_steps 40
   torchrun --nproc_per_node 8 dapo.py --model Qwen2.5-7B-Instruct         # 8 GPUs, FSDP2: docs/distributed.md
-(The tiny model scores 0 on Countdown: with dynamic sampling every step would be skipped. The digit
-run on the CPU: watch the reward rise.)
 Shape letters in comments: B prompts per step · G completions per prompt · N = B·G sequences (fewer
   when dynamic sampling ran out of rounds) · n rows of a micro-batch or of one rollout() · P prompt
   tokens (left padded) · T completion tokens (right padded) · V vocabulary (the tokenizer's)
@@ -160,10 +158,8 @@ def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def keep_groups(rounds: list[Rollout], kept: list[list[int]], group_size: int, pad_id: int) -> Rollout:
-    """The groups kept from every round as one batch: kept[r] lists round r's kept groups in
-    order (group g is rows g·G … g·G+G-1). Rounds differ in prompt width P and completion
-    width T, so prompts are padded again on the left and completions on the right, with pad_id
-    in the ids and 0 in the masks and log-probs: no log-prob changes. N = (groups kept)·G rows."""
+    """The groups kept from every round as one batch (kept[r]: round r's kept groups), prompts padded again
+    on the left and completions on the right: no log-prob changes. N = (groups kept)·G rows."""
     taken = []  # (round, its kept rows) for every round that kept a group
     for batch, groups in zip(rounds, kept):
         if groups:
@@ -823,11 +819,9 @@ def opsm_stats(keep: torch.Tensor | None, loss_mask: torch.Tensor) -> dict:
 
 
 def sampling_metrics(rounds: list[Rollout], groups_kept: int, group_size: int, ranks: int = 1) -> dict:
-    """Dynamic sampling's record of one step, over every completion generated, kept or not:
-    the mean reward is the policy's own score (the kept groups, chosen for having mixed
-    rewards, would bias it), and a step whose completions all hit the length cap keeps no
-    group (all rewards 0) yet must still show its lengths, truncations and tool calls. The counts are of all
-    `ranks` ranks (under torchrun each generates and keeps as many groups)."""
+    """Dynamic sampling's record of one step over every completion generated, kept or not (the kept groups,
+    chosen for mixed rewards, would bias the mean): a step that keeps no group still shows its lengths,
+    truncations and tool calls. Counts are of all `ranks` ranks."""
     rewards = torch.cat([batch.rewards for batch in rounds])  # (every completion,)
     lengths = torch.cat([batch.completion_mask.sum(-1) for batch in rounds]).float()
     return {
@@ -843,9 +837,8 @@ def sampling_metrics(rounds: list[Rollout], groups_kept: int, group_size: int, r
 
 
 # ----------------------------------------------------------------------------------------
-# TRY NOT TO MODIFY: the sampler and scorer, steps 1-4's machinery and step 6's micro-batches. A
-# reader may skip it: rollout() returns the Rollout above, sequence_logprobs() the log-probs the
-# loss reads, micro_batches() the update's micro-batches. docs/speed.md explains generate()'s speed.
+# TRY NOT TO MODIFY: the sampler and scorer, steps 1-4's machinery and step 6's micro-batches; a reader
+# may skip it: rollout() returns the Rollout above, sequence_logprobs() the log-probs the loss reads.
 
 
 def rollout(
@@ -1091,9 +1084,8 @@ class KVCache:
     # Whatever else a release passes (5.24: kwargs=...; before: cache_kwargs) is not needed here:
     # the columns come from slots, the positions from the model's own position_ids.
     def update(self, keys, values, layer: int, *unused, **unused_named):  # keys, values (n, kv heads, q, head dim)
-        # Written by indexing (index_put_) into the whole buffer, not into a slice of it: compiled
-        # (compiled_decode), TorchInductor then writes the new columns in place, where index_copy_,
-        # scatter_ or a slice of the rows made it copy the layer's whole cache every step.
+        # Indexing (index_put_) the whole buffer: compiled, TorchInductor writes the new columns in place,
+        # where index_copy_, scatter_ or a slice of the rows copied the layer's whole cache every step.
         if self.aligned:  # one token a row, row i's to its own column slots[i]; attention reads all S
             at = (self.row_index, self.slots)  # (n,), (n,): buffer[i, slots[i]] is (kv heads, d)
             self.keys[layer].index_put_(at, keys[:, :, 0].to(values.dtype))
@@ -1144,9 +1136,8 @@ def token_logprobs(logits, tokens, scale: float, vocab_size: int, with_entropy: 
     logits (…, V'), tokens (…) -> (…, 2): log π and H, fp32."""
     logits = logits[..., :vocab_size].float()  # (…, V) a view, fp32 from the head (a no-op .float())
     if scale != 1.0:  # τ = 1 divides by nothing (x / 1 is x, bit for bit)
-        # in place where no backward runs through it (no second fp32 copy of the logits); where one
-        # does, a new tensor: in place on a view of the head's output, backward would copy the
-        # whole logits several times over (autograd's CopySlices) instead of dividing once
+        # in place where no backward runs through it (no second fp32 copy); else a new tensor: in place on
+        # a view of the head's output, backward would copy the whole logits (autograd's CopySlices)
         logits = logits / scale if logits.requires_grad else logits.div_(scale)
     log_normaliser = torch.logsumexp(logits, dim=-1)  # (…)
     logp = logits.gather(-1, tokens[..., None]).squeeze(-1) - log_normaliser  # (…)

@@ -311,8 +311,7 @@ def tool_cells(result: dict) -> list[str]:
 
 def tool_settings(content: dict) -> str:
     """The tool flags a results.json records, as --compare shows them ("–" without tools)."""
-    names = ",".join(part for part in (content.get("tools"), content.get("tool")) if part)
-    if not names:
+    if not (names := ",".join(part for part in (content.get("tools"), content.get("tool")) if part)):
         return "–"
     return f"{names}: {content['max_turns']} turns × {content['max_tool_tokens']} tokens, {content['tool_timeout']} s"
 
@@ -349,12 +348,12 @@ def compare_table(paths: list[str]) -> str:
     return "\n".join(lines)
 
 
+TOOL_PANELS = (("tools/calls", "tool calls a completion"), ("tools/errors", "tool errors (share of calls)"))
+
+
 def plot_panels(runs: list[tuple[str, list[dict]]]) -> tuple:
-    """PLOT_PANELS, and where a run had tools (issue 59) its tool calls and their errors as two more."""
-    tools = any("tools/calls" in row for _, rows in runs for row in rows)
-    return PLOT_PANELS + (
-        (("tools/calls", "tool calls a completion"), ("tools/errors", "tool errors (share of calls)")) if tools else ()
-    )
+    """PLOT_PANELS, and TOOL_PANELS where a run had tools."""
+    return PLOT_PANELS + (TOOL_PANELS if any("tools/calls" in row for _, rows in runs for row in rows) else ())
 
 
 def plot_curves(run_dirs: list[str], out_file: Path, labels: list[str] | None = None) -> Path:

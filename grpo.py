@@ -707,9 +707,8 @@ def train(args: Args) -> Path:
             scheduler.step()
             seconds = {**batch.seconds, "logprobs": seconds_logprobs, "update": time.perf_counter() - timer}
 
-            # 7-9. Every metric from the tensors the loss used, masked, over the whole batch; then
-            #      Run.end_step: the held-out evaluation when due, the metrics row and samples, a
-            #      checkpoint when due.
+            # 7-9. Every metric from the tensors the loss used, over the whole batch; then Run.end_step:
+            #      the held-out evaluation when due, the metrics row and samples, a checkpoint when due.
             metrics = {  # under torchrun, over every rank's share of the batch
                 **common.all_reduce_metrics(common.step_metrics(batch, entropy, old_logp, args.group_size)),
                 **update_metrics(common.all_reduce_totals(update), grad_norms, learning_rate),
@@ -751,9 +750,8 @@ def opsm_stats(keep: torch.Tensor | None, loss_mask: torch.Tensor) -> dict:
 
 
 # ----------------------------------------------------------------------------------------
-# TRY NOT TO MODIFY: the sampler and scorer, steps 1-4's machinery and step 6's micro-batches. A
-# reader may skip it: rollout() returns the Rollout above, sequence_logprobs() the log-probs the
-# loss reads, micro_batches() the update's micro-batches. docs/speed.md explains generate()'s speed.
+# TRY NOT TO MODIFY: the sampler and scorer, steps 1-4's machinery and step 6's micro-batches; a reader
+# may skip it: rollout() returns the Rollout above, sequence_logprobs() the log-probs the loss reads.
 
 
 def rollout(
@@ -999,9 +997,8 @@ class KVCache:
     # Whatever else a release passes (5.24: kwargs=...; before: cache_kwargs) is not needed here:
     # the columns come from slots, the positions from the model's own position_ids.
     def update(self, keys, values, layer: int, *unused, **unused_named):  # keys, values (n, kv heads, q, head dim)
-        # Written by indexing (index_put_) into the whole buffer, not into a slice of it: compiled
-        # (compiled_decode), TorchInductor then writes the new columns in place, where index_copy_,
-        # scatter_ or a slice of the rows made it copy the layer's whole cache every step.
+        # Indexing (index_put_) the whole buffer: compiled, TorchInductor writes the new columns in place,
+        # where index_copy_, scatter_ or a slice of the rows copied the layer's whole cache every step.
         if self.aligned:  # one token a row, row i's to its own column slots[i]; attention reads all S
             at = (self.row_index, self.slots)  # (n,), (n,): buffer[i, slots[i]] is (kv heads, d)
             self.keys[layer].index_put_(at, keys[:, :, 0].to(values.dtype))
@@ -1052,9 +1049,8 @@ def token_logprobs(logits, tokens, scale: float, vocab_size: int, with_entropy: 
     logits (…, V'), tokens (…) -> (…, 2): log π and H, fp32."""
     logits = logits[..., :vocab_size].float()  # (…, V) a view, fp32 from the head (a no-op .float())
     if scale != 1.0:  # τ = 1 divides by nothing (x / 1 is x, bit for bit)
-        # in place where no backward runs through it (no second fp32 copy of the logits); where one
-        # does, a new tensor: in place on a view of the head's output, backward would copy the
-        # whole logits several times over (autograd's CopySlices) instead of dividing once
+        # in place where no backward runs through it (no second fp32 copy); else a new tensor: in place on
+        # a view of the head's output, backward would copy the whole logits (autograd's CopySlices)
         logits = logits / scale if logits.requires_grad else logits.div_(scale)
     log_normaliser = torch.logsumexp(logits, dim=-1)  # (…)
     logp = logits.gather(-1, tokens[..., None]).squeeze(-1) - log_normaliser  # (…)

@@ -32,13 +32,10 @@ Papers (equation numbers as cited in the code):
              arXiv 2512.07611.
 
 Run:
-  python ppo.py --model Qwen2.5-1.5B-Instruct --gradient_checkpointing true
-                                                               # one 80 GB GPU, Countdown (docs/models.md)
-  python ppo.py --model tiny --max_steps 20                    # CPU smoke run, no download
-  python ppo.py --model tiny --task digit --lr 3e-3 --critic_lr 3e-3 --max_new_tokens 8 --max_steps 40
-                                                               # CPU, watch the reward rise
-  torchrun --nproc_per_node 8 ppo.py --model Qwen2.5-7B-Instruct --gradient_checkpointing true
-                                                               # 8 GPUs, FSDP2: docs/distributed.md
+  python ppo.py --model Qwen2.5-1.5B-Instruct --gradient_checkpointing true     # one 80 GB GPU (docs/models.md)
+  python ppo.py --model tiny --max_steps 20                                      # CPU smoke run, no download
+  python ppo.py --model tiny --task digit --lr 3e-3 --critic_lr 3e-3 --max_new_tokens 8 --max_steps 40   # CPU
+  torchrun --nproc_per_node 8 ppo.py --model Qwen2.5-7B-Instruct --gradient_checkpointing true   # docs/distributed.md
 Shape letters in comments: B prompts per step · G completions per prompt · N = B·G sequences · n rows of
   a micro-batch or of one rollout() · P prompt tokens (left padded) · T completion tokens (right padded) ·
   V vocabulary (the tokenizer's) · H hidden size
@@ -547,9 +544,8 @@ def train(args: Args) -> Path:
             critic_scheduler.step()
             seconds = {**batch.seconds, "logprobs": seconds_logprobs, "update": time.perf_counter() - timer}
 
-            # 7-9. Every metric from the tensors the losses used, masked, over the whole batch; then
-            #      Run.end_step: the held-out evaluation when due, the metrics row and samples, a
-            #      checkpoint when due.
+            # 7-9. Every metric from the tensors the losses used, over the whole batch; then Run.end_step:
+            #      the held-out evaluation when due, the metrics row and samples, a checkpoint when due.
             metrics = common.all_reduce_metrics(  # under torchrun, over every rank's share of the batch
                 common.step_metrics(batch, entropy, old_logp, args.group_size)
                 | rollout_value_metrics(
@@ -628,13 +624,9 @@ def rollout_value_metrics(old_logp, ref_logp, completion_mask, beta, advantages,
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, completion_mask: torch.Tensor) -> float:
-    """1 − Var(R − V) / Var(R) over valid tokens: 1 for a perfect critic, 0 for one that only
-    knows the mean, below 0 for one worse than that. values, returns, mask (N, T).
-    0 when the returns do not vary (every reward of the batch equal, β = 0: common on a hard task
-    early on): there is no variance to explain, and 0 says the critic explains none, as for one
-    that knows only the mean. CleanRL and Stable-Baselines3 return NaN there, which breaks plots
-    and trackers' summaries; verl divides by Var(R) + 1e-5, which turns it into −Var(R − V)/1e-5,
-    a spike of thousands whenever V is not flat. return/std (0 then) tells the two zeros apart."""
+    """1 − Var(R − V) / Var(R) over valid tokens: 1 for a perfect critic, 0 for one that knows only the
+    mean, below 0 for a worse one; 0 when the returns do not vary (nothing to explain; CleanRL returns
+    NaN there, verl a spike). values, returns, mask (N, T)."""
     valid = completion_mask.bool()
     target, error = returns[valid], (returns - values)[valid]
     target_variance = target.var(unbiased=False)
@@ -653,11 +645,9 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 
 def actor_critic_passes(policy, critic, args: Args, vocab_size: int, amp) -> tuple:
-    """What the preflight (common.size_micro_batches) measures, as two passes over sequences
-    (prompt_ids, prompt_mask, completion_ids, completion_mask): step 6's forward and backward of
-    the policy, then of the critic (their micro-batches are the same; the policy's gradients are
-    gone by then, as optimizer_step leaves them), and step 4's no-grad passes of both, each as one
-    chunk of all the rows it is given. common.logprob_passes, with the critic."""
+    """What the preflight (common.size_micro_batches) measures: step 6's forward and backward of the
+    policy, then of the critic, and step 4's no-grad passes of both, each as one chunk of all the rows
+    it is given. common.logprob_passes, with the critic."""
 
     def update(sequences):
         with amp():
@@ -686,10 +676,8 @@ def actor_critic_passes(policy, critic, args: Args, vocab_size: int, amp) -> tup
 
 
 class Critic(torch.nn.Module):
-    """V_φ(s_t): the policy's transformer (its AutoModel backbone, without the LM head) and a
-    scalar value head on the last hidden state. A separate copy: the critic's updates never
-    move the policy. The head starts at zero, so V_φ = 0 everywhere at the start (explained
-    variance 0) instead of random values that would add noise to the first advantages."""
+    """V_φ(s_t): the policy's transformer (its AutoModel backbone) and a scalar value head on the last
+    hidden state, a separate copy. The head starts at zero: V_φ = 0 everywhere at the start."""
 
     def __init__(self, backbone):
         super().__init__()
@@ -713,10 +701,8 @@ class Critic(torch.nn.Module):
 
 
 def load_critic(args, device: torch.device, dtype: torch.dtype, compute_dtype: torch.dtype | None = None) -> Critic:
-    """The critic: its backbone from --model (or from --resume_from's critic/ folder), and its
-    head from zero (or from the checkpoint's value_head.safetensors). With --lora_rank the
-    backbone is --model's, frozen (in compute_dtype: common.frozen_dtype), under LoRA adapters
-    of its own (new, or the checkpoint's critic/adapter/), and the head trains in full."""
+    """The critic: its backbone from --model (or --resume_from's critic/), its head from zero (or the
+    checkpoint's value_head.safetensors). With --lora_rank: --model's frozen backbone under adapters of its own."""
     if args.lora_rank:
         dtype = common.frozen_dtype(dtype, compute_dtype)
     saved = Path(args.resume_from) / CRITIC_DIR if args.resume_from else None
@@ -744,11 +730,9 @@ def load_critic(args, device: torch.device, dtype: torch.dtype, compute_dtype: t
 
 
 def save_critic(critic: Critic, directory: Path) -> None:
-    """Writes the critic into a checkpoint's critic/ folder: the backbone by save_pretrained
-    (AutoModel loads it; with LoRA its adapters, in critic/adapter/) and the head in
-    value_head.safetensors. common.Run calls it on the checkpoint's staging directory, so
-    policy and critic are renamed into place together: a crash mid-save leaves the previous
-    checkpoint whole, never a policy without its critic."""
+    """Writes the critic into a checkpoint's critic/ folder: the backbone by save_pretrained (with LoRA its
+    adapters), the head in value_head.safetensors. Run calls it on the staging directory, so policy and
+    critic are renamed into place together."""
     backbone_dir = Path(directory) / CRITIC_DIR / (common.ADAPTER_DIR if common.is_lora(critic.backbone) else "")
     if common.world_size() > 1:  # torchrun: every rank gathers, rank 0 writes the full weights
         state = common.full_state_dict(critic)
@@ -788,13 +772,9 @@ def critic_values(
     tool_mask: torch.Tensor | None = None,  # (N, T) the tools' answers: in the sequence, no value read
     layout: "common.Layout | None" = None,  # the rows as one chunk, its Layout read by the caller (micro_batches)
 ) -> torch.Tensor:
-    """V_φ(s_t) for every completion position t, s_t = (q, o_<t): the state in which token t
-    is chosen, read at position P-1+t, the same position whose logits give log π(o_t) in
-    sequence_logprobs (same left padding, attention mask and position ids). chunk_size rows
-    (or chunk_tokens tokens: chunks_of) at a time, in order of length, each chunk cut to its own
-    longest (as sequence_logprobs).
-    Returns values (N, T), 0 where completion_mask is 0 (the tools' answers, tool_mask, are attended to,
-    their positions get no value), rows in the order given; differentiable with grad."""
+    """V_φ(s_t) for every completion position t, s_t = (q, o_<t), read at position P-1+t, the one whose
+    logits give log π(o_t) in sequence_logprobs (same padding, mask and positions), chunk by chunk in
+    order of length. Returns values (N, T), 0 where completion_mask is 0, rows in the order given."""
     num_tokens = completion_ids.shape[1]  # T
     in_sequence = completion_mask if tool_mask is None else completion_mask + tool_mask  # (N, T) attended
     chunking = chunk_size, chunk_tokens
@@ -811,9 +791,8 @@ def critic_values(
 
 
 # ----------------------------------------------------------------------------------------
-# TRY NOT TO MODIFY: the sampler and scorer, steps 1-4's machinery and step 6's micro-batches. A
-# reader may skip it: rollout() returns the Rollout above, sequence_logprobs() the log-probs the
-# loss reads, micro_batches() the update's micro-batches. docs/speed.md explains generate()'s speed.
+# TRY NOT TO MODIFY: the sampler and scorer, steps 1-4's machinery and step 6's micro-batches; a reader
+# may skip it: rollout() returns the Rollout above, sequence_logprobs() the log-probs the loss reads.
 
 
 def rollout(
@@ -1059,9 +1038,8 @@ class KVCache:
     # Whatever else a release passes (5.24: kwargs=...; before: cache_kwargs) is not needed here:
     # the columns come from slots, the positions from the model's own position_ids.
     def update(self, keys, values, layer: int, *unused, **unused_named):  # keys, values (n, kv heads, q, head dim)
-        # Written by indexing (index_put_) into the whole buffer, not into a slice of it: compiled
-        # (compiled_decode), TorchInductor then writes the new columns in place, where index_copy_,
-        # scatter_ or a slice of the rows made it copy the layer's whole cache every step.
+        # Indexing (index_put_) the whole buffer: compiled, TorchInductor writes the new columns in place,
+        # where index_copy_, scatter_ or a slice of the rows copied the layer's whole cache every step.
         if self.aligned:  # one token a row, row i's to its own column slots[i]; attention reads all S
             at = (self.row_index, self.slots)  # (n,), (n,): buffer[i, slots[i]] is (kv heads, d)
             self.keys[layer].index_put_(at, keys[:, :, 0].to(values.dtype))
@@ -1112,9 +1090,8 @@ def token_logprobs(logits, tokens, scale: float, vocab_size: int, with_entropy: 
     logits (…, V'), tokens (…) -> (…, 2): log π and H, fp32."""
     logits = logits[..., :vocab_size].float()  # (…, V) a view, fp32 from the head (a no-op .float())
     if scale != 1.0:  # τ = 1 divides by nothing (x / 1 is x, bit for bit)
-        # in place where no backward runs through it (no second fp32 copy of the logits); where one
-        # does, a new tensor: in place on a view of the head's output, backward would copy the
-        # whole logits several times over (autograd's CopySlices) instead of dividing once
+        # in place where no backward runs through it (no second fp32 copy); else a new tensor: in place on
+        # a view of the head's output, backward would copy the whole logits (autograd's CopySlices)
         logits = logits / scale if logits.requires_grad else logits.div_(scale)
     log_normaliser = torch.logsumexp(logits, dim=-1)  # (…)
     logp = logits.gather(-1, tokens[..., None]).squeeze(-1) - log_normaliser  # (…)

@@ -1148,11 +1148,8 @@ def load_tools(builtin: str, user: str) -> list[Callable]:
 
 
 def class_tool(cls: type) -> Callable:
-    """A tool given as a class, for state across a completion's turns (a sandbox, a game, a search session):
-    the model calls its __call__ (whose hints and docstring are the schema) under the class's name, and
-    tool_turns gives every rollout row an instance of its own, made at the row's first call and dropped with
-    the rollout (its close(), if it has one, called then). What stands for it here describes it; calls go
-    to the row's instance."""
+    """A tool given as a class, for state across a completion's turns (a sandbox, a game): described by its
+    __call__ under the class's name; tool_turns gives each row an instance of its own (row_tools, release)."""
     call = cls.__call__
     hints = typing.get_type_hints(call)  # resolved here: the stand-in's module is not the tool's
 
@@ -1320,8 +1317,8 @@ def answer_text(function: Callable, arguments: dict) -> str:
     """A tool's result as the model reads it: a str as it is, else JSON, else str() (a set, an object, a
     cycle). An async tool (a coroutine function) is awaited, in an event loop of its own."""
     result = function(**arguments)
-    if inspect.isawaitable(result):
-        result = asyncio.run(awaited(result))
+    if inspect.iscoroutine(result):
+        result = asyncio.run(result)
     if isinstance(result, str):
         return result
     try:
@@ -1330,16 +1327,10 @@ def answer_text(function: Callable, arguments: dict) -> str:
         return str(result)
 
 
-async def awaited(awaitable):
-    return await awaitable
-
-
 def call_abandoned_at(function: Callable, seconds: float):
-    """function() in a thread of its own, its value returned or its exception raised here; past `seconds`
-    (> 0) a RewardTimeout, and the call is abandoned where it is. Nothing inside the tool can stop that
-    (a bare except: swallows a signal's exception, not the wait), and the thread, a daemon, ends with the
-    process if the tool never returns. One call at a time, as before: the order of what tools draw from
-    Python's random module is the run's."""
+    """function() in a daemon thread of its own, its value returned or its exception raised here; past
+    `seconds` (> 0) a RewardTimeout, the call abandoned where it is: nothing the tool catches can stop that.
+    One call at a time: the order of what tools draw from Python's random module stays the run's."""
     outcome = {}
 
     def run():
