@@ -1029,7 +1029,7 @@ class RewardTimeout(BaseException):
 
 
 def call_with_time_limit(function: Callable, seconds: float, *args):
-    """function(*args), interrupted by a SIGALRM after `seconds` (main thread; elsewhere unbounded)."""
+    """function(*args) cut by a SIGALRM after `seconds`, in the main thread (math-verify's own work only there)."""
     if seconds <= 0 or threading.current_thread() is not threading.main_thread():
         return function(*args)
 
