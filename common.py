@@ -379,6 +379,8 @@ def check_run_args(args, algo: str) -> list[str]:
         problems.append(f"--max_turns must be >= 0 (got {args.max_turns}): the tool turns a completion may take.")
     if args.max_tool_tokens < 1:
         problems.append(f"--max_tool_tokens must be >= 1 (got {args.max_tool_tokens}): the tokens of one tool answer.")
+    if args.tool_workers < 1:
+        problems.append(f"--tool_workers must be >= 1 (got {args.tool_workers}): the tool calls that run at once.")
     problems += timeout_problems(args)
     if args.resume_from:
         problems += resume_problems(args, algo)
@@ -1723,26 +1725,48 @@ class DecodeStep:
         self.graphs, self.pool = {}, None  # on CUDA: width -> captured step, for the rows decoded now
         if device.type == "cuda" and not torch.distributed.is_initialized():
             self.pool = torch.cuda.graph_pool_handle()
+        self.holds = not any(self.windows.values())  # a row may skip a column (a window counts columns)
 
-    def __call__(self, token: torch.Tensor, t: int) -> torch.Tensor:
-        """Each row's token (n,), sampled at column P + t, in; the logits (n, V) of the next token out."""
+    def __call__(self, token: torch.Tensor, t: int, held: torch.Tensor | None = None) -> torch.Tensor:
+        """Each row's token (n,), sampled at column P + t, in; the logits (n, V) of the next token out. A held
+        row (n,) (waiting for its tools, or finished) keeps its position, its column hidden: its token is none."""
         cache = self.cache
         self.token_in.copy_(token[:, None])
+        if not self.varlen and self.prompt_length + t >= cache.length:  # held rows left columns unfilled
+            self.grow(cache.length - self.prompt_length)
         for kind, window in self.windows.items():
-            if self.varlen:  # row i's own column
+            if self.varlen:  # row i's own column (a held row's, filled again at its next step)
                 self.biases[kind].scatter_(-1, cache.slots[:, None, None, None], 0.0)
+            elif held is not None:  # later tokens attend to this one (column P+t), a held row's not…
+                self.biases[kind][:, 0, 0].index_copy_(-1, cache.slots, torch.where(held, MASKED, 0.0)[:, None])
             else:
                 self.biases[kind].index_fill_(-1, cache.slots, 0.0)  # later tokens attend to this one (column P+t)…
             if window and self.prompt_length + t >= window:  # …and, in a window, no longer to column P+t-window
                 self.biases[kind].index_fill_(-1, cache.slots - window, MASKED)
-        width = next(w for w in self.widths if w > self.prompt_length + t)  # holds columns 0 … P+t
+        width = next((w for w in self.widths if w > self.prompt_length + t), self.widths[-1])  # columns 0 … P+t
         if self.pool is not None and width not in self.graphs:
             self.graphs[width] = captured_or_none(functools.partial(self.forward, width, captured=True), self.pool)
         replay = self.graphs.get(width)  # None: eager, as on the CPU (no CUDA, torchrun, or a capture that failed)
         logits = replay() if replay is not None else self.forward(width)  # (n, V)
-        self.position += 1
-        cache.slots += 1
+        if held is None:
+            self.position += 1
+            cache.slots += 1
+        else:  # a held row keeps its position (varlen: its column too, written again at its next step)
+            self.position += (~held).long()[:, None]
+            cache.slots += (~held).long() if self.varlen else 1
+            if self.varlen:  # a finished row's slot past its last column: kept in the cache (no row reads it)
+                cache.slots.clamp_(max=cache.length - 1)
         return logits
+
+    def grow(self, columns: int) -> None:
+        """`columns` more in the cache (zeros, hidden) and the masks: its columns were left by held rows."""
+        cache = self.cache
+        for buffers in (cache.keys, cache.values):  # (n, kv heads, S, head dim) each
+            buffers[:] = [torch.cat([b, b.new_zeros(*b.shape[:2], columns, b.shape[3])], 2) for b in buffers]
+        self.biases = {kind: torch.nn.functional.pad(b, (0, columns), value=MASKED) for kind, b in self.biases.items()}
+        cache.length += columns
+        self.widths.append(cache.length)
+        self.graphs = {}
 
     def forward(self, width: int, captured: bool = False) -> torch.Tensor:
         """The model on the step's buffers over `width` columns -> (n, V) fp32 logits."""
@@ -2283,7 +2307,8 @@ def prompt_indices(step: int, batch_size: int, num_problems: int, seed: int) -> 
 
 def tool_limits(args) -> dict:
     """rollout's limits on tool turns, from the flags."""
-    return {"max_turns": args.max_turns, "max_tool_tokens": args.max_tool_tokens, "tool_timeout": args.tool_timeout}
+    names = ("max_turns", "max_tool_tokens", "tool_timeout", "tool_workers")
+    return {name: getattr(args, name) for name in names}
 
 
 def whole_groups(order: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -52,6 +52,7 @@ Shape letters in comments: B prompts per step · G completions per prompt · N =
 
 import contextlib
 import functools
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -855,6 +856,7 @@ def rollout(
     max_turns: int = 0,
     max_tool_tokens: int = 0,
     tool_timeout: float = 0.0,
+    tool_workers: int = 1,
 ) -> Rollout:
     """Steps 1-3 for a list of problems: each prompt through the chat template, G times; G completions
     of each from π_θold with the KV cache; each decoded and scored by the task's reward. temperature
@@ -866,7 +868,7 @@ def rollout(
     prompt_ids, prompt_mask = encode_prompts(tokenizer, conversations, group_size, device, task.tools)  # (n, P)
     tool_turn, tool_counts = None, None  # without tools: one turn, ended by an EOS or max_new_tokens
     if task.tools:
-        limits = len(prompt_ids), max_turns, max_tool_tokens, tool_timeout
+        limits = len(prompt_ids), max_turns, max_tool_tokens, tool_timeout, tool_workers
         tool_turn, tool_counts = tool_turns(tokenizer, task.tools, *limits)
     with amp():
         completion_ids, completion_mask, truncated, sample_logp, tool_mask = generate(
@@ -937,8 +939,9 @@ def generate(
       truncated       (N,)   True where no EOS came within max_new_tokens
       sample_logp     (N, T) log π(token) under the sampling distribution, before top-p, 0 where masked
       tool_mask       (N, T) 1 at the tokens a tool turn put in
-    Tools: a row whose turn ends hands its ids to tool_turn(row, ids), which returns the environment's
-    tokens (or None: the row ends); the row takes them one a step, forced, while the others sample."""
+    Tools: a row whose turn ends hands its ids to tool_turn(row, ids), which returns the environment's tokens
+    (or a Future of them; None: the row ends); the row takes them one a step, forced, while the others sample.
+    Until they land it waits in place (no column, no position: ToolQueue.held), the others decoding on."""
     was_training = model.training
     model.eval()  # no dropout, and gradient checkpointing (train-mode only) keeps the cache
     device = prompt_ids.device
@@ -973,10 +976,11 @@ def generate(
     # 2. The one-token step: each row's last token at its next column, through the cache.
     position = position_ids[:, -1:].repeat_interleave(counts, dim=0, output_size=num_rows) + 1  # (N, 1)
     step = common.DecodeStep(model, cache, prompt_mask, position, steps, pad_id, vocab_size)
-    completion_ids = torch.full((num_rows, steps), pad_id, device=device)  # (N, steps)
-    completion_mask = torch.zeros(num_rows, steps, dtype=torch.long, device=device)
+    completion_ids = torch.full((num_rows, steps + 1), pad_id, device=device)  # (N, steps + 1)
+    completion_mask = torch.zeros(num_rows, steps + 1, dtype=torch.long, device=device)
     tool_mask = torch.zeros_like(completion_mask)
-    sample_logp = torch.zeros(num_rows, steps, device=device)
+    sample_logp = torch.zeros(num_rows, steps + 1, device=device)  # + 1: where finished rows write their pads
+    filled = torch.zeros(num_rows, dtype=torch.long, device=device)  # (N,) the columns each row has filled
     finished = torch.zeros(num_rows, dtype=torch.bool, device=device)  # (n,) of the rows decoded
     truncated = torch.zeros(num_rows, dtype=torch.bool, device=device)  # (N,) set as rows finish without an EOS
     env = ToolQueue.empty(num_rows, max_tool_tokens, pad_id, device) if tool_turn else None  # forced tokens
@@ -984,7 +988,7 @@ def generate(
     rng_states = []  # rng_states[t]: the state of the random generator before token t was drawn
     draw = common.compiled_sampler(model, sample)  # --compile: through torch.compile
     # 3. Decode, one token a step for every unfinished row.
-    for t in range(steps):
+    for t in itertools.count():
         # logit − logsumexp, as sequence_logprobs scores, not F.log_softmax (biased on the CPU: docs/metrics.md)
         if temperature > 0:
             rng_states.append(torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state())
@@ -993,45 +997,49 @@ def generate(
             token = logits.argmax(dim=-1)  # (n,)
             token_logp = logits.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # (n,)
         alive = ~finished
-        sampled = alive  # (n,) the rows whose token is the model's own
-        if env is not None:  # a row in a tool turn takes the environment's next token instead
-            forced = alive & (env.queued > 0)  # (n,)
+        moved = sampled = alive  # (n,) the rows that fill a column; those whose token is the model's own
+        at = filled[rows]  # (n,) the column each row fills next
+        if env is not None:  # a row in a tool turn takes the environment's next token; one awaiting it, none
+            moved = alive & ~env.held(rows, filled, alive, t, step.holds)
+            forced = moved & (env.queued > 0)  # (n,)
             token = torch.where(forced, env.ids.gather(1, env.next[:, None]).squeeze(-1), token)
-            tool_mask[rows, t] = forced.long()
-            sampled = alive & ~forced
+            tool_mask[rows, at] = forced.long()
+            sampled = moved & ~forced
             env.next = (env.next + forced.long()).clamp(max=max_tool_tokens - 1)
             env.queued -= forced.long()
             env.spent += sampled.long()
-        completion_ids[rows, t] = torch.where(alive, token, pad_id)
-        completion_mask[rows, t] = sampled.long()
-        sample_logp[rows, t] = torch.where(sampled, token_logp, 0.0)
+        completion_ids[rows, at] = torch.where(moved, token, pad_id)
+        completion_mask[rows, at] = sampled.long()
+        sample_logp[rows, at] = torch.where(sampled, token_logp, 0.0)
+        filled[rows] += moved.long()
         ended = sampled & torch.isin(token, eos)  # (n,) the row's turn ends here
         if env is not None:  # a turn that called a tool goes on with its answers; a row out of budget stops
-            ended = tool_turns_due(env, ended, completion_ids, rows, t, tool_turn, max_new_tokens)
+            ended = tool_turns_due(env, ended, completion_ids, rows, filled, t, tool_turn, max_new_tokens)
             out_of_budget = alive & ~ended & (env.spent >= max_new_tokens)
             truncated[rows] |= out_of_budget
             ended |= out_of_budget
         finished = finished | ended
-        if t == steps - 1:
+        if t >= steps - 1 + (int(env.waits.max()) if env is not None and t >= steps - 1 else 0):  # all filled
             break
         if (t + 1) % check_every == 0:  # the only host syncs
             live = (~finished).nonzero().squeeze(-1)  # (n',)
             if len(live) == 0:
                 break
             if len(live) <= compact_below * len(rows):  # the finished rows leave the batch
-                rows, finished, token = rows[live], finished[live], token[live]
+                rows, finished, token, moved = rows[live], finished[live], token[live], moved[live]
                 env = env.keep(live) if env is not None else None
                 step.keep(live)  # its buffers and the cache
-        logits = step(token, t)  # (n, V) each row's token at column P + t in, the next logits out
+        logits = step(token, t, None if env is None else ~moved)  # (n, V) the next logits; held rows stay
     # 4. Cut to the longest completion; the random draws past its EOS never happened.
     model.train(was_training)
     truncated[rows] |= ~finished  # the rows still decoded at the last step; those that left had ended
-    num_tokens = (completion_mask + tool_mask).sum(-1).max().item()  # T: the longest completion, its EOS included
-    if num_tokens < len(rng_states):  # tokens were drawn past the last EOS: as if they never were
+    num_tokens = filled.max().item()  # T: the longest completion, its EOS included
+    drawn = num_tokens if env is None else (filled + env.waits).max().item()  # the steps to the last token
+    if drawn < len(rng_states):  # tokens were drawn past the last EOS: as if they never were
         if cuda:
-            torch.cuda.set_rng_state(rng_states[num_tokens], device)
+            torch.cuda.set_rng_state(rng_states[drawn], device)
         else:
-            torch.set_rng_state(rng_states[num_tokens])
+            torch.set_rng_state(rng_states[drawn])
     cut = slice(0, num_tokens)
     return (
         completion_ids[:, cut].contiguous(),

@@ -28,6 +28,7 @@ import threading
 import typing
 import weakref
 from collections.abc import Callable
+from concurrent import futures
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
@@ -75,6 +76,7 @@ class TaskArgs:
     max_turns: int = arg(4, "tool turns a completion may take; a call past them ends it")
     max_tool_tokens: int = arg(256, "tokens one tool turn adds (answers cut to fit); not in --max_new_tokens")
     tool_timeout: float = arg(10.0, "seconds a tool call may take; past it, or raising: the error is its answer")
+    tool_workers: int = arg(1, "calls run at once, beside the decode; 1 keeps the rows' order (seeded draws)")
 
 
 # Reward levels (TinyZero's scheme; the DAPO paper uses ±1 instead).
@@ -1187,8 +1189,10 @@ def row_tools(by_name: dict[str, Callable], instances: dict) -> dict[str, Callab
     return tools
 
 
-def release(instances: list[dict]) -> None:
-    """Each class tool's instance closed (its close(), if it has one), when its rollout is done."""
+def release(instances: list[dict], pool=None) -> None:
+    """Each class tool's instance closed (its close(), if it has one), when its rollout is done; its pool let go."""
+    if pool is not None:
+        pool.shutdown(wait=False, cancel_futures=True)
     for row in instances:
         for instance in row.values():
             with contextlib.suppress(Exception):
@@ -1478,10 +1482,12 @@ def too_few_tool_tokens(max_tokens: int, around: int) -> str:
     )
 
 
-def tool_turns(tokenizer, tools: list, num_rows: int, max_turns: int, max_tool_tokens: int, timeout_s: float):
-    """generate's tool_turn: (row, a turn's ids) -> its calls' answers as ids (cut to max_tool_tokens), or
-    None to end. Also returns counts (n, 4): each row's calls, failed calls, answered turns, and the calls
-    it made past max_turns (not run: the completion ends there)."""
+def tool_turns(
+    tokenizer, tools: list, num_rows: int, max_turns: int, max_tool_tokens: int, timeout_s: float, workers: int = 1
+):
+    """generate's tool_turn: (row, a turn's ids) -> None to end, or a Future of its calls' answers as ids (cut to
+    max_tool_tokens), run by `workers` threads beside the decode. Also returns counts (n, 4): each row's calls,
+    failed calls, answered turns, and the calls it made past max_turns (not run: the completion ends there)."""
     by_name = {tool.__name__: tool for tool in tools}
     instances = [{} for _ in range(num_rows)]  # each row's class tools (class_tool): its state across turns
     counts = torch.zeros(num_rows, 4, dtype=torch.long)  # calls, failed calls, turns answered, calls past them
@@ -1490,24 +1496,29 @@ def tool_turns(tokenizer, tools: list, num_rows: int, max_turns: int, max_tool_t
     whole_turn_json = tool_call_format(tokenizer)  # Llama's whole-turn JSON calls, or Hermes' blocks only
     # No answer of more characters than this fits: each token is at most `longest` characters of text
     longest_answer = max_tool_tokens * max(map(len, tokenizer.get_vocab()))
+    pool = futures.ThreadPoolExecutor(workers, thread_name_prefix="nanoPO tools")  # one: in the order handed
+    tokenizing = threading.Lock()  # a fast tokenizer may not be used by two threads at once
 
-    def tool_turn(row: int, ids: list[int]) -> list[int] | None:
-        calls = parse_tool_calls(tokenizer.decode(ids), whole_turn_json)  # the turn as written, its EOS too
+    def answered(row: int, calls: list[dict]) -> list[int]:  # in a worker: a row's calls run one after another
+        answers = [run_tool_call(call, row_tools(by_name, instances[row]), timeout_s) for call in calls]
+        counts[row, :2] += torch.tensor([len(calls), sum(failed for _, failed in answers)])
+        cut = [text[:longest_answer] + ("…" if len(text) > longest_answer else "") for text, _ in answers]
+        with tokenizing:
+            texts = [as_text(tokenizer, text) for text in cut]
+            names = [call.get("name", "") for call in calls]
+            return fitted_answer(tokenizer, list(zip(names, texts)), max_tool_tokens)
+
+    def tool_turn(row: int, ids: list[int]) -> futures.Future | None:
+        with tokenizing:
+            calls = parse_tool_calls(tokenizer.decode(ids), whole_turn_json)  # the turn as written, its EOS too
         if calls and counts[row, 2] >= max_turns:  # over the budget: counted, not run, and the completion ends
             counts[row, 3] += len(calls)
         if not calls or counts[row, 2] >= max_turns:
             return None
-        tools_of_row = row_tools(by_name, instances[row])
-        answers = [run_tool_call(call, tools_of_row, timeout_s) for call in calls]  # (text, failed) each
-        counts[row, :3] += torch.tensor([len(calls), sum(failed for _, failed in answers), 1])
-        names = [call.get("name", "") for call in calls]
-        texts = [
-            as_text(tokenizer, text[:longest_answer] + ("…" if len(text) > longest_answer else ""))
-            for text, _ in answers
-        ]
-        return fitted_answer(tokenizer, list(zip(names, texts)), max_tool_tokens)
+        counts[row, 2] += 1  # the turn is taken now (its calls may still run): the next one sees it
+        return pool.submit(answered, row, calls)
 
-    weakref.finalize(tool_turn, release, instances)  # the rollout is done with it: the instances close
+    weakref.finalize(tool_turn, release, instances, pool)  # the rollout is done with it: instances close
     return tool_turn, counts
 
 
@@ -1534,6 +1545,9 @@ def fitted_answer(tokenizer, answers: list[tuple[str, str]], max_tokens: int) ->
         texts[longest] = texts[longest][:keep] + "…" if keep > 0 else ""
 
 
+TOOL_GRACE_S = 0.05  # how long the step after a call waits for it: a quick tool's row goes on as if never waiting
+
+
 @dataclass
 class ToolQueue:
     """Per row of generate's decode loop, the state of its tool turns."""
@@ -1543,35 +1557,68 @@ class ToolQueue:
     next: torch.Tensor  # (n,) the index of the next one
     spent: torch.Tensor  # (n,) the model's own tokens so far
     start: torch.Tensor  # (n,) the column the current turn began at
+    waits: torch.Tensor  # (N,) by output row: the steps it waited in place for its calls' answers
+    pending: dict = field(default_factory=dict)  # output row -> (the Future of its answer, the step it was handed)
 
     @classmethod
     def empty(cls, num_rows: int, max_tool_tokens: int, pad_id: int, device: torch.device) -> "ToolQueue":
         zeros = torch.zeros(num_rows, dtype=torch.long, device=device)
         ids = torch.full((num_rows, max(max_tool_tokens, 1)), pad_id, device=device)
-        return cls(ids, zeros, zeros.clone(), zeros.clone(), zeros.clone())
+        return cls(ids, zeros, zeros.clone(), zeros.clone(), zeros.clone(), zeros.clone())
 
     def keep(self, rows: torch.Tensor) -> "ToolQueue":
         """The queue of the rows that stay (generate's compaction)."""
-        return ToolQueue(self.ids[rows], self.queued[rows], self.next[rows], self.spent[rows], self.start[rows])
+        kept = self.ids[rows], self.queued[rows], self.next[rows], self.spent[rows], self.start[rows]
+        return ToolQueue(*kept, self.waits, self.pending)
+
+    def held(self, rows, filled, alive, t: int, hold: bool = True) -> torch.Tensor:
+        """Rows whose answers have landed take them, queued from step t; the rest wait in place: held (n,).
+        The calls handed over at step t-1 get TOOL_GRACE_S, so an instant tool changes no token. It blocks
+        without `hold` (a sliding window: every row fills each column) or when no other row can decode.
+        rows (n,) into the output's N; filled (N,) the columns each row has filled; alive (n,)."""
+        held = torch.zeros_like(alive)
+        if not self.pending:
+            return held
+        futures.wait([future for future, at in self.pending.values() if at == t - 1], timeout=TOOL_GRACE_S)
+        waiting = [future for future, _ in self.pending.values()]
+        if not hold or len(waiting) == int(alive.sum()):
+            futures.wait(waiting, return_when=futures.FIRST_COMPLETED if hold else futures.ALL_COMPLETED)
+        index = {row: i for i, row in enumerate(rows.tolist())}  # output row -> its place in the decoded rows
+        for row, (future, _) in list(self.pending.items()):
+            if not future.done():
+                held[index[row]] = True
+                continue
+            answer = future.result()
+            if len(answer) > self.ids.shape[1]:
+                raise ValueError(f"tool_turn gave {len(answer)} tokens; max_tool_tokens is {self.ids.shape[1]}")
+            i = index.pop(row)
+            self.ids[i, : len(answer)] = torch.tensor(answer, device=self.ids.device)
+            self.queued[i], self.next[i], self.start[i] = len(answer), 0, filled[row] + len(answer)
+            del self.pending[row]
+        self.waits[rows[held]] += 1
+        return held
 
 
-def tool_turns_due(env: ToolQueue, ended, completion_ids, rows, t: int, tool_turn, max_new_tokens: int):
-    """Rows whose turn ended at column t go to tool_turn: with a call, its answer is queued from t + 1 and
-    the row goes on. One host sync. Returns `ended` less those rows; ended (n,), rows (n,) into (N, ·)."""
+def tool_turns_due(env: ToolQueue, ended, completion_ids, rows, filled, t: int, tool_turn, max_new_tokens: int):
+    """Rows whose turn ended at step t hand its ids to tool_turn: with a call the row goes on, its answer (a
+    list, or a Future a worker fills) queued when it lands (ToolQueue.held). One host sync. Returns `ended`
+    less those rows; ended (n,), rows (n,) into (N, ·), filled (N,) the columns each row has filled."""
     due = ended & (env.spent < max_new_tokens)  # (n,)
     if not due.any():
         return ended
     indices = due.nonzero().squeeze(-1)  # (d,)
-    texts = completion_ids[rows[indices], : t + 1].tolist()  # (d, t + 1): each turn's ids, and before it
+    ends = filled[rows[indices]].tolist()  # each turn's end, its EOS included
+    texts = completion_ids[rows[indices], : max(ends)].tolist()  # (d, ·): each turn's ids, and before it
     going_on = []
-    for i, row, start, ids in zip(indices.tolist(), rows[indices].tolist(), env.start[indices].tolist(), texts):
-        answer = tool_turn(row, ids[start:])
+    starts = env.start[indices].tolist()
+    for i, row, start, end, ids in zip(indices.tolist(), rows[indices].tolist(), starts, ends, texts):
+        answer = tool_turn(row, ids[start:end])
         if not answer:  # no call (or no turns left): the completion ends with this turn
             continue
-        if len(answer) > env.ids.shape[1]:
-            raise ValueError(f"tool_turn gave {len(answer)} tokens; max_tool_tokens is {env.ids.shape[1]}")
-        env.ids[i, : len(answer)] = torch.tensor(answer, device=ended.device)
-        env.queued[i], env.next[i], env.start[i] = len(answer), 0, t + 1 + len(answer)
+        if not isinstance(answer, futures.Future):  # answered at once
+            answer, landed = futures.Future(), answer
+            answer.set_result(landed)
+        env.pending[row] = (answer, t)
         going_on.append(i)
     ended = ended.clone()
     ended[going_on] = False

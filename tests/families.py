@@ -9,8 +9,12 @@ Families that mix full and sliding layers (config.layer_types) alternate them.
     python tests/families.py        # the gaps of generate against the model's own forward, a table
 """
 
+import contextlib
 import sys
+from concurrent import futures
+from concurrent.futures import Future
 from pathlib import Path
+from unittest import mock
 
 import torch
 import transformers
@@ -173,16 +177,78 @@ def scripted_tools(max_turns: int = 2):
     return tool_turn, calls
 
 
-def sample_with_tools(model, temperature=1.0, seed=3, max_turns=2, device="cpu"):
-    """generate on family_prompts (each twice), STOP ending turns, scripted_tools answering them.
-    Returns prompt_ids, prompt_mask, generate's five outputs, and tool_turn's calls."""
+class LateAnswers:
+    """Answers that land `delay(row, turn)` decode steps after their call, as a slow tool's do: each a Future
+    that the model's forward hook fills when its step comes, whatever the wall time. When generate blocks
+    (every row still decoding waits, or a sliding window lets none skip a column), the wait itself fills the
+    earliest one (or all): the same rows wait the same steps on any machine. Use it as a context manager."""
+
+    def __init__(self, model, delay):
+        self.model, self.delay, self.steps, self.due = model, delay, 0, []  # due: [step, Future, answer, row]
+        self.handed, self.landed = {}, {}  # (row, turn) -> the step
+
+    def hand(self, row: int, turn: int, answer: list[int]) -> Future:
+        future = Future()
+        self.handed[row, turn] = self.steps
+        self.due.append([self.steps + self.delay(row, turn), future, answer, (row, turn)])
+        return future
+
+    def land(self, entries) -> None:
+        for entry in entries:
+            self.due.remove(entry)
+            self.landed[entry[3]] = self.steps
+            entry[1].set_result(entry[2])
+
+    def forward_hook(self, *unused) -> None:
+        self.steps += 1
+        self.land([entry for entry in self.due if entry[0] <= self.steps])
+
+    def wait(self, fs, timeout=None, return_when=futures.ALL_COMPLETED):
+        waiting = [entry for entry in self.due if entry[1] in fs]
+        if timeout is None and waiting and not any(future.done() for future in fs):  # generate blocks here
+            first = min(waiting, key=lambda entry: entry[0])
+            self.land(waiting if return_when == futures.ALL_COMPLETED else [first])
+        return WAIT(fs, timeout=0)
+
+    def __enter__(self):
+        import rewards
+
+        self.hook = self.model.register_forward_hook(self.forward_hook)
+        self.patches = [mock.patch.object(rewards, "TOOL_GRACE_S", 0.0), mock.patch.object(futures, "wait", self.wait)]
+        for patch in self.patches:
+            patch.start()
+        return self
+
+    def __exit__(self, *unused):
+        self.hook.remove()
+        for patch in self.patches:
+            patch.stop()
+
+
+WAIT = futures.wait
+
+
+def sample_with_tools(model, temperature=1.0, seed=3, max_turns=2, device="cpu", delay=None, answered=None):
+    """generate on family_prompts (each twice), STOP ending turns, scripted_tools answering them, at once or,
+    with delay (row, turn) -> steps, that many decode steps late (LateAnswers; answered: a tool_turn's answer
+    -> what tool_turn returns, a Future of it for one). Returns prompt_ids, prompt_mask, generate's five
+    outputs, and tool_turn's calls (with delay: and the LateAnswers)."""
     from grpo import generate
 
     prompt_ids, prompt_mask = (tensor.repeat_interleave(2, 0).to(device) for tensor in family_prompts())  # (6, P)
-    tool_turn, calls = scripted_tools(max_turns)
+    scripted, calls = scripted_tools(max_turns)
+    late = LateAnswers(model, delay or (lambda row, turn: 0))
+
+    def tool_turn(row: int, ids: list[int]):
+        answer = scripted(row, ids)
+        if answer is None or (delay is None and answered is None):
+            return answer
+        return answered(answer) if answered is not None else late.hand(row, answer[1] - 301, answer)
+
     torch.manual_seed(seed)
-    out = generate(
-        model, prompt_ids, prompt_mask, NEW_TOKENS, STOP, 0, VOCAB, temperature,
-        tool_turn=tool_turn, max_turns=max_turns, max_tool_tokens=ANSWER,
-    )  # fmt: skip
-    return prompt_ids, prompt_mask, out, calls
+    with late if delay is not None else contextlib.nullcontext():
+        out = generate(
+            model, prompt_ids, prompt_mask, NEW_TOKENS, STOP, 0, VOCAB, temperature,
+            tool_turn=tool_turn, max_turns=max_turns, max_tool_tokens=ANSWER,
+        )  # fmt: skip
+    return prompt_ids, prompt_mask, out, (calls, late) if delay is not None else calls

@@ -136,7 +136,7 @@ def test_a_huge_answer_is_cut_from_its_first_characters(tools_tokenizer, monkeyp
     handed, real = [], rewards.fitted_answer
     monkeypatch.setattr(rewards, "fitted_answer", lambda t, answers, n: handed.append(answers) or real(t, answers, n))
     tool_turn, _ = tool_turns(tools_tokenizer, [secret_digit], 1, 1, 64, 5.0)
-    answer = tool_turn(0, tools_tokenizer(TINY_SECRET_CALL, add_special_tokens=False)["input_ids"])
+    answer = tool_turn(0, tools_tokenizer(TINY_SECRET_CALL, add_special_tokens=False)["input_ids"]).result()
     ((name, text),) = handed[-1]
     assert text == "7" * (64 * 76) + "…"
     assert len(answer) <= 64 and "7" in tools_tokenizer.decode(answer) and "…" in tools_tokenizer.decode(answer)
@@ -151,7 +151,7 @@ def test_an_answer_holding_a_special_tokens_text_is_text(tools_tokenizer):
 
     end, response = (tools_tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<tool_response>"))
     tool_turn, _ = tool_turns(tools_tokenizer, [secret_digit], 1, 1, 64, 5.0)
-    answer = tool_turn(0, tools_tokenizer(TINY_SECRET_CALL, add_special_tokens=False)["input_ids"])
+    answer = tool_turn(0, tools_tokenizer(TINY_SECRET_CALL, add_special_tokens=False)["input_ids"]).result()
     empty = tools_tokenizer(tool_turn_text(tools_tokenizer, [("secret_digit", "")]), add_special_tokens=False)
     assert answer.count(end) == empty["input_ids"].count(end) == 1
     assert answer.count(response) == empty["input_ids"].count(response)
@@ -281,7 +281,7 @@ def test_a_class_tool_keeps_each_rows_state_across_its_turns(tools_tokenizer, tm
     assert schema["name"] == "secret_digit" and schema["description"].startswith("Tells how many times")
     tool_turn, counts = tool_turns(tools_tokenizer, [tool], 2, 3, 64, 5.0)
     call = tools_tokenizer(TINY_SECRET_CALL, add_special_tokens=False)["input_ids"]
-    said = [tools_tokenizer.decode(tool_turn(row, call)) for row in (0, 0, 1, 0)]
+    said = [tools_tokenizer.decode(tool_turn(row, call).result()) for row in (0, 0, 1, 0)]
     assert [text.split("<tool_response>\n")[1][0] for text in said] == ["1", "2", "1", "3"]
     assert counts[:, 0].tolist() == [3, 1] and counts[:, 1].tolist() == [0, 0]
     closed = tool.stateful.close.__globals__["closed"]  # the tool file's own list
@@ -301,5 +301,29 @@ def test_a_class_tool_whose_constructor_raises_answers_with_the_error(tools_toke
             return "7"
 
     tool_turn, counts = tool_turns(tools_tokenizer, [class_tool(secret_digit)], 1, 1, 64, 5.0)
-    answer = tool_turn(0, tools_tokenizer(TINY_SECRET_CALL, add_special_tokens=False)["input_ids"])
+    answer = tool_turn(0, tools_tokenizer(TINY_SECRET_CALL, add_special_tokens=False)["input_ids"]).result()
     assert "error: RuntimeError: no sandbox today" in tools_tokenizer.decode(answer) and counts[0, 1] == 1
+
+
+@pytest.mark.parametrize("workers, rows", [(32, 32), (4, 5)])
+def test_tool_workers_run_that_many_calls_at_once(tools_tokenizer, workers, rows):
+    # `rows` rows end a turn with a call at one step; each call waits at a barrier for all of them to
+    # be running together (no wall time measured: the barrier is the proof). --tool_workers 32, 32
+    # rows: all meet, none fails. 4 workers, 5 rows: the 5th call cannot start while the first 4 wait,
+    # so they reach the 0.5 s time limit and fail (the bug it plants: too few calls at once).
+    barrier = threading.Barrier(rows)
+
+    def secret_digit() -> str:
+        """The secret digit, once enough calls run together."""
+        return str(barrier.wait(timeout=30))
+
+    tool_turn, counts = tool_turns(tools_tokenizer, [secret_digit], rows, 1, 64, 0.5, workers)
+    call = tools_tokenizer(TINY_SECRET_CALL, add_special_tokens=False)["input_ids"]
+    answers = [tool_turn(row, call) for row in range(rows)]  # handed over at once, as one step's rows are
+    said = [tools_tokenizer.decode(answer.result()) for answer in answers]
+    failed = counts[:, 1].sum().item()
+    if workers >= rows:
+        assert failed == 0 and all("error" not in text for text in said)
+    else:
+        assert failed >= 4 and any("ran past its time limit" in text for text in said)
+    barrier.abort()  # frees the calls a time limit abandoned

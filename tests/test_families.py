@@ -137,16 +137,19 @@ def test_cuda_columns_score_as_the_plain_forward(family, script, one_pass, monke
     assert (scored - plain).abs().max().item() <= TOLERANCE, name
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["at-once", "late"])
 @pytest.mark.parametrize("cuda_decode", [False, True], ids=["masked", "varlen"])
-def test_tool_turns_keep_sampled_logprobs_equal_to_scoring(family, cuda_decode, request):
+def test_tool_turns_keep_sampled_logprobs_equal_to_scoring(family, cuda_decode, late, request):
     # Multi-turn rollouts (tests/test_tool_rollouts.py): each ended turn gets a scripted answer of
     # forced tokens; the sampler conditioned on them, so the scorer must attend to them, window
-    # included, and score the model's tokens alone.
+    # included, and score the model's tokens alone. Late: answers land 1-7 steps after their call
+    # (a slow tool); the row waits in place (a windowed family's decode waits for it instead).
     name, model = family
     if cuda_decode and not varlen_serves(model):  # the masked step: the masked case ran it (CI's minutes)
         pytest.skip(f"{name} keeps the masked step")
     decode_as(cuda_decode, request)
-    prompt_ids, prompt_mask, (ids, mask, _, sample_logp, tool_mask), _ = sample_with_tools(model)
+    delay = (lambda row, turn: 1 + (3 * row + 5 * turn) % 7) if late else None
+    prompt_ids, prompt_mask, (ids, mask, _, sample_logp, tool_mask), _ = sample_with_tools(model, delay=delay)
     assert tool_mask.any(), name
     with torch.no_grad():
         scored, _ = sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, 1.0, VOCAB, 4, tool_mask=tool_mask)

@@ -72,7 +72,8 @@ def test_max_turns_answers_at_most_n_turns(tokenizer, max_turns):
     tool, called = counting_tool()
     tool_turn, counts = tool_turns(tokenizer, [tool], 1, max_turns, 24, 5.0)
     call = ids_of(tokenizer, TINY_SECRET_CALL)  # one turn: the call and its <|im_end|>
-    answers = [tool_turn(0, call) for _ in range(max_turns + 1)]
+    answers = [tool_turn(0, call) for _ in range(max_turns + 1)]  # Futures of the answers, None at the end
+    answers = [a.result() if a is not None else None for a in answers]
     # turns 1 … N answered ("7" in the template: 21 + 1 = 22 tokens), turn N + 1: None, the end
     assert [a is not None for a in answers] == [True] * max_turns + [False]
     assert all(len(a) == AROUND + 1 for a in answers[:max_turns])
@@ -122,13 +123,13 @@ def test_a_call_of_an_earlier_turn_is_not_run_again(tokenizer):
     tool, called = counting_tool()
     tool_turn, counts = tool_turns(tokenizer, [tool], 1, 2, 24, 5.0)
     call = ids_of(tokenizer, TINY_SECRET_CALL)
-    answer = tool_turn(0, call)  # turn 1, as tool_turns_due hands it
+    answer = tool_turn(0, call).result()  # turn 1, as tool_turns_due hands it
     second = ids_of(tokenizer, "ab") + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     row = call + answer + second
     env = ToolQueue.empty(1, 24, tokenizer.pad_token_id, torch.device("cpu"))
     env.start[0], env.spent[0] = len(call) + len(answer), len(call) + len(second)  # turn 2 begins after the answer
     ended = tool_turns_due(
-        env, torch.tensor([True]), torch.tensor([row]), torch.tensor([0]), len(row) - 1, tool_turn, 8
+        env, torch.tensor([True]), torch.tensor([row]), torch.tensor([0]), torch.tensor([len(row)]), 5, tool_turn, 8
     )
     assert ended.tolist() == [True]  # no call in turn 2: the completion ends
     assert len(called) == 1 and counts[0].tolist() == [1, 0, 1, 0]

@@ -9,6 +9,7 @@ import json
 import random
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -36,7 +37,12 @@ TOLERANCE = 1e-5  # fp32, as tests/test_families.py
 
 def test_each_answer_follows_its_turn_and_the_budgets_hold():
     model = family_model("qwen2")
-    _, _, (ids, mask, truncated, sample_logp, tool_mask), calls = sample_with_tools(model)
+    _, _, out, calls = sample_with_tools(model)
+    answers_follow_their_turns(*out, calls)
+
+
+def answers_follow_their_turns(ids, mask, truncated, sample_logp, tool_mask, calls):
+    """Each ended turn's scripted answer right after its EOS, no gap, every budget held."""
     assert ids.shape[1] <= NEW_TOKENS + 2 * ANSWER
     assert not (mask.bool() & tool_mask.bool()).any()  # a token is the model's or the tool's
     assert (mask.sum(-1) <= NEW_TOKENS).all()  # max_new_tokens bounds the model's own tokens only
@@ -65,6 +71,65 @@ def test_each_answer_follows_its_turn_and_the_budgets_hold():
     # tool_turn saw each ended turn's own tokens, from the first after the last answer to its EOS
     for row, turn_ids in calls:
         assert turn_ids[-1] in STOP and all(token not in (300 + row, 400) for token in turn_ids)
+
+
+# ----------------------------------------------------------------------------------------
+# Answers that land late (a slow tool beside the decode): the row waits in place, the others decode on.
+
+
+@pytest.mark.parametrize("cuda_decode", [False, True], ids=["masked", "varlen"])
+def test_late_answers_change_no_greedy_token_while_the_other_rows_decode_on(cuda_decode, request):
+    # Greedy, every answer landing 4 steps after its call (3 steps of waiting in place, LateAnswers): each
+    # row's tokens, masks and log-probs are those of answers given at once, as its waits hold its position
+    # and hide the columns it skipped. The waits overlap: the decode takes far fewer than 3 steps more a call.
+    model = family_model("qwen2")
+    varlen = decode_as_on_a_gpu(cuda_decode, request)
+    _, _, now, (calls, at_once) = sample_with_tools(model, temperature=0.0, delay=lambda row, turn: 0)
+    _, _, late_out, (late_calls, late) = sample_with_tools(model, temperature=0.0, delay=lambda row, turn: 4)
+    assert bool(varlen) == cuda_decode
+    for got, expected in zip(late_out, now):
+        assert got.shape == expected.shape and torch.allclose(got.float(), expected.float(), atol=TOLERANCE)
+    assert torch.equal(late_out[0], now[0]) and calls == late_calls
+    waited = [late.landed[key] - late.handed[key] for key in late.handed]
+    # each row waited 3 steps in place (fewer where no other row could decode: generate blocked for it)
+    assert len(waited) >= 4 and max(waited) == 4 and min(waited) >= 1
+    assert late.steps - at_once.steps < 3 * len(waited)  # fewer than one call after another: 3 steps a call
+
+
+def decode_as_on_a_gpu(cuda: bool, request) -> list:
+    """cuda: the one-token step as on a GPU (varlen over each row's own columns: a held row's slot stays)."""
+    return request.getfixturevalue("varlen") if cuda else []
+
+
+@pytest.mark.parametrize("cuda_decode", [False, True], ids=["masked", "varlen"])
+def test_late_answers_land_right_after_their_calls_and_sampling_stays_exact(cuda_decode, request):
+    # Sampled, answers landing 1 to 12 steps late by row and turn: the cache (masked step) grows past
+    # its P + 12 + 2·3 columns, the waits leave no gap in the completion, and the sampler's log-probs are
+    # the scorer's and the model's own forward pass over the sequence as it came out.
+    model = family_model("qwen2")
+    decode_as_on_a_gpu(cuda_decode, request)
+    delay = lambda row, turn: 1 + (5 * row + 7 * turn) % 12  # noqa: E731
+    prompt_ids, prompt_mask, out, (calls, late) = sample_with_tools(model, delay=delay)
+    ids, mask, _, sample_logp, tool_mask = out
+    answers_follow_their_turns(*out, calls)
+    assert max(late.landed[key] - late.handed[key] for key in late.handed) >= 10
+    with torch.no_grad():
+        scored, _ = sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, 1.0, VOCAB, 4, tool_mask=tool_mask)
+    plain = plain_forward_logprobs(model, prompt_ids, prompt_mask, ids, mask + tool_mask) * mask
+    assert (sample_logp - scored).abs().max().item() <= TOLERANCE
+    assert (sample_logp - plain).abs().max().item() <= TOLERANCE
+
+
+def test_instant_answers_from_a_worker_thread_change_no_sampled_token():
+    # Sampled, a seed: answers a ThreadPoolExecutor hands back as Futures (rewards.tool_turns' way)
+    # give the tokens and log-probs of answers given at once: the step after a call waits
+    # rewards.TOOL_GRACE_S for it, so a quick tool costs no step and moves no random draw.
+    model = family_model("qwen2")
+    with ThreadPoolExecutor(1) as pool:
+        _, _, threaded, _ = sample_with_tools(model, answered=lambda answer: pool.submit(lambda: answer))
+    _, _, at_once, _ = sample_with_tools(model)
+    assert all(torch.equal(got, expected) for got, expected in zip(threaded, at_once))
+    assert threaded[4].any()
 
 
 def test_a_row_without_calls_samples_as_without_tools():

@@ -597,5 +597,5 @@ def test_tool_turns_reads_a_llama_models_whole_turn_json_call():
     tokenizer = fresh_tokenizer("tiny-llama")
     tool_turn, counts = tool_turns(tokenizer, [calculator], 1, 1, 64, 5.0)
     turn = '{"name": "calculator", "parameters": {"expression": "1 + 1"}}' + tokenizer.eos_token
-    answer = tool_turn(0, tokenizer(turn, add_special_tokens=False)["input_ids"])
+    answer = tool_turn(0, tokenizer(turn, add_special_tokens=False)["input_ids"]).result()
     assert answer is not None and "2" in tokenizer.decode(answer) and counts[0].tolist() == [1, 0, 1, 0]
