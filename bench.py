@@ -39,6 +39,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -88,6 +89,9 @@ class Args:
     profile_phases: str = arg(
         "", "the phases --profile profiles: generate+reward, logprobs, values, update, critic update"
     )
+    tool_rows: int = arg(0, "N of the tools beside the decode: each row calls a tool at its first token; 0 = skip")
+    tool_sleep: float = arg(1.0, "seconds each --tool_rows call sleeps, against an instant tool")
+    tool_workers: str = arg("1,32", "--tool_workers of the --tool_rows runs, comma-separated")
     peak_tflops: float = arg(0.0, "the device's peak for MFU; 0 = from PEAK_BF16_TFLOPS by GPU name (none on CPU)")
     gradient_checkpointing: bool = arg(
         False, "the training steps with gradient checkpointing (ppo.py on one 80 GB GPU)"
@@ -289,6 +293,40 @@ def bench_generation(args, model, tokenizer, vocab_size, device, amp, compute_dt
             print(row, flush=True)
     if ender is not None:
         ender.handle.remove()
+    return rows
+
+
+def bench_tools(args, model, tokenizer, vocab_size, device, amp) -> list[dict]:
+    """--tool_rows N rows each end their first turn at their first token with a call: a tool that sleeps
+    --tool_sleep s, run by each --tool_workers, against an instant one; the seconds of generate it adds.
+    The other rows decode on while one waits; 32 rows × 1 s should add about 1 s with 32 workers."""
+    prompt_ids, prompt_mask = prompts(tokenizer, args.tool_rows, args.group_size, device)
+    inputs = (model, prompt_ids, prompt_mask, args.max_new_tokens, list(range(vocab_size)), tokenizer.pad_token_id)
+    rows = []
+    for workers in [int(n) for n in args.tool_workers.split(",")]:
+        seconds = {}
+        for sleep in (0.0, args.tool_sleep):
+            with ThreadPoolExecutor(workers) as pool:  # rewards.tool_turns' way: Futures from a pool
+                turns = set()  # the rows that have called: a row's second turn calls nothing, and it ends
+
+                def tool_turn(row, ids, sleep=sleep, pool=pool, turns=turns):
+                    answer = [tokenizer.pad_token_id] * 4
+                    return None if row in turns or turns.add(row) else pool.submit(lambda: time.sleep(sleep) or answer)
+
+                with amp():
+                    seconds[sleep] = timed(
+                        functools.partial(
+                            grpo.generate, *inputs, vocab_size, 1.0, tool_turn=tool_turn, max_turns=1, max_tool_tokens=4
+                        ),
+                        device,
+                    )
+        row = {"N": args.tool_rows, "tool_workers": workers, "instant s": seconds[0.0]}
+        row |= {
+            f"{args.tool_sleep:g} s tool s": seconds[args.tool_sleep],
+            "added s": seconds[args.tool_sleep] - seconds[0.0],
+        }
+        rows.append(row)
+        print(row, flush=True)
     return rows
 
 
@@ -1148,10 +1186,16 @@ def main(args: Args) -> dict:
         return bench_profile(args, device, weight_dtype, compute_dtype, amp, report, save)
     sections = ("generation", "steps_4_and_6", "training_step")
     report |= {section: [] for section in sections}
-    if args.batch_sizes or args.step_rows:  # one loaded copy of the model; the training steps load their own
+    if (
+        args.batch_sizes or args.step_rows or args.tool_rows
+    ):  # one loaded copy of the model; the training steps load their own
         model, tokenizer, vocab_size, _ = load_bench_model(args, device, weight_dtype)
         report["generation"] = bench_generation(args, model, tokenizer, vocab_size, device, amp, compute_dtype)
         save()
+        if args.tool_rows:
+            report["tools"] = bench_tools(args, model, tokenizer, vocab_size, device, amp)
+            print(f"\n### tools beside the decode\n\n{markdown(report['tools'])}")
+            save()
         if args.step_rows:
             report["steps_4_and_6"] = bench_steps_4_and_6(args, model, tokenizer, vocab_size, device, amp)
             save()

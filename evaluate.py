@@ -90,6 +90,7 @@ class Args:
     max_turns: int = task_flag("max_turns")
     max_tool_tokens: int = task_flag("max_tool_tokens")
     tool_timeout: float = task_flag("tool_timeout")
+    tool_workers: int = task_flag("tool_workers")
     # run
     seed: int = arg(0, "seeds sampling when temperature > 0")
     device: str = arg("auto", "auto, cpu, cuda, cuda:1, ...")
@@ -205,7 +206,7 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
         batch = order[first : first + args.batch_size]
         # Encoded exactly as in training: chat template, left padding, each repeated k times.
         prompt_ids, prompt_mask = encode_prompts(tokenizer, [conversations[i] for i in batch], k, device, task.tools)
-        limits = len(prompt_ids), args.max_turns, args.max_tool_tokens, args.tool_timeout
+        limits = len(prompt_ids), args.max_turns, args.max_tool_tokens, args.tool_timeout, args.tool_workers
         tool_turn, counts = rewards.tool_turns(tokenizer, task.tools, *limits) if task.tools else (None, None)
         tools = {"tool_turn": tool_turn, "max_turns": args.max_turns, "max_tool_tokens": args.max_tool_tokens}
         with common.autocast(device, compute_dtype):  # (N, T), (N, T), (N,), _, (N, T)
@@ -219,7 +220,7 @@ def evaluate_benchmark(model, tokenizer, eos_ids, task, problems, args: Args, gr
         for row, text in enumerate(texts):
             index, sample = batch[row // k], row % k  # rows i·k … i·k+k−1 belong to problem i
             problem, cut = problems[index], bool(truncated[row])
-            score = grade(text, problem, truncated=cut)
+            score = grade(text, problem, cut, **rewards.tool_state(task, tool_turn, row))
             correct[index][sample], strict[index][sample] = score.correct, score.strict
             seen.append((row_lengths[row], cut, score.formatted))
             record = {"benchmark": task.name, "subset": problem["subset"], "index": index, "sample": sample}

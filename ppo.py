@@ -54,7 +54,7 @@ from transformers import AutoModel
 
 import common
 from common import RunArgs, arg
-from rewards import Score, TaskArgs, ToolQueue, heldout_task, tool_turns, tool_turns_due, training_task
+from rewards import Score, TaskArgs, ToolQueue, heldout_task, scored, tool_turns, tool_turns_due, training_task
 
 
 @dataclass
@@ -838,7 +838,7 @@ def rollout(
     )
     # A completion cut at max_new_tokens passes its truncation on: GSM8K's reward gives it 0.
     cut = truncated.tolist()
-    scores = [task.score(text, problems[i // group_size], cut[i]) for i, text in enumerate(texts)]
+    scores = scored(task, texts, problems, group_size, cut, tool_turn)  # a reward may read the tools' state
     rewards = torch.tensor([s.reward for s in scores], dtype=torch.float32, device=device)  # (n,)
     seconds["reward"] = time.perf_counter() - timer
     return Rollout(

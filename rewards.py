@@ -1012,10 +1012,11 @@ def import_function(path: str, flag: str) -> Callable:
 
 
 def import_reward_fn(path: str) -> Callable:
-    """The function --reward_fn names, checked to take (completion, problem, truncated): else every call fails."""
+    """The function --reward_fn names, checked to take (completion, problem, truncated) and, where it names a
+    parameter `tools`, the row's class tools (tool_state): else every call fails."""
     function = import_function(path, "--reward_fn")
     try:
-        inspect.signature(function).bind("completion", {}, False)
+        inspect.signature(function).bind("completion", {}, False, **({"tools": {}} if takes_tools(function) else {}))
     except TypeError as error:
         raise SystemExit(
             f"--reward_fn {path!r}: {function.__name__}{inspect.signature(function)} cannot be called as "
@@ -1055,9 +1056,11 @@ def with_reward_fn(task: Task, path: str, timeout_s: float) -> Task:
     function = import_reward_fn(path)
     warned = []  # the first failure is shown, once
 
-    def score(completion: str, problem: dict, truncated: bool = False) -> Score:
+    def score(completion: str, problem: dict, truncated: bool = False, **tools) -> Score:
         try:
-            value = call_with_time_limit(function, timeout_s, completion, problem, truncated)
+            value = call_with_time_limit(
+                functools.partial(function, **tools), timeout_s, completion, problem, truncated
+            )
             reward, formatted = value if isinstance(value, tuple) else (value, None)
             reward = float(reward)
             if reward != reward or reward in (float("inf"), float("-inf")):
@@ -1075,7 +1078,32 @@ def with_reward_fn(task: Task, path: str, timeout_s: float) -> Task:
         formatted = bool(formatted) if formatted is not None else reward > REWARD_NONE
         return Score(reward, correct=reward >= REWARD_CORRECT, formatted=formatted)
 
+    score.takes_tools = takes_tools(function)
     return replace(task, score=score)  # the rest as it was: its tools too
+
+
+def takes_tools(function: Callable) -> bool:
+    """Whether a reward names a parameter `tools` (tool_state hands it the row's class tools)."""
+    try:
+        return "tools" in inspect.signature(function).parameters
+    except (TypeError, ValueError):  # no signature to read
+        return False
+
+
+def tool_state(task: Task, tool_turn, row: int) -> dict:
+    """What task.score takes beyond (completion, problem, truncated) for a rollout row: {"tools": its class
+    tools' instances by name, as its calls left them} for a --reward_fn naming `tools`, else nothing."""
+    if not getattr(task.score, "takes_tools", False):
+        return {}
+    return {"tools": dict(tool_turn.instances[row]) if tool_turn is not None else {}}
+
+
+def scored(task: Task, texts: list[str], problems: list[dict], group_size: int, truncated: list, tool_turn=None):
+    """Each completion's Score: rows i·G … i·G+G-1 answer problems[i]; a reward naming `tools` reads them."""
+    return [
+        task.score(text, problems[i // group_size], truncated[i], **tool_state(task, tool_turn, i))
+        for i, text in enumerate(texts)
+    ]
 
 
 # ----------------------------------------------------------------------------------------
@@ -1518,6 +1546,7 @@ def tool_turns(
         counts[row, 2] += 1  # the turn is taken now (its calls may still run): the next one sees it
         return pool.submit(answered, row, calls)
 
+    tool_turn.instances = instances  # a reward may read them (tool_state) before they close
     weakref.finalize(tool_turn, release, instances, pool)  # the rollout is done with it: instances close
     return tool_turn, counts
 

@@ -117,6 +117,7 @@ def no_model_load(*args, **kwargs):
         (dict(tool_timeout=float("inf")), "--tool_timeout must be a finite number of seconds > 0 (got inf)"),
         (dict(max_turns=-1), "--max_turns must be >= 0 (got -1)"),  # issue 59: the flag and its value
         (dict(max_tool_tokens=0), "--max_tool_tokens must be >= 1 (got 0)"),
+        (dict(tool_workers=0), "--tool_workers must be >= 1 (got 0)"),  # 1 (the default) runs: every script's run
         (dict(num_mini_batches=3), "divide batch_size * group_size (2 × 2 = 4 rows; got 3)"),
         (dict(resume_from="nowhere"), "--resume_from nowhere: no such directory"),
         (dict(lora_targets="q_proj"), "--lora_targets q_proj: these shape LoRA adapters, and LoRA is off"),
