@@ -1732,8 +1732,8 @@ class DecodeStep:
         row (n,) (waiting for its tools, or finished) keeps its position, its column hidden: its token is none."""
         cache = self.cache
         self.token_in.copy_(token[:, None])
-        if not self.varlen and self.prompt_length + t >= cache.length:  # held rows left columns unfilled
-            self.grow(cache.length - self.prompt_length)
+        if self.prompt_length + t >= cache.length:  # tools' answers came (or held rows left columns unfilled)
+            self.grow(max(64, (cache.length - self.prompt_length) // 2))
         for kind, window in self.windows.items():
             if self.varlen:  # row i's own column (a held row's, filled again at its next step)
                 self.biases[kind].scatter_(-1, cache.slots[:, None, None, None], 0.0)
@@ -1753,16 +1753,17 @@ class DecodeStep:
             cache.slots += 1
         else:  # a held row keeps its position (varlen: its column too, written again at its next step)
             self.position += (~held).long()[:, None]
-            cache.slots += (~held).long() if self.varlen else 1
-            if self.varlen:  # a finished row's slot past its last column: kept in the cache (no row reads it)
-                cache.slots.clamp_(max=cache.length - 1)
+            cache.slots += (~held).long() if self.varlen else 1  # ≤ P + t: within the cache (grow)
         return logits
 
     def grow(self, columns: int) -> None:
-        """`columns` more in the cache (zeros, hidden) and the masks: its columns were left by held rows."""
-        cache = self.cache
-        for buffers in (cache.keys, cache.values):  # (n, kv heads, S, head dim) each
-            buffers[:] = [torch.cat([b, b.new_zeros(*b.shape[:2], columns, b.shape[3])], 2) for b in buffers]
+        """`columns` more in the cache (zeros) and the masks (hidden): the cache is sized by need, not for
+        every tool turn's longest answer (generate), and a held row's column is one no row fills."""
+        cache, dim = self.cache, 1 if self.cache.aligned else 2  # (n, S, kv heads, d) varlen, else (n, kv heads, S, d)
+        for buffers in (cache.keys, cache.values):
+            buffers[:] = [
+                torch.cat([b, b.new_zeros(*b.shape[:dim], columns, *b.shape[dim + 1 :])], dim) for b in buffers
+            ]
         self.biases = {kind: torch.nn.functional.pad(b, (0, columns), value=MASKED) for kind, b in self.biases.items()}
         cache.length += columns
         self.widths.append(cache.length)

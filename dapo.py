@@ -939,9 +939,8 @@ def generate(
       truncated       (N,)   True where no EOS came within max_new_tokens
       sample_logp     (N, T) log π(token) under the sampling distribution, before top-p, 0 where masked
       tool_mask       (N, T) 1 at the tokens a tool turn put in
-    Tools: a row whose turn ends hands its ids to tool_turn(row, ids), which returns the environment's tokens
-    (or a Future of them; None: the row ends); the row takes them one a step, forced, while the others sample.
-    Until they land it waits in place (no column, no position: ToolQueue.held), the others decoding on."""
+    Tools: a row whose turn ends hands its ids to tool_turn(row, ids): the environment's tokens, a Future of them
+    (it waits in place till they land: ToolQueue.held) or None (it ends); it takes them one a step, forced."""
     was_training = model.training
     model.eval()  # no dropout, and gradient checkpointing (train-mode only) keeps the cache
     device = prompt_ids.device
@@ -951,14 +950,13 @@ def generate(
     num_rows, prompt_length = prompt_ids.shape  # N, P
     steps = max_new_tokens + (max_turns * max_tool_tokens if tool_turn else 0)  # columns a completion may fill
     eos = torch.tensor(eos_ids, device=device)
-    cache = KVCache(num_rows, prompt_length + steps)
+    cache = KVCache(num_rows, prompt_length + max_new_tokens)  # columns for tools' answers as they come (grow)
     check_every = check_every or (16 if cuda else 1)
 
     # 1. Prefill each distinct prompt once (B rows), then copy its keys and values to its G rows.
     distinct, counts = torch.unique_consecutive(torch.cat([prompt_ids, prompt_mask], -1), dim=0, return_counts=True)
     distinct_ids, distinct_mask = distinct[:, :prompt_length], distinct[:, prompt_length:]  # (B, P)
-    # Left padding shifts every prompt; positions count real tokens only, so a prompt
-    # scores the same whatever batch it is in.
+    # Positions count real tokens only (left padding shifts prompts): a prompt scores the same in any batch.
     position_ids = (distinct_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
     cache.slots, cache.width = torch.arange(prompt_length, device=device), prompt_length
     with common.fp32_lm_head(model):
@@ -975,7 +973,7 @@ def generate(
 
     # 2. The one-token step: each row's last token at its next column, through the cache.
     position = position_ids[:, -1:].repeat_interleave(counts, dim=0, output_size=num_rows) + 1  # (N, 1)
-    step = common.DecodeStep(model, cache, prompt_mask, position, steps, pad_id, vocab_size)
+    step = common.DecodeStep(model, cache, prompt_mask, position, max_new_tokens, pad_id, vocab_size)
     completion_ids = torch.full((num_rows, steps + 1), pad_id, device=device)  # (N, steps + 1)
     completion_mask = torch.zeros(num_rows, steps + 1, dtype=torch.long, device=device)
     tool_mask = torch.zeros_like(completion_mask)
@@ -1036,10 +1034,7 @@ def generate(
     num_tokens = filled.max().item()  # T: the longest completion, its EOS included
     drawn = num_tokens if env is None else (filled + env.waits).max().item()  # the steps to the last token
     if drawn < len(rng_states):  # tokens were drawn past the last EOS: as if they never were
-        if cuda:
-            torch.cuda.set_rng_state(rng_states[drawn], device)
-        else:
-            torch.set_rng_state(rng_states[drawn])
+        torch.cuda.set_rng_state(rng_states[drawn], device) if cuda else torch.set_rng_state(rng_states[drawn])
     cut = slice(0, num_tokens)
     return (
         completion_ids[:, cut].contiguous(),

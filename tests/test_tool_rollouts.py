@@ -28,6 +28,7 @@ from families import (
     family_prompts,
     plain_forward_logprobs,
     sample_with_tools,
+    scripted_tools,
 )
 from grpo import generate, sequence_logprobs
 from rewards import load_task
@@ -130,6 +131,28 @@ def test_instant_answers_from_a_worker_thread_change_no_sampled_token():
     _, _, at_once, _ = sample_with_tools(model)
     assert all(torch.equal(got, expected) for got, expected in zip(threaded, at_once))
     assert threaded[4].any()
+
+
+def test_the_cache_holds_the_answers_that_came_not_every_turns_longest(monkeypatch):
+    # --max_turns 2 × --max_tool_tokens 1000 would reserve 2000 columns a row; the 3-token answers that
+    # come need 6. The cache starts at P + 12 (max_new_tokens) and grows by 64 once the answers push a
+    # row past it: P + 76 columns at most, and the samples still equal the model's forward pass.
+    model = family_model("qwen2")
+    prompt_ids, prompt_mask = family_prompts()
+    lengths, grow = [], common.DecodeStep.grow
+    monkeypatch.setattr(
+        common.DecodeStep, "grow", lambda step, columns: grow(step, columns) or lengths.append(step.cache.length)
+    )
+    tool_turn, _ = scripted_tools(2)
+    torch.manual_seed(3)
+    ids, mask, _, sample_logp, tool_mask = generate(
+        model, prompt_ids, prompt_mask, NEW_TOKENS, STOP, 0, VOCAB, 1.0,
+        tool_turn=tool_turn, max_turns=2, max_tool_tokens=1000,
+    )  # fmt: skip
+    assert tool_mask.sum(-1).max() == 2 * ANSWER and ids.shape[1] > NEW_TOKENS  # answers pushed a row past 12
+    assert lengths == [prompt_ids.shape[1] + NEW_TOKENS + 64]  # one growth, not 2000 columns up front
+    plain = plain_forward_logprobs(model, prompt_ids, prompt_mask, ids, mask + tool_mask) * mask
+    assert (sample_logp - plain).abs().max().item() <= TOLERANCE
 
 
 def test_a_row_without_calls_samples_as_without_tools():
