@@ -126,11 +126,13 @@ def test_graph_decode_keeps_each_layers_window(family, monkeypatch):
     assert (logp - plain_forward_logprobs(model, prompt_ids, prompt_mask, ids, mask)).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["at-once", "late"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-def test_tool_turns_through_the_graph_equal_the_eager_step(temperature, monkeypatch):
+def test_tool_turns_through_the_graph_equal_the_eager_step(temperature, late, monkeypatch):
     # Multi-turn rollouts (tests/test_tool_rollouts.py) on the GPU: the forced tokens of the tools'
     # answers go through the captured step as sampled ones do: the same tokens and log-probs as the
-    # eager step, and the sampler's log-probs equal the scorer's with the answers attended to.
+    # eager step, and the sampler's log-probs equal the scorer's with the answers attended to. Late:
+    # answers 1-12 steps after their calls, rows held in place, the cache grown (graphs captured anew).
     from families import VOCAB, family_model, sample_with_tools
 
     model = family_model("qwen2").cuda()
@@ -139,7 +141,7 @@ def test_tool_turns_through_the_graph_equal_the_eager_step(temperature, monkeypa
         with monkeypatch.context() as patch:
             if not graph:
                 patch.setattr(common, "cuda_graph", lambda step, pool=None: step)
-            outputs[graph] = sample_with_tools(model, temperature, device="cuda")
+            outputs[graph] = sample_with_tools(model, temperature, device="cuda", delay=LATE if late else None)
     prompt_ids, prompt_mask, (ids, mask, _, sample_logp, tool_mask), _ = outputs[True]
     assert tool_mask.any()
     for graphed, eager in zip(outputs[True][2], outputs[False][2]):
@@ -151,7 +153,7 @@ def test_tool_turns_through_the_graph_equal_the_eager_step(temperature, monkeypa
     assert (sample_logp - scored).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("tools", [False, True], ids=["compaction", "tool-turns"])
+@pytest.mark.parametrize("tools", [False, True, "late"], ids=["compaction", "tool-turns", "late-tool-turns"])
 def test_the_bf16_varlen_decode_compacts_and_takes_tool_turns(tools, monkeypatch):
     # The varlen step (bf16 on the GPU) with rows leaving the batch, checked every token (keep_rows
     # keeps each row's column; the graphs are captured anew), or with tool answers forced in:
@@ -173,7 +175,7 @@ def test_the_bf16_varlen_decode_compacts_and_takes_tool_turns(tools, monkeypatch
             if not graph:
                 patch.setattr(common, "cuda_graph", lambda step, pool=None: step)
             if tools:
-                outputs[graph] = sample_with_tools(model, 1.0, device="cuda")
+                outputs[graph] = sample_with_tools(model, 1.0, device="cuda", delay=LATE if tools == "late" else None)
             else:
                 prompt_ids, prompt_mask = (t.repeat_interleave(2, 0).cuda() for t in family_prompts())  # (6, P)
                 torch.manual_seed(3)
@@ -189,6 +191,11 @@ def test_the_bf16_varlen_decode_compacts_and_takes_tool_turns(tools, monkeypatch
         )
     gap = (sample_logp - scored).abs()[mask.bool()]
     assert gap.mean() < 0.05 and gap.max() < 1.0, (gap.mean(), gap.max())
+
+
+def LATE(row: int, turn: int) -> int:
+    """The decode steps after its call each answer lands (families.LateAnswers), 1 to 12."""
+    return 1 + (5 * row + 7 * turn) % 12
 
 
 def test_no_id_at_or_beyond_the_tokenizer_is_sampled(tiny_cuda, monkeypatch):
