@@ -1588,6 +1588,7 @@ class ToolQueue:
     start: torch.Tensor  # (n,) the column the current turn began at
     waits: torch.Tensor  # (N,) by output row: the steps it waited in place for its calls' answers
     pending: dict = field(default_factory=dict)  # output row -> (the Future of its answer, the step it was handed)
+    patient: bool = True  # False once a call outlasted TOOL_GRACE_S: the steps after calls wait no more
 
     @classmethod
     def empty(cls, num_rows: int, max_tool_tokens: int, pad_id: int, device: torch.device) -> "ToolQueue":
@@ -1596,19 +1597,23 @@ class ToolQueue:
         return cls(ids, zeros, zeros.clone(), zeros.clone(), zeros.clone(), zeros.clone())
 
     def keep(self, rows: torch.Tensor) -> "ToolQueue":
-        """The queue of the rows that stay (generate's compaction)."""
-        kept = self.ids[rows], self.queued[rows], self.next[rows], self.spent[rows], self.start[rows]
-        return ToolQueue(*kept, self.waits, self.pending)
+        """Only the rows that stay (generate's compaction), in place."""
+        self.ids, self.queued, self.next = self.ids[rows], self.queued[rows], self.next[rows]
+        self.spent, self.start = self.spent[rows], self.start[rows]
+        return self
 
     def held(self, rows, filled, alive, t: int, hold: bool = True) -> torch.Tensor:
         """Rows whose answers have landed take them, queued from step t; the rest wait in place: held (n,).
-        The calls handed over at step t-1 get TOOL_GRACE_S, so an instant tool changes no token. It blocks
+        The calls handed over at step t-1 get TOOL_GRACE_S, so an instant tool changes no token (until one call
+        outlasts it: the tools are slow, and waiting again would stall every row for nothing). It blocks
         without `hold` (a sliding window: every row fills each column) or when no other row can decode.
         rows (n,) into the output's N; filled (N,) the columns each row has filled; alive (n,)."""
         held = torch.zeros_like(alive)
         if not self.pending:
             return held
-        futures.wait([future for future, at in self.pending.values() if at == t - 1], timeout=TOOL_GRACE_S)
+        if self.patient:
+            recent = [future for future, at in self.pending.values() if at == t - 1]
+            self.patient = not futures.wait(recent, timeout=TOOL_GRACE_S).not_done
         waiting = [future for future, _ in self.pending.values()]
         if not hold or len(waiting) == int(alive.sum()):
             futures.wait(waiting, return_when=futures.FIRST_COMPLETED if hold else futures.ALL_COMPLETED)

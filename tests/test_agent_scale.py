@@ -417,3 +417,32 @@ def test_a_reward_naming_tools_gets_the_rows_class_tools_and_no_other_reward_doe
     scores = rewards.scored(stateful, ["a", "b"], task.problems[:1], 2, [False, False], tool_turn)
     assert [score.reward for score in scores] == [0.0, 1.0] and not any(score.failed for score in scores)
     assert rewards.scored(plain, ["a"], task.problems[:1], 1, [False])[0].reward == 0.5
+
+
+def test_the_steps_after_calls_stop_waiting_once_a_call_outlasts_the_grace(monkeypatch):
+    # ToolQueue.held: the step after a call waits TOOL_GRACE_S for it (an instant tool costs no step).
+    # A call still running then marks the tools slow, and later steps wait no more: each new call would
+    # otherwise stall every row 50 ms. Waits recorded by their timeout (none really sleeps here).
+    from concurrent import futures
+
+    real, waits = futures.wait, []
+
+    def recorded(fs, timeout=None, return_when=futures.ALL_COMPLETED):
+        waits.append(timeout)
+        return real(fs, timeout=0 if timeout else None, return_when=return_when)
+
+    monkeypatch.setattr(futures, "wait", recorded)
+    env = rewards.ToolQueue.empty(2, 4, 0, torch.device("cpu"))
+    rows, filled, alive = torch.tensor([0, 1]), torch.tensor([3, 5]), torch.tensor([True, True])
+    quick, slow, later = (futures.Future() for _ in range(3))
+    quick.set_result([7, 8])
+    env.pending[0] = (quick, 0)
+    assert env.held(rows, filled, alive, 1).tolist() == [False, False] and env.patient  # landed in its grace
+    assert env.queued.tolist() == [2, 0] and env.start.tolist() == [5, 0] and waits == [rewards.TOOL_GRACE_S]
+    env.pending[0] = (slow, 1)
+    assert env.held(rows, filled, alive, 2).tolist() == [True, False] and not env.patient  # missed it
+    later.set_result([9])
+    env.pending[1] = (later, 2)
+    assert env.held(rows, filled, alive, 3).tolist() == [True, False]  # row 1's answer taken, with no grace
+    # then both rows waited (no other could decode): a wait for the first answer, done at once; no grace
+    assert waits == [rewards.TOOL_GRACE_S] * 2 + [None] and env.queued.tolist() == [2, 1]
