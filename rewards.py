@@ -1602,7 +1602,7 @@ class ToolQueue:
         self.spent, self.start = self.spent[rows], self.start[rows]
         return self
 
-    def held(self, rows, filled, alive, t: int, hold: bool = True) -> torch.Tensor:
+    def held(self, rows, filled, alive, t: int, hold: bool) -> torch.Tensor:
         """Rows whose answers have landed take them, queued from step t; the rest wait in place: held (n,).
         The calls handed over at step t-1 get TOOL_GRACE_S, so an instant tool changes no token (until one call
         outlasts it: the tools are slow, and waiting again would stall every row for nothing). It blocks

@@ -437,12 +437,29 @@ def test_the_steps_after_calls_stop_waiting_once_a_call_outlasts_the_grace(monke
     quick, slow, later = (futures.Future() for _ in range(3))
     quick.set_result([7, 8])
     env.pending[0] = (quick, 0)
-    assert env.held(rows, filled, alive, 1).tolist() == [False, False] and env.patient  # landed in its grace
+    assert env.held(rows, filled, alive, 1, True).tolist() == [False, False] and env.patient  # landed in its grace
     assert env.queued.tolist() == [2, 0] and env.start.tolist() == [5, 0] and waits == [rewards.TOOL_GRACE_S]
     env.pending[0] = (slow, 1)
-    assert env.held(rows, filled, alive, 2).tolist() == [True, False] and not env.patient  # missed it
+    assert env.held(rows, filled, alive, 2, True).tolist() == [True, False] and not env.patient  # missed it
     later.set_result([9])
     env.pending[1] = (later, 2)
-    assert env.held(rows, filled, alive, 3).tolist() == [True, False]  # row 1's answer taken, with no grace
+    assert env.held(rows, filled, alive, 3, True).tolist() == [True, False]  # row 1's answer taken, with no grace
     # then both rows waited (no other could decode): a wait for the first answer, done at once; no grace
     assert waits == [rewards.TOOL_GRACE_S] * 2 + [None] and env.queued.tolist() == [2, 1]
+
+
+def test_an_answer_longer_than_its_queue_stops_naming_both_lengths():
+    # A tool_turn of one's own (generate takes any) that hands back more than max_tool_tokens tokens.
+    from concurrent import futures
+
+    env = rewards.ToolQueue.empty(1, 4, 0, torch.device("cpu"))
+    answer = futures.Future()
+    answer.set_result([1, 2, 3, 4, 5])
+    env.pending[0] = (answer, 0)
+    with pytest.raises(ValueError, match="tool_turn gave 5 tokens; max_tool_tokens is 4"):
+        env.held(torch.tensor([0]), torch.tensor([2]), torch.tensor([True]), 1, True)
+
+
+def test_a_reward_without_a_signature_takes_no_tools():
+    # A builtin (no signature to read) is called with its three arguments, never handed `tools`.
+    assert not rewards.takes_tools(max) and rewards.takes_tools(lambda completion, problem, truncated, tools: 0)
