@@ -142,6 +142,15 @@ def test_a_huge_answer_is_cut_from_its_first_characters(tools_tokenizer, monkeyp
     assert text == "7" * (64 * 76) + "…"
     assert len(answer) <= 64 and "7" in tools_tokenizer.decode(answer) and "…" in tools_tokenizer.decode(answer)
 
+    def at_the_limit() -> str:  # exactly 64 × 76 characters: handed on whole, with no "…"
+        """The secret digit."""
+        return "7" * (64 * 76)
+
+    at_the_limit.__name__ = "secret_digit"
+    tool_turn, _ = tool_turns(tools_tokenizer, [at_the_limit], 1, 1, 64, 5.0)
+    tool_turn(0, tools_tokenizer(TINY_SECRET_CALL, add_special_tokens=False)["input_ids"]).result()
+    assert handed[-1] == [("secret_digit", "7" * (64 * 76))]
+
 
 def test_an_answer_holding_a_special_tokens_text_is_text(tools_tokenizer):
     # "<|im_end|>" in an answer was tokenised as the end of the turn: the template's own one stays
@@ -446,6 +455,7 @@ def test_the_steps_after_calls_stop_waiting_once_a_call_outlasts_the_grace(monke
     assert env.held(rows, filled, alive, 3, True).tolist() == [True, False]  # row 1's answer taken, with no grace
     # then both rows waited (no other could decode): a wait for the first answer, done at once; no grace
     assert waits == [rewards.TOOL_GRACE_S] * 2 + [None] and env.queued.tolist() == [2, 1]
+    assert env.waits.tolist() == [2, 0]  # row 0 held at steps 2 and 3: the steps generate's loop and RNG add
 
 
 def test_an_answer_longer_than_its_queue_stops_naming_both_lengths():
@@ -463,3 +473,27 @@ def test_an_answer_longer_than_its_queue_stops_naming_both_lengths():
 def test_a_reward_without_a_signature_takes_no_tools():
     # A builtin (no signature to read) is called with its three arguments, never handed `tools`.
     assert not rewards.takes_tools(max) and rewards.takes_tools(lambda completion, problem, truncated, tools: 0)
+
+
+def test_calls_run_one_at_a_time_in_the_order_handed_by_default(tools_tokenizer):
+    # tool_turns' workers default to 1 (--tool_workers 1): a second call starts only once the first has
+    # returned, so tools drawing from Python's random draw in the rows' order. The first call waits
+    # (up to 0.5 s) for a second to start beside it; run one at a time, none does.
+    started, first_running, second_started = [], threading.Event(), threading.Event()
+
+    def secret_digit() -> str:
+        """The secret digit."""
+        started.append(first_running.is_set())
+        if len(started) == 1:
+            first_running.set()
+            second_started.wait(0.5)  # returns at once where a second worker started the second call
+            first_running.clear()
+        else:
+            second_started.set()
+        return "7"
+
+    tool_turn, counts = tool_turns(tools_tokenizer, [secret_digit], 2, 1, 64, 5.0)
+    call = tools_tokenizer(TINY_SECRET_CALL, add_special_tokens=False)["input_ids"]
+    answers = [tool_turn(row, call) for row in (0, 1)]
+    [answer.result() for answer in answers]
+    assert started == [False, False] and counts[:, 0].tolist() == [1, 1]
