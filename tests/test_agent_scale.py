@@ -412,7 +412,7 @@ def test_a_reward_naming_tools_gets_the_rows_class_tools_and_no_other_reward_doe
     path = tmp_path / "reward.py"
     path.write_text(
         "def with_tools(completion, problem, truncated, tools):\n    return float(len(tools))\n\n"
-        "def plain(completion, problem, truncated):\n    return 0.5\n"
+        "def plain(completion, problem, truncated):\n    return float(len(problem['prompt']))\n"
     )
     task = rewards.load_task("digit")
     stateful = rewards.with_reward_fn(task, f"{path}:with_tools", 5.0)
@@ -425,7 +425,9 @@ def test_a_reward_naming_tools_gets_the_rows_class_tools_and_no_other_reward_doe
     assert rewards.tool_state(plain, tool_turn, 1) == {} and rewards.tool_state(stateful, None, 0) == {"tools": {}}
     scores = rewards.scored(stateful, ["a", "b"], task.problems[:1], 2, [False, False], tool_turn)
     assert [score.reward for score in scores] == [0.0, 1.0] and not any(score.failed for score in scores)
-    assert rewards.scored(plain, ["a"], task.problems[:1], 1, [False])[0].reward == 0.5
+    # rows i·G … i·G+G-1 answer problem i (the planted bug, no problem handed: the call fails)
+    scores = rewards.scored(plain, ["a", "b", "c", "d"], task.problems[:2], 2, [False] * 4)
+    assert [score.reward for score in scores] == [float(len(task.problems[i // 2]["prompt"])) for i in range(4)]
 
 
 def test_the_steps_after_calls_stop_waiting_once_a_call_outlasts_the_grace(monkeypatch):
