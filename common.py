@@ -1703,7 +1703,8 @@ class DecodeStep:
     def __init__(self, model, cache, prompt_mask, position, steps: int, pad_id: int, vocab_size: int):
         num_rows, prompt_length = prompt_mask.shape
         device = prompt_mask.device
-        length = prompt_length + steps  # S
+        length = cache.length  # S: P + max_new_tokens; more as tools' answers come (grow), to P + steps + 1 (varlen)
+        self.most = prompt_length + steps + 1  # varlen: no row's slot passes P + steps (a column a token it fills)
         self.model, self.cache, self.vocab_size, self.prompt_length = model, cache, vocab_size, prompt_length
         self.windows = attention_windows(model)  # attention type -> window; a mask per type
         self.cache_name = cache_argument(model)  # the keyword the model takes it by
@@ -1721,7 +1722,7 @@ class DecodeStep:
         for kind, window in self.windows.items():  # the first query, column P, sees columns P-window+1 … P
             if window:
                 self.biases[kind][..., : max(prompt_length - window + 1, 0)] = MASKED
-        self.widths = [length] if self.varlen else decode_widths(prompt_length, steps)  # varlen reads no more
+        self.widths = [length] if self.varlen else decode_widths(prompt_length, length - prompt_length)
         self.graphs, self.pool = {}, None  # on CUDA: width -> captured step, for the rows decoded now
         if device.type == "cuda" and not torch.distributed.is_initialized():
             self.pool = torch.cuda.graph_pool_handle()
@@ -1732,8 +1733,9 @@ class DecodeStep:
         row (n,) (waiting for its tools, or finished) keeps its position, its column hidden: its token is none."""
         cache = self.cache
         self.token_in.copy_(token[:, None])
-        if self.prompt_length + t >= cache.length:  # tools' answers came (or held rows left columns unfilled)
-            self.grow(max(64, (cache.length - self.prompt_length) // 2))
+        if self.prompt_length + t >= cache.length and not (self.varlen and cache.length >= self.most):
+            columns = max(64, (cache.length - self.prompt_length) // 2)  # tools' answers came, or held rows
+            self.grow(min(columns, self.most - cache.length) if self.varlen else columns)  # left columns unfilled
         for kind, window in self.windows.items():
             if self.varlen:  # row i's own column (a held row's, filled again at its next step)
                 self.biases[kind].scatter_(-1, cache.slots[:, None, None, None], 0.0)
@@ -1761,9 +1763,8 @@ class DecodeStep:
         every tool turn's longest answer (generate), and a held row's column is one no row fills."""
         cache, dim = self.cache, 1 if self.cache.aligned else 2  # (n, S, kv heads, d) varlen, else (n, kv heads, S, d)
         for buffers in (cache.keys, cache.values):
-            buffers[:] = [
-                torch.cat([b, b.new_zeros(*b.shape[:dim], columns, *b.shape[dim + 1 :])], dim) for b in buffers
-            ]
+            for layer, b in enumerate(buffers):  # one layer at a time: the peak is the cache and one layer's copy
+                buffers[layer] = torch.cat([b, b.new_zeros(*b.shape[:dim], columns, *b.shape[dim + 1 :])], dim)
         self.biases = {kind: torch.nn.functional.pad(b, (0, columns), value=MASKED) for kind, b in self.biases.items()}
         cache.length += columns
         self.widths.append(cache.length)

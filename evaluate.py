@@ -127,7 +127,14 @@ def check_args(args: Args) -> list[str]:
         problems.append("--num_samples > 1 needs --temperature > 0: greedy decoding gives k identical completions.")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         problems.append("Needs --temperature >= 0 and 0 < --top_p <= 1.")
-    for name in ("max_new_tokens", "batch_size", "num_samples", "countdown_problems", "max_tool_tokens"):
+    for name in (
+        "max_new_tokens",
+        "batch_size",
+        "num_samples",
+        "countdown_problems",
+        "max_tool_tokens",
+        "tool_workers",
+    ):
         if getattr(args, name) < 1:
             problems.append(f"--{name} must be at least 1 (got {getattr(args, name)}).")
     for name in ("shots", "limit", "max_turns"):
@@ -953,10 +960,14 @@ def main(args: Args) -> Path | None:
     for task in [task for task in tasks.values() if task.tools]:  # before any output: the template shows the tools,
         first = task.messages(task.problems[0])  # and their answers fit in a turn
         common.render_chat(tokenizer, first, tools=task.tools, tools_fix="drop --tools/--tool")
-        rewards.tool_turns(tokenizer, task.tools, 1, args.max_turns, args.max_tool_tokens, args.tool_timeout)
+        rewards.tool_turns(tokenizer, task.tools, 1, args.max_turns, args.max_tool_tokens, args.tool_timeout, 1)
     run_dir = common.make_run_dir(args, "eval", task="+".join(names))
     keys = ["model", "max_new_tokens", "num_samples", "temperature", "top_p"]  # the settings results.json records
-    keys += ["tools", "tool", "max_turns", "max_tool_tokens", "tool_timeout"] if args.tools or args.tool else []
+    keys += (
+        ["tools", "tool", "max_turns", "max_tool_tokens", "tool_timeout", "tool_workers"]
+        if args.tools or args.tool
+        else []
+    )
     keys += ["reward_fn", "reward_fn_timeout"] if args.reward_fn else []
     settings = {k: getattr(args, k) for k in keys}
     results, grader = {}, Grader(args.grade_timeout)

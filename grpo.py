@@ -886,7 +886,7 @@ def generate(
 
     # 2. The one-token step: each row's last token at its next column, through the cache.
     position = position_ids[:, -1:].repeat_interleave(counts, dim=0, output_size=num_rows) + 1  # (N, 1)
-    step = common.DecodeStep(model, cache, prompt_mask, position, max_new_tokens, pad_id, vocab_size)
+    step = common.DecodeStep(model, cache, prompt_mask, position, steps, pad_id, vocab_size)
     completion_ids = torch.full((num_rows, steps + 1), pad_id, device=device)  # (N, steps + 1)
     completion_mask = torch.zeros(num_rows, steps + 1, dtype=torch.long, device=device)
     tool_mask = torch.zeros_like(completion_mask)

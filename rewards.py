@@ -1604,8 +1604,8 @@ class ToolQueue:
 
     def held(self, rows, filled, alive, t: int, hold: bool) -> torch.Tensor:
         """Rows whose answers have landed take them, queued from step t; the rest wait in place: held (n,).
-        The calls handed over at step t-1 get TOOL_GRACE_S, so an instant tool changes no token (until one call
-        outlasts it: the tools are slow, and waiting again would stall every row for nothing). It blocks
+        The calls handed over at step t-1 get TOOL_GRACE_S each, so instant tools change no token (until they
+        outlast it: the tools are slow, and waiting again would stall every row for nothing). It blocks
         without `hold` (a sliding window: every row fills each column) or when no other row can decode.
         rows (n,) into the output's N; filled (N,) the columns each row has filled; alive (n,)."""
         held = torch.zeros_like(alive)
@@ -1613,7 +1613,7 @@ class ToolQueue:
             return held
         if self.patient:
             recent = [future for future, at in self.pending.values() if at == t - 1]
-            self.patient = not futures.wait(recent, timeout=TOOL_GRACE_S).not_done
+            self.patient = not futures.wait(recent, timeout=TOOL_GRACE_S * len(recent)).not_done  # one worker: in turn
         waiting = [future for future, _ in self.pending.values()]
         if not hold or len(waiting) == int(alive.sum()):
             futures.wait(waiting, return_when=futures.FIRST_COMPLETED if hold else futures.ALL_COMPLETED)
@@ -1623,7 +1623,7 @@ class ToolQueue:
                 held[index[row]] = True
                 continue
             answer = future.result()
-            if len(answer) > self.ids.shape[1]:
+            if not 0 < len(answer) <= self.ids.shape[1]:  # None, not [], ends a row: its call was never run
                 raise ValueError(f"tool_turn gave {len(answer)} tokens; max_tool_tokens is {self.ids.shape[1]}")
             i = index.pop(row)
             self.ids[i, : len(answer)] = torch.tensor(answer, device=self.ids.device)

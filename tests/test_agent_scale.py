@@ -460,16 +460,34 @@ def test_the_steps_after_calls_stop_waiting_once_a_call_outlasts_the_grace(monke
     assert env.waits.tolist() == [2, 0]  # row 0 held at steps 2 and 3: the steps generate's loop and RNG add
 
 
-def test_an_answer_longer_than_its_queue_stops_naming_both_lengths():
-    # A tool_turn of one's own (generate takes any) that hands back more than max_tool_tokens tokens.
+@pytest.mark.parametrize("tokens", [[1, 2, 3, 4, 5], []], ids=["longer", "empty"])
+def test_an_answer_longer_than_its_queue_or_empty_stops_naming_both_lengths(tokens):
+    # A tool_turn of one's own (generate takes any) whose Future lands more than max_tool_tokens tokens,
+    # or none (a row ends by None, handed back at once: an empty answer would leave it sampling on).
     from concurrent import futures
 
     env = rewards.ToolQueue.empty(1, 4, 0, torch.device("cpu"))
     answer = futures.Future()
-    answer.set_result([1, 2, 3, 4, 5])
+    answer.set_result(tokens)
     env.pending[0] = (answer, 0)
-    with pytest.raises(ValueError, match="tool_turn gave 5 tokens; max_tool_tokens is 4"):
+    with pytest.raises(ValueError, match=f"tool_turn gave {len(tokens)} tokens; max_tool_tokens is 4"):
         env.held(torch.tensor([0]), torch.tensor([2]), torch.tensor([True]), 1, True)
+
+
+def test_each_call_of_a_step_gets_its_own_grace(monkeypatch):
+    # With one worker (--tool_workers 1) a step's calls run one after another: three calls of 30 ms
+    # each are instant calls, and the step after them waits for them 3 × TOOL_GRACE_S (not 1 ×, which
+    # they would outlast together, and every later call would then cost its row a step).
+    from concurrent import futures
+
+    real, waits = futures.wait, []
+    monkeypatch.setattr(futures, "wait", lambda fs, timeout=None, **kw: waits.append(timeout) or real(fs, 0, **kw))
+    env = rewards.ToolQueue.empty(4, 4, 0, torch.device("cpu"))  # rows 0-2 called at step 0; row 3 decodes on
+    for row in range(3):
+        env.pending[row] = (futures.Future(), 0)
+        env.pending[row][0].set_result([7])
+    env.held(torch.arange(4), torch.zeros(4, dtype=torch.long), torch.tensor([True] * 4), 1, True)
+    assert waits == [3 * rewards.TOOL_GRACE_S] and env.patient and env.queued.tolist() == [1, 1, 1, 0]
 
 
 def test_a_reward_without_a_signature_takes_no_tools():

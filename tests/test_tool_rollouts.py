@@ -155,6 +155,21 @@ def test_the_cache_holds_the_answers_that_came_not_every_turns_longest(monkeypat
     assert (sample_logp - plain).abs().max().item() <= TOLERANCE
 
 
+def test_the_varlen_cache_never_grows_past_what_a_row_can_fill(varlen, monkeypatch):
+    # The varlen step: a row's own columns, none spent waiting. Answers 30 steps late push the step index
+    # far past P + 12 + 2·3, but no row can fill more: the cache stops at P + 18 + 1 columns.
+    model = family_model("qwen2")
+    lengths, grow = [], common.DecodeStep.grow
+    monkeypatch.setattr(
+        common.DecodeStep, "grow", lambda step, columns: grow(step, columns) or lengths.append(step.cache.length)
+    )
+    prompt_ids, prompt_mask, out, (_, late) = sample_with_tools(model, delay=lambda row, turn: 30)
+    assert varlen and late.steps > NEW_TOKENS + 2 * ANSWER + 30  # the waits ran the step index past it
+    assert lengths == [prompt_ids.shape[1] + NEW_TOKENS + 2 * ANSWER + 1]
+    plain = plain_forward_logprobs(model, prompt_ids, prompt_mask, out[0], out[1] + out[4]) * out[1]
+    assert (out[3] - plain).abs().max().item() <= TOLERANCE
+
+
 def test_a_row_without_calls_samples_as_without_tools():
     # Greedy: row 0 never calls a tool, the others do; row 0's tokens are those of a run with no
     # tools at all, whatever the others' answers do: no row waits for another's tool.
