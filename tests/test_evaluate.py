@@ -102,6 +102,10 @@ def test_bad_arguments_stop_with_a_message():
     ):
         with pytest.raises(SystemExit, match=f"--{name} must be a finite number of seconds > 0 \\(got {value}\\)"):
             check_args(Args(benchmarks="digit", **{name: value}))
+    # --tool_workers at its boundary: 1 runs, 0 stops before a model loads (not in ThreadPoolExecutor after)
+    check_args(Args(benchmarks="digit", tool_workers=1))
+    with pytest.raises(SystemExit, match="--tool_workers must be at least 1 \\(got 0\\)"):
+        check_args(Args(benchmarks="digit", tool_workers=0))
 
 
 def test_grader_kills_a_hung_grading_and_keeps_going():
