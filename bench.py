@@ -301,7 +301,8 @@ def bench_tools(args, model, tokenizer, vocab_size, device, amp) -> list[dict]:
     --tool_sleep s, run by each --tool_workers, against an instant one; the seconds of generate it adds.
     The other rows decode on while one waits; 32 rows × 1 s should add about 1 s with 32 workers."""
     prompt_ids, prompt_mask = prompts(tokenizer, args.tool_rows, args.group_size, device)
-    inputs = (model, prompt_ids, prompt_mask, args.max_new_tokens, list(range(vocab_size)), tokenizer.pad_token_id)
+    ends = list(range(vocab_size))  # every token ends a turn: each row calls at its first
+    inputs = (model, prompt_ids, prompt_mask, args.max_new_tokens, ends, tokenizer.pad_token_id, vocab_size, 1.0)
     rows = []
     for workers in [int(n) for n in args.tool_workers.split(",")]:
         seconds = {}
@@ -313,19 +314,12 @@ def bench_tools(args, model, tokenizer, vocab_size, device, amp) -> list[dict]:
                     answer = [tokenizer.pad_token_id] * 4
                     return None if row in turns or turns.add(row) else pool.submit(lambda: time.sleep(sleep) or answer)
 
+                run = functools.partial(grpo.generate, *inputs, tool_turn=tool_turn, max_turns=1, max_tool_tokens=4)
                 with amp():
-                    seconds[sleep] = timed(
-                        functools.partial(
-                            grpo.generate, *inputs, vocab_size, 1.0, tool_turn=tool_turn, max_turns=1, max_tool_tokens=4
-                        ),
-                        device,
-                    )
-        row = {"N": args.tool_rows, "tool_workers": workers, "instant s": seconds[0.0]}
-        row |= {
-            f"{args.tool_sleep:g} s tool s": seconds[args.tool_sleep],
-            "added s": seconds[args.tool_sleep] - seconds[0.0],
-        }
-        rows.append(row)
+                    seconds[sleep] = timed(run, device)
+        added = seconds[args.tool_sleep] - seconds[0.0]
+        row = {"N": args.tool_rows, "tool_workers": workers, "instant s": seconds[0.0], "added s": added}
+        rows.append(row | {f"{args.tool_sleep:g} s tool s": seconds[args.tool_sleep]})
         print(row, flush=True)
     return rows
 
@@ -1186,9 +1180,7 @@ def main(args: Args) -> dict:
         return bench_profile(args, device, weight_dtype, compute_dtype, amp, report, save)
     sections = ("generation", "steps_4_and_6", "training_step")
     report |= {section: [] for section in sections}
-    if (
-        args.batch_sizes or args.step_rows or args.tool_rows
-    ):  # one loaded copy of the model; the training steps load their own
+    if args.batch_sizes or args.step_rows or args.tool_rows:  # one loaded model; the training steps load theirs
         model, tokenizer, vocab_size, _ = load_bench_model(args, device, weight_dtype)
         report["generation"] = bench_generation(args, model, tokenizer, vocab_size, device, amp, compute_dtype)
         save()

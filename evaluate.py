@@ -963,11 +963,8 @@ def main(args: Args) -> Path | None:
         rewards.tool_turns(tokenizer, task.tools, 1, args.max_turns, args.max_tool_tokens, args.tool_timeout, 1)
     run_dir = common.make_run_dir(args, "eval", task="+".join(names))
     keys = ["model", "max_new_tokens", "num_samples", "temperature", "top_p"]  # the settings results.json records
-    keys += (
-        ["tools", "tool", "max_turns", "max_tool_tokens", "tool_timeout", "tool_workers"]
-        if args.tools or args.tool
-        else []
-    )
+    tool_keys = ["tools", "tool", "max_turns", "max_tool_tokens", "tool_timeout", "tool_workers"]
+    keys += tool_keys if args.tools or args.tool else []
     keys += ["reward_fn", "reward_fn_timeout"] if args.reward_fn else []
     settings = {k: getattr(args, k) for k in keys}
     results, grader = {}, Grader(args.grade_timeout)

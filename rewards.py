@@ -1217,10 +1217,8 @@ def row_tools(by_name: dict[str, Callable], instances: dict) -> dict[str, Callab
     return tools
 
 
-def release(instances: list[dict], pool=None) -> None:
-    """Each class tool's instance closed (its close(), if it has one), when its rollout is done; its pool let go."""
-    if pool is not None:
-        pool.shutdown(wait=False, cancel_futures=True)
+def release(instances: list[dict]) -> None:
+    """Each class tool's instance closed (its close(), if it has one), when its rollout is done."""
     for row in instances:
         for instance in row.values():
             with contextlib.suppress(Exception):
@@ -1547,7 +1545,7 @@ def tool_turns(
         return pool.submit(answered, row, calls)
 
     tool_turn.instances = instances  # a reward may read them (tool_state) before they close
-    weakref.finalize(tool_turn, release, instances, pool)  # the rollout is done with it: instances close
+    weakref.finalize(tool_turn, release, instances)  # the rollout is done with it: instances close (the pool with it)
     return tool_turn, counts
 
 
