@@ -1894,7 +1894,7 @@ def logprob_head(model, formula, tokens, scale: float, vocab_size: int, with_ent
     chunked = []  # whether the completion's positions came through forward below
 
     def forward(hidden):  # (n, t', d) -> (n, t, 2), or the plain logits of another pass
-        if hidden.shape[:-1] != tokens.shape:  # forward_completions' prompt pass: its one logit is unused
+        if hidden.shape[:-1] not in (tokens.shape, (1, tokens.numel())):  # the prompt pass's one logit: unused
             return product(hidden)
         chunked.append(True)
         rows = max(1, HEAD_CHUNK_BYTES // (4 * vocab_size))  # positions a chunk
@@ -2117,6 +2117,98 @@ def forward_completions(
     if torch.is_grad_enabled():  # FSDP2 gathers a layer again for backward only if its forward's output is in
         out[:, :1] += 0 * prompt_out[output].sum()  # the loss: the prompt pass's joins, at weight 0, in place
     return out
+
+
+def packed_completions(
+    model, prompt_ids, prompt_mask, completion_ids, completion_mask, output: str = "logits", layout=None
+):  # fmt: skip
+    """forward_completions' contract in one pass with no padding (packed_layout): each run of rows sharing a
+    prompt is its prompt once, then each row's completion, under one mask (packed_visible). Exact up to float
+    reassociation; layout: unused (a pass is as long as its tokens). (n, p), (n, p), (n, t), (n, t) -> (n, t, ·)."""
+    ids, facts, where = packed_layout(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    keep = {"logits_to_keep": where.reshape(-1)} if output == "logits" else {}  # only what predicts a token
+    flex = flex_serves(model, prompt_ids.device)
+    masks = {  # one per attention type: a BlockMask for FlexAttention, else additive (1, 1, L, L) for the model's own
+        kind: packed_mask(facts, window, flex) for kind, window in attention_windows(model).items()
+    }
+    binding = sdpa_replaced(model, "nanopo_packed", packed_attention) if flex else contextlib.nullcontext()
+    with binding:
+        out = model(
+            input_ids=ids[None],
+            attention_mask=by_type(masks),
+            position_ids=facts["position"][None],
+            use_cache=False,
+            **keep,
+        )[output]  # (1, n·t, ·) logits, or (1, L, ·) hidden states
+    if output == "logits":
+        return out.reshape(*where.shape, -1)  # (n, t, ·); logprob_head's (n, t, 2) as it is
+    return out[0, where]  # (n, t, ·)
+
+
+def packed_layout(prompt_ids, prompt_mask, completion_ids, completion_mask) -> tuple:
+    """The packed pass's tokens (L,), their facts (L,) each (run: the prompt's run of rows; owner: the row whose
+    completion it is, -1 in a prompt; position: as generate's), and the place predicting each completion token
+    (n, t): the token before it, the prompt's last for the first. Completion masks are prefixes (generate)."""
+    num_rows, num_prompt = prompt_ids.shape
+    starts = new_prompts(prompt_ids, prompt_mask)  # (n,) where a run of rows sharing a prompt starts
+    run = starts.cumsum(0) - 1  # (n,)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (n, p+t)
+    kept = attention_mask.bool()
+    kept[:, :num_prompt] &= starts[:, None]  # a run's prompt once, in its first row
+    order = torch.full(kept.shape, -1, device=kept.device)  # (n, p+t) each kept column's place in the pass
+    order[kept] = torch.arange(kept.sum(), device=kept.device)
+    rows = torch.arange(num_rows, device=run.device)  # (n,)
+    first = torch.zeros_like(run).scatter_reduce(0, run, rows, "amin", include_self=False)  # (runs,) first rows
+    order[:, :num_prompt] = order[first[run], :num_prompt]  # a row's prompt: its run's
+    owner = rows[:, None].expand_as(kept).clone()  # (n, p+t)
+    owner[:, :num_prompt] = -1
+    facts = dict(
+        run=run[:, None].expand_as(kept)[kept], owner=owner[kept], position=(attention_mask.cumsum(-1) - 1)[kept]
+    )
+    ids = torch.cat([prompt_ids, completion_ids], dim=1)[kept]  # (L,)
+    return ids, facts, order[:, num_prompt - 1 : -1].clamp(min=0)  # padding's place: any (0)
+
+
+def packed_visible(facts: dict, query, key, window: int | None):
+    """Whether packed place `key` is visible to place `query`: the same run, the prompt or the query's own
+    completion, not later, and within the window (positions count a row's tokens). Tensors broadcast."""
+    run, owner, position = facts["run"], facts["owner"], facts["position"]
+    visible = (key <= query) & (run[key] == run[query]) & ((owner[key] < 0) | (owner[key] == owner[query]))
+    if window:
+        visible &= position[query] - position[key] < window
+    return visible
+
+
+def packed_mask(facts: dict, window: int | None, flex: bool):
+    """packed_visible as FlexAttention's BlockMask (flex: blocks wholly hidden are skipped), else as an
+    additive (1, 1, L, L) mask the model's own attention takes."""
+    length, device = len(facts["run"]), facts["run"].device
+    if flex:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        visible = lambda batch, head, query, key: packed_visible(facts, query, key, window)  # noqa: E731
+        return create_block_mask(visible, None, None, length, length, device=device, _compile=device.type == "cuda")
+    places = torch.arange(length, device=device)
+    visible = packed_visible(facts, places[:, None], places[None, :], window)  # (L, L)
+    return torch.where(visible, 0.0, MASKED)[None, None]
+
+
+def flex_serves(model, device: torch.device) -> bool:
+    """Whether packed_completions runs FlexAttention: a model on sdpa, on a GPU (on a CPU flex has no backward)."""
+    return device.type == "cuda" and getattr(getattr(model, "config", None), "_attn_implementation", None) == "sdpa"
+
+
+def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **unused):
+    """packed_completions' attention on a GPU: FlexAttention, compiled, over the BlockMask.
+    (1, heads, L, d), (1, kv heads, L, d) ×2 -> (1, L, heads, d)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if (flex_attention, COMPILE_BACKEND) not in COMPILED:
+        COMPILED[flex_attention, COMPILE_BACKEND] = torch.compile(flex_attention, dynamic=True)
+    flex = COMPILED[flex_attention, COMPILE_BACKEND] if query.is_cuda else flex_attention
+    dtype = value.dtype  # autocast's fp32 rotary makes the query and key fp32
+    out = flex(query.to(dtype), key.to(dtype), value, block_mask=attention_mask, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2), None
 
 
 # ----------------------------------------------------------------------------------------

@@ -27,6 +27,10 @@ FP32_EPS = torch.finfo(torch.float32).eps
 
 @pytest.fixture(scope="module")
 def tiny():
+    return scoring_batch()
+
+
+def scoring_batch():
     """The tiny policy, a PPO critic with a random head, and 3 prompts × 4 completions of 1 to 12
     tokens (conftest.sample_batch: left-padded prompts of unequal length) with PPO's fields."""
     torch.manual_seed(0)
