@@ -15,7 +15,7 @@ Qwen2 model of that size, random weights, a 151,665-id tokenizer built in code: 
    varlen one: the A/B of varlen_decode), compiled (--compile's model; its first call's seconds
    beside). On CUDA the share of the memory-bandwidth bound (bandwidth_bound).
 2. --step_rows N: steps 4 and 6 of grpo.py, each prompt forwarded once per group (shared) against
-   once per row (unshared); peak memory on CUDA.
+   once per row (unshared) and one packed pass a micro-batch (packed); peak memory on CUDA.
 3. --train_steps: one step of each script, phase by phase (its time/* metrics), the preflight's
    seconds and sizes, each phase's TFLOP/s, MFU and peak memory; --compile: after a step that compiles.
 4. First, with no weights loaded: --sampler_rows N, generate's sampler op by op and whole (eager and
@@ -327,7 +327,8 @@ def bench_tools(args, model, tokenizer, vocab_size, device, amp) -> list[dict]:
 def bench_steps_4_and_6(args, model, tokenizer, vocab_size, device, amp) -> list[dict]:
     """Steps 4 and 6 of grpo.py on N = step_rows rows (random completion tokens, lengths as --lengths
     draws them): the reference's scoring (sequence_logprobs) and policy_backward, each prompt forwarded
-    once per group (`shared`) and once per row (`unshared`, share=False); peak memory on CUDA."""
+    once per group (`shared`), once per row (`unshared`, share=False), and packed (`packed`:
+    common.packed_completions, one pass of a micro-batch's real tokens); peak memory on CUDA."""
     num_rows, length = args.step_rows, args.max_new_tokens
     prompt_ids, prompt_mask = prompts(tokenizer, num_rows, args.group_size, device, args.shots, args.countdown_numbers)
     generator = torch.Generator().manual_seed(0)
@@ -359,6 +360,7 @@ def bench_steps_4_and_6(args, model, tokenizer, vocab_size, device, amp) -> list
     versions = {
         name: functools.partial(common.forward_completions, share=name == "shared") for name in ("shared", "unshared")
     }
+    versions["packed"] = common.packed_completions  # one pass a micro-batch, no padding (the contender)
     seconds = {(name, phase): [] for name in versions for phase in ("4", "6")}
     peaks = {}
     for name in versions:  # warm-up, and on CUDA each version's peak memory
@@ -383,6 +385,7 @@ def bench_steps_4_and_6(args, model, tokenizer, vocab_size, device, amp) -> list
         row |= {f"{name} step 4 s": step_4_s, f"{name} step 6 s": step_6_s, f"{name} 4+6 s": step_4_s + step_6_s}
         row |= {f"{name} peak GiB": peaks[name]} if peaks else {}
     row["unshared/shared"] = row["unshared 4+6 s"] / row["shared 4+6 s"]
+    row["packed/shared"] = row["packed 4+6 s"] / row["shared 4+6 s"]
     print(row, flush=True)
     return [row]
 

@@ -67,7 +67,9 @@ acceptance as it was then ran out of time:
   11. optional: bench.py's steps 4 + 6 (scoring and update) of 64 rows in 7-row micro-batches,
      the preflight's at this shape, each prompt forwarded once per group (two model calls a pass,
      more than twice the host's ops a layer, docs/speed.md) against once per row (one call, 16-19%
-     more token positions): whether sharing pays on a GPU whose passes wait on the host.
+     more token positions) and one packed pass a micro-batch (bench.py's version packed:
+     common.packed_completions, FlexAttention over a BlockMask, no padding; issue 58's second lever,
+     exact on the CPU, never run on a GPU): which the scripts keep.
   12. optional: the grpo step of stage 4 with --compile true (the MLP and RMSNorm blocks through
      TorchInductor: the update's elementwise traffic fused), measured after an unmeasured step that
      compiles them (bench.py --compile; its row carries that step's times, `compiling …`), and,
@@ -184,7 +186,8 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
         ],
         dict(
             name=f"steps 4 + 6 of grpo.py, {sizes['profile_batch']} groups of {sizes['group']}, each prompt once per "
-            "group (shared) against once per row (optional: on the time left)",
+            "group (shared) against once per row and one packed pass (FlexAttention) a micro-batch (optional: on the "
+            "time left)",
             seconds=0,
             optional=True,
             json=directory / "steps_4_and_6.json",

@@ -243,6 +243,40 @@ def test_sampler_and_trainer_log_probs_under_bf16(qwen_shape, monkeypatch):
     assert gaps[True][0] < 0.05 and gaps[True][1] < 1.0
 
 
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16"])
+def test_the_packed_pass_runs_flex_attention_and_trains_as_before(qwen_shape, amp, monkeypatch):
+    # common.packed_completions on a GPU: compiled FlexAttention over the BlockMask (tests/test_packed.py
+    # proves the layout, the mask and, on the CPU, the additive form). Against one padded pass a row:
+    # fp32 within reassociation (1e-4 nats; the gradient 1e-3 of its largest), bf16 within the sampler
+    # gap's bounds (test_sampler_and_trainer_log_probs_under_bf16).
+    model, tokenizer, vocab_size = qwen_shape
+    prompt_ids, prompt_mask = countdown_prompts(tokenizer, group_size=4, problems=3)  # (12, P)
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 49, (12,), generator=generator)
+    completion_mask = (torch.arange(48)[None] < lengths[:, None]).long().cuda()
+    completion_ids = torch.randint(3, vocab_size, (12, 48), generator=generator).cuda() * completion_mask
+    sequences = prompt_ids, prompt_mask, completion_ids, completion_mask
+    assert common.flex_serves(model, prompt_ids.device)
+    forward, results = common.forward_completions, []
+    for pass_ in (common.packed_completions, functools.partial(forward, share=False)):
+        monkeypatch.setattr(common, "forward_completions", pass_)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", torch.bfloat16, enabled=amp):
+            logp, _ = grpo.sequence_logprobs(model, *sequences, 1.0, vocab_size, 6)
+        (logp * completion_mask).sum().backward()
+        gradient = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        results.append((logp.detach(), gradient))
+    model.zero_grad(set_to_none=True)
+    (logp, gradient), (before, gradient_before) = results
+    gap = (logp - before).abs()[completion_mask.bool()]
+    print(f"packed vs padded pass, {'bf16' if amp else 'fp32'}: |Δ log π| mean {gap.mean():.2e} max {gap.max():.2e}")
+    if amp:
+        assert gap.mean() < 0.05 and gap.max() < 1.0
+    else:
+        assert gap.max() < 1e-4
+        assert (gradient - gradient_before).abs().max() <= 1e-3 * gradient_before.abs().max()
+
+
 def test_the_bf16_decode_attends_by_flash_varlen(qwen_shape, monkeypatch):
     # On a GPU in bf16 the one-token step runs varlen_decode_attention over the left-aligned cache
     # (in fp32 the masked SDPA: flash attention takes bf16 and fp16 only), so the graph-against-eager
