@@ -2155,17 +2155,17 @@ def packed_layout(prompt_ids, prompt_mask, completion_ids, completion_mask) -> t
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (n, p+t)
     kept = attention_mask.bool()
     kept[:, :num_prompt] &= starts[:, None]  # a run's prompt once, in its first row
+    places = kept.flatten().nonzero().squeeze(1)  # (L,) the kept columns, row by row: the one host sync
     order = torch.full(kept.shape, -1, device=kept.device)  # (n, p+t) each kept column's place in the pass
-    order[kept] = torch.arange(kept.sum(), device=kept.device)
+    order.view(-1)[places] = torch.arange(len(places), device=kept.device)
     rows = torch.arange(num_rows, device=run.device)  # (n,)
     first = torch.zeros_like(run).scatter_reduce(0, run, rows, "amin", include_self=False)  # (runs,) first rows
     order[:, :num_prompt] = order[first[run], :num_prompt]  # a row's prompt: its run's
     owner = rows[:, None].expand_as(kept).clone()  # (n, p+t)
     owner[:, :num_prompt] = -1
-    facts = dict(
-        run=run[:, None].expand_as(kept)[kept], owner=owner[kept], position=(attention_mask.cumsum(-1) - 1)[kept]
-    )
-    ids = torch.cat([prompt_ids, completion_ids], dim=1)[kept]  # (L,)
+    columns = dict(run=run[:, None].expand_as(kept), owner=owner, position=attention_mask.cumsum(-1) - 1)
+    facts = {name: column.flatten()[places] for name, column in columns.items()}  # (L,) each
+    ids = torch.cat([prompt_ids, completion_ids], dim=1).flatten()[places]  # (L,)
     return ids, facts, order[:, num_prompt - 1 : -1].clamp(min=0)  # padding's place: any (0)
 
 
