@@ -65,7 +65,7 @@ def test_bench_at_the_real_vocabulary(tmp_path):
     assert report["training_step"][0]["time/update"] > 0
 
 
-def test_steps_4_and_6_time_the_shared_and_unshared_versions(tmp_path):
+def test_steps_4_and_6_time_the_shared_unshared_and_packed_versions(tmp_path):
     # 8 rows, groups of 4, one worked example in each prompt: each version's phases timed, the
     # ratios against the shared version (the same computation, so the versions run the same work).
     output = tmp_path / "bench.json"
@@ -76,10 +76,11 @@ def test_steps_4_and_6_time_the_shared_and_unshared_versions(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     [row] = json.loads(output.read_text())["steps_4_and_6"]
     assert (row["N"], row["G"]) == (8, 4) and row["mean prompt"] > 100  # the worked example's tokens
-    for version in ("shared", "unshared"):
+    for version in ("shared", "unshared", "packed"):
         assert row[f"{version} step 4 s"] > 0 and row[f"{version} step 6 s"] > 0
         assert row[f"{version} 4+6 s"] == row[f"{version} step 4 s"] + row[f"{version} step 6 s"]
-    assert row["unshared/shared"] == row["unshared 4+6 s"] / row["shared 4+6 s"]
+        if version != "shared":
+            assert row[f"{version}/shared"] == row[f"{version} 4+6 s"] / row["shared 4+6 s"]
 
 
 def test_the_shapes_model_is_written_once_and_read_back(tmp_path, monkeypatch):

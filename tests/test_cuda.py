@@ -27,6 +27,7 @@ from families import FAMILIES, unbuildable
 # skipif too, not only conftest's fixture: the module-scoped fixtures below would build on CUDA first
 # xdist_group: under -n 2 --dist loadgroup one worker runs the tier, one test at a time on the GPU, and
 # builds the 1.5B shape (qwen_shape) once
+PACKED_ATTENTION = common.packed_attention
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="the CUDA tier needs a GPU")]
 pytestmark += [pytest.mark.xdist_group("cuda"), pytest.mark.launches]
 TIMEOUT = 600  # seconds for a subprocess: a hang fails the test instead of stalling the tier
@@ -257,6 +258,8 @@ def test_the_packed_pass_runs_flex_attention_and_trains_as_before(qwen_shape, am
     completion_ids = torch.randint(3, vocab_size, (12, 48), generator=generator).cuda() * completion_mask
     sequences = prompt_ids, prompt_mask, completion_ids, completion_mask
     assert common.flex_serves(model, prompt_ids.device)
+    flexed = []  # the layers' attention calls through packed_attention: FlexAttention ran
+    monkeypatch.setattr(common, "packed_attention", lambda *a, **k: flexed.append(1) or PACKED_ATTENTION(*a, **k))
     forward, results = common.forward_completions, []
     for pass_ in (common.packed_completions, functools.partial(forward, share=False)):
         monkeypatch.setattr(common, "forward_completions", pass_)
@@ -267,6 +270,7 @@ def test_the_packed_pass_runs_flex_attention_and_trains_as_before(qwen_shape, am
         gradient = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
         results.append((logp.detach(), gradient))
     model.zero_grad(set_to_none=True)
+    assert len(flexed) == 2 * 2  # 2 layers, 2 chunks of 6 rows
     (logp, gradient), (before, gradient_before) = results
     gap = (logp - before).abs()[completion_mask.bool()]
     print(f"packed vs padded pass, {'bf16' if amp else 'fp32'}: |Δ log π| mean {gap.mean():.2e} max {gap.max():.2e}")

@@ -100,10 +100,14 @@ def test_log_probs_equal_in_one_pass_of_the_real_tokens(tiny, monkeypatch):
     heads = []  # the head's chunks (HeadLogprobs): the pass's (n, t, V) logits are never whole
     head = common.HeadLogprobs.apply
     monkeypatch.setattr(common.HeadLogprobs, "apply", lambda *a: heads.append(a[0].shape) or head(*a))
-    seen, handle = passes(model)
+    seen, handle, caches = *passes(model), []
+    caching = model.register_forward_pre_hook(
+        lambda _, args, kwargs: caches.append(kwargs["use_cache"]), with_kwargs=True
+    )
     with torch.no_grad():
         logp, entropy = grpo.sequence_logprobs(model, *sequences, 0.7, vocab_size, 4, with_entropy=True)
-    handle.remove()
+    handle.remove(), caching.remove()
+    assert caches == [False] * 3  # no KV cache kept: nothing reads it
     # a chunk's 4 rows × its longest completion (12, 12, then 6: lengths 4, 6, 2, 3), the tiny model's 96 wide
     assert heads == [(4 * 12, 96), (4 * 12, 96), (4 * 6, 96)]
     unshared(grpo, monkeypatch)
