@@ -7,6 +7,7 @@ tiny model and every family (sliding windows, MoE, eager attention), with tool t
 FlexAttention form of the mask (a GPU's) equals the additive one (a CPU's)."""
 
 import functools
+import types
 import warnings
 
 import pytest
@@ -221,9 +222,12 @@ def test_flex_attentions_block_mask_scores_as_the_additive_mask(family, monkeypa
     with torch.no_grad():
         additive, _ = grpo.sequence_logprobs(model, *sequences, 1.0, VOCAB, 9)
         monkeypatch.setattr(common, "flex_serves", lambda model, device: True)
+        attention, flexed = common.packed_attention, []  # each layer's call: FlexAttention ran
+        monkeypatch.setattr(common, "packed_attention", lambda *a, **k: flexed.append(1) or attention(*a, **k))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()": the CPU's
             flex, _ = grpo.sequence_logprobs(model, *sequences, 1.0, VOCAB, 9)
+    assert len(flexed) == 4, family  # 4 layers, one chunk of 9 rows
     assert (flex - additive).abs().max() <= 8 * FP32_EPS * additive.abs().max(), family
 
 
@@ -232,6 +236,8 @@ def test_flex_serves_only_a_gpus_sdpa_models():
     assert not common.flex_serves(model, torch.device("cpu"))  # no backward on a CPU
     assert common.flex_serves(model, torch.device("cuda"))
     assert not common.flex_serves(family_model("gemma2"), torch.device("cuda"))  # eager: its own attention
+    assert not common.flex_serves(torch.nn.Linear(2, 2), torch.device("cuda"))  # no config: not a transformers model
+    assert not common.flex_serves(types.SimpleNamespace(config=types.SimpleNamespace()), torch.device("cuda"))
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral", "gemma2"])
