@@ -421,7 +421,7 @@ def bandwidth_bound(model, num_rows: int, context: int, tokens_per_s: float, dev
 def bench_sampler(num_rows: int, vocab_size: int, device, calls: int = 20) -> list[dict]:
     """generate's sampler outside its captured step (τ ≠ 1, top-p 1) on (N, V) fp32 logits: each op
     alone, ms a call over `calls` calls (its inputs made beforehand); then the whole sampler, eager
-    (grpo.sample) and as --compile compiles it (compiled_sampler), in turn, the median of `calls`."""
+    (grpo.sample) and as --compile compiles it (compiled_for), in turn, the median of `calls`."""
     cuda = device.type == "cuda"
     temperature = 0.7
     logits = torch.randn(num_rows, vocab_size, device=device) * 4  # (N, V)
@@ -458,11 +458,11 @@ def bench_sampler(num_rows: int, vocab_size: int, device, calls: int = 20) -> li
         seconds = timed(functools.partial(repeat_calls, part, calls), device)
         rows.append({"part": name, "N": num_rows, "V": vocab_size, "ms a call": 1000 * seconds / calls})
     # in turn, so that a slow spell of a shared machine hits both alike
-    compiled = torch.compile(grpo.sample, dynamic=True, options={"fallback_random": True})  # compiled_sampler's
+    compiled = torch.compile(grpo.sample, dynamic=True, options={"fallback_random": True})  # compiled_for's
     compiled(logits / temperature, 1.0)  # it compiles
     whole = {
         "the whole sampler, as generate (sample)": sampler,
-        "--compile's (compiled_sampler: sample through TorchInductor)": lambda: compiled(logits / temperature, 1.0),
+        "--compile's (compiled_for: sample through TorchInductor)": lambda: compiled(logits / temperature, 1.0),
     }
     seconds = {name: [] for name in whole}
     for _ in range(calls):

@@ -1846,16 +1846,17 @@ def compiled_decode(model):
             module.forward = forward
 
 
-def compiled_sampler(model, sample):
-    """`sample` compiled for a model compile_blocks registered (fallback_random: eager's tokens)."""
+def compiled_for(model, function):
+    """`function` compiled for a model compile_blocks registered, else itself: the sampler (fallback_random:
+    eager's tokens), the head's chunk math (logprob_head: the formula and logit_gradient, a fused pass or two)."""
     if model not in DECODE_BACKBONES:
-        return sample
-    if (sample, COMPILE_BACKEND) not in COMPILED:
+        return function
+    if (function, COMPILE_BACKEND) not in COMPILED:
         options = {"fallback_random": True} if COMPILE_BACKEND == "inductor" else None
-        COMPILED[sample, COMPILE_BACKEND] = torch.compile(
-            sample, dynamic=True, backend=COMPILE_BACKEND, options=options
+        COMPILED[function, COMPILE_BACKEND] = torch.compile(
+            function, dynamic=True, backend=COMPILE_BACKEND, options=options
         )
-    return COMPILED[sample, COMPILE_BACKEND]
+    return COMPILED[function, COMPILE_BACKEND]
 
 
 HEAD_CHUNK_BYTES = 2**28  # fp32 logits of one chunk of positions in logprob_head: 256 MB, 442 rows of Qwen's 151,665
@@ -1884,6 +1885,7 @@ def logprob_head(model, formula, tokens, scale: float, vocab_size: int, with_ent
     of logits at a time, recomputed in backward: no (n, t, V) logits, and exact, the same product and
     formula. Yields `read`, which turns the model's output into that (n, t, 2)."""
     head = model.get_output_embeddings() if plain_head(model) else None
+    formula, gradient = compiled_for(model, formula), compiled_for(model, logit_gradient)  # --compile: fused
     score = functools.partial(
         formula, scale=scale, vocab_size=vocab_size, with_entropy=with_entropy, entropy_grad=entropy_grad
     )
@@ -1904,7 +1906,7 @@ def logprob_head(model, formula, tokens, scale: float, vocab_size: int, with_ent
         if type(head) is torch.nn.Linear and (fp32 or upcast):  # an fp32 product: its backward written out
             tf32 = flat.is_cuda and upcast
             precision = "tf32" if tf32 else torch.backends.cuda.matmul.fp32_precision  # fp32_lm_head's
-            settings = (scale, vocab_size, with_entropy, entropy_grad, precision, rows, formula)
+            settings = (scale, vocab_size, with_entropy, entropy_grad, precision, rows, formula, gradient)
             out = HeadLogprobs.apply(flat.float(), head.weight, head.bias, targets, *settings)  # (n·t, 2)
             return out.reshape(*tokens.shape, 2)
         chunks = []
@@ -1928,8 +1930,9 @@ class HeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, hidden, weight, bias, tokens, scale, vocab_size, with_entropy, entropy_grad, precision, rows, formula
-    ):
+        ctx, hidden, weight, bias, tokens, scale, vocab_size, with_entropy, entropy_grad, precision, rows, formula,
+        gradient=None,
+    ):  # fmt: skip
         entropy_grad = with_entropy and entropy_grad  # without the entropy its column is a constant 0
         upcast = weight.float(), None if bias is None else bias.float()  # fp32: themselves; bf16: one copy
         out = []
@@ -1939,7 +1942,7 @@ class HeadLogprobs(torch.autograd.Function):
             out.append(formula(logits, tokens[start : start + rows], scale, vocab_size, with_entropy, False))
         out = torch.cat(out)  # (M, 2)
         ctx.save_for_backward(hidden, weight, bias, tokens, out)  # out: its own, whatever is done to the copy
-        ctx.settings = scale, vocab_size, entropy_grad, precision, rows
+        ctx.settings = scale, vocab_size, entropy_grad, precision, rows, gradient or logit_gradient
         return out.clone()
 
     @staticmethod
@@ -1951,7 +1954,7 @@ class HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def gradients(ctx, grad):
         hidden, stored, stored_bias, tokens, out = ctx.saved_tensors
-        scale, vocab_size, entropy_grad, precision, rows = ctx.settings
+        scale, vocab_size, entropy_grad, precision, rows, gradient = ctx.settings
         weight, bias = stored.float(), None if stored_bias is None else stored_bias.float()  # as forward read them
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None  # (M, d)
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None  # (V', d); None: frozen (LoRA)
@@ -1959,21 +1962,9 @@ class HeadLogprobs(torch.autograd.Function):
         kept_weight = weight[:vocab_size]  # (V, d): ids past the tokenizer get no gradient
         for start in range(0, len(hidden), rows):
             part = slice(start, start + rows)
-            g, logp, entropy = grad[part, :1], out[part, :1], out[part, 1:]  # (c, 1) each
             with matmul_precision(precision):
                 z = torch.nn.functional.linear(hidden[part], weight, bias)[:, :vocab_size]  # (c, V)
-            if scale != 1.0:
-                z.div_(scale)
-            # log p = z − logsumexp = z − (z_token − log π_token), in place
-            log_p = z.sub_(z.gather(-1, tokens[part, None]) - logp)  # (c, V)
-            if entropy_grad:  # − p·(g + g_H·(log p + H))
-                p = log_p.exp()
-                dz = log_p.add_(entropy).mul_(grad[part, 1:]).add_(g).mul_(p).neg_()
-            else:  # − g·p
-                dz = log_p.exp_().mul_(-g)
-            dz.scatter_add_(-1, tokens[part, None], g)  # + g at the token
-            if scale != 1.0:
-                dz.div_(scale)
+            dz = gradient(z, tokens[part], out[part], grad[part], scale, entropy_grad)  # (c, V)
             with matmul_precision(precision):
                 if grad_hidden is not None:
                     grad_hidden[part] = dz @ kept_weight  # (c, d)
@@ -1983,7 +1974,25 @@ class HeadLogprobs(torch.autograd.Function):
                 grad_bias[:vocab_size] += dz.sum(0)
         grad_weight = None if grad_weight is None else grad_weight.to(stored.dtype)  # summed in fp32, rounded once
         grad_bias = None if grad_bias is None else grad_bias.to(stored_bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None, None
+
+
+def logit_gradient(z, tokens, out, grad, scale: float, entropy_grad: bool):
+    """dL/dz of a chunk from its logits z (c, V) recomputed (overwritten: one (c, V) buffer), the forward's
+    out (c, 2) (log π, H) and grad (c, 2): (g·(onehot − p) − g_H·p·(log p + H)) / τ. HeadLogprobs' backward."""
+    g, logp, entropy = grad[:, :1], out[:, :1], out[:, 1:]  # (c, 1) each
+    if scale != 1.0:
+        z.div_(scale)
+    log_p = z.sub_(z.gather(-1, tokens[:, None]) - logp)  # log p = z − logsumexp = z − (z_token − log π_token)
+    if entropy_grad:  # − p·(g + g_H·(log p + H))
+        p = log_p.exp()
+        dz = log_p.add_(entropy).mul_(grad[:, 1:]).add_(g).mul_(p).neg_()
+    else:  # − g·p
+        dz = log_p.exp_().mul_(-g)
+    dz.scatter_add_(-1, tokens[:, None], g)  # + g at the token
+    if scale != 1.0:
+        dz.div_(scale)
+    return dz
 
 
 @dataclass(frozen=True)

@@ -938,7 +938,7 @@ def generate(
     env = ToolQueue.empty(num_rows, max_tool_tokens, pad_id, device) if tool_turn else None  # forced tokens
     rows = torch.arange(num_rows, device=device)  # (n,) the row of the output each decoded row is
     rng_states = []  # rng_states[t]: the state of the random generator before token t was drawn
-    draw = common.compiled_sampler(model, sample)  # --compile: through torch.compile
+    draw = common.compiled_for(model, sample)  # --compile: through torch.compile
     # 3. Decode, one token a step for every unfinished row.
     for t in itertools.count():
         # logit − logsumexp, as sequence_logprobs scores, not F.log_softmax (biased on the CPU: docs/metrics.md)

@@ -122,7 +122,7 @@ def test_the_sampler_parts():
     rows = bench_sampler(2, 50, torch.device("cpu"), calls=2)
     assert [row["part"] for row in rows][-2:] == [
         "the whole sampler, as generate (sample)",
-        "--compile's (compiled_sampler: sample through TorchInductor)",
+        "--compile's (compiled_for: sample through TorchInductor)",
     ]
     assert all(row["ms a call"] > 0 and (row["N"], row["V"]) == (2, 50) for row in rows)
 

@@ -114,7 +114,7 @@ def test_the_decode_step_runs_compiled_whole_and_draws_the_same_tokens(traced):
         assert torch.equal(ours, theirs) if ours.dtype != torch.float32 else (ours - theirs).abs().max() <= 1e-6
     assert 1 <= len(entries()) <= 4, len(entries())
     assert not traced["graph_break"], dict(traced["graph_break"])
-    sampler = torch._dynamo.eval_frame._debug_get_cache_entry_list(grpo.sample.__code__)  # compiled_sampler's
+    sampler = torch._dynamo.eval_frame._debug_get_cache_entry_list(grpo.sample.__code__)  # compiled_for's
     assert 1 <= len(sampler) <= 3, len(sampler)  # the prefill's logits, the step's (a strided view), one row
 
 
@@ -228,14 +228,14 @@ def test_the_compiled_decode_writes_the_kv_cache_in_place(aligned, monkeypatch):
     assert torch.equal(cache.keys[0][at], keys[:, :, 0]) and torch.equal(cache.values[0][at], values[:, :, 0])
 
 
-def test_the_compiled_sampler_draws_torch_s_own_random_numbers():
-    # --compile: generate's sampler through TorchInductor (compiled_sampler) draws eager's tokens for a
+def test_the_compiled_for_draws_torch_s_own_random_numbers():
+    # --compile: generate's sampler through TorchInductor (compiled_for) draws eager's tokens for a
     # seed, with eager's log-probs to fp32 rounding, and leaves the random generator where eager
     # leaves it: its noise is torch's exponential_ (fallback_random); TorchInductor's own generator
     # (planted) draws other tokens. A model that compile_blocks did not compile samples eagerly.
     torch._dynamo.reset()
-    draw = common.compiled_sampler(compile_blocks(family_model("qwen2")), grpo.sample)
-    assert draw is not grpo.sample and common.compiled_sampler(family_model("qwen2"), grpo.sample) is grpo.sample
+    draw = common.compiled_for(compile_blocks(family_model("qwen2")), grpo.sample)
+    assert draw is not grpo.sample and common.compiled_for(family_model("qwen2"), grpo.sample) is grpo.sample
     logits = 4 * torch.randn(16, VOCAB, generator=torch.Generator().manual_seed(0))  # (n, V)
     for top_p in (1.0, 0.9):
         torch.manual_seed(0)

@@ -5,6 +5,7 @@ logits (values and gradients); what autograd keeps; plain_head's probe."""
 
 import copy
 import functools
+import math
 
 import pytest
 import torch
@@ -259,3 +260,40 @@ def test_plain_head_finds_what_follows_the_head():
     model = family_model("qwen2")
     model.get_output_embeddings = lambda: None  # no head to read: the whole logits
     assert common.plain_head(model) is False
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0])
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_the_logit_gradient_by_hand(scale, entropy_grad):
+    # One position, z/τ = [0, ln 2, ln 5]: p = [1/8, 2/8, 5/8], the token is id 1, g = 1 on log π
+    # and g_H = 0.5 on H = −Σ p ln p. d log π/dz = onehot − p; dH/dz_v = −p_v (ln p_v + H); both / τ.
+    p = [1 / 8, 2 / 8, 5 / 8]
+    entropy = -sum(q * math.log(q) for q in p)
+    g_entropy = 0.5 if entropy_grad else 0.0
+    expected = [((v == 1) - p[v] - g_entropy * p[v] * (math.log(p[v]) + entropy)) / scale for v in range(3)]
+    z = scale * torch.tensor([[0.0, math.log(2), math.log(5)]])  # (1, 3)
+    out = torch.tensor([[math.log(2 / 8), entropy]])  # the forward's log π and H
+    grad = torch.tensor([[1.0, 0.5]])  # g, g_H (g_H read only with entropy_grad)
+    dz = common.logit_gradient(z, torch.tensor([1]), out, grad, scale, entropy_grad)
+    assert dz[0].tolist() == pytest.approx(expected, abs=1e-7)
+
+
+def test_compile_fuses_the_heads_math_and_keeps_its_numbers(tiny, monkeypatch):
+    # --compile: logprob_head hands HeadLogprobs the formula and logit_gradient through TorchInductor
+    # (compiled_for: a model compile_blocks registered), a pass or two over a chunk's logits instead of
+    # one an op; log π and H to fp32 rounding (1e-6), the gradient to 1e-5 of its largest entry.
+    # A model compile_blocks did not compile keeps them eager.
+    model, vocab_size, batch = tiny
+    assert common.compiled_for(model, common.logit_gradient) is common.logit_gradient
+    compiled = copy.deepcopy(model).train()
+    handed = []
+    apply = common.HeadLogprobs.apply
+    monkeypatch.setattr(common.HeadLogprobs, "apply", lambda *a: handed.append(a[-2:]) or apply(*a))
+    eager = scored_with_gradient(grpo, compiled, batch, vocab_size, True, monkeypatch)
+    common.DECODE_BACKBONES[compiled] = compiled.model  # what compile_blocks registers: the head alone compiled
+    fused = scored_with_gradient(grpo, compiled, batch, vocab_size, True, monkeypatch)
+    assert handed[0] == (grpo.token_logprobs, common.logit_gradient)
+    assert handed[-1] == tuple(common.COMPILED[f, "inductor"] for f in (grpo.token_logprobs, common.logit_gradient))
+    assert (fused[0] - eager[0]).abs().max() <= 1e-6
+    assert (fused[1] - eager[1]).abs().max() <= 1e-6
+    assert (fused[2] - eager[2]).abs().max() <= 1e-5 * eager[2].abs().max()
