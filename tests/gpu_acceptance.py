@@ -73,8 +73,9 @@ acceptance as it was then ran out of time:
   12. optional: the grpo step of stage 4 with --compile true (the MLP and RMSNorm blocks through
      TorchInductor: the update's elementwise traffic fused), measured after an unmeasured step that
      compiles them (bench.py --compile; its row carries that step's times, `compiling …`), and,
-     since the fifth run, its decode step compiled whole (compiled_decode); run it with stage 4 in a
-     call of its own, `--stages 4,12`.
+     since the fifth run, its decode step compiled whole (compiled_decode), and since issue 58's third
+     lever the LM head's log-prob math (logprob_head: the formula and logit_gradient fused); run it
+     with stage 4 in a call of its own, `--stages 4,12`.
   13. and 14., optional: the compiled decode (--compile: the one-token step's backbone one
      TorchInductor graph, compiled_decode), first its CUDA test (captured, no graph break, the
      sampler's log-probs against the scorer's; left out of stage 1's tier for its compilations),
