@@ -315,7 +315,8 @@ def test_the_compiled_decode_is_captured_and_keeps_to_the_scorer(qwen_shape, mon
     # --compile on a GPU: the one-token step runs the backbone as one TorchInductor graph
     # (compiled_decode), the varlen attention inside it in bf16, captured as a CUDA graph (no
     # capture failed), with no graph break; its sampled log-probs keep to the scorer's (compiled
-    # blocks, as a --compile run scores) within the bounds of the eager decode's tests above.
+    # blocks and the head's log-prob math, as a --compile run scores) within the bounds of the eager
+    # decode's tests above.
     import copy
 
     import torch._dynamo
