@@ -2157,12 +2157,12 @@ def packed_completions(
 def packed_layout(prompt_ids, prompt_mask, completion_ids, completion_mask) -> tuple:
     """The packed pass's tokens (L,), their facts (L,) each (run: the prompt's run of rows; owner: the row whose
     completion it is, -1 in a prompt; position: as generate's), and the place predicting each completion token
-    (n, t): the token before it, the prompt's last for the first. Completion masks are prefixes (generate)."""
+    (n, t): the last token before it, the prompt's last for the first (a masked column is not in the pass)."""
     num_rows, num_prompt = prompt_ids.shape
     starts = new_prompts(prompt_ids, prompt_mask)  # (n,) where a run of rows sharing a prompt starts
     run = starts.cumsum(0) - 1  # (n,)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (n, p+t)
-    kept = attention_mask.bool()
+    kept = attention_mask != 0  # a new tensor (the masks may be bool)
     kept[:, :num_prompt] &= starts[:, None]  # a run's prompt once, in its first row
     places = kept.flatten().nonzero().squeeze(1)  # (L,) the kept columns, row by row: the one host sync
     order = torch.full(kept.shape, -1, device=kept.device)  # (n, p+t) each kept column's place in the pass
@@ -2175,7 +2175,8 @@ def packed_layout(prompt_ids, prompt_mask, completion_ids, completion_mask) -> t
     columns = dict(run=run[:, None].expand_as(kept), owner=owner, position=attention_mask.cumsum(-1) - 1)
     facts = {name: column.flatten()[places] for name, column in columns.items()}  # (L,) each
     ids = torch.cat([prompt_ids, completion_ids], dim=1).flatten()[places]  # (L,)
-    return ids, facts, order[:, num_prompt - 1 : -1].clamp(min=0)  # padding's place: any (0)
+    before = order.cummax(1).values  # (n, p+t) the last kept place at or before each column: a hole is skipped
+    return ids, facts, before[:, num_prompt - 1 : -1].clamp(min=0)
 
 
 def packed_visible(facts: dict, query, key, window: int | None):
@@ -2196,7 +2197,7 @@ def packed_mask(facts: dict, window: int | None, flex: bool):
         from torch.nn.attention.flex_attention import create_block_mask
 
         visible = lambda batch, head, query, key: packed_visible(facts, query, key, window)  # noqa: E731
-        return create_block_mask(visible, None, None, length, length, device=device, _compile=device.type == "cuda")
+        return on_gpu_compiled(create_block_mask, device)(visible, None, None, length, length, device=device)
     places = torch.arange(length, device=device)
     visible = packed_visible(facts, places[:, None], places[None, :], window)  # (L, L)
     return torch.where(visible, 0.0, MASKED)[None, None]
@@ -2212,12 +2213,22 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     (1, heads, L, d), (1, kv heads, L, d) ×2 -> (1, L, heads, d)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    if (flex_attention, COMPILE_BACKEND) not in COMPILED:
-        COMPILED[flex_attention, COMPILE_BACKEND] = torch.compile(flex_attention, dynamic=True)
-    flex = COMPILED[flex_attention, COMPILE_BACKEND] if query.is_cuda else flex_attention
+    taken = [name for name in ("softcap", "s_aux") if unused.get(name) is not None] + ["dropout"] * (dropout > 0)
+    if taken:  # sdpa models pass none of these; one that does is not what this attention computes
+        raise ValueError(f"the packed pass's FlexAttention does not apply {', '.join(taken)}: use forward_completions")
     dtype = value.dtype  # autocast's fp32 rotary makes the query and key fp32
+    flex = on_gpu_compiled(flex_attention, query.device)
     out = flex(query.to(dtype), key.to(dtype), value, block_mask=attention_mask, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2), None
+
+
+def on_gpu_compiled(function, device: torch.device):
+    """`function` through TorchInductor on a GPU (FlexAttention's kernels are generated), else itself."""
+    if device.type != "cuda":
+        return function
+    if (function, "inductor") not in COMPILED:
+        COMPILED[function, "inductor"] = torch.compile(function, dynamic=True)
+    return COMPILED[function, "inductor"]
 
 
 # ----------------------------------------------------------------------------------------

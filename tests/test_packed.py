@@ -58,8 +58,28 @@ def test_the_layout_by_hand():
     # positions count a row's own tokens: row 1's completion starts at 2 like row 0's
     assert facts["position"].tolist() == [0, 1, 2, 3, 2, 0, 1, 2, 3, 4, 5]
     # token j is predicted at the place of the token before it, the prompt's last (1 or 7) for j = 0;
-    # a padding column's place is 0 (any: it is masked in the loss)
-    assert where.tolist() == [[1, 2, 3], [1, 4, 0], [7, 8, 9]]
+    # a padding column's is its row's last token's (any: it is masked in the loss)
+    assert where.tolist() == [[1, 2, 3], [1, 4, 4], [7, 8, 9]]
+
+
+def test_bool_masks_lay_out_as_integer_masks():
+    # The masks as bool tensors: the layout reads them without writing into them.
+    masks = PROMPT_MASK.bool(), COMPLETION_MASK.bool()
+    ids, facts, where = common.packed_layout(PROMPT_IDS, masks[0], COMPLETION_IDS, masks[1])
+    assert torch.equal(masks[0], PROMPT_MASK.bool()) and torch.equal(masks[1], COMPLETION_MASK.bool())
+    expected = common.packed_layout(PROMPT_IDS, PROMPT_MASK, COMPLETION_IDS, COMPLETION_MASK)
+    assert torch.equal(ids, expected[0]) and torch.equal(where, expected[2])
+    assert all(torch.equal(facts[name], expected[1][name]) for name in facts)
+
+
+def test_a_masked_column_is_not_in_the_pass():
+    # Row 0's completion [10, (masked 99), 11]: 11 is predicted at 10's place, position 3 after the
+    # prompt's 0 and 1 and 10's 2, as if the masked column were not there at all.
+    ids, facts, where = common.packed_layout(
+        PROMPT_IDS[:1], PROMPT_MASK[:1], torch.tensor([[10, 99, 11]]), torch.tensor([[1, 0, 1]])
+    )
+    assert ids.tolist() == [5, 6, 10, 11] and facts["position"].tolist() == [0, 1, 2, 3]
+    assert where.tolist() == [[1, 2, 2]]  # 10 at the prompt's last (1); 99's and 11's at 10's (2)
 
 
 def visible_sets(window):
@@ -229,6 +249,15 @@ def test_flex_attentions_block_mask_scores_as_the_additive_mask(family, monkeypa
             flex, _ = grpo.sequence_logprobs(model, *sequences, 1.0, VOCAB, 9)
     assert len(flexed) == 4, family  # 4 layers, one chunk of 9 rows
     assert (flex - additive).abs().max() <= 8 * FP32_EPS * additive.abs().max(), family
+
+
+@pytest.mark.parametrize("setting", [dict(softcap=30.0), dict(s_aux=torch.zeros(4)), dict(dropout=0.1)])
+def test_flex_attention_refuses_what_it_does_not_compute(setting):
+    # sdpa models pass no soft-capping, no sinks and (in eval, or without attention dropout) no
+    # dropout; one that did would get attention it did not ask for, silently.
+    query, key = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match=next(iter(setting))):
+        common.packed_attention(None, query, key, key, None, **setting)
 
 
 def test_flex_serves_only_a_gpus_sdpa_models():
