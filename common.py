@@ -2003,6 +2003,7 @@ class Layout:
     completion: int
     prompts: int
     shortest: int
+    tokens: int  # the real tokens, each run's prompt once: packed_completions' pass
 
 
 def chunks_of(order, prompt_ids, prompt_mask, completion_mask, rows: int, tokens: int = 0) -> list[tuple]:
@@ -2038,6 +2039,8 @@ def chunks_of(order, prompt_ids, prompt_mask, completion_mask, rows: int, tokens
                 completion=max(t for _, t in kept[start:end]),
                 prompts=1 + sum(new[start + 1 : end]),  # a chunk's first row starts a run
                 shortest=min(prompt_lengths[start:end]),
+                tokens=sum(completion_lengths[start:end])
+                + sum(prompt_lengths[i] for i in range(start, end) if i == start or new[i]),
             ),
         )
         for start, end in spans
@@ -2133,8 +2136,9 @@ def packed_completions(
 ):  # fmt: skip
     """forward_completions' contract in one pass with no padding (packed_layout): each run of rows sharing a
     prompt is its prompt once, then each row's completion, under one mask (packed_visible). Exact up to float
-    reassociation; layout: unused (a pass is as long as its tokens). (n, p), (n, p), (n, t), (n, t) -> (n, t, ·)."""
-    ids, facts, where = packed_layout(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    reassociation; layout: the chunk's (chunks_of), its count of tokens read with the batch's, no host sync.
+    (n, p), (n, p), (n, t), (n, t) -> (n, t, ·)."""
+    ids, facts, where = packed_layout(prompt_ids, prompt_mask, completion_ids, completion_mask, layout)
     keep = {"logits_to_keep": where.reshape(-1)} if output == "logits" else {}  # only what predicts a token
     flex = flex_serves(model, prompt_ids.device)
     masks = {  # one per attention type: a BlockMask for FlexAttention, else additive (1, 1, L, L) for the model's own
@@ -2154,7 +2158,7 @@ def packed_completions(
     return out[0, where]  # (n, t, ·)
 
 
-def packed_layout(prompt_ids, prompt_mask, completion_ids, completion_mask) -> tuple:
+def packed_layout(prompt_ids, prompt_mask, completion_ids, completion_mask, layout: Layout | None = None) -> tuple:
     """The packed pass's tokens (L,), their facts (L,) each (run: the prompt's run of rows; owner: the row whose
     completion it is, -1 in a prompt; position: as generate's), and the place predicting each completion token
     (n, t): the last token before it, the prompt's last for the first (a masked column is not in the pass)."""
@@ -2164,7 +2168,8 @@ def packed_layout(prompt_ids, prompt_mask, completion_ids, completion_mask) -> t
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (n, p+t)
     kept = attention_mask != 0  # a new tensor (the masks may be bool)
     kept[:, :num_prompt] &= starts[:, None]  # a run's prompt once, in its first row
-    places = kept.flatten().nonzero().squeeze(1)  # (L,) the kept columns, row by row: the one host sync
+    flat = kept.flatten()  # (L,) the kept columns, row by row; their count read for the batch (chunks_of), or a sync
+    places = (torch.nonzero_static(flat, size=layout.tokens) if layout else flat.nonzero()).squeeze(1)
     order = torch.full(kept.shape, -1, device=kept.device)  # (n, p+t) each kept column's place in the pass
     order.view(-1)[places] = torch.arange(len(places), device=kept.device)
     rows = torch.arange(num_rows, device=run.device)  # (n,)

@@ -62,6 +62,17 @@ def test_the_layout_by_hand():
     assert where.tolist() == [[1, 2, 3], [1, 4, 4], [7, 8, 9]]
 
 
+def test_the_chunks_count_of_tokens_lays_out_the_same_without_a_host_sync():
+    # chunks_of reads each chunk's real tokens with the batch's lengths (Layout.tokens: 2 + 2 + 1 + 3 + 3
+    # here); the layout then takes that many kept columns (nonzero_static), not a count read back.
+    [(rows, layout)] = common.chunks_of(torch.arange(3), PROMPT_IDS, PROMPT_MASK, COMPLETION_MASK, 3)
+    assert layout.tokens == 11
+    counted = common.packed_layout(PROMPT_IDS, PROMPT_MASK, COMPLETION_IDS, COMPLETION_MASK, layout)
+    read = common.packed_layout(PROMPT_IDS, PROMPT_MASK, COMPLETION_IDS, COMPLETION_MASK)
+    assert torch.equal(counted[0], read[0]) and torch.equal(counted[2], read[2])
+    assert all(torch.equal(counted[1][name], read[1][name]) for name in read[1])
+
+
 def test_bool_masks_lay_out_as_integer_masks():
     # The masks as bool tensors: the layout reads them without writing into them.
     masks = PROMPT_MASK.bool(), COMPLETION_MASK.bool()

@@ -41,7 +41,8 @@ def test_trim_padding_keeps_the_columns_some_row_uses():
     completion_ids = torch.tensor([[1, 2, 0, 0, 0], [3, 0, 0, 0, 0]])  # right padded: lengths 2 and 1
     completion_mask = (completion_ids != 0).long()
     [(rows, layout)] = common.chunks_of(torch.arange(2), prompt_ids, prompt_mask, completion_mask, 2)
-    assert rows.tolist() == [0, 1] and layout == common.Layout(prompt=3, completion=2, prompts=2, shortest=2)
+    assert rows.tolist() == [0, 1]  # tokens: 2 + 2 and 3 + 1 (two prompts, each once)
+    assert layout == common.Layout(prompt=3, completion=2, prompts=2, shortest=2, tokens=8)
     ids, mask, completion, completion_kept = trim_padding(
         prompt_ids, prompt_mask, completion_ids, completion_mask, layout
     )
@@ -328,13 +329,16 @@ def test_chunks_of_by_rows_and_by_tokens():
     # of rows sharing a prompt (rows 1 and 4 share one, when they come one after the other), the
     # shortest prompt.
     layouts = [layout for _, layout in common.chunks_of(order, prompt_ids, prompt_mask, completion_mask, 0, 14)]
-    assert [(x.prompt, x.completion, x.prompts, x.shortest) for x in layouts] == [
-        (2, 5, 1, 2), (3, 4, 2, 2), (3, 3, 2, 1), (1, 1, 1, 1)
+    # shortest prompt, and its real tokens with each run's prompt once (the packed pass's): [0] 2 + 5,
+    # [1, 2] 3 + 4 + 2 + 3, [3, 4] 1 + 3 + 3 + 1, [5] 1 + 1.
+    assert [(x.prompt, x.completion, x.prompts, x.shortest, x.tokens) for x in layouts] == [
+        (2, 5, 1, 2, 7), (3, 4, 2, 2, 12), (3, 3, 2, 1, 8), (1, 1, 1, 1, 2)
     ]  # fmt: skip
     [(_, shared)] = common.chunks_of(torch.tensor([1, 4]), prompt_ids, prompt_mask, completion_mask, 2)
-    assert shared == common.Layout(prompt=3, completion=4, prompts=1, shortest=3)
+    assert shared == common.Layout(prompt=3, completion=4, prompts=1, shortest=3, tokens=3 + 4 + 1)
     [(_, apart)] = common.chunks_of(torch.tensor([1, 0, 4]), prompt_ids, prompt_mask, completion_mask, 3)
     assert apart.prompts == 3  # rows 1 and 4 share a prompt, but not a run: two passes of it
+    assert apart.tokens == 3 + 4 + 2 + 5 + 3 + 1
 
 
 def test_micro_batches_by_tokens_give_todays_update(models):
