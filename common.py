@@ -1931,7 +1931,7 @@ class HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, hidden, weight, bias, tokens, scale, vocab_size, with_entropy, entropy_grad, precision, rows, formula,
-        gradient=None,
+        gradient,
     ):  # fmt: skip
         entropy_grad = with_entropy and entropy_grad  # without the entropy its column is a constant 0
         upcast = weight.float(), None if bias is None else bias.float()  # fp32: themselves; bf16: one copy
@@ -1942,7 +1942,7 @@ class HeadLogprobs(torch.autograd.Function):
             out.append(formula(logits, tokens[start : start + rows], scale, vocab_size, with_entropy, False))
         out = torch.cat(out)  # (M, 2)
         ctx.save_for_backward(hidden, weight, bias, tokens, out)  # out: its own, whatever is done to the copy
-        ctx.settings = scale, vocab_size, entropy_grad, precision, rows, gradient or logit_gradient
+        ctx.settings = scale, vocab_size, entropy_grad, precision, rows, gradient
         return out.clone()
 
     @staticmethod

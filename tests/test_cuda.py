@@ -356,7 +356,18 @@ def test_the_head_backward_written_out_on_cuda(precision, weight_dtype):
     tokens, weights = torch.randint(0, 384, (300,), device="cuda"), torch.randn(300, 2, device="cuda")
     with torch.autocast("cuda", torch.bfloat16):
         out = common.HeadLogprobs.apply(
-            hidden, weight, None, tokens, 0.7, 384, True, True, precision, 64, grpo.token_logprobs
+            hidden,
+            weight,
+            None,
+            tokens,
+            0.7,
+            384,
+            True,
+            True,
+            precision,
+            64,
+            grpo.token_logprobs,
+            common.logit_gradient,
         )
         (out * weights).sum().backward()
     got = out.detach(), hidden.grad, weight.grad

@@ -170,7 +170,18 @@ def test_a_bf16_head_is_upcast_once_and_its_gradient_summed_in_fp32():
     precision = torch.backends.cuda.matmul.fp32_precision
     with torch.autocast("cpu", torch.bfloat16):
         out = common.HeadLogprobs.apply(
-            hidden, weight, None, tokens, 0.7, 30, True, True, precision, 2, grpo.token_logprobs
+            hidden,
+            weight,
+            None,
+            tokens,
+            0.7,
+            30,
+            True,
+            True,
+            precision,
+            2,
+            grpo.token_logprobs,
+            common.logit_gradient,
         )
     (out * weights).sum().backward()
     got = out.detach(), hidden.grad, weight.grad

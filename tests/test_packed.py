@@ -56,6 +56,14 @@ def packed(monkeypatch):
     monkeypatch.setattr(common, "forward_completions", common.packed_completions)
 
 
+def assert_packed_update(script, model, batch, args, vocab_size, monkeypatch):
+    """One update of `script` through the packed pass equals the one through a padded pass a row."""
+    packed(monkeypatch)
+    one_pass = gradients_and_totals(script, model, batch, args, vocab_size)
+    unshared(script, monkeypatch)
+    assert_same_update(one_pass, gradients_and_totals(script, model, batch, args, vocab_size))
+
+
 def test_the_layout_by_hand():
     ids, facts, where = common.packed_layout(PROMPT_IDS, PROMPT_MASK, COMPLETION_IDS, COMPLETION_MASK)
     # places:     0  1 | 2   3  | 4  | 5  6  7 | 8   9   10
@@ -167,10 +175,7 @@ def test_every_grpo_loss_has_the_gradient_of_before(tiny, settings, micro_batch_
     batch = {k: v for k, v in batch.items() if k in (*SEQUENCES, "sample_logp", "old_logp", "ref_logp", "advantages")}
     if settings.get("beta") == 0.0:
         batch |= {"old_logp": None, "ref_logp": None}
-    packed(monkeypatch)
-    one_pass = gradients_and_totals(grpo, model, batch, args, vocab_size)
-    unshared(grpo, monkeypatch)
-    assert_same_update(one_pass, gradients_and_totals(grpo, model, batch, args, vocab_size))
+    assert_packed_update(grpo, model, batch, args, vocab_size, monkeypatch)
 
 
 def test_the_dapo_loss_has_the_gradient_of_before(tiny, monkeypatch):
@@ -178,10 +183,7 @@ def test_the_dapo_loss_has_the_gradient_of_before(tiny, monkeypatch):
     keys = (*SEQUENCES, "truncated", "sample_logp", "old_logp", "ref_logp", "advantages")
     batch = {k: v for k, v in batch.items() if k in keys}
     args = dapo.Args(micro_batch_size=4, beta=0.04, max_new_tokens=12, num_iterations=2, overlong_filter=True)
-    packed(monkeypatch)
-    one_pass = gradients_and_totals(dapo, model, batch, args, vocab_size)
-    unshared(dapo, monkeypatch)
-    assert_same_update(one_pass, gradients_and_totals(dapo, model, batch, args, vocab_size))
+    assert_packed_update(dapo, model, batch, args, vocab_size, monkeypatch)
 
 
 def test_ppo_actor_and_critic_have_the_gradients_of_before(tiny, monkeypatch):
@@ -217,10 +219,7 @@ def test_checkpointing_and_lora_have_the_gradient_of_before(tiny, adapters, monk
     model.train()
     args = grpo.Args(micro_batch_size=4, beta=0.04, max_new_tokens=12, num_iterations=2)
     batch = {k: v for k, v in batch.items() if k in (*SEQUENCES, "sample_logp", "old_logp", "ref_logp", "advantages")}
-    packed(monkeypatch)
-    one_pass = gradients_and_totals(grpo, model, batch, args, vocab_size)
-    unshared(grpo, monkeypatch)
-    assert_same_update(one_pass, gradients_and_totals(grpo, model, batch, args, vocab_size))
+    assert_packed_update(grpo, model, batch, args, vocab_size, monkeypatch)
 
 
 def family_batch():
