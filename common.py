@@ -1671,6 +1671,87 @@ def captured_experts(model):
             config._experts_implementation_internal = saved[key]
 
 
+MERGED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # a block's products of one input
+
+
+class MergedProducts:
+    """The decode step's q, k and v products as one product, and gate and up as one, in every block that
+    computes them apart from one input (Phi-3's are one already): a launch and a read of the input, not three.
+    The weights are joined once a generate call (they change between calls), in the dtype the product runs in
+    (under autocast its bf16: no cast a step), and held by the step alone. Within it the first Linear of a
+    group computes the group's product and the others return their columns when given the same input tensor,
+    else their own product. Each column is the same dot product: the CPU gives the separate products bit for
+    bit. The Linears are MergedLinear for the step: one class for every model, so compiled code holds."""
+
+    def __init__(self, model):
+        self.groups = []  # [(the Linears, {"sizes", "weight", "bias", "input", "parts"})]
+        for module in model.modules():
+            for names in MERGED:
+                linears = [getattr(module, name, None) for name in names]
+                if mergeable(linears):
+                    weight, bias = joined_weights(linears)
+                    sizes = [linear.out_features for linear in linears]
+                    self.groups.append((linears, dict(sizes=sizes, weight=weight, bias=bias, input=None, parts=())))
+
+    @contextlib.contextmanager
+    def within(self):
+        """Within it the merged groups' Linears are MergedLinear, each given its group and place in it."""
+        for linears, group in self.groups:
+            for index, linear in enumerate(linears):
+                linear.__class__, linear.merged = MergedLinear, (group, index)
+        try:
+            yield
+        finally:
+            for linears, group in self.groups:
+                group["input"], group["parts"] = None, ()  # no step's tensor held past it
+                for linear in linears:
+                    linear.__class__ = torch.nn.Linear
+                    del linear.merged
+
+
+class MergedLinear(torch.nn.Linear):
+    """A Linear of a merged group for a decode step (MergedProducts.within): its output through merged_product."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return merged_product(*self.merged, hidden)
+
+
+def joined_weights(linears: list) -> tuple:
+    """The Linears' weights and biases as one, in the dtype autocast would cast them to (none: theirs)."""
+    weight = torch.cat([linear.weight.detach() for linear in linears])
+    bias = None if linears[0].bias is None else torch.cat([linear.bias.detach() for linear in linears])
+    device = weight.device.type
+    if torch.is_autocast_enabled(device) and weight.dtype == torch.float32:  # autocast's own cast, once
+        dtype = torch.get_autocast_dtype(device)
+        weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+    return weight, bias
+
+
+def mergeable(linears: list) -> bool:
+    """Plain Linears (no adapter, quantised weight or FSDP shard, no replaced forward) of one input width,
+    dtype and device, all with a bias or none."""
+    return (
+        all(type(linear) is torch.nn.Linear and "forward" not in linear.__dict__ for linear in linears)
+        and all(type(linear.weight) is torch.nn.Parameter for linear in linears)  # not a DTensor's shard
+        and len({(linear.in_features, linear.weight.dtype, linear.weight.device) for linear in linears}) == 1
+        and len({linear.bias is None for linear in linears}) == 1
+    )
+
+
+def merged_product(group: dict, index: int, hidden: torch.Tensor) -> torch.Tensor:
+    """The index-th Linear's output: the first computes the group's product, the others take their columns
+    of it if their input is the first's, else (an input of its own) they compute theirs alone."""
+    if index == 0:
+        group["input"] = hidden
+        group["parts"] = torch.nn.functional.linear(hidden, group["weight"], group["bias"]).split(group["sizes"], -1)
+    elif group["input"] is not hidden:
+        start = sum(group["sizes"][:index])
+        rows = slice(start, start + group["sizes"][index])
+        bias = None if group["bias"] is None else group["bias"][rows]
+        return torch.nn.functional.linear(hidden, group["weight"][rows], bias)
+    return group["parts"][index]
+
+
 MASKED = -1e30  # the bias of a position not attended to: exp() of it is 0, finite in bf16 and fp32
 
 
@@ -1727,6 +1808,7 @@ class DecodeStep:
         if device.type == "cuda" and not torch.distributed.is_initialized():
             self.pool = torch.cuda.graph_pool_handle()
         self.holds = not any(self.windows.values())  # a row may skip a column (a window counts columns)
+        self.merged = MergedProducts(model)  # q, k, v as one product, gate and up as one
 
     def __call__(self, token: torch.Tensor, t: int, held: torch.Tensor | None = None) -> torch.Tensor:
         """Each row's token (n,), sampled at column P + t, in; the logits (n, V) of the next token out. A held
@@ -1776,7 +1858,7 @@ class DecodeStep:
         cache.width = width
         experts = captured_experts(model) if captured else contextlib.nullcontext()
         attention = varlen_attention(model, (cache.slots + 1).int()) if self.varlen else grouped_attention(model)
-        with attention, fp32_lm_head(model), experts, compiled_decode(model):
+        with attention, fp32_lm_head(model), experts, self.merged.within(), compiled_decode(model):
             out = model(
                 input_ids=self.token_in,
                 attention_mask=by_type({kind: bias[..., :width] for kind, bias in self.biases.items()}),
