@@ -12,8 +12,9 @@ Qwen2 model of that size, random weights, a 151,665-id tokenizer built in code: 
    greedy and sampled (τ = 1), every completion max_new_tokens long or, with --lengths realistic,
    ended as real ones end (EndLikeCompletions). More --contenders: tools (tool turns on, none
    called: what enabling them costs), masked (the masked one-token step where generate runs the
-   varlen one: the A/B of varlen_decode), compiled (--compile's model; its first call's seconds
-   beside). On CUDA the share of the memory-bandwidth bound (bandwidth_bound).
+   varlen one: the A/B of varlen_decode), separate (the one-token step's q, k, v and gate, up as
+   separate products: the A/B of MergedProducts), compiled (--compile's model; its first call's
+   seconds beside). On CUDA the share of the memory-bandwidth bound (bandwidth_bound).
 2. --step_rows N: steps 4 and 6 of grpo.py, each prompt forwarded once per group (shared) against
    once per row (unshared) and one packed pass a micro-batch (packed); peak memory on CUDA.
 3. --train_steps: one step of each script, phase by phase (its time/* metrics), the preflight's
@@ -73,7 +74,7 @@ class Args:
     repeats: int = arg(3, "repetitions per contender; the median is reported")
     modes: str = arg("greedy,sampled", "greedy (τ = 0) and/or sampled (τ = 1)")
     contenders: str = arg(
-        "nanopo,hf", "nanopo (generate), hf (model.generate), tools, masked, compiled (the docstring)"
+        "nanopo,hf", "nanopo (generate), hf (model.generate), tools, masked, separate, compiled (the docstring)"
     )
     step_rows: int = arg(0, "N of the steps 4 + 6 comparison (--lengths decides the lengths); 0 = skip it")
     shots: int = arg(0, "worked examples in each Countdown prompt of the steps 4 + 6 comparison (longer prompts)")
@@ -268,6 +269,7 @@ def bench_generation(args, model, tokenizer, vocab_size, device, amp, compute_dt
                 ),
                 # the masked one-token step where generate would run varlen_decode_attention (a GPU, bf16)
                 "masked": functools.partial(replaced, "varlen_decode", lambda model, cache: False, *inputs),
+                "separate": functools.partial(replaced, "MERGED", (), *inputs),  # no group merged
                 "compiled": functools.partial(compiled_generate, *inputs),
             }
             chosen = args.contenders.split(",")

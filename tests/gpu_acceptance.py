@@ -80,7 +80,8 @@ acceptance as it was then ran out of time:
      TorchInductor graph, compiled_decode), first its CUDA test (captured, no graph break, the
      sampler's log-probs against the scorer's; left out of stage 1's tier for its compilations),
      then stage 3's decode with --compile's model against without (bench.py's contender compiled,
-     timed after a call that compiles it), and the step's kernels a layer, eager against compiled
+     timed after a call that compiles it) and against separate products (contender separate: the A/B
+     of the merged q, k, v and gate, up), and the step's kernels a layer, eager against compiled
      (--decode_layers 4). Neither has run on a GPU yet: `--stages 13,14`.
 The profiler's overhead on these steps has not been measured. A stage gets its own share and
 the time the stages before it left (never the share of a stage after it). The report (Markdown)
@@ -214,13 +215,13 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
         ),
         dict(
             name=f"decode, N = {sizes['decode_rows']} × {sizes['decode_tokens']} new tokens, sampled, with --compile's "
-            "model (its one-token step one compiled graph) against without, after a call that compiles (optional: "
-            "on the time left)",
+            "model (its one-token step one compiled graph) against without, after a call that compiles, and "
+            "against separate products (optional: on the time left)",
             seconds=0,
             optional=True,
             json=directory / "decode_compiled.json",
             command=[*bench, *model, "--batch_sizes", sizes["decode_rows"], "--max_new_tokens", sizes["decode_tokens"]]
-            + ["--modes", "sampled", "--contenders", "nanopo,compiled", "--repeats", "1", "--train_steps", ""]
+            + ["--modes", "sampled", "--contenders", "nanopo,compiled,separate", "--repeats", "1", "--train_steps", ""]
             + ["--decode_layers", "4"],
         ),
     ]

@@ -16,12 +16,13 @@ def test_bench_smoke(tmp_path):
     output = tmp_path / "bench.json"
     command = [sys.executable, "bench.py", "--model", "tiny", "--batch_sizes", "1,4", "--max_new_tokens", "4"]
     command += ["--repeats", "1", "--group_size", "2", "--train_batch_size", "1"]
-    command += ["--contenders", "nanopo,hf,tools,masked", "--output", str(output)]
+    command += ["--contenders", "nanopo,hf,tools,masked,separate", "--output", str(output)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(output.read_text())
     assert all(row["tools tok/s"] > 0 and row["nanopo/tools"] > 0 for row in report["generation"])
     assert all(row["masked tok/s"] > 0 and row["nanopo/masked"] > 0 for row in report["generation"])
+    assert all(row["separate tok/s"] > 0 and row["nanopo/separate"] > 0 for row in report["generation"])
     assert [(row["N"], row["mode"]) for row in report["generation"]] == [
         (1, "greedy"),
         (1, "sampled"),
@@ -199,6 +200,16 @@ def test_replaced_swaps_a_name_in_common_and_the_scripts_for_one_call():
     assert {name: [getattr(module, name, None) for module in (common, grpo)] for name in names} == bound
     got = replaced("varlen_decode", lambda model, cache: False, *inputs)  # the contender masked
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    joined = []  # the contender separate: no group merged, the same tokens
+    merged_init = common.MergedProducts.__init__
+    common.MergedProducts.__init__ = lambda step, model: (merged_init(step, model), joined.append(step.groups))[0]
+    try:
+        got = replaced("MERGED", (), *inputs)
+        assert joined == [[]] and torch.equal(got[0], expected[0]) and torch.equal(got[3], expected[3])
+        grpo.generate(*inputs)
+        assert len(joined[1]) == 2 * model.config.num_hidden_layers  # and after it, every block's again
+    finally:
+        common.MergedProducts.__init__ = merged_init
 
 
 def test_training_steps_alone_load_no_model_and_report_each_phase(tmp_path, monkeypatch):

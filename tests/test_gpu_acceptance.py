@@ -71,10 +71,10 @@ def test_the_ab_stages_are_stage_4_with_one_flag_more(tmp_path):
     # Stage 12: stage 4's step with --compile true (bench runs a step that compiles first).
     assert planned[11]["command"] == step + ["--compile", "true"] and "A/B against stage 4" in planned[11]["name"]
     # Stages 13 and 14: the compiled decode's CUDA test (not in stage 1's tier), then stage 3's decode
-    # with --compile's model against without.
+    # with --compile's model against without, and against separate products (the merged ones' A/B).
     assert planned[12]["command"][-2:] == ["-k", "compiled_decode"] and "compiled_decode" in planned[0]["command"][-3]
     decode = planned[13]["command"]
-    assert decode[decode.index("--contenders") + 1] == "nanopo,compiled" and "--sampler_rows" not in decode
+    assert decode[decode.index("--contenders") + 1] == "nanopo,compiled,separate" and "--sampler_rows" not in decode
 
 
 def test_acceptance_runner_runs_the_stages_asked_for(tmp_path, monkeypatch, capsys):
