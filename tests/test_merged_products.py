@@ -48,6 +48,8 @@ def test_one_product_gives_each_linear_its_columns_and_an_input_of_its_own_its_o
     monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: (products.append(a[1].shape), linear(*a))[1])
     x, y = torch.tensor([[1.0, 2.0]]), torch.tensor([[0.0, 1.0]])
     with torch.no_grad(), merged.within():
+        assert block.k_proj(x).tolist() == [[4.0]] and products == [(1, 2)]  # before q's call: k's own
+        products.clear()
         q, k, v = block.q_proj(x), block.k_proj(x), block.v_proj(x)
         assert products == [(4, 2)]  # one product for the three
         assert q.tolist() == [[1.5, 2.0]] and k.tolist() == [[4.0]] and v.tolist() == [[0.0]]
@@ -57,20 +59,26 @@ def test_one_product_gives_each_linear_its_columns_and_an_input_of_its_own_its_o
     assert block.k_proj(x).tolist() == [[4.0]]  # the Linear's own forward again
 
 
-def test_under_autocast_the_merged_weight_is_the_cast_one_and_the_products_are_the_separate_ones():
-    # CPU bf16 autocast casts each fp32 weight to bf16 at every product; the merged weight is cast once,
-    # when it is joined, and gives the products autocast gives, bit for bit.
+@pytest.mark.parametrize("bias", [True, False])
+def test_under_autocast_the_merged_weight_is_the_cast_one_and_the_products_are_the_separate_ones(bias):
+    # CPU bf16 autocast casts each fp32 weight (and bias) to bf16 at every product; the merged ones are
+    # cast once, when they are joined, and give the products autocast gives, bit for bit: the group's
+    # own, and those of k and v given an input of their own (y).
     torch.manual_seed(0)
-    block = Attention()
+    block = Attention(bias=(bias,) * 3)
     for linear in (block.q_proj, block.k_proj, block.v_proj):
         torch.nn.init.normal_(linear.weight)
-    x = torch.randn(5, 1, 2)
+    x, y = torch.randn(5, 1, 2), torch.randn(5, 1, 2)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        separate = [block.q_proj(x), block.k_proj(x), block.v_proj(x)]
+        separate = [block.q_proj(x), block.k_proj(x), block.v_proj(x), block.k_proj(y), block.v_proj(y)]
         merged = MergedProducts(block)
-        assert merged.groups[0][1]["weight"].dtype == torch.bfloat16
+        group = merged.groups[0][1]
+        assert group["weight"].dtype == torch.bfloat16 and (
+            group["bias"] is None or group["bias"].dtype == torch.bfloat16
+        )
+        assert (group["bias"] is None) is not bias
         with merged.within():
-            ours = [block.q_proj(x), block.k_proj(x), block.v_proj(x)]
+            ours = [block.q_proj(x), block.k_proj(x), block.v_proj(x), block.k_proj(y), block.v_proj(y)]
     assert all(a.dtype == torch.bfloat16 and torch.equal(a, b) for a, b in zip(ours, separate))
 
 
