@@ -98,6 +98,7 @@ class Args:
         False, "the training steps with gradient checkpointing (ppo.py on one 80 GB GPU)"
     )
     compile: bool = arg(False, "--compile's model in the training steps (after a step that compiles), --profile decode")
+    bf16_residual: bool = arg(False, "the training steps' models with common.bf16_residual (issue 58's lever 4)")
     model_dir: str = arg(
         "", "the shapes' random model, written once and loaded after; '' = $NANOPO_CACHE/bench-<shape>"
     )
@@ -630,6 +631,28 @@ def no_final_checkpoint():
         common.Run.save_final = saved
 
 
+@contextlib.contextmanager
+def bf16_residuals(on: bool = True):
+    """Within it (--bf16_residual) the models a script loads get common.bf16_residual: the policy, the
+    reference and PPO's critic's backbone."""
+    policy, reference, critic = common.load_policy, common.load_reference, ppo.load_critic
+
+    def load_policy(*args, **settings):
+        model, *rest = policy(*args, **settings)
+        return common.bf16_residual(model), *rest
+
+    def load_critic(*args, **settings):
+        loaded = critic(*args, **settings)
+        common.bf16_residual(loaded.backbone)
+        return loaded
+
+    loaders = dict(load_policy=load_policy, load_reference=lambda *a, **k: common.bf16_residual(reference(*a, **k)))
+    with contextlib.ExitStack() as stack:
+        for name, loader in (loaders | dict(load_critic=load_critic)).items() if on else ():
+            stack.enter_context(swapped(name, loader))
+        yield
+
+
 def one_step(args, name: str, directory: str) -> dict:
     """One training step of script `name`: its last metrics row, the sizes it ran with (`sized`, as the
     preflight set them) and the preflight's seconds (in no time/* metric)."""
@@ -648,7 +671,7 @@ def one_step(args, name: str, directory: str) -> dict:
 
     common.size_micro_batches = timed_sizing
     try:
-        with tempfile.TemporaryDirectory() as output, no_final_checkpoint():
+        with tempfile.TemporaryDirectory() as output, no_final_checkpoint(), bf16_residuals(args.bf16_residual):
             run_args.output_dir = output
             run_dir = script.train(run_args)
             metrics = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])

@@ -1448,6 +1448,20 @@ def forward_replaced(module, forward):
             module.forward = previous
 
 
+def bf16_residual(model):
+    """Issue 58's lever 4, a contender no script chooses yet (bench.py --bf16_residual): under autocast the input
+    embedding's output is cast to autocast's dtype, so the residual stream and the rotary products (cos and sin
+    take the hidden states' dtype) run in bf16, as under torchrun's FSDP2, which gathers bf16 weights; the
+    weights, their gradients and AdamW stay fp32. Without autocast (the CPU's fp32) it changes nothing."""
+
+    def cast(module, inputs, output):
+        device = output.device.type
+        return output.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else output
+
+    model.get_input_embeddings().register_forward_hook(cast)
+    return model
+
+
 class HeadProduct(torch.autograd.Function):
     """hidden · Wᵀ + b, fp32 in and out, its three GEMMs alone in `precision` ("tf32" or "ieee"): every
     other product stays exact, and sampler, scorer and update share it, so their log-probs agree."""

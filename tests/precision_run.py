@@ -3,6 +3,11 @@ autocast (CPU autocast supports it), and so under torchrun FSDP2's bf16 mixed pr
 tests/test_distributed.py launches it with the script's own flags:
 
     torchrun --nproc_per_node 2 tests/precision_run.py SCRIPT [--flag value …]
+
+--bf16_residual: the run's models with common.bf16_residual (issue 58's lever 4, bench.bf16_residuals); its
+sampler–trainer gap (policy/sample_logp_diff) against the run without, on one process too:
+
+    python tests/precision_run.py grpo --model SmolLM2-135M-Instruct.Q4_1.gguf [--bf16_residual] …
 """
 
 import sys
@@ -12,7 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import common  # noqa: E402  (after the path)
+import bench  # noqa: E402  (after the path)
+import common  # noqa: E402
 import dapo  # noqa: E402
 import grpo  # noqa: E402
 import ppo  # noqa: E402
@@ -22,4 +28,6 @@ if __name__ == "__main__":
     name, *flags = sys.argv[1:]
     script = {"grpo": grpo, "dapo": dapo, "ppo": ppo}[name]
     common.resolve_precision = lambda dtype, device: (torch.float32, torch.bfloat16)
-    script.train(parse_args(script.Args, flags))
+    lever = "--bf16_residual" in flags
+    with bench.bf16_residuals(lever):
+        script.train(parse_args(script.Args, [flag for flag in flags if flag != "--bf16_residual"]))
