@@ -1692,17 +1692,21 @@ class MergedProducts:
     """The decode step's q, k and v products as one product, and gate and up as one, in every block that
     computes them apart from one input (Phi-3's are one already): a launch and a read of the input, not three.
     The weights are joined once a generate call (they change between calls), in the dtype the product runs in
-    (under autocast its bf16: no cast a step), and held by the step alone. Within it the first Linear of a
-    group computes the group's product and the others return their columns when given the same input tensor,
-    else their own product. Each column is the same dot product: the CPU gives the separate products bit for
-    bit. The Linears are MergedLinear for the step: one class for every model, so compiled code holds."""
+    (bf16 under autocast, whose cached casts of the prefill are let go first: one bf16 copy, not two), and
+    held by the step alone. Within it the first Linear of a group computes the group's product and the others
+    return their columns when given the same input tensor, else their own product. Each column is the same
+    dot product: the CPU gives the separate products bit for bit. The Linears are MergedLinear for the step:
+    one class for every model, so compiled code holds. Not under torchrun: each rank would hold a full copy."""
 
     def __init__(self, model):
         self.groups = []  # [(the Linears, {"sizes", "weight", "bias", "input", "parts"})]
-        for module in model.modules():
+        grouped = set()  # a Linear in one group at most (a layer may share another's)
+        torch.clear_autocast_cache()  # the prefill's bf16 casts; the step's first call casts what it still needs
+        for module in model.modules() if not dist.is_initialized() else ():
             for names in MERGED:
                 linears = [getattr(module, name, None) for name in names]
-                if mergeable(linears):
+                if mergeable(linears) and not grouped & {id(linear) for linear in linears}:
+                    grouped |= {id(linear) for linear in linears}
                     weight, bias = joined_weights(linears)
                     sizes = [linear.out_features for linear in linears]
                     self.groups.append((linears, dict(sizes=sizes, weight=weight, bias=bias, input=None, parts=())))
@@ -1710,17 +1714,17 @@ class MergedProducts:
     @contextlib.contextmanager
     def within(self):
         """Within it the merged groups' Linears are MergedLinear, each given its group and place in it."""
-        for linears, group in self.groups:
-            for index, linear in enumerate(linears):
-                linear.__class__, linear.merged = MergedLinear, (group, index)
         try:
+            for linears, group in self.groups:
+                for index, linear in enumerate(linears):
+                    linear.__class__, linear.merged = MergedLinear, (group, index)
             yield
-        finally:
+        finally:  # every Linear as it was, whatever stopped the step (an interrupt among them too)
             for linears, group in self.groups:
                 group["input"], group["parts"] = None, ()  # no step's tensor held past it
                 for linear in linears:
                     linear.__class__ = torch.nn.Linear
-                    del linear.merged
+                    linear.__dict__.pop("merged", None)
 
 
 class MergedLinear(torch.nn.Linear):

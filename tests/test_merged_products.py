@@ -84,14 +84,27 @@ def test_under_autocast_the_merged_weight_is_the_cast_one_and_the_products_are_t
 
 @pytest.mark.parametrize(
     "change",
-    ["bias on two of three", "a bf16 weight", "a replaced forward", "a subclass of Parameter", "none"],
+    [
+        "bias on two of three",
+        "a bf16 weight",
+        "another input width",
+        "another device",
+        "a replaced forward",
+        "a subclass of Parameter",
+        "none",
+    ],
 )
 def test_only_plain_linears_of_one_input_width_dtype_and_bias_merge(change):
-    # At the boundary of each condition: every Linear with a bias or none; one dtype; the Linear's own
-    # forward (not a hook library's); a plain Parameter (an FSDP2 shard or a quantised weight is a subclass).
+    # At the boundary of each condition: every Linear with a bias or none; one dtype, input width and
+    # device; the Linear's own forward (not a hook library's); a plain Parameter (an FSDP2 shard or a
+    # quantised weight is a subclass).
     block = Attention(bias=(True, True, False) if change == "bias on two of three" else (True, True, True))
     if change == "a bf16 weight":
         block.v_proj.to(torch.bfloat16)
+    if change == "another input width":
+        block.v_proj = torch.nn.Linear(3, 1)
+    if change == "another device":
+        block.v_proj.to("meta")
     if change == "a replaced forward":
         block.k_proj.forward = block.k_proj.forward
     if change == "a subclass of Parameter":
@@ -101,6 +114,39 @@ def test_only_plain_linears_of_one_input_width_dtype_and_bias_merge(change):
 
         block.q_proj.weight = Shard(block.q_proj.weight.detach())
     assert len(MergedProducts(block).groups) == (change == "none")
+
+
+def test_a_linear_shared_by_two_blocks_merges_once_and_a_failed_step_puts_every_linear_back(monkeypatch):
+    # A Linear in two groups (here one k shared by two blocks) joins the first only; whatever stops a
+    # step (an error, an interrupt), every Linear leaves as a plain Linear with its own product.
+    first, second = Attention(), Attention()
+    second.k_proj = first.k_proj
+    model = torch.nn.Sequential(first, second)
+    merged = MergedProducts(model)
+    assert [linears for linears, _ in merged.groups] == [[first.q_proj, first.k_proj, first.v_proj]]
+    with pytest.raises(RuntimeError, match="stopped"), merged.within():
+        assert type(first.k_proj) is common.MergedLinear
+        raise RuntimeError("stopped")
+    assert all(type(linear) is torch.nn.Linear and "merged" not in linear.__dict__ for linear in model.modules()
+               if isinstance(linear, torch.nn.Linear))  # fmt: skip
+    assert first.k_proj(torch.tensor([[1.0, 2.0]])).tolist() == [[4.0]]
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)  # torchrun: nothing merges
+    assert MergedProducts(model).groups == []
+
+
+def test_under_autocast_the_prefill_s_cached_casts_are_let_go(monkeypatch):
+    # Autocast keeps a bf16 copy of every fp32 weight the prefill cast till its block ends; the joined
+    # weights would be a second copy of q, k, v, gate and up. The step lets the cache go before it joins
+    # them (the first decode step casts o and down again, once); autocast's own exit clears it last.
+    events = []
+    clear, joined = torch.clear_autocast_cache, common.joined_weights
+    monkeypatch.setattr(torch, "clear_autocast_cache", lambda: (events.append("clear"), clear())[1])
+    monkeypatch.setattr(common, "joined_weights", lambda linears: (events.append("join"), joined(linears))[1])
+    model, tokenizer, _ = load_model("tiny", torch.device("cpu"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        sampled(model, tokenizer)
+    layers = 2 * model.config.num_hidden_layers
+    assert events == ["clear"] + ["join"] * layers + ["clear"], events
 
 
 def test_the_families_merge_every_dense_block():
