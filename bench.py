@@ -758,7 +758,7 @@ class Counted(TorchDispatchMode):
 
 def bench_decode_kernels(layers: int, device, amp) -> list[dict]:
     """The one-token step's kernels a layer, eager against --compile's, on a Qwen2 of the 1.5B shape's
-    layers: a layer is the difference between `layers` deep and one deep."""
+    layers, as on a GPU (its products merged): a layer is the difference between `layers` deep and one deep."""
     from torch._inductor.utils import run_and_get_code
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -768,7 +768,8 @@ def bench_decode_kernels(layers: int, device, amp) -> list[dict]:
     prompt = torch.randint(3, 1024, (8, 64), generator=torch.Generator().manual_seed(0)).to(device)
     calls = re.compile(r"^\s+(?:\w+\.run\(|cpp_fused_\w+\(|extern_kernels\.|buf\w+ = torch\.ops\.)", re.M)  # one a line
     counts = {}
-    with swapped("cuda_graph", lambda step, pool=None: step):  # on a GPU too, each step runs (and is counted) once
+    gpu = swapped("merges", lambda device: True)  # the step as on a GPU: its products merged
+    with swapped("cuda_graph", lambda step, pool=None: step), gpu:  # on a GPU too, each step runs (is counted) once
         for depth in (1, layers):
             model = Qwen2ForCausalLM(Qwen2Config(**shape, vocab_size=1024, num_hidden_layers=depth)).to(device)
             inputs = (model, prompt, torch.ones_like(prompt))

@@ -1696,13 +1696,14 @@ class MergedProducts:
     held by the step alone. Within it the first Linear of a group computes the group's product and the others
     return their columns when given the same input tensor, else their own product. Each column is the same
     dot product: the CPU gives the separate products bit for bit. The Linears are MergedLinear for the step:
-    one class for every model, so compiled code holds. Not under torchrun: each rank would hold a full copy."""
+    one class for every model, so compiled code holds. on: merges(device), else no group."""
 
-    def __init__(self, model):
+    def __init__(self, model, on: bool = True):
         self.groups = []  # [(the Linears, {"sizes", "weight", "bias", "input", "parts"})]
         grouped = set()  # a Linear in one group at most (a layer may share another's)
-        torch.clear_autocast_cache()  # the prefill's bf16 casts; the step's first call casts what it still needs
-        for module in model.modules() if not dist.is_initialized() else ():
+        if on:  # the prefill's bf16 casts go; the step's first call casts what it still needs
+            torch.clear_autocast_cache()
+        for module in model.modules() if on else ():
             for names in MERGED:
                 linears = [getattr(module, name, None) for name in names]
                 if mergeable(linears) and not grouped & {id(linear) for linear in linears}:
@@ -1743,6 +1744,13 @@ def joined_weights(linears: list) -> tuple:
         dtype = torch.get_autocast_dtype(device)
         weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
     return weight, bias
+
+
+def merges(device: torch.device) -> bool:
+    """Whether the decode step merges its products: on a GPU, where every product is a launch. The CPU pays
+    no launch, and its kernels over the merged product's slices cost more (docs/speed.md); under torchrun
+    each rank would hold a full copy of the joined weights."""
+    return device.type == "cuda" and not dist.is_initialized()
 
 
 def mergeable(linears: list) -> bool:
@@ -1826,7 +1834,7 @@ class DecodeStep:
         if device.type == "cuda" and not torch.distributed.is_initialized():
             self.pool = torch.cuda.graph_pool_handle()
         self.holds = not any(self.windows.values())  # a row may skip a column (a window counts columns)
-        self.merged = MergedProducts(model)  # q, k, v as one product, gate and up as one
+        self.merged = MergedProducts(model, merges(device))  # q, k, v as one product, gate and up as one
 
     def __call__(self, token: torch.Tensor, t: int, held: torch.Tensor | None = None) -> torch.Tensor:
         """Each row's token (n,), sampled at column P + t, in; the logits (n, V) of the next token out. A held

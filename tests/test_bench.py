@@ -200,16 +200,17 @@ def test_replaced_swaps_a_name_in_common_and_the_scripts_for_one_call():
     assert {name: [getattr(module, name, None) for module in (common, grpo)] for name in names} == bound
     got = replaced("varlen_decode", lambda model, cache: False, *inputs)  # the contender masked
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
-    joined = []  # the contender separate: no group merged, the same tokens
-    merged_init = common.MergedProducts.__init__
-    common.MergedProducts.__init__ = lambda step, model: (merged_init(step, model), joined.append(step.groups))[0]
+    joined = []  # the contender separate, on a step that merges (as on a GPU): no group, the same tokens
+    merged_init, merges = common.MergedProducts.__init__, common.merges
+    common.MergedProducts.__init__ = lambda step, *a: (merged_init(step, *a), joined.append(step.groups))[0]
+    common.merges = lambda device: True
     try:
         got = replaced("MERGED", (), *inputs)
         assert joined == [[]] and torch.equal(got[0], expected[0]) and torch.equal(got[3], expected[3])
         grpo.generate(*inputs)
         assert len(joined[1]) == 2 * model.config.num_hidden_layers  # and after it, every block's again
     finally:
-        common.MergedProducts.__init__ = merged_init
+        common.MergedProducts.__init__, common.merges = merged_init, merges
 
 
 def test_training_steps_alone_load_no_model_and_report_each_phase(tmp_path, monkeypatch):

@@ -1,8 +1,9 @@
 """The decode step's merged products (common.MergedProducts, issue 58's lever 1): q, k and v as one
-product, gate and up as one, built once a generate call from the weights of that call. Each output
-column is the same dot product as the separate Linear's, so on the CPU generate's tokens and log-probs
-are the unmerged step's bit for bit; the family matrix (tests/test_families.py) checks the merged step
-against each family's plain forward pass."""
+product, gate and up as one, built once a generate call from the weights of that call. The scripts
+merge on a GPU only (common.merges); here every test but the one of merges itself merges on the CPU
+(the fixture as_on_a_gpu). Each output column is the same dot product as the separate Linear's, so on
+the CPU generate's tokens and log-probs are the unmerged step's bit for bit, and every family of the
+matrix decodes as its plain forward pass."""
 
 import pytest
 import torch
@@ -11,10 +12,28 @@ from test_families import TOLERANCE
 
 import common
 from common import MergedProducts, compile_blocks, load_model
+from conftest import greedy_by_recomputation
 from families import FAMILIES, VOCAB, family_model, family_prompts, plain_forward_logprobs, unbuildable
 from grpo import encode_prompts, generate
 
 PROMPTS = [[{"role": "user", "content": "Reply with a digit."}], [{"role": "user", "content": "Hi"}]]
+MERGES = common.merges  # the scripts' choice, before the fixture replaces it
+
+
+@pytest.fixture(autouse=True)
+def as_on_a_gpu(monkeypatch):
+    """The decode step merges its products on the CPU too, as it does on a GPU."""
+    monkeypatch.setattr(common, "merges", lambda device: True)
+
+
+def test_the_decode_step_merges_on_a_gpu_alone():
+    # On a GPU each product of a decode step is a launch; the CPU pays no launch, and there the merged
+    # step decoded 2-9% slower (docs/speed.md). Under torchrun each rank would hold the joined weights.
+    assert MERGES(torch.device("cuda")) and not MERGES(torch.device("cpu"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.distributed, "is_initialized", lambda: True)
+        assert not MERGES(torch.device("cuda"))
+    assert MergedProducts(Attention(), on=False).groups == []
 
 
 class Attention(torch.nn.Module):
@@ -130,8 +149,6 @@ def test_a_linear_shared_by_two_blocks_merges_once_and_a_failed_step_puts_every_
     assert all(type(linear) is torch.nn.Linear and "merged" not in linear.__dict__ for linear in model.modules()
                if isinstance(linear, torch.nn.Linear))  # fmt: skip
     assert first.k_proj(torch.tensor([[1.0, 2.0]])).tolist() == [[4.0]]
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)  # torchrun: nothing merges
-    assert MergedProducts(model).groups == []
 
 
 def test_under_autocast_the_prefill_s_cached_casts_are_let_go(monkeypatch):
@@ -157,6 +174,17 @@ def test_the_families_merge_every_dense_block():
         groups = MergedProducts(family_model(name)).groups
         assert len(groups) == expected[name], name
         assert {len(linears) for linears, _ in groups} == ({3} if expected[name] == 4 else {2, 3} if groups else set())
+
+
+@pytest.mark.parametrize("name", [name for name in FAMILIES if unbuildable(name) is None])
+def test_every_family_decodes_merged_as_its_plain_forward(name):
+    # tests/test_families.py's check, on the merged step (the scripts merge on a GPU alone): greedy
+    # tokens the plain forward pass's argmax, log-probs within 1e-5 of its own, past every window.
+    model = family_model(name)
+    prompt_ids, prompt_mask = family_prompts()
+    ids, mask, _, sample_logp, _ = generate(model, prompt_ids, prompt_mask, 14, [VOCAB + 1], 0, VOCAB, 0.0)
+    assert torch.equal(ids, greedy_by_recomputation(model, prompt_ids, prompt_mask, 14, VOCAB)), name
+    assert (sample_logp - plain_forward_logprobs(model, prompt_ids, prompt_mask, ids, mask)).abs().max() <= TOLERANCE
 
 
 def test_a_lora_layer_keeps_its_own_product():
