@@ -136,13 +136,14 @@ def test_only_plain_linears_of_one_input_width_dtype_and_bias_merge(change):
 
 
 def test_a_linear_shared_by_two_blocks_merges_once_and_a_failed_step_puts_every_linear_back(monkeypatch):
-    # A Linear in two groups (here one k shared by two blocks) joins the first only; whatever stops a
-    # step (an error, an interrupt), every Linear leaves as a plain Linear with its own product.
-    first, second = Attention(), Attention()
-    second.k_proj = first.k_proj
-    model = torch.nn.Sequential(first, second)
+    # A Linear in two groups (here one k shared by the first and the last of three blocks) joins the
+    # first only; whatever stops a step (an error, an interrupt), every Linear leaves as a plain Linear
+    # with its own product.
+    first, middle, last = Attention(), Attention(), Attention()
+    last.k_proj = first.k_proj
+    model = torch.nn.Sequential(first, middle, last)
     merged = MergedProducts(model)
-    assert [linears for linears, _ in merged.groups] == [[first.q_proj, first.k_proj, first.v_proj]]
+    assert [linears for linears, _ in merged.groups] == [list(first.children()), list(middle.children())]
     with pytest.raises(RuntimeError, match="stopped"), merged.within():
         assert type(first.k_proj) is common.MergedLinear
         raise RuntimeError("stopped")
