@@ -308,7 +308,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="the same stages with the tiny model on the CPU")
     parser.add_argument("--deadline", type=float, default=560, help="seconds for every stage together")
     parser.add_argument(
-        "--stages", default="", help="the stages to run, by number (1-9, as above), comma-separated; default all"
+        "--stages", default="", help="the stages to run, by number (1-15, as above), comma-separated; default all"
     )
     parser.add_argument("--model_dir", default=str(default_model_dir(SHAPE)), help="the 1.5B shape, written once")
     options = parser.parse_args()
