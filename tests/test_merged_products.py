@@ -13,8 +13,16 @@ from test_families import TOLERANCE
 import common
 from common import MergedProducts, compile_blocks, load_model
 from conftest import greedy_by_recomputation
-from families import FAMILIES, VOCAB, family_model, family_prompts, plain_forward_logprobs, unbuildable
-from grpo import encode_prompts, generate
+from families import (
+    FAMILIES,
+    VOCAB,
+    family_model,
+    family_prompts,
+    plain_forward_logprobs,
+    sample_with_tools,
+    unbuildable,
+)
+from grpo import encode_prompts, generate, sequence_logprobs
 
 PROMPTS = [[{"role": "user", "content": "Reply with a digit."}], [{"role": "user", "content": "Hi"}]]
 MERGES = common.merges  # the scripts' choice, before the fixture replaces it
@@ -177,15 +185,35 @@ def test_the_families_merge_every_dense_block():
         assert {len(linears) for linears, _ in groups} == ({3} if expected[name] == 4 else {2, 3} if groups else set())
 
 
+@pytest.mark.parametrize("cuda_decode", [False, True], ids=["masked", "varlen"])
 @pytest.mark.parametrize("name", [name for name in FAMILIES if unbuildable(name) is None])
-def test_every_family_decodes_merged_as_its_plain_forward(name):
+def test_every_family_decodes_merged_as_its_plain_forward(name, cuda_decode, request):
     # tests/test_families.py's check, on the merged step (the scripts merge on a GPU alone): greedy
-    # tokens the plain forward pass's argmax, log-probs within 1e-5 of its own, past every window.
+    # tokens the plain forward pass's argmax, log-probs within 1e-5 of its own, past every window;
+    # varlen: as a GPU decodes in bf16 (conftest's varlen), where the family's attention allows it.
     model = family_model(name)
+    calls = request.getfixturevalue("varlen") if cuda_decode else []
     prompt_ids, prompt_mask = family_prompts()
     ids, mask, _, sample_logp, _ = generate(model, prompt_ids, prompt_mask, 14, [VOCAB + 1], 0, VOCAB, 0.0)
+    full_sdpa = (
+        common.attention_windows(model) == {"full_attention": None} and model.config._attn_implementation == "sdpa"
+    )
+    assert bool(calls) == (cuda_decode and full_sdpa), name
     assert torch.equal(ids, greedy_by_recomputation(model, prompt_ids, prompt_mask, 14, VOCAB)), name
     assert (sample_logp - plain_forward_logprobs(model, prompt_ids, prompt_mask, ids, mask)).abs().max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["qwen2", "gemma3"])
+def test_tool_turns_late_answers_and_compaction_decode_merged_as_the_scorer_scores(name):
+    # Rows held for their tools' late answers, forced tokens, the cache grown and rows leaving the batch:
+    # the merged step's log-probs are the scorer's (1e-5), a full-attention family and a windowed one.
+    model = family_model(name)
+    delay = lambda row, turn: 1 + (3 * row + 5 * turn) % 7  # noqa: E731
+    prompt_ids, prompt_mask, (ids, mask, _, sample_logp, tool_mask), _ = sample_with_tools(model, delay=delay)
+    assert tool_mask.any()
+    with torch.no_grad():
+        scored, _ = sequence_logprobs(model, prompt_ids, prompt_mask, ids, mask, 1.0, VOCAB, 4, tool_mask=tool_mask)
+    assert (sample_logp - scored).abs().max().item() <= TOLERANCE, name
 
 
 def test_a_lora_layer_keeps_its_own_product():
