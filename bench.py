@@ -641,15 +641,17 @@ def bf16_residuals(on: bool = True):
         model, *rest = policy(*args, **settings)
         return common.bf16_residual(model), *rest
 
+    def load_reference(*args, **settings):
+        return common.bf16_residual(reference(*args, **settings))
+
     def load_critic(*args, **settings):
         loaded = critic(*args, **settings)
         common.bf16_residual(loaded.backbone)
         return loaded
 
-    loaders = dict(load_policy=load_policy, load_reference=lambda *a, **k: common.bf16_residual(reference(*a, **k)))
     with contextlib.ExitStack() as stack:
-        for name, loader in (loaders | dict(load_critic=load_critic)).items() if on else ():
-            stack.enter_context(swapped(name, loader))
+        for loader in (load_policy, load_reference, load_critic) if on else ():
+            stack.enter_context(swapped(loader.__name__, loader))
         yield
 
 

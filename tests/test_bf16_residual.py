@@ -109,7 +109,7 @@ def test_the_sampler_and_the_trainer_stay_within_the_cuda_tier_s_bounds():
     assert before[0] < after[0] < one_side[0]
 
 
-def test_bench_s_contender_hooks_the_policy_the_reference_and_the_critic(monkeypatch, tmp_path):
+def test_bench_s_contender_hooks_the_policy_the_reference_and_the_critic(tmp_path):
     # bench.bf16_residuals: within it the loaders a script calls hook their models; after it, the
     # loaders are the scripts' again.
     loaders = common.load_policy, common.load_reference, ppo.load_critic
