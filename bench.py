@@ -21,7 +21,8 @@ Qwen2 model of that size, random weights, a 151,665-id tokenizer built in code: 
    seconds and sizes, each phase's TFLOP/s, MFU and peak memory; --compile: after a step that compiles.
 4. First, with no weights loaded: --sampler_rows N, generate's sampler op by op and whole (eager and
    --compile's); --attention_rows N, the one-token step's attention at each width; --decode_layers
-   N, that step's kernels a layer, eager against --compile's.
+   N, that step's kernels a layer, eager against --compile's; --update_layers N, the update's ops and
+   their bytes a layer, activations fp32 against bf16 (bf16_activations).
 5. --profile decode|grpo|dapo|ppo: instead of 1-3, each phase call under torch.profiler: wall and
    busy time, largest kernels, busy time by kind, FLOP/s, MFU, bytes/s, peak memory, host syncs.
 Tables print as Markdown and go to --output (JSON) after every section. The figures, and the
@@ -86,6 +87,7 @@ class Args:
     sampler_rows: int = arg(0, "N of the sampler's ops timed alone on (N, 151,665) logits; 0 = skip")
     attention_rows: int = arg(0, "N of the one-token step's attention timed alone, per variant and width; 0 = skip")
     decode_layers: int = arg(0, "the one-token step's kernels a layer, eager against --compile's (this many layers)")
+    update_layers: int = arg(0, "the update's ops and bytes a layer, fp32 activations against bf16 (this many layers)")
     profile: str = arg("", "decode, grpo, dapo or ppo (comma-separated): each phase under torch.profiler; '' = none")
     profile_phases: str = arg(
         "", "the phases --profile profiles: generate+reward, logprobs, values, update, critic update"
@@ -98,7 +100,7 @@ class Args:
         False, "the training steps with gradient checkpointing (ppo.py on one 80 GB GPU)"
     )
     compile: bool = arg(False, "--compile's model in the training steps (after a step that compiles), --profile decode")
-    bf16_residual: bool = arg(False, "the training steps' models with common.bf16_residual (issue 58's lever 4)")
+    bf16_activations: bool = arg(False, "the training steps' models with common.bf16_activations (issue 58's lever 4)")
     model_dir: str = arg(
         "", "the shapes' random model, written once and loaded after; '' = $NANOPO_CACHE/bench-<shape>"
     )
@@ -632,21 +634,21 @@ def no_final_checkpoint():
 
 
 @contextlib.contextmanager
-def bf16_residuals(on: bool = True):
-    """Within it (--bf16_residual) the models a script loads get common.bf16_residual: the policy, the
+def with_bf16_activations(on: bool = True):
+    """Within it (--bf16_activations) the models a script loads get common.bf16_activations: the policy, the
     reference and PPO's critic's backbone."""
     policy, reference, critic = common.load_policy, common.load_reference, ppo.load_critic
 
     def load_policy(*args, **settings):
         model, *rest = policy(*args, **settings)
-        return common.bf16_residual(model), *rest
+        return common.bf16_activations(model), *rest
 
     def load_reference(*args, **settings):
-        return common.bf16_residual(reference(*args, **settings))
+        return common.bf16_activations(reference(*args, **settings))
 
     def load_critic(*args, **settings):
         loaded = critic(*args, **settings)
-        common.bf16_residual(loaded.backbone)
+        common.bf16_activations(loaded.backbone)
         return loaded
 
     with contextlib.ExitStack() as stack:
@@ -673,7 +675,8 @@ def one_step(args, name: str, directory: str) -> dict:
 
     common.size_micro_batches = timed_sizing
     try:
-        with tempfile.TemporaryDirectory() as output, no_final_checkpoint(), bf16_residuals(args.bf16_residual):
+        lever = with_bf16_activations(args.bf16_activations)
+        with tempfile.TemporaryDirectory() as output, no_final_checkpoint(), lever:
             run_args.output_dir = output
             run_dir = script.train(run_args)
             metrics = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
@@ -745,17 +748,49 @@ def bench_training(args, directory: str, device, rows: list, save=lambda: None) 
     return rows
 
 
+PRODUCTS = re.compile(r"mm|scaled_dot_product|embedding")  # the ops whose bytes Counted leaves out: GEMMs, attention
+
+
 class Counted(TorchDispatchMode):
-    """Counts the aten ops run within it (below autograd), and how many of them are views."""
+    """Counts the aten ops run within it (below autograd), how many of them are views, and the bytes the others
+    read and write but for the products (PRODUCTS): the elementwise ops, norms, casts and copies."""
 
     def __init__(self):
         super().__init__()
-        self.ops = self.views = 0
+        self.ops = self.views = self.bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         self.ops += 1
         self.views += func.is_view
-        return func(*args, **(kwargs or {}))
+        if not func.is_view and not PRODUCTS.search(func.__name__):
+            tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        return out
+
+
+def bench_update_kernels(layers: int, device, rows: int = 4, tokens: int = 512) -> list[dict]:
+    """A micro-batch's forward and backward under bf16 autocast (into gradients already there, as after the
+    first), its ops and their bytes but the products' a layer, activations fp32 (the scripts) against bf16
+    (common.bf16_activations, issue 58's lever 4), on a Qwen2 of the 1.5B shape's layers: a layer is the
+    difference between `layers` deep and one deep."""
+    if layers < 2:
+        raise SystemExit(f"--update_layers {layers}: at least 2 (a layer's count is the difference from one layer)")
+    shape = dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2)
+    ids = torch.randint(3, 1024, (rows, tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    table, levers = [], {"fp32 (the scripts)": lambda model: model, "bf16 (bf16_activations)": common.bf16_activations}
+    for name, lever in levers.items():
+        counts = {}  # depth -> (ops, bytes)
+        for depth in (1, layers):
+            model = lever(Qwen2ForCausalLM(Qwen2Config(**shape, vocab_size=1024, num_hidden_layers=depth)).to(device))
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                for counted in (contextlib.nullcontext(), Counted()):  # the first sets up outside the count
+                    with counted:
+                        model(input_ids=ids).logits.float().logsumexp(-1).sum().backward()
+            counts[depth] = counted.ops - counted.views, counted.bytes
+        ops, nbytes = ((deep - shallow) / (layers - 1) for deep, shallow in zip(counts[layers], counts[1]))
+        table.append({"activations": name, "ops a layer": ops, "MB a layer, products apart": nbytes / 1e6})
+    return table
 
 
 def bench_decode_kernels(layers: int, device, amp) -> list[dict]:
@@ -1207,6 +1242,8 @@ def main(args: Args) -> dict:
         section("attention", bench_attention(*shape, args.max_new_tokens, device, amp, compute_dtype or weight_dtype))
     if args.decode_layers:
         section("decode_kernels", bench_decode_kernels(args.decode_layers, device, amp))
+    if args.update_layers:
+        section("update_kernels", bench_update_kernels(args.update_layers, device))
     if args.profile:
         return bench_profile(args, device, weight_dtype, compute_dtype, amp, report, save)
     sections = ("generation", "steps_4_and_6", "training_step")

@@ -83,8 +83,8 @@ acceptance as it was then ran out of time:
      timed after a call that compiles it) and against separate products (contender separate: the A/B
      of the merged q, k, v and gate, up), and the step's kernels a layer, eager against compiled
      (--decode_layers 4). Neither has run on a GPU yet: `--stages 13,14`.
-  15. optional: stage 4's step with bench.py --bf16_residual (common.bf16_residual, issue 58's lever 4,
-     a contender: adopted if it pays here and stage 1's test_the_bf16_residual_keeps_sampler_and_trainer
+  15. optional: stage 4's step with bench.py --bf16_activations (common.bf16_activations, issue 58's lever 4,
+     a contender: adopted if it pays here and stage 1's test_bf16_activations_keep_sampler_and_trainer
      within their bounds passes). Not run yet: `--stages 4,15`.
 The profiler's overhead on these steps has not been measured. A stage gets its own share and
 the time the stages before it left (never the share of a stage after it). The report (Markdown)
@@ -228,12 +228,13 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
             + ["--decode_layers", "4"],
         ),
         dict(
-            name="A/B against stage 4: one grpo.py step with --bf16_residual (the residual stream in bf16, issue 58's "
+            name="A/B against stage 4: one grpo.py step with --bf16_activations (activations in bf16, issue 58's "
             "lever 4; optional: on the time left)",
             seconds=0,
             optional=True,
-            json=directory / "step_grpo_bf16_residual.json",
-            command=[*bench, *model, "--train_steps", "grpo", *step, "--batch_sizes", ""] + ["--bf16_residual", "true"],
+            json=directory / "step_grpo_bf16_activations.json",
+            command=[*bench, *model, "--train_steps", "grpo", *step, "--batch_sizes", ""]
+            + ["--bf16_activations", "true"],
         ),
     ]
 

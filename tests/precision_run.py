@@ -4,10 +4,10 @@ tests/test_distributed.py launches it with the script's own flags:
 
     torchrun --nproc_per_node 2 tests/precision_run.py SCRIPT [--flag value …]
 
---bf16_residual: the run's models with common.bf16_residual (issue 58's lever 4, bench.bf16_residuals); its
+--bf16_activations: the run's models with common.bf16_activations (issue 58's lever 4, bench.with_bf16_activations); its
 sampler–trainer gap (policy/sample_logp_diff) against the run without, on one process too:
 
-    python tests/precision_run.py grpo --model SmolLM2-135M-Instruct.Q4_1.gguf [--bf16_residual] …
+    python tests/precision_run.py grpo --model SmolLM2-135M-Instruct.Q4_1.gguf [--bf16_activations] …
 """
 
 import sys
@@ -28,6 +28,6 @@ if __name__ == "__main__":
     name, *flags = sys.argv[1:]
     script = {"grpo": grpo, "dapo": dapo, "ppo": ppo}[name]
     common.resolve_precision = lambda dtype, device: (torch.float32, torch.bfloat16)
-    lever = "--bf16_residual" in flags
-    with bench.bf16_residuals(lever):
-        script.train(parse_args(script.Args, [flag for flag in flags if flag != "--bf16_residual"]))
+    lever = "--bf16_activations" in flags
+    with bench.with_bf16_activations(lever):
+        script.train(parse_args(script.Args, [flag for flag in flags if flag != "--bf16_activations"]))

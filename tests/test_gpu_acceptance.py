@@ -76,7 +76,9 @@ def test_the_ab_stages_are_stage_4_with_one_flag_more(tmp_path):
     decode = planned[13]["command"]
     assert decode[decode.index("--contenders") + 1] == "nanopo,compiled,separate" and "--sampler_rows" not in decode
     # Stage 15: stage 4's step with the residual stream in bf16 (issue 58's lever 4).
-    assert planned[14]["command"] == step + ["--bf16_residual", "true"] and "A/B against stage 4" in planned[14]["name"]
+    assert (
+        planned[14]["command"] == step + ["--bf16_activations", "true"] and "A/B against stage 4" in planned[14]["name"]
+    )
 
 
 def test_acceptance_runner_runs_the_stages_asked_for(tmp_path, monkeypatch, capsys):
