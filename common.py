@@ -1451,8 +1451,9 @@ def forward_replaced(module, forward):
 def bf16_activations(model):
     """Issue 58's lever 4, a contender no script chooses yet (bench.py --bf16_activations): under autocast the
     activations between the products run in autocast's dtype, as under torchrun's FSDP2, which gathers bf16
-    weights. Cast there: the input embedding's output and each norm's within the layers (the product with
-    its fp32 weight, which each product it feeds would cast again). So the residual stream and its adds, the
+    weights. Cast there: the input embedding's output and each RMSNorm's within the layers (the product with
+    its fp32 weight, which each product it feeds would cast again; those that cast it back, Gemma's, Olmo2's,
+    Cohere2's LayerNorm, are bf16 already). So the residual stream and its adds, the
     norms, the rotary products (cos and sin take the hidden states' dtype) and an MoE block's routing weights
     (they take its input's) run in bf16; the final norm feeds the fp32 head as it is. The weights, their
     gradients and AdamW stay fp32. Without autocast it changes nothing."""
@@ -1462,7 +1463,7 @@ def bf16_activations(model):
         return output.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else output
 
     layers = [module for name, module in model.named_modules() if name.rsplit(".", 1)[-1] == "layers"]
-    norms = [m for stack in layers for m in stack.modules() if type(m).__name__.endswith(("RMSNorm", "LayerNorm"))]
+    norms = [m for stack in layers for m in stack.modules() if type(m).__name__.endswith("RMSNorm")]
     for module in [model.get_input_embeddings(), *norms]:
         module.register_forward_hook(cast)
     return model

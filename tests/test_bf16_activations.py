@@ -12,6 +12,7 @@ import torch
 
 import bench
 import common
+import grpo
 import ppo
 from common import bf16_activations, load_model
 from families import FAMILIES, family_model, family_prompts, unbuildable
@@ -62,6 +63,16 @@ def test_under_autocast_residual_norms_and_rotary_are_bf16_the_final_norm_weight
         out.logits.float().logsumexp(-1).sum().backward()
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in hooked.parameters())
     assert hooked.get_input_embeddings().weight.grad.abs().sum() > 0
+
+
+def test_a_lora_policy_gets_the_same_casts():
+    # A PeftModel's layers sit deeper in its names (base_model.model.model.layers): its norms are found
+    # there too, and a LoRA run's policy gets the same bf16 residual stream and norms.
+    model, tokenizer, _ = load_model("tiny", torch.device("cpu"))
+    lora = bf16_activations(common.with_adapters(model, grpo.Args(model="tiny", lora_rank=4)))
+    with torch.no_grad(), autocast():
+        seen, _ = activation_dtypes(lora.get_base_model(), torch.tensor([tokenizer.encode("3 + 4 = 7")]))
+    assert set(seen["residual"]) == seen["norms"] == {torch.bfloat16} and seen["final"] == {torch.float32}
 
 
 def test_without_autocast_nothing_changes():
