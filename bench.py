@@ -101,6 +101,7 @@ class Args:
     )
     compile: bool = arg(False, "--compile's model in the training steps (after a step that compiles), --profile decode")
     bf16_activations: bool = arg(False, "the training steps' models with common.bf16_activations (issue 58's lever 4)")
+    head_precision: str = arg("tf32", "the training steps' LM head GEMMs on a GPU: tf32 (the scripts'), bf16 (inputs)")
     model_dir: str = arg(
         "", "the shapes' random model, written once and loaded after; '' = $NANOPO_CACHE/bench-<shape>"
     )
@@ -673,10 +674,13 @@ def one_step(args, name: str, directory: str) -> dict:
         sizing(*a, **k)
         seconds.append(time.perf_counter() - start)
 
+    head = args.head_precision
+    if head not in ("tf32", "bf16"):
+        raise SystemExit(f"--head_precision {head}: tf32 (the scripts') or bf16 (common.HEAD_PRECISION's contender)")
     common.size_micro_batches = timed_sizing
     try:
         lever = with_bf16_activations(args.bf16_activations)
-        with tempfile.TemporaryDirectory() as output, no_final_checkpoint(), lever:
+        with tempfile.TemporaryDirectory() as output, no_final_checkpoint(), lever, swapped("HEAD_PRECISION", head):
             run_args.output_dir = output
             run_dir = script.train(run_args)
             metrics = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])

@@ -1416,9 +1416,18 @@ def autocast(device: torch.device, compute_dtype: torch.dtype | None):
         yield
 
 
+HEAD_PRECISION = "tf32"  # the LM head's GEMMs on a GPU; "bf16" (bf16 inputs, fp32 sums): bench.py's contender
+
+
+def head_precision(hidden: torch.Tensor) -> str | None:
+    """The precision of the head's GEMMs for these hidden states: HEAD_PRECISION on a GPU, None (fp32) on the CPU."""
+    return HEAD_PRECISION if hidden.is_cuda else None
+
+
 @contextlib.contextmanager
-def fp32_lm_head(model):
-    """Within it a Linear LM head's logits are fp32 under autocast (TF32 on a GPU), not rounded to bf16."""
+def fp32_lm_head(model, weight: torch.Tensor | None = None):
+    """Within it a Linear LM head's logits are fp32 under autocast (its GEMMs in head_precision: TF32 on a GPU),
+    not rounded to bf16. weight: the head's cast once for that precision (head_weight), else its own."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not torch.nn.Linear or not torch.is_autocast_enabled(head.weight.device.type):
         yield
@@ -1427,12 +1436,22 @@ def fp32_lm_head(model):
     def forward(hidden):
         with torch.autocast(hidden.device.type, enabled=False):
             bias = None if head.bias is None else head.bias.float()
-            if hidden.is_cuda:  # TF32 is a GPU's; the CPU computes fp32
-                return HeadProduct.apply(hidden.float(), head.weight.float(), bias, "tf32")
-            return torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
+            precision, read = head_precision(hidden), head.weight.float() if weight is None else weight
+            if precision is None:  # the CPU: fp32
+                return torch.nn.functional.linear(hidden.float(), read, bias)
+            return HeadProduct.apply(hidden.float(), read, bias, precision)
 
     with forward_replaced(head, forward):
         yield
+
+
+def head_weight(model) -> torch.Tensor | None:
+    """The LM head's weight in bf16 where its GEMMs take bf16 inputs (head_precision): the decode step casts it
+    once a generate call, not once a token. Else None: fp32_lm_head reads the head's own."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not torch.nn.Linear or head_precision(head.weight) != "bf16":
+        return None
+    return head.weight.detach().bfloat16()
 
 
 @contextlib.contextmanager
@@ -1470,25 +1489,51 @@ def bf16_activations(model):
 
 
 class HeadProduct(torch.autograd.Function):
-    """hidden · Wᵀ + b, fp32 in and out, its three GEMMs alone in `precision` ("tf32" or "ieee"): every
-    other product stays exact, and sampler, scorer and update share it, so their log-probs agree."""
+    """hidden · Wᵀ + b, fp32 out, its three GEMMs alone in `precision` (head_mm): every other product stays
+    exact, and sampler, scorer and update share it, so their log-probs agree."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, precision: str):  # (…, d), (V', d), (V',) or None -> (…, V')
         ctx.save_for_backward(hidden, weight)
         ctx.precision, ctx.with_bias = precision, bias is not None
-        with matmul_precision(precision):
-            return torch.nn.functional.linear(hidden, weight, bias)
+        return head_linear(hidden, weight, bias, precision)
 
     @staticmethod
     def backward(ctx, grad):  # (…, V')
         hidden, weight = ctx.saved_tensors
         rows, inputs = grad.reshape(-1, grad.shape[-1]), hidden.reshape(-1, hidden.shape[-1])  # (M, V'), (M, d)
-        with matmul_precision(ctx.precision):
-            grad_hidden = grad @ weight if ctx.needs_input_grad[0] else None  # (…, d)
-            grad_weight = rows.T @ inputs if ctx.needs_input_grad[1] else None  # (V', d)
+        grad_hidden = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_hidden = head_mm(rows, weight, ctx.precision).reshape(hidden.shape)  # (…, d)
+        if ctx.needs_input_grad[1]:
+            grad_weight = head_mm(rows.T, inputs, ctx.precision).to(weight.dtype)  # (V', d)
         grad_bias = rows.sum(0) if ctx.with_bias and ctx.needs_input_grad[2] else None  # (V',)
         return grad_hidden, grad_weight, grad_bias, None
+
+
+def head_linear(hidden, weight, bias, precision: str) -> torch.Tensor:
+    """hidden · Wᵀ + b in `precision` (head_mm), fp32 out. (…, d), (V', d), (V',) or None -> (…, V')."""
+    if precision != "bf16":
+        with matmul_precision(precision):
+            return torch.nn.functional.linear(hidden, weight, bias)
+    out = head_mm(hidden.reshape(-1, hidden.shape[-1]), weight.T, precision).reshape(*hidden.shape[:-1], -1)
+    return out if bias is None else out + bias
+
+
+def head_mm(a, b, precision: str, into: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b, fp32 out (into: added into it, in place). precision: cuBLAS's for fp32 inputs, "ieee" or "tf32"
+    (matmul_precision); or "bf16": a and b rounded to bf16, their products summed in fp32, as a GPU's bf16
+    GEMM with an fp32 output runs (torch.mm's out_dtype), which the CPU computes in fp32 from the rounded
+    inputs, the same products. (m, k), (k, n) -> (m, n)."""
+    if precision != "bf16":
+        with matmul_precision(precision):
+            return a @ b if into is None else into.addmm_(a, b)
+    a, b = a.bfloat16(), b.bfloat16()
+    if a.is_cuda:  # CUDA alone has the bf16 GEMM with an fp32 output
+        if into is None:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.addmm(into, a, b, out_dtype=torch.float32, out=into)
+    return a.float() @ b.float() if into is None else into.addmm_(a.float(), b.float())
 
 
 @contextlib.contextmanager
@@ -1842,6 +1887,7 @@ class DecodeStep:
             self.pool = torch.cuda.graph_pool_handle()
         self.holds = not any(self.windows.values())  # a row may skip a column (a window counts columns)
         self.merged = MergedProducts(model, merges(device))  # q, k, v as one product, gate and up as one
+        self.head_weight = head_weight(model)  # a bf16 head's weight, cast once
 
     def __call__(self, token: torch.Tensor, t: int, held: torch.Tensor | None = None) -> torch.Tensor:
         """Each row's token (n,), sampled at column P + t, in; the logits (n, V) of the next token out. A held
@@ -1891,7 +1937,7 @@ class DecodeStep:
         cache.width = width
         experts = captured_experts(model) if captured else contextlib.nullcontext()
         attention = varlen_attention(model, (cache.slots + 1).int()) if self.varlen else grouped_attention(model)
-        with attention, fp32_lm_head(model), experts, self.merged.within(), compiled_decode(model):
+        with attention, fp32_lm_head(model, self.head_weight), experts, self.merged.within(), compiled_decode(model):
             out = model(
                 input_ids=self.token_in,
                 attention_mask=by_type({kind: bias[..., :width] for kind, bias in self.biases.items()}),
@@ -2019,8 +2065,7 @@ def logprob_head(model, formula, tokens, scale: float, vocab_size: int, with_ent
         upcast = torch.is_autocast_enabled(flat.device.type)  # fp32_lm_head's product: fp32 whatever the weight's
         fp32 = head.weight.dtype == torch.float32 and (head.bias is None or head.bias.dtype == torch.float32)
         if type(head) is torch.nn.Linear and (fp32 or upcast):  # an fp32 product: its backward written out
-            tf32 = flat.is_cuda and upcast
-            precision = "tf32" if tf32 else torch.backends.cuda.matmul.fp32_precision  # fp32_lm_head's
+            precision = (upcast and head_precision(flat)) or torch.backends.cuda.matmul.fp32_precision  # fp32_lm_head's
             settings = (scale, vocab_size, with_entropy, entropy_grad, precision, rows, formula, gradient)
             out = HeadLogprobs.apply(flat.float(), head.weight, head.bias, targets, *settings)  # (n·t, 2)
             return out.reshape(*tokens.shape, 2)
@@ -2049,11 +2094,11 @@ class HeadLogprobs(torch.autograd.Function):
         gradient,
     ):  # fmt: skip
         entropy_grad = with_entropy and entropy_grad  # without the entropy its column is a constant 0
-        upcast = weight.float(), None if bias is None else bias.float()  # fp32: themselves; bf16: one copy
+        upcast = head_operands(weight, bias, precision)  # fp32 (bf16 for a bf16 head): one copy, not one a chunk
         out = []
         for start in range(0, len(hidden), rows):
-            with torch.autocast(hidden.device.type, enabled=False), matmul_precision(precision):
-                logits = torch.nn.functional.linear(hidden[start : start + rows], *upcast)  # (c, V')
+            with torch.autocast(hidden.device.type, enabled=False):
+                logits = head_linear(hidden[start : start + rows], *upcast, precision)  # (c, V')
             out.append(formula(logits, tokens[start : start + rows], scale, vocab_size, with_entropy, False))
         out = torch.cat(out)  # (M, 2)
         ctx.save_for_backward(hidden, weight, bias, tokens, out)  # out: its own, whatever is done to the copy
@@ -2070,26 +2115,29 @@ class HeadLogprobs(torch.autograd.Function):
     def gradients(ctx, grad):
         hidden, stored, stored_bias, tokens, out = ctx.saved_tensors
         scale, vocab_size, entropy_grad, precision, rows, gradient = ctx.settings
-        weight, bias = stored.float(), None if stored_bias is None else stored_bias.float()  # as forward read them
+        weight, bias = head_operands(stored, stored_bias, precision)  # as forward read them
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None  # (M, d)
-        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None  # (V', d); None: frozen (LoRA)
-        grad_bias = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
+        grad_weight = torch.zeros_like(stored, dtype=torch.float32) if ctx.needs_input_grad[1] else None  # (V', d)
+        grad_bias = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None  # None: frozen
         kept_weight = weight[:vocab_size]  # (V, d): ids past the tokenizer get no gradient
         for start in range(0, len(hidden), rows):
             part = slice(start, start + rows)
-            with matmul_precision(precision):
-                z = torch.nn.functional.linear(hidden[part], weight, bias)[:, :vocab_size]  # (c, V)
+            z = head_linear(hidden[part], weight, bias, precision)[:, :vocab_size]  # (c, V)
             dz = gradient(z, tokens[part], out[part], grad[part], scale, entropy_grad)  # (c, V)
-            with matmul_precision(precision):
-                if grad_hidden is not None:
-                    grad_hidden[part] = dz @ kept_weight  # (c, d)
-                if grad_weight is not None:
-                    grad_weight[:vocab_size].addmm_(dz.T, hidden[part])  # (V, d), summed in place
+            if grad_hidden is not None:
+                grad_hidden[part] = head_mm(dz, kept_weight, precision)  # (c, d)
+            if grad_weight is not None:
+                head_mm(dz.T, hidden[part], precision, into=grad_weight[:vocab_size])  # (V, d), summed in place
             if grad_bias is not None:
                 grad_bias[:vocab_size] += dz.sum(0)
         grad_weight = None if grad_weight is None else grad_weight.to(stored.dtype)  # summed in fp32, rounded once
         grad_bias = None if grad_bias is None else grad_bias.to(stored_bias.dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None, None
+
+
+def head_operands(weight, bias, precision: str) -> tuple:
+    """The head's weight and bias as its GEMMs read them: fp32, the weight bf16 for a bf16 head (head_mm)."""
+    return weight.to(torch.bfloat16 if precision == "bf16" else torch.float32), None if bias is None else bias.float()
 
 
 def logit_gradient(z, tokens, out, grad, scale: float, entropy_grad: bool):

@@ -86,6 +86,10 @@ acceptance as it was then ran out of time:
   15. optional: stage 4's step with bench.py --bf16_activations (common.bf16_activations, issue 58's lever 4,
      a contender: adopted if it pays here and stage 1's test_bf16_activations_keep_sampler_and_trainer
      within their bounds passes). Not run yet: `--stages 4,15`.
+  16. optional: stage 4's step with bench.py --head_precision bf16 (common.HEAD_PRECISION's contender,
+     the LM head's GEMMs with bf16 inputs and fp32 sums, issue 58's lever 3: adopted if it pays here and
+     stage 1's test_the_bf16_head_keeps_sampler_and_trainer_within_their_bounds passes). Not run yet:
+     `--stages 4,16`.
 The profiler's overhead on these steps has not been measured. A stage gets its own share and
 the time the stages before it left (never the share of a stage after it). The report (Markdown)
 gathers the versions, every command with its status and time, and the tables; every stage's
@@ -236,6 +240,15 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
             command=[*bench, *model, "--train_steps", "grpo", *step, "--batch_sizes", ""]
             + ["--bf16_activations", "true"],
         ),
+        dict(
+            name="A/B against stage 4: one grpo.py step with --head_precision bf16 (the LM head's GEMMs with bf16 "
+            "inputs, issue 58's lever 3; optional: on the time left)",
+            seconds=0,
+            optional=True,
+            json=directory / "step_grpo_bf16_head.json",
+            command=[*bench, *model, "--train_steps", "grpo", *step, "--batch_sizes", ""]
+            + ["--head_precision", "bf16"],
+        ),
     ]
 
 
@@ -309,7 +322,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="the same stages with the tiny model on the CPU")
     parser.add_argument("--deadline", type=float, default=560, help="seconds for every stage together")
     parser.add_argument(
-        "--stages", default="", help="the stages to run, by number (1-15, as above), comma-separated; default all"
+        "--stages", default="", help="the stages to run, by number (1-16, as above), comma-separated; default all"
     )
     parser.add_argument("--model_dir", default=str(default_model_dir(SHAPE)), help="the 1.5B shape, written once")
     options = parser.parse_args()

@@ -57,7 +57,7 @@ def test_the_ab_stages_are_stage_4_with_one_flag_more(tmp_path):
     import gpu_acceptance
 
     planned = gpu_acceptance.stages(False, tmp_path, tmp_path / "model")
-    assert len(planned) == 15 and all(stage.get("optional") for stage in planned[6:])
+    assert len(planned) == 16 and all(stage.get("optional") for stage in planned[6:])
     step = planned[3]["command"]
     flags = (["--dtype", "bfloat16"], ["--gradient_checkpointing", "true"])
     flags += (["--compile", "true", "--gradient_checkpointing", "true"],)
@@ -75,9 +75,13 @@ def test_the_ab_stages_are_stage_4_with_one_flag_more(tmp_path):
     assert planned[12]["command"][-2:] == ["-k", "compiled_decode"] and "compiled_decode" in planned[0]["command"][-3]
     decode = planned[13]["command"]
     assert decode[decode.index("--contenders") + 1] == "nanopo,compiled,separate" and "--sampler_rows" not in decode
-    # Stage 15: stage 4's step with the residual stream in bf16 (issue 58's lever 4).
+    # Stage 15: stage 4's step with bf16 activations (issue 58's lever 4).
     assert (
         planned[14]["command"] == step + ["--bf16_activations", "true"] and "A/B against stage 4" in planned[14]["name"]
+    )
+    # Stage 16: stage 4's step with the LM head's GEMMs on bf16 inputs (issue 58's lever 3's precision).
+    assert (
+        planned[15]["command"] == step + ["--head_precision", "bf16"] and "A/B against stage 4" in planned[15]["name"]
     )
 
 
