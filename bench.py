@@ -18,7 +18,8 @@ Qwen2 model of that size, random weights, a 151,665-id tokenizer built in code: 
 2. --step_rows N: steps 4 and 6 of grpo.py, each prompt forwarded once per group (shared) against
    once per row (unshared) and one packed pass a micro-batch (packed); peak memory on CUDA.
 3. --train_steps: one step of each script, phase by phase (its time/* metrics), the preflight's
-   seconds and sizes, each phase's TFLOP/s, MFU and peak memory; --compile: after a step that compiles.
+   seconds and sizes, each phase's TFLOP/s, MFU and peak memory; --compile: after a step that compiles;
+   the contenders no script chooses yet: --bf16_activations true, --head_precision bf16.
 4. First, with no weights loaded: --sampler_rows N, generate's sampler op by op and whole (eager and
    --compile's); --attention_rows N, the one-token step's attention at each width; --decode_layers
    N, that step's kernels a layer, eager against --compile's; --update_layers N, the update's ops and
