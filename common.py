@@ -1447,9 +1447,12 @@ def fp32_lm_head(model, weight: torch.Tensor | None = None):
 
 def head_weight(model) -> torch.Tensor | None:
     """The LM head's weight in bf16 where its GEMMs take bf16 inputs (head_precision): the decode step casts it
-    once a generate call, not once a token. Else None: fp32_lm_head reads the head's own."""
+    once a generate call, not once a token. Else None, and fp32_lm_head reads the head's own: an FSDP2 shard's
+    (a DTensor, not a Parameter) is whole only within a forward."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if type(head) is not torch.nn.Linear or head_precision(head.weight) != "bf16":
+    if type(head) is not torch.nn.Linear or type(head.weight) is not torch.nn.Parameter:
+        return None
+    if head_precision(head.weight) != "bf16":
         return None
     return head.weight.detach().bfloat16()
 

@@ -4,6 +4,8 @@ head on a GPU. A GPU runs it as torch.mm's bf16 GEMM with an fp32 output, CUDA's
 the same products from the rounded inputs in fp32 (head_mm), which these tests force with head_precision.
 The CUDA tier checks the GPU's GEMM against that."""
 
+import copy
+
 import pytest
 import torch
 
@@ -110,13 +112,17 @@ def test_the_sampler_and_the_trainer_share_the_bf16_head(monkeypatch):
 
 
 def test_the_decode_step_casts_the_head_once_a_generate_call(monkeypatch):
-    # head_weight: a bf16 copy for the bf16 head, none for TF32 or the CPU's fp32 (fp32_lm_head reads
-    # the head's own); each step's head reads the copy DecodeStep made, not a cast a token.
+    # head_weight: a bf16 copy for the bf16 head, none for TF32 or the CPU's fp32, nor for a weight that
+    # is no Parameter (fp32_lm_head reads the head's own); each step's head reads DecodeStep's copy.
     model, tokenizer, _ = load_model("tiny", torch.device("cpu"))
     assert common.head_weight(model) is None
     monkeypatch.setattr(common, "head_precision", lambda hidden: "bf16")
     weight = common.head_weight(model)
     assert weight.dtype == torch.bfloat16 and torch.equal(weight, model.lm_head.weight.detach().bfloat16())
+    sharded = copy.deepcopy(model)  # FSDP2's head holds a DTensor shard, no Parameter: read whole in a forward
+    del sharded.lm_head.weight
+    sharded.lm_head.weight = model.lm_head.weight.detach().clone()
+    assert common.head_weight(sharded) is None
     read, apply = [], HeadProduct.apply
     monkeypatch.setattr(common, "head_weight", lambda model: weight)
     monkeypatch.setattr(
