@@ -5,9 +5,11 @@ the same products from the rounded inputs in fp32 (head_mm), which these tests f
 The CUDA tier checks the GPU's GEMM against that."""
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import bench
 import common
@@ -62,6 +64,35 @@ def test_head_logprobs_in_bf16_equal_the_formula_on_the_rounded_product():
     (autograd * weights).sum().backward()
     for mine, theirs in zip(grads, (hidden.grad, weight.grad, bias.grad)):
         assert (mine - theirs).abs().max() <= 1e-5 * theirs.abs().max()
+
+
+def test_the_weight_is_cast_to_bf16_once_a_pass_not_once_a_chunk():
+    # head_operands: HeadLogprobs casts the fp32 weight to bf16 once in forward and once in backward,
+    # whatever the chunks (13 here); head_mm's own cast of an already bf16 weight makes no copy.
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(64, 16, requires_grad=True), torch.randn(40, 16, requires_grad=True)
+    tokens = torch.randint(0, 30, (64,))
+    casts = []
+
+    class Casts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            casts.append(func is torch.ops.aten._to_copy.default and out.shape == weight.shape)
+            return out
+
+    with Casts():
+        out = HeadLogprobs.apply(
+            hidden, weight, None, tokens, 1.0, 30, True, True, "bf16", 5, token_logprobs, common.logit_gradient
+        )
+        out.sum().backward()
+    assert sum(casts) == 2
+
+
+def test_the_head_s_precision_is_the_gpu_s_alone():
+    # HEAD_PRECISION ("tf32", the scripts') on a GPU; on the CPU None: fp32_lm_head's plain fp32 product.
+    assert common.head_precision(SimpleNamespace(is_cuda=True)) == "tf32"
+    assert common.head_precision(torch.zeros(1)) is None
+    assert common.head_weight(torch.nn.Module()) is None  # no LM head
 
 
 def test_head_product_in_bf16_has_the_linear_layer_s_gradient_of_the_rounded_inputs():
