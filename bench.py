@@ -45,6 +45,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -800,7 +801,8 @@ def bench_update_kernels(layers: int, device, rows: int = 4, tokens: int = 512) 
 
 def bench_decode_kernels(layers: int, device, amp) -> list[dict]:
     """The one-token step's kernels a layer, eager against --compile's, on a Qwen2 of the 1.5B shape's
-    layers, as on a GPU (its products merged): a layer is the difference between `layers` deep and one deep."""
+    layers, as on a GPU (its products merged): a layer is the difference between `layers` deep and one deep.
+    And the eager ops generate runs a token around the step (the sampler, the EOS and column bookkeeping)."""
     from torch._inductor.utils import run_and_get_code
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -809,7 +811,14 @@ def bench_decode_kernels(layers: int, device, amp) -> list[dict]:
     shape = dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2)
     prompt = torch.randint(3, 1024, (8, 64), generator=torch.Generator().manual_seed(0)).to(device)
     calls = re.compile(r"^\s+(?:\w+\.run\(|cpp_fused_\w+\(|extern_kernels\.|buf\w+ = torch\.ops\.)", re.M)  # one a line
-    counts = {}
+    counts, inside, step_call = {}, [], common.DecodeStep.__call__
+
+    def counted_step(self, *args, **settings):  # a DecodeStep call, its ops counted apart too
+        with Counted() as ops:
+            out = step_call(self, *args, **settings)
+        inside.append(ops.ops - ops.views)
+        return out
+
     gpu = swapped("merges", lambda device: True)  # the step as on a GPU: its products merged
     with swapped("cuda_graph", lambda step, pool=None: step), gpu:  # on a GPU too, each step runs (is counted) once
         for depth in (1, layers):
@@ -818,15 +827,17 @@ def bench_decode_kernels(layers: int, device, amp) -> list[dict]:
             with torch.no_grad(), amp():
                 grpo.generate(*inputs, 2, [], 0, 1024, 1.0)  # set-up outside the count
                 eager = {}
-                for tokens in (1, 2):
-                    with Counted() as counted:
+                for tokens in (1, 2):  # 2 tokens: one more sampled, through one step
+                    with Counted() as counted, mock.patch.object(common.DecodeStep, "__call__", counted_step):
+                        inside.clear()
                         grpo.generate(*inputs, tokens, [], 0, 1024, 1.0)
                     eager[tokens] = counted.ops - counted.views
                 _, code = run_and_get_code(compiled_generate, *inputs, 2, [], 0, 1024, 1.0)
             largest = max(len(calls.findall(text[text.index("def call(") :])) for text in code)  # the step
-            counts[depth] = eager[2] - eager[1], largest
+            counts[depth] = eager[2] - eager[1], largest, eager[2] - eager[1] - sum(inside)
     step = lambda i: (counts[layers][i] - counts[1][i]) / (layers - 1)  # noqa: E731
-    return [{"layers": layers, "eager kernels a layer": step(0), "compiled kernels a layer": step(1)}]
+    row = {"layers": layers, "eager kernels a layer": step(0), "compiled kernels a layer": step(1)}
+    return [row | {"eager ops a token around the step": counts[layers][2]}]
 
 
 def markdown(rows: list[dict]) -> str:
