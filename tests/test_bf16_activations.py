@@ -75,6 +75,28 @@ def test_a_lora_policy_gets_the_same_casts():
     assert set(seen["residual"]) == seen["norms"] == {torch.bfloat16} and seen["final"] == {torch.float32}
 
 
+def test_the_decode_step_s_query_reaches_attention_in_bf16(monkeypatch):
+    # Autocast's fp32 rotary product made the one-token step's query fp32, which the varlen attention
+    # casts (query.to(value.dtype)); with the lever the rotary runs in bf16 and the query comes bf16, the
+    # cast a no-op. Seen at the grouped attention the CPU's step runs: (query, key) dtypes.
+    model, tokenizer, _ = load_model("tiny", torch.device("cpu"))
+    seen, attention = [], common.grouped_decode_attention
+
+    def spy(module, query, key, *rest, **settings):
+        seen.append((query.dtype, key.dtype))
+        return attention(module, query, key, *rest, **settings)
+
+    monkeypatch.setattr(common, "grouped_decode_attention", spy)
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, PROMPTS, 1, "cpu")
+    dtypes = []
+    for decoded in (model, bf16_activations(copy.deepcopy(model))):
+        seen.clear()
+        with torch.no_grad(), autocast():
+            generate(decoded, prompt_ids, prompt_mask, 3, [], tokenizer.pad_token_id, len(tokenizer), 0.0)
+        dtypes.append(set(seen))
+    assert dtypes == [{(torch.float32, torch.bfloat16)}, {(torch.bfloat16, torch.bfloat16)}]
+
+
 def test_without_autocast_nothing_changes():
     # The CPU's fp32 runs (the scripts' default there): the same logits bit for bit.
     model, tokenizer, _ = load_model("tiny", torch.device("cpu"))
