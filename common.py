@@ -1446,11 +1446,14 @@ def fp32_lm_head(model, weight: torch.Tensor | None = None):
 
 
 def head_weight(model) -> torch.Tensor | None:
-    """The LM head's weight in bf16 where its GEMMs take bf16 inputs (head_precision): the decode step casts it
-    once a generate call, not once a token. Else None, and fp32_lm_head reads the head's own: an FSDP2 shard's
-    (a DTensor, not a Parameter) is whole only within a forward."""
+    """The LM head's weight in bf16 where its GEMMs take bf16 inputs (head_precision) under autocast (else
+    fp32_lm_head leaves the head alone): the decode step casts it once a generate call, not once a token. Else
+    None, and fp32_lm_head reads the head's own. Under torchrun generate runs on the gathered weights
+    (`unsharded`), a Parameter that stays whole through the call; a DTensor shard, no Parameter, gets None."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not torch.nn.Linear or type(head.weight) is not torch.nn.Parameter:
+        return None
+    if not torch.is_autocast_enabled(head.weight.device.type):
         return None
     if head_precision(head.weight) != "bf16":
         return None
@@ -1474,11 +1477,11 @@ def bf16_activations(model):
     """Issue 58's lever 4, a contender no script chooses yet (bench.py --bf16_activations): under autocast the
     activations between the products run in autocast's dtype, as under torchrun's FSDP2, which gathers bf16
     weights. Cast there: the input embedding's output and each RMSNorm's within the layers (the product with
-    its fp32 weight, which each product it feeds would cast again; those that cast it back, Gemma's, Olmo2's,
-    Cohere2's LayerNorm, are bf16 already). So the residual stream and its adds, the
-    norms, the rotary products (cos and sin take the hidden states' dtype) and an MoE block's routing weights
-    (they take its input's) run in bf16; the final norm feeds the fp32 head as it is. The weights, their
-    gradients and AdamW stay fp32. Without autocast it changes nothing."""
+    its fp32 weight, which each product it feeds would cast again; where a norm casts back to its input's
+    dtype itself, Gemma's and Olmo2's, the cast is a no-op, and Cohere2's LayerNorm needs none). So the
+    residual stream and its adds, the norms, the rotary products (cos and sin take the hidden states' dtype)
+    and an MoE block's routing weights (they take its input's) run in bf16; the final norm feeds the fp32
+    head as it is. The weights, their gradients and AdamW stay fp32. Without autocast it changes nothing."""
 
     def cast(module, inputs, output):
         device = output.device.type
@@ -1506,10 +1509,11 @@ class HeadProduct(torch.autograd.Function):
         hidden, weight = ctx.saved_tensors
         rows, inputs = grad.reshape(-1, grad.shape[-1]), hidden.reshape(-1, hidden.shape[-1])  # (M, V'), (M, d)
         grad_hidden = grad_weight = None
-        if ctx.needs_input_grad[0]:
-            grad_hidden = head_mm(rows, weight, ctx.precision).reshape(hidden.shape)  # (…, d)
-        if ctx.needs_input_grad[1]:
-            grad_weight = head_mm(rows.T, inputs, ctx.precision).to(weight.dtype)  # (V', d)
+        with torch.autocast(grad.device.type, enabled=False):  # the forward's fp32 products, wherever called
+            if ctx.needs_input_grad[0]:
+                grad_hidden = head_mm(rows, weight, ctx.precision).reshape(hidden.shape)  # (…, d)
+            if ctx.needs_input_grad[1]:
+                grad_weight = head_mm(rows.T, inputs, ctx.precision).to(weight.dtype)  # (V', d)
         grad_bias = rows.sum(0) if ctx.with_bias and ctx.needs_input_grad[2] else None  # (V',)
         return grad_hidden, grad_weight, grad_bias, None
 
@@ -1519,7 +1523,7 @@ def head_linear(hidden, weight, bias, precision: str) -> torch.Tensor:
     if precision != "bf16":
         with matmul_precision(precision):
             return torch.nn.functional.linear(hidden, weight, bias)
-    out = head_mm(hidden.reshape(-1, hidden.shape[-1]), weight.T, precision).reshape(*hidden.shape[:-1], -1)
+    out = head_mm(hidden.reshape(-1, hidden.shape[-1]), weight.T, precision).reshape(*hidden.shape[:-1], len(weight))
     return out if bias is None else out + bias
 
 
@@ -1532,7 +1536,7 @@ def head_mm(a, b, precision: str, into: torch.Tensor | None = None) -> torch.Ten
         with matmul_precision(precision):
             return a @ b if into is None else into.addmm_(a, b)
     a, b = a.bfloat16(), b.bfloat16()
-    if a.is_cuda:  # CUDA alone has the bf16 GEMM with an fp32 output
+    if a.is_cuda:  # CUDA alone has the bf16 GEMM with an fp32 output (and an fp32 `into` from torch 2.10, the floor)
         if into is None:
             return torch.mm(a, b, out_dtype=torch.float32)
         return torch.addmm(into, a, b, out_dtype=torch.float32, out=into)

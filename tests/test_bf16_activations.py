@@ -1,6 +1,6 @@
 """Issue 58's lever 4, a contender no script chooses yet (common.bf16_activations; bench.py --bf16_activations,
-tests/precision_run.py --bf16_activations): under bf16 autocast the input embedding's, each decoder layer's and
-each norm's output within the layers are cast to bf16, so the residual stream, the norms and the rotary products
+tests/precision_run.py --bf16_activations): under bf16 autocast the input embedding's and each RMSNorm's
+output within the layers are cast to bf16, so the residual stream, the norms and the rotary products
 run in bf16, while the weights, their gradients and AdamW stay fp32. CPU autocast runs the same dtypes as a
 GPU's (other kernels): these tests prove where each dtype goes, that nothing changes without autocast, and the
 sampler-trainer gap's bounds."""

@@ -68,7 +68,8 @@ def test_head_logprobs_in_bf16_equal_the_formula_on_the_rounded_product():
 
 def test_the_weight_is_cast_to_bf16_once_a_pass_not_once_a_chunk():
     # head_operands: HeadLogprobs casts the fp32 weight to bf16 once in forward and once in backward,
-    # whatever the chunks (13 here); head_mm's own cast of an already bf16 weight makes no copy.
+    # whatever the chunks (13 here); head_mm's own cast of an already bf16 weight, or of its transpose,
+    # makes no copy. (The CPU's emulation then makes fp32 copies of the bf16 operands: not counted.)
     torch.manual_seed(0)
     hidden, weight = torch.randn(64, 16, requires_grad=True), torch.randn(40, 16, requires_grad=True)
     tokens = torch.randint(0, 30, (64,))
@@ -77,7 +78,8 @@ def test_the_weight_is_cast_to_bf16_once_a_pass_not_once_a_chunk():
     class Casts(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            casts.append(func is torch.ops.aten._to_copy.default and out.shape == weight.shape)
+            bf16 = func is torch.ops.aten._to_copy.default and out.dtype == torch.bfloat16
+            casts.append(bf16 and out.shape in (weight.shape, weight.T.shape))
             return out
 
     with Casts():
@@ -97,13 +99,16 @@ def test_the_head_s_precision_is_the_gpu_s_alone():
 
 def test_head_product_in_bf16_has_the_linear_layer_s_gradient_of_the_rounded_inputs():
     # d(h·Wᵀ + b): dh = g·W, dW = gᵀ·h, db = Σ g, each GEMM's inputs rounded to bf16 (g too) and summed
-    # in fp32: against fp64 autograd through the rounded product, to 1e-5 of the largest.
+    # in fp32: against fp64 autograd through the rounded product, to 1e-5 of the largest; backward called
+    # within bf16 autocast too (its products stay fp32, not autocast's bf16). No rows: no logits.
     torch.manual_seed(1)
     hidden = torch.randn(2, 3, 8, requires_grad=True)
     weight, bias = torch.randn(10, 8, requires_grad=True), torch.randn(10, requires_grad=True)
     grad = torch.randn(2, 3, 10)
     out = HeadProduct.apply(hidden, weight, bias, "bf16")
-    out.backward(grad)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out.backward(grad)
+    assert HeadProduct.apply(hidden[:, :0], weight, bias, "bf16").shape == (2, 0, 10)
     g, h, w = rounded(grad).reshape(6, 10), rounded(hidden.detach()).reshape(6, 8), rounded(weight.detach())
     assert (out.detach().double() - (h @ w.T + bias.detach().double()).reshape(2, 3, 10)).abs().max() <= 1e-5
     assert (hidden.grad.double() - (g @ w).reshape(2, 3, 8)).abs().max() <= 1e-5 * hidden.grad.abs().max()
@@ -143,17 +148,20 @@ def test_the_sampler_and_the_trainer_share_the_bf16_head(monkeypatch):
 
 
 def test_the_decode_step_casts_the_head_once_a_generate_call(monkeypatch):
-    # head_weight: a bf16 copy for the bf16 head, none for TF32 or the CPU's fp32, nor for a weight that
-    # is no Parameter (fp32_lm_head reads the head's own); each step's head reads DecodeStep's copy.
+    # head_weight: a bf16 copy for the bf16 head under autocast; none for TF32 or the CPU's fp32, nor
+    # without autocast (fp32_lm_head leaves the head alone), nor for a weight that is no Parameter (a
+    # DTensor shard); each step's head reads DecodeStep's copy.
     model, tokenizer, _ = load_model("tiny", torch.device("cpu"))
-    assert common.head_weight(model) is None
-    monkeypatch.setattr(common, "head_precision", lambda hidden: "bf16")
-    weight = common.head_weight(model)
-    assert weight.dtype == torch.bfloat16 and torch.equal(weight, model.lm_head.weight.detach().bfloat16())
-    sharded = copy.deepcopy(model)  # FSDP2's head holds a DTensor shard, no Parameter: read whole in a forward
+    sharded = copy.deepcopy(model)
     del sharded.lm_head.weight
     sharded.lm_head.weight = model.lm_head.weight.detach().clone()
-    assert common.head_weight(sharded) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert common.head_weight(model) is None
+        monkeypatch.setattr(common, "head_precision", lambda hidden: "bf16")
+        weight = common.head_weight(model)
+        assert common.head_weight(sharded) is None
+    assert weight.dtype == torch.bfloat16 and torch.equal(weight, model.lm_head.weight.detach().bfloat16())
+    assert common.head_weight(model) is None
     read, apply = [], HeadProduct.apply
     monkeypatch.setattr(common, "head_weight", lambda model: weight)
     monkeypatch.setattr(
