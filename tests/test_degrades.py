@@ -124,10 +124,10 @@ def test_out_of_memory_in_scoring_and_update_names_the_phase(script, phase, flag
     in_update = phase.startswith("the policy update")
     fp32_lm_head = common.fp32_lm_head
 
-    def failing_head(model):
+    def failing_head(model, weight=None):
         if sys._getframe(1).f_code.co_name == "sequence_logprobs" and torch.is_grad_enabled() == in_update:
             out_of_memory()
-        return fp32_lm_head(model)
+        return fp32_lm_head(model, weight)
 
     monkeypatch.setattr(common, "fp32_lm_head", failing_head)
     extra = dict(overlong_buffer=2) if script is dapo else {}

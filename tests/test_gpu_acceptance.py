@@ -109,11 +109,11 @@ def test_acceptance_runner_runs_the_stages_asked_for(tmp_path, monkeypatch, caps
     ]
     assert report.read_text().count("passed, ") == 2
     ran.clear()
-    for wrong in ("16", "2,x"):
+    for wrong in ("17", "2,x"):
         monkeypatch.setattr(sys, "argv", ["gpu_acceptance.py", "--output", str(report), "--smoke", "--stages", wrong])
         with pytest.raises(SystemExit) as refused:
             gpu_acceptance.main()
-        assert refused.value.code == 2 and "stages are numbered 1 to 15" in capsys.readouterr().err
+        assert refused.value.code == 2 and "stages are numbered 1 to 16" in capsys.readouterr().err
     assert ran == []  # before anything ran, the versions' probe included
 
 
