@@ -775,16 +775,24 @@ class Counted(TorchDispatchMode):
         return out
 
 
+def embedding_cast(model):
+    """bf16_activations' first version (bf16_residual, 7e29984): under bf16 autocast, the embedding's output cast
+    alone."""
+    model.get_input_embeddings().register_forward_hook(lambda module, inputs, out: out.to(torch.bfloat16))
+    return model
+
+
 def bench_update_kernels(layers: int, device, rows: int = 4, tokens: int = 512) -> list[dict]:
     """A micro-batch's forward and backward under bf16 autocast (into gradients already there, as after the
     first), its ops and their bytes but the products' a layer, activations fp32 (the scripts) against bf16
-    (common.bf16_activations, issue 58's lever 4), on a Qwen2 of the 1.5B shape's layers: a layer is the
-    difference between `layers` deep and one deep."""
+    (common.bf16_activations, issue 58's lever 4; and its first version, embedding_cast), on a Qwen2 of the
+    1.5B shape's layers: a layer is the difference between `layers` deep and one deep."""
     if layers < 2:
         raise SystemExit(f"--update_layers {layers}: at least 2 (a layer's count is the difference from one layer)")
     shape = dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2)
     ids = torch.randint(3, 1024, (rows, tokens), generator=torch.Generator().manual_seed(0)).to(device)
-    table, levers = [], {"fp32 (the scripts)": lambda model: model, "bf16 (bf16_activations)": common.bf16_activations}
+    levers = {"fp32 (the scripts)": lambda model: model, "bf16, the embedding's cast alone": embedding_cast}
+    table, levers = [], levers | {"bf16 (bf16_activations)": common.bf16_activations}
     for name, lever in levers.items():
         counts = {}  # depth -> (ops, bytes)
         for depth in (1, layers):
