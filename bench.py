@@ -63,6 +63,7 @@ SHAPES = {
     "qwen2.5-0.5b-shape": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, intermediate_size=4864),
     "qwen2.5-1.5b-shape": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, intermediate_size=8960),
 }
+LAYER_SHAPE = dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2)  # 1.5B's
 QWEN_TOKENIZER_SIZE = 151665  # ids the Qwen2.5 tokenizer has; its embedding has 151936 rows
 
 
@@ -789,14 +790,20 @@ def bench_update_kernels(layers: int, device, rows: int = 4, tokens: int = 512) 
     1.5B shape's layers: a layer is the difference between `layers` deep and one deep."""
     if layers < 2:
         raise SystemExit(f"--update_layers {layers}: at least 2 (a layer's count is the difference from one layer)")
-    shape = dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2)
     ids = torch.randint(3, 1024, (rows, tokens), generator=torch.Generator().manual_seed(0)).to(device)
-    levers = {"fp32 (the scripts)": lambda model: model, "bf16, the embedding's cast alone": embedding_cast}
-    table, levers = [], levers | {"bf16 (bf16_activations)": common.bf16_activations}
+    table, levers = (
+        [],
+        {
+            "fp32 (the scripts)": lambda model: model,
+            "bf16, the embedding's cast alone": embedding_cast,
+            "bf16 (bf16_activations)": common.bf16_activations,
+        },
+    )
     for name, lever in levers.items():
         counts = {}  # depth -> (ops, bytes)
         for depth in (1, layers):
-            model = lever(Qwen2ForCausalLM(Qwen2Config(**shape, vocab_size=1024, num_hidden_layers=depth)).to(device))
+            config = Qwen2Config(**LAYER_SHAPE, vocab_size=1024, num_hidden_layers=depth)
+            model = lever(Qwen2ForCausalLM(config).to(device))
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 for counted in (contextlib.nullcontext(), Counted()):  # the first sets up outside the count
                     with counted:
@@ -816,7 +823,6 @@ def bench_decode_kernels(layers: int, device, amp) -> list[dict]:
 
     if layers < 2:
         raise SystemExit(f"--decode_layers {layers}: at least 2 (a layer's count is the difference from one layer)")
-    shape = dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2)
     prompt = torch.randint(3, 1024, (8, 64), generator=torch.Generator().manual_seed(0)).to(device)
     calls = re.compile(r"^\s+(?:\w+\.run\(|cpp_fused_\w+\(|extern_kernels\.|buf\w+ = torch\.ops\.)", re.M)  # one a line
     counts, inside, step_call = {}, [], common.DecodeStep.__call__
@@ -830,7 +836,7 @@ def bench_decode_kernels(layers: int, device, amp) -> list[dict]:
     gpu = swapped("merges", lambda device: True)  # the step as on a GPU: its products merged
     with swapped("cuda_graph", lambda step, pool=None: step), gpu:  # on a GPU too, each step runs (is counted) once
         for depth in (1, layers):
-            model = Qwen2ForCausalLM(Qwen2Config(**shape, vocab_size=1024, num_hidden_layers=depth)).to(device)
+            model = Qwen2ForCausalLM(Qwen2Config(**LAYER_SHAPE, vocab_size=1024, num_hidden_layers=depth)).to(device)
             inputs = (model, prompt, torch.ones_like(prompt))
             with torch.no_grad(), amp():
                 grpo.generate(*inputs, 2, [], 0, 1024, 1.0)  # set-up outside the count

@@ -1453,11 +1453,8 @@ def head_weight(model) -> torch.Tensor | None:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not torch.nn.Linear or type(head.weight) is not torch.nn.Parameter:
         return None
-    if not torch.is_autocast_enabled(head.weight.device.type):
-        return None
-    if head_precision(head.weight) != "bf16":
-        return None
-    return head.weight.detach().bfloat16()
+    bf16 = torch.is_autocast_enabled(head.weight.device.type) and head_precision(head.weight) == "bf16"
+    return head.weight.detach().bfloat16() if bf16 else None
 
 
 @contextlib.contextmanager

@@ -141,6 +141,17 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
     step += ["--group_size", sizes["group"]]
     tier = [sys.executable, "-m", "pytest", "-m", "cuda", str(ROOT / "tests" / "test_cuda.py")]
     tier += [str(ROOT / "tests" / "test_profile.py"), "-s"]  # and the profiler's own CUDA test
+
+    def against_step_4(name: str, flags: str, what: str = "") -> dict:
+        """An optional stage: stage 4's grpo step again with `flags`, on the time the stages before leave."""
+        return dict(
+            name=f"A/B against stage 4: one grpo.py step with {flags}{what} (optional: on the time left)",
+            seconds=0,
+            optional=True,
+            json=directory / f"step_grpo_{name}.json",
+            command=[*bench, *model, "--train_steps", "grpo", *step, "--batch_sizes", ""] + flags.split(),
+        )
+
     return [
         dict(name="CUDA tier", seconds=100, command=[*tier, "-k", SLOW_CUDA_TESTS, "--durations", "15"]),
         dict(
@@ -180,13 +191,7 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
             + ["--group_size", sizes["group"], "--profile_phases", "logprobs,update"],
         ),
         *[
-            dict(
-                name=f"A/B against stage 4: one grpo.py step with {flags} (optional: on the time left)",
-                seconds=0,
-                optional=True,
-                json=directory / f"step_grpo_{name}.json",
-                command=[*bench, *model, "--train_steps", "grpo", *step, "--batch_sizes", ""] + flags.split(),
-            )
+            against_step_4(name, flags)
             for name, flags in (  # the first gets what stages 1-7 leave of a whole run (~95 s on the H100)
                 ("bf16_weights", "--dtype bfloat16"),
                 ("checkpointed", "--gradient_checkpointing true"),
@@ -205,14 +210,7 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
             + ["--logprob_chunk_size", "64", "--batch_sizes", "", "--train_steps", ""]
             + ["--repeats", "1"],
         ),
-        dict(
-            name="A/B against stage 4: one grpo.py step with --compile true, after one that compiles (optional: on "
-            "the time left)",
-            seconds=0,
-            optional=True,
-            json=directory / "step_grpo_compiled.json",
-            command=[*bench, *model, "--train_steps", "grpo", *step, "--batch_sizes", ""] + ["--compile", "true"],
-        ),
+        against_step_4("compiled", "--compile true", ", after one that compiles"),
         dict(
             name="the compiled decode step, captured, against the scorer (optional: on the time left)",
             seconds=0,
@@ -231,23 +229,9 @@ def stages(smoke: bool, directory: Path, model_dir: Path) -> list[dict]:
             + ["--modes", "sampled", "--contenders", "nanopo,compiled,separate", "--repeats", "1", "--train_steps", ""]
             + ["--decode_layers", "4"],
         ),
-        dict(
-            name="A/B against stage 4: one grpo.py step with --bf16_activations (activations in bf16, issue 58's "
-            "lever 4; optional: on the time left)",
-            seconds=0,
-            optional=True,
-            json=directory / "step_grpo_bf16_activations.json",
-            command=[*bench, *model, "--train_steps", "grpo", *step, "--batch_sizes", ""]
-            + ["--bf16_activations", "true"],
-        ),
-        dict(
-            name="A/B against stage 4: one grpo.py step with --head_precision bf16 (the LM head's GEMMs with bf16 "
-            "inputs, issue 58's lever 3; optional: on the time left)",
-            seconds=0,
-            optional=True,
-            json=directory / "step_grpo_bf16_head.json",
-            command=[*bench, *model, "--train_steps", "grpo", *step, "--batch_sizes", ""]
-            + ["--head_precision", "bf16"],
+        against_step_4("bf16_activations", "--bf16_activations true", " (issue 58's lever 4)"),
+        against_step_4(
+            "bf16_head", "--head_precision bf16", " (the LM head's GEMMs on bf16 inputs, issue 58's lever 3)"
         ),
     ]
 
